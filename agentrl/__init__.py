@@ -1,0 +1,3 @@
+"""agentrl: asynchronous, off-policy reinforcement learning for multi-turn LLM agents."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,281 @@
+"""Typed run configuration: one TOML file per run, one section per process.
+
+Rules (see docs/architecture.md):
+
+* Sections: ``[run]``, ``[model]``, ``[engine]``, ``[actors]``, ``[env]``, ``[sandbox]``,
+  ``[learner]``, ``[sft]``, ``[eval]``, ``[tracking]``. At most three levels deep
+  (``env.kwargs.x``).
+* Unknown keys are an error that names the dotted key and the file; nothing is silently
+  ignored. Cross-field rules live inside the schema (``model_validator``).
+* CLI overrides are ``section.key=value``; the value is parsed as a TOML value when it
+  parses (``3``, ``1e-4``, ``true``, ``["a"]``) and taken as a string otherwise.
+* Units are in names: ``*_s`` seconds, ``*_tokens`` token counts, ``num_*`` counts.
+
+This module imports neither torch nor transformers so that ``agentrl --help`` and
+``--dry-run`` stay fast.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A user error in a config file or override; the message names the key and the file."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunSection(Section):
+    name: str = "agentrl"
+    seed: int = 0
+    run_dir: str = ""  # empty: runs/<name>-<timestamp>
+    torch_num_threads: int = Field(default=0, ge=0)  # 0: leave torch's default
+
+
+class ModelSection(Section):
+    path: str = "runs/models/tiny"  # a local Hugging Face folder
+    init_size: Literal["tiny", "small", "0.5b", ""] = "tiny"  # built at `path` when absent; "" = never build
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+class EngineSection(Section):
+    backend: Literal["embedded", "sglang"] = "embedded"
+    urls: list[str] = []  # empty: `agentrl run` starts `num_engines` servers itself
+    router_url: str = ""  # generation through sglang-router; weight updates still go to `urls`
+    num_engines: int = Field(default=1, ge=1)
+    host: str = "127.0.0.1"
+    base_port: int = Field(default=30000, ge=1, le=65535)
+    max_running_requests: int = Field(default=64, ge=1)
+    max_context_tokens: int = Field(default=2048, ge=16)
+    device: str = "auto"  # auto | cpu | cuda
+    request_retries: int = Field(default=5, ge=0)
+    health_check_interval_s: float = Field(default=2.0, gt=0)
+    weight_group_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    weight_bucket_mb: float = Field(default=64.0, gt=0)
+    sglang_args: list[str] = []  # extra flags for `python -m sglang.launch_server`
+
+
+class ActorsSection(Section):
+    num_processes: int = Field(default=1, ge=1)
+    num_concurrent_episodes: int = Field(default=64, ge=1)
+    group_size: int = Field(default=8, ge=1)  # samples per task, sent as one group (GRPO's n)
+    max_staleness: int = Field(default=1, ge=0)  # 0 = synchronous; see docs/architecture.md
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = -1
+    max_new_tokens_per_turn: int = Field(default=128, ge=1)
+    trajectory_endpoint: str = "tcp://127.0.0.1:5557"  # actors PUSH -> learner PULL
+    progress_endpoint: str = "tcp://127.0.0.1:5558"  # learner PUB -> actors SUB
+    send_queue_groups: int = Field(default=16, ge=1)
+
+
+class EnvSection(Section):
+    cls: str = "agentrl.envs.calculator:CalculatorEnv"  # import path "module:Class"
+    kwargs: dict[str, Any] = {}
+    max_turns: int = Field(default=4, ge=1)
+    max_total_tokens: int = Field(default=1024, ge=16)
+    tool_timeout_s: float = Field(default=10.0, gt=0)
+    tool_max_output_chars: int = Field(default=2000, ge=16)
+
+
+class SandboxSection(Section):
+    backend: Literal["local", "docker", "e2b"] = "local"
+    image: str = "agentrl-python:latest"  # docker image
+    e2b_template: str = ""  # e2b template id; empty = the SDK's default
+    pool_size: int = Field(default=4, ge=0)
+    cpu_time_s: float = Field(default=5.0, gt=0)
+    wall_time_s: float = Field(default=10.0, gt=0)
+    memory_mb: int = Field(default=256, ge=16)
+    max_processes: int = Field(default=32, ge=1)
+    max_output_chars: int = Field(default=4000, ge=16)
+
+
+class LearnerSection(Section):
+    algorithm: Literal["grpo", "ppo"] = "grpo"
+    nproc: int = Field(default=1, ge=1)  # ranks on this machine (torchrun is used when > 1)
+    device: str = "auto"
+    lr: float = Field(default=3e-4, gt=0)
+    critic_lr: float = Field(default=1e-4, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    warmup_steps: int = Field(default=0, ge=0)
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    max_steps: int = Field(default=100, ge=0)
+    groups_per_step: int = Field(default=16, ge=1)
+    max_tokens_per_microbatch: int = Field(default=8192, ge=16)
+    grad_clip: float = Field(default=1.0, gt=0)
+    # Loss (see agentrl/learner/loss.py)
+    advantage: Literal["grpo", "rloo", "gae"] = "grpo"
+    normalize_advantage_std: bool = False
+    clip_eps_low: float = Field(default=0.2, ge=0)
+    clip_eps_high: float = Field(default=0.2, ge=0)
+    dual_clip: float = Field(default=0.0, ge=0)  # 0 disables; else > 1 (e.g. 3.0)
+    decoupled: bool = True  # AReaL: ratio to the proximal policy, weight prox/behaviour
+    behavior_weight_cap: float = Field(default=2.0, gt=0)
+    behavior_weight_mode: Literal["clamp", "mask"] = "clamp"
+    tis: Literal["none", "token", "sequence"] = "none"
+    kl_coef: float = Field(default=0.0, ge=0)
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    entropy_coef: float = Field(default=0.0, ge=0)
+    loss_normalization: Literal["token", "sequence"] = "token"
+    gamma: float = Field(default=1.0, ge=0, le=1)
+    gae_lambda: float = Field(default=0.95, ge=0, le=1)
+    # Data
+    max_staleness: int = Field(default=1, ge=0)  # groups older than this many versions are dropped
+    dynamic_sampling: bool = True  # drop groups whose rewards do not vary
+    # Systems
+    sync_every_steps: int = Field(default=1, ge=1)
+    activation_checkpointing: bool = False
+    checkpoint_every_steps: int = Field(default=50, ge=0)  # 0: only at the end
+    resume: Literal["auto", "never"] = "auto"
+
+
+class SftSection(Section):
+    data: str = ""  # JSONL of conversations; empty = the env's demonstrations
+    num_demonstrations: int = Field(default=2000, ge=0)
+    epochs: float = Field(default=1.0, gt=0)
+    lr: float = Field(default=1e-3, gt=0)
+    batch_tokens: int = Field(default=8192, ge=16)
+    max_steps: int = Field(default=0, ge=0)  # 0: derived from epochs
+
+
+class EvalSection(Section):
+    num_tasks: int = Field(default=200, ge=1)
+    greedy: bool = True
+    every_steps: int = Field(default=0, ge=0)  # 0: only before and after
+    split: str = "test"
+
+
+class TrackingSection(Section):
+    enabled: bool = True
+    uri: str = ""  # empty: sqlite:///<run_dir>/mlflow.db
+    experiment: str = "agentrl"
+
+
+class AgentRLConfig(Section):
+    run: RunSection = RunSection()
+    model: ModelSection = ModelSection()
+    engine: EngineSection = EngineSection()
+    actors: ActorsSection = ActorsSection()
+    env: EnvSection = EnvSection()
+    sandbox: SandboxSection = SandboxSection()
+    learner: LearnerSection = LearnerSection()
+    sft: SftSection = SftSection()
+    eval: EvalSection = EvalSection()
+    tracking: TrackingSection = TrackingSection()
+
+    @model_validator(mode="after")
+    def _cross_field_checks(self) -> "AgentRLConfig":
+        if ":" not in self.env.cls:
+            raise ValueError(f"env.cls must be 'module:Class', got {self.env.cls!r}")
+        if self.learner.dual_clip and self.learner.dual_clip <= 1.0:
+            raise ValueError("learner.dual_clip must be 0 (off) or > 1")
+        if self.learner.algorithm == "ppo" and self.learner.advantage != "gae":
+            raise ValueError("learner.algorithm = 'ppo' trains a critic and needs learner.advantage = 'gae'")
+        if self.learner.algorithm == "grpo" and self.learner.advantage == "gae":
+            raise ValueError("learner.advantage = 'gae' needs a critic: set learner.algorithm = 'ppo'")
+        if self.learner.algorithm == "grpo" and self.actors.group_size < 2:
+            raise ValueError("GRPO needs actors.group_size >= 2 (several samples of one task)")
+        if self.env.max_total_tokens > self.engine.max_context_tokens:
+            raise ValueError(
+                f"env.max_total_tokens ({self.env.max_total_tokens}) exceeds "
+                f"engine.max_context_tokens ({self.engine.max_context_tokens})"
+            )
+        return self
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """Split ``section.key=value`` into a key path and a TOML-parsed value."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not of the form section.key=value")
+    key, raw = item.split("=", 1)
+    path = [p for p in key.strip().split(".")]
+    if len(path) < 2 or any(not p for p in path):
+        raise ConfigError(f"override key {key!r} must be dotted, like learner.lr")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return path, value
+
+
+def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    node = tree
+    for part in path[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"cannot override {'.'.join(path)}: {part} is not a table")
+    node[path[-1]] = value
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(root)"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"unknown key '{key}' in {source}")
+        else:
+            lines.append(f"invalid value for '{key}' in {source}: {e['msg']}")
+    return "; ".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> AgentRLConfig:
+    """Load a TOML file (or the defaults when ``path`` is None) and apply overrides."""
+    tree: dict[str, Any] = {}
+    source = "the defaults"
+    if path is not None:
+        source = str(path)
+        try:
+            tree = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError as e:
+            raise ConfigError(f"config file not found: {path}") from e
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path} is not valid TOML: {e}") from e
+    for item in overrides or []:
+        key_path, value = parse_override(item)
+        _set_path(tree, key_path, value)
+    if overrides:
+        source += " (with overrides)"
+    try:
+        return AgentRLConfig.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, source)) from None
+
+
+def dump_toml(cfg: AgentRLConfig) -> str:
+    """Render a config back to TOML (the resolved config of a run)."""
+    out: list[str] = []
+    for section, body in cfg.model_dump().items():
+        out.append(f"[{section}]")
+        nested = {}
+        for key, value in body.items():
+            if isinstance(value, dict):
+                nested[key] = value
+            else:
+                out.append(f"{key} = {_toml_value(value)}")
+        for key, table in nested.items():
+            out.append(f"\n[{section}.{key}]")
+            for k, v in table.items():
+                out.append(f"{k} = {_toml_value(v)}")
+        out.append("")
+    return "\n".join(out)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"cannot render {type(value).__name__} as TOML")

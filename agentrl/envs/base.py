@@ -1,0 +1,110 @@
+"""The environment API: what a user subclasses to define a task for an agent.
+
+An environment answers five questions, each a method:
+
+1. Where do tasks come from?            :meth:`Env.tasks` (a generator of :class:`Task`)
+2. How does an episode open?            :meth:`Env.initial_messages`
+3. Which tools can the agent call?      :meth:`Env.tools`
+4. What happens after a turn with no tool call?  :meth:`Env.on_text_turn`
+   (return ``None`` to finish the episode, or a string: the simulated user's reply)
+5. What is the episode worth?           :meth:`Env.reward` (a float or named components)
+
+Per-episode resources (a sandbox, a scratch directory) live in the ``state`` dict
+returned by :meth:`Env.setup`; :meth:`Env.cleanup` always runs, on cancellation and
+errors too. Limits (turns, total tokens) come from the ``[env]`` config section, which
+the actor loop enforces.
+
+Environments are loaded by import path, ``env.cls = "my_pkg.my_env:MyEnv"`` with
+``[env.kwargs]`` passed to the constructor, so users never edit agentrl.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator
+
+if TYPE_CHECKING:
+    from agentrl.tools.base import Tool
+
+Message = dict[str, Any]  # OpenAI-style chat message: {"role": ..., "content": ..., ...}
+
+
+@dataclass
+class Task:
+    """One problem instance; ``data`` is whatever the env needs (question, answer, tests...)."""
+
+    id: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+class Env:
+    """Base class for environments. Override what differs; the defaults are a plain chat."""
+
+    name: str = "env"
+
+    def tasks(self, split: str = "train", seed: int = 0) -> Iterator[Task]:
+        """Yield tasks for ``split`` ("train" or "test"); may be infinite for "train"."""
+        raise NotImplementedError(f"{type(self).__name__} must implement tasks()")
+
+    def initial_messages(self, task: Task) -> list[Message]:
+        """The opening messages of an episode (system and first user turn)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement initial_messages()")
+
+    def tools(self) -> list["Tool"]:
+        """Tools offered to the agent in every episode of this env."""
+        return []
+
+    async def setup(self, task: Task) -> dict[str, Any]:
+        """Create per-episode state (for example, acquire a sandbox). Returned dict is ``state``."""
+        return {}
+
+    async def cleanup(self, task: Task, state: dict[str, Any]) -> None:
+        """Release per-episode resources; always called, also when the episode is cancelled."""
+
+    async def on_text_turn(self, task: Task, state: dict[str, Any], messages: list[Message]) -> str | None:
+        """The assistant answered without a tool call: ``None`` ends the episode, a string is the
+        simulated user's next message."""
+        return None
+
+    async def reward(
+        self, task: Task, state: dict[str, Any], messages: list[Message]
+    ) -> float | dict[str, float]:
+        """Score a finished episode. A dict gives named components; their sum is the reward."""
+        raise NotImplementedError(f"{type(self).__name__} must implement reward()")
+
+    def is_success(self, task: Task, reward: float) -> bool:
+        """Whether an episode with this reward counts as solved (for success rates)."""
+        return reward >= 1.0
+
+    def demonstration(self, task: Task) -> list[Message] | None:
+        """A correct episode for supervised warm-start (with the right tool calls), or None."""
+        return None
+
+
+def load_env(import_path: str, kwargs: dict[str, Any] | None = None) -> Env:
+    """Instantiate ``"module.path:ClassName"`` with ``kwargs``; errors name what was wrong."""
+    if ":" not in import_path:
+        raise ValueError(f"env class must be given as 'module:Class', got {import_path!r}")
+    module_name, cls_name = import_path.split(":", 1)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"cannot import env module {module_name!r}: {e}") from e
+    cls = getattr(module, cls_name, None)
+    if cls is None:
+        raise ValueError(f"module {module_name!r} has no attribute {cls_name!r}")
+    if not (isinstance(cls, type) and issubclass(cls, Env)):
+        raise ValueError(f"{import_path} is not a subclass of agentrl.envs.base.Env")
+    try:
+        return cls(**(kwargs or {}))
+    except TypeError as e:
+        raise ValueError(f"cannot construct {import_path} with kwargs {sorted(kwargs or {})}: {e}") from e
+
+
+def total_reward(value: float | dict[str, float]) -> tuple[float, dict[str, float]]:
+    """Normalise an env's reward to (total, components)."""
+    if isinstance(value, dict):
+        comps = {str(k): float(v) for k, v in value.items()}
+        return sum(comps.values()), comps
+    return float(value), {}

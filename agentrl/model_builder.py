@@ -1,0 +1,189 @@
+"""Build a small Qwen3-architecture model and byte-level BPE tokenizer offline.
+
+``agentrl init-model OUT --size tiny`` needs no network and no hub: the tokenizer is
+trained on a synthetic corpus that covers what agentrl's environments say (chat turns,
+arithmetic, JSON tool calls, Python), the model is randomly initialised, and both are
+saved with ``save_pretrained`` so that ``AutoTokenizer``/``AutoModelForCausalLM`` load them
+with ``HF_HUB_OFFLINE=1`` like any hub model.
+
+The chat template follows Qwen's tool format: tool schemas inside ``<tools></tools>`` in
+the system turn, calls as ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` in the
+assistant turn, results as ``<tool_response>`` blocks in a user turn (consecutive tool
+messages share one turn). ``<|im_end|>`` is the end-of-turn and end-of-sequence token;
+the tool tags are single added tokens (not "special", so they survive
+``skip_special_tokens``), which makes tool-call parsing on token ids trivial.
+
+Sizes:
+
+* ``tiny``: hidden 128 x 4 layers, ~0.85M parameters; the CPU default.
+* ``small``: hidden 512 x 8 layers, ~25M parameters.
+* ``0.5b``: Qwen2.5-0.5B's shape (hidden 896 x 24 layers, 151,936-row embedding) for GPU
+  benchmarks; the tokenizer is still the small local one, the embedding rows past it unused.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+
+CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\nTo call a tool, answer with <tool_call>\\n{\"name\": <name>, \"arguments\": <json>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if message.content %}{{- message.content }}{%- endif %}"
+    "{%- if message.tool_calls %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if (loop.first and message.content) or (not loop.first) %}{{- '\\n' }}{%- endif %}"
+    "{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
+    "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, vocab_target=512),
+    "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=4, head_dim=64, vocab_target=2048),
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, head_dim=64, vocab_target=2048, vocab_size=151936),
+}
+
+_WORDS = (
+    "the a an of to and is in what how many much if then total each has have had gives gets buys sells "
+    "left more less than times per answer result compute calculate find search question number numbers "
+    "sum difference product quotient plus minus multiplied divided by equals value you I we it this that "
+    "who where when which capital city country born year wrote discovered river mountain language of the "
+    "function return def python code test tests pass fail error print import for while range list int str "
+    "apples books coins cookies marbles pencils tickets boxes friends students hours minutes days week"
+).split()
+
+
+def _synthetic_corpus(rng: random.Random, num_docs: int = 1500) -> list[str]:
+    """Text shaped like agentrl's episodes, for training the BPE merges."""
+    docs: list[str] = []
+    ops = ["+", "-", "*", "/"]
+    for _ in range(num_docs):
+        a, b, c = (rng.randint(0, 999) for _ in range(3))
+        expr = f"{a} {rng.choice(ops)} {b} {rng.choice(ops)} {c}"
+        words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 14)))
+        call = json.dumps({"name": rng.choice(["calculator", "search", "python"]),
+                           "arguments": {"expression": expr}})
+        docs.append(
+            f"<|im_start|>user\n{words.capitalize()}? {expr}<|im_end|>\n"
+            f"<|im_start|>assistant\n<tool_call>\n{call}\n</tool_call><|im_end|>\n"
+            f"<|im_start|>user\n<tool_response>\n{rng.randint(-9999, 99999)}\n</tool_response><|im_end|>\n"
+            f"<|im_start|>assistant\nThe answer is {rng.randint(0, 9999)}.<|im_end|>\n"
+        )
+        docs.append(f"def f(x):\n    return x {rng.choice(ops)} {a}\n\nprint(f({b}))\nassert f({c}) == {a}\n")
+    return docs
+
+
+def build_tokenizer(vocab_target: int, seed: int = 0):
+    """Train a byte-level BPE and wrap it as a transformers fast tokenizer with the chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(seed)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_target,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_synthetic_corpus(rng), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        padding_side="left",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=32768,
+        clean_up_tokenization_spaces=False,
+    )
+    fast.add_tokens(TOOL_TOKENS, special_tokens=False)
+    return fast
+
+
+def build_model_config(size: str, vocab_size: int):
+    from transformers import Qwen3Config
+
+    spec = dict(SIZES[size])
+    spec.pop("vocab_target")
+    padded = spec.pop("vocab_size", None) or (vocab_size + 63) // 64 * 64
+    return Qwen3Config(
+        vocab_size=padded,
+        max_position_embeddings=32768 if size == "0.5b" else 4096,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        **spec,
+    )
+
+
+def init_model(out_dir: str | Path, size: str = "tiny", seed: int = 0) -> Path:
+    """Build tokenizer + randomly initialised model under ``out_dir`` and return the path."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    if size not in SIZES:
+        raise ValueError(f"unknown model size {size!r}; choose one of {', '.join(SIZES)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(SIZES[size]["vocab_target"], seed=seed)
+    config = build_model_config(size, len(tokenizer))
+    config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    config.pad_token_id = tokenizer.pad_token_id
+    config.bos_token_id = None
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(
+        eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, do_sample=True
+    )
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def count_parameters(path: str | Path) -> int:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    return sum(p.numel() for p in model.parameters())
+
+
+def ensure_model(path: str | Path, size: str, seed: int = 0) -> Path:
+    """Return ``path`` if it holds a model, else build one of ``size`` there ('' = never build)."""
+    p = Path(path)
+    if (p / "config.json").exists():
+        return p
+    if not size:
+        raise ValueError(f"no model at {p} (config.json missing) and model.init_size is empty")
+    return init_model(p, size=size, seed=seed)

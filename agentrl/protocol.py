@@ -1,0 +1,226 @@
+"""Wire messages between actors and learner, and their msgpack codec.
+
+Two message kinds travel over ZeroMQ:
+
+* :class:`TrajectoryGroup` (actors -> learner, PUSH/PULL): the ``n`` samples of one task,
+  each a token-level :class:`Trajectory`.
+* :class:`Progress` (learner -> actors, PUB/SUB): the learner's policy version and how many
+  more groups it will accept (the consumption budget that gates new episodes).
+
+Encoding choices:
+
+* Every message is a msgpack map with ``"v"`` (``PROTOCOL_VERSION``) and ``"kind"``.
+  A different version, a missing field, a wrong type or truncated bytes raise
+  :class:`ProtocolError` -- one exception type, so a receiver can count and drop.
+* Per-token arrays travel as raw little-endian bytes (``int32``/``float32``/``uint8``),
+  never as lists of ints: a 4k-token trajectory is ~40 KB and decodes with ``np.frombuffer``
+  without a per-element Python loop.
+* ``weight_versions`` holds, for each token, the policy version that generated it, or -1
+  for tokens the model did not generate (prompt, tool results). An episode that survived a
+  weight update mid-turn therefore carries several versions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+PROTOCOL_VERSION = 1
+
+_ARRAY_DTYPES = {
+    "tokens": np.dtype("<i4"),
+    "loss_mask": np.dtype("u1"),
+    "behavior_logprobs": np.dtype("<f4"),
+    "weight_versions": np.dtype("<i4"),
+}
+
+
+class ProtocolError(ValueError):
+    """A message that cannot be decoded: malformed, truncated, wrong kind or wrong version."""
+
+
+@dataclass
+class Trajectory:
+    """One episode as the model saw it, token for token."""
+
+    tokens: np.ndarray  # int32 [T], from the first prompt token to the last
+    loss_mask: np.ndarray  # uint8 [T], 1 on model-generated tokens only
+    behavior_logprobs: np.ndarray  # float32 [T], engine logprob of each model token; 0 elsewhere
+    weight_versions: np.ndarray  # int32 [T], policy version per model token; -1 elsewhere
+    reward: float
+    reward_components: dict[str, float] = field(default_factory=dict)
+    # env name, num_turns, num_tool_calls, num_tool_errors, finish_reason, timings, messages...
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name, dtype in _ARRAY_DTYPES.items():
+            setattr(self, name, np.ascontiguousarray(getattr(self, name), dtype=dtype))
+        n = len(self.tokens)
+        for name in ("loss_mask", "behavior_logprobs", "weight_versions"):
+            if len(getattr(self, name)) != n:
+                raise ProtocolError(f"trajectory field {name} has length {len(getattr(self, name))}, tokens has {n}")
+        if not math.isfinite(self.reward):
+            raise ProtocolError(f"trajectory reward must be finite, got {self.reward}")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    def oldest_version(self) -> int:
+        """The oldest policy version among the model tokens (-1 when there are none)."""
+        model = self.weight_versions[self.loss_mask.astype(bool)]
+        return int(model.min()) if len(model) else -1
+
+
+@dataclass
+class TrajectoryGroup:
+    """The samples of one task, scored; the unit GRPO normalises over."""
+
+    group_id: str
+    task_id: str
+    env: str
+    trajectories: list[Trajectory]
+    actor_id: str = ""
+    created_at: float = 0.0
+
+    def oldest_version(self) -> int:
+        versions = [t.oldest_version() for t in self.trajectories if t.loss_mask.any()]
+        return min(versions) if versions else -1
+
+    @property
+    def rewards(self) -> list[float]:
+        return [t.reward for t in self.trajectories]
+
+
+@dataclass
+class Progress:
+    """Published by the learner after every step and every weight update."""
+
+    policy_version: int
+    accept_groups: int  # how many more groups the learner will take before its next version
+    step: int = 0
+    max_staleness: int = 1
+    done: bool = False  # the learner has finished; actors may stop
+
+
+# ---------------------------------------------------------------------------- codec
+
+
+def _traj_to_wire(t: Trajectory) -> dict[str, Any]:
+    return {
+        "tokens": t.tokens.tobytes(),
+        "loss_mask": t.loss_mask.tobytes(),
+        "behavior_logprobs": t.behavior_logprobs.tobytes(),
+        "weight_versions": t.weight_versions.tobytes(),
+        "reward": float(t.reward),
+        "reward_components": {str(k): float(v) for k, v in t.reward_components.items()},
+        "metadata": t.metadata,
+    }
+
+
+def _array(d: dict[str, Any], name: str) -> np.ndarray:
+    raw = _field(d, name, bytes)
+    dtype = _ARRAY_DTYPES[name]
+    if len(raw) % dtype.itemsize:
+        raise ProtocolError(f"field {name}: {len(raw)} bytes is not a whole number of {dtype} items")
+    return np.frombuffer(raw, dtype=dtype)
+
+
+def _field(d: Any, name: str, typ: type | tuple[type, ...]) -> Any:
+    if not isinstance(d, dict):
+        raise ProtocolError(f"expected a map around field {name!r}, got {type(d).__name__}")
+    if name not in d:
+        raise ProtocolError(f"missing field {name!r}")
+    value = d[name]
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise ProtocolError(f"field {name!r} has type {type(value).__name__}")
+    return value
+
+
+def _traj_from_wire(d: dict[str, Any]) -> Trajectory:
+    comps = _field(d, "reward_components", dict)
+    try:
+        comps = {str(k): float(v) for k, v in comps.items()}
+    except (TypeError, ValueError) as e:
+        raise ProtocolError(f"field 'reward_components' is not a map of numbers: {e}") from None
+    return Trajectory(
+        tokens=_array(d, "tokens"),
+        loss_mask=_array(d, "loss_mask"),
+        behavior_logprobs=_array(d, "behavior_logprobs"),
+        weight_versions=_array(d, "weight_versions"),
+        reward=_field(d, "reward", float),
+        reward_components=comps,
+        metadata=_field(d, "metadata", dict),
+    )
+
+
+def encode(msg: TrajectoryGroup | Progress) -> bytes:
+    """Encode a message to msgpack bytes."""
+    if isinstance(msg, TrajectoryGroup):
+        body = {
+            "v": PROTOCOL_VERSION,
+            "kind": "group",
+            "group_id": msg.group_id,
+            "task_id": msg.task_id,
+            "env": msg.env,
+            "actor_id": msg.actor_id,
+            "created_at": float(msg.created_at),
+            "trajectories": [_traj_to_wire(t) for t in msg.trajectories],
+        }
+    elif isinstance(msg, Progress):
+        body = {
+            "v": PROTOCOL_VERSION,
+            "kind": "progress",
+            "policy_version": int(msg.policy_version),
+            "accept_groups": int(msg.accept_groups),
+            "step": int(msg.step),
+            "max_staleness": int(msg.max_staleness),
+            "done": bool(msg.done),
+        }
+    else:
+        raise TypeError(f"cannot encode {type(msg).__name__}")
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def decode(data: bytes) -> TrajectoryGroup | Progress:
+    """Decode bytes from the wire; any problem raises :class:`ProtocolError`."""
+    try:
+        d = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as e:  # msgpack raises several unrelated types for bad input
+        raise ProtocolError(f"not a msgpack message: {type(e).__name__}: {e}") from None
+    if not isinstance(d, dict):
+        raise ProtocolError(f"message is a {type(d).__name__}, not a map")
+    version = d.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version!r}, this build speaks {PROTOCOL_VERSION}")
+    kind = d.get("kind")
+    try:
+        if kind == "group":
+            trajs = _field(d, "trajectories", list)
+            return TrajectoryGroup(
+                group_id=_field(d, "group_id", str),
+                task_id=_field(d, "task_id", str),
+                env=_field(d, "env", str),
+                actor_id=_field(d, "actor_id", str),
+                created_at=_field(d, "created_at", float),
+                trajectories=[_traj_from_wire(t) for t in trajs],
+            )
+        if kind == "progress":
+            return Progress(
+                policy_version=_field(d, "policy_version", int),
+                accept_groups=_field(d, "accept_groups", int),
+                step=_field(d, "step", int),
+                max_staleness=_field(d, "max_staleness", int),
+                done=_field(d, "done", bool),
+            )
+    except ProtocolError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ProtocolError(f"malformed {kind} message: {e}") from None
+    raise ProtocolError(f"unknown message kind {kind!r}")

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Installs agentrl and everything its tests need into ./.venv (override with AGENTRL_VENV).
+#
+# torch: on a machine without an NVIDIA GPU this pins the CPU build (AGENTRL_TORCH, default
+# torch==2.13.0, whose CPU wheel the pip configuration of our dev/CI machines provides) so
+# that an unpinned requirement never pulls a multi-GB CUDA build. With a GPU, the newest
+# torch from the index is used unless AGENTRL_TORCH says otherwise.
+# System packages (bubblewrap for the local code sandbox) are installed when running as
+# root with apt-get available; elsewhere the script says what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${AGENTRL_VENV:-.venv}
+PY=${PYTHON:-python3}
+
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get install -y -q bubblewrap >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q bubblewrap >/dev/null; }) \
+      || echo "install.sh: could not install bubblewrap; the local sandbox will be unavailable" >&2
+  else
+    echo "install.sh: bubblewrap (bwrap) is missing; install it for the local code sandbox" >&2
+  fi
+fi
+
+# pip's notes about absent local mirror folders are noise; real errors still fail the script.
+pip_install() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" 2> >(grep -v "^WARNING: Location" >&2); }
+
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+pip_install --upgrade pip
+if [ -z "${AGENTRL_TORCH:-}" ]; then
+  if command -v nvidia-smi >/dev/null 2>&1; then AGENTRL_TORCH="torch"; else AGENTRL_TORCH="torch==2.13.0"; fi
+fi
+pip_install "$AGENTRL_TORCH" -e ".[dev]"
+"$VENV/bin/python" -c "import agentrl, torch; print(f'agentrl {agentrl.__version__} installed in $VENV (torch {torch.__version__})')"
