@@ -73,6 +73,18 @@ def run_cmd(
     raise typer.Exit(2)
 
 
+# ---------------------------------------------------------------- engine commands (serve-engine)
+
+
+# ------------------------------------------------------ env and actor commands (serve-actors, serve-search)
+
+
+# ------------------------------------------------------------- learner commands (learn, sft, export)
+
+
+# ------------------------------------------------------------------------ run-level commands (eval)
+
+
 def main() -> None:
     app()
 
