@@ -101,7 +101,12 @@ class Progress:
     """Published by the learner after every step and every weight update."""
 
     policy_version: int
-    accept_groups: int  # how many more groups the learner will take before its next version
+    # Cumulative budget: how many groups all actors together may have STARTED since the learner
+    # started. The learner sets it to (groups it has consumed or dropped) + (groups it still needs
+    # for this step) + max_staleness * groups_per_step, so that dropped groups are replaced and at
+    # most max_staleness steps' worth of data is generated ahead of the policy. Actor process i of
+    # k takes the share accept_groups // k (+1 when i < accept_groups % k).
+    accept_groups: int
     step: int = 0
     max_staleness: int = 1
     done: bool = False  # the learner has finished; actors may stop

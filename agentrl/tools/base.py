@@ -1,0 +1,234 @@
+"""The tool API: tools are classes or decorated functions; calls never crash an episode.
+
+A tool has a name, a description and a JSON-schema of its parameters, rendered in the
+OpenAI function format that chat templates understand. For a decorated function the schema
+comes from its type hints and the ``Args:`` section of its docstring::
+
+    @tool
+    async def lookup(query: str, top_k: int = 3) -> str:
+        '''Search the corpus.
+
+        Args:
+            query: what to look for.
+            top_k: how many passages to return.
+        '''
+
+A parameter named ``state`` is not part of the schema: the :class:`ToolBox` passes the
+episode's state dict there (where per-episode resources such as a sandbox live).
+
+:class:`ToolBox` executes calls for the agent loop. Every failure mode -- unknown tool,
+arguments that do not fit the schema, an exception, a time-out, an oversized output -- turns
+into a :class:`ToolResult` with ``is_error=True`` and a message the model can read. Only
+``trio.Cancelled`` (the episode itself being cancelled) propagates.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import time
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import trio
+
+_JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean",
+                               list: "array", dict: "object"}
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+    raw: str = ""  # the text the call was parsed from
+
+
+@dataclass
+class ToolResult:
+    content: str
+    is_error: bool = False
+    latency_s: float = 0.0
+    name: str = ""
+
+
+class Tool:
+    """Base class. Subclasses set ``name``/``description``/``parameters`` and implement ``run``."""
+
+    name: str = ""
+    description: str = ""
+    parameters: dict[str, Any] = {"type": "object", "properties": {}, "required": []}
+    timeout_s: float | None = None  # None: the ToolBox default
+    wants_state: bool = False  # pass the episode state as keyword ``state``
+
+    async def run(self, **arguments: Any) -> str:
+        raise NotImplementedError(f"tool {self.name!r} does not implement run()")
+
+    def schema(self) -> dict[str, Any]:
+        return {"type": "function",
+                "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+
+
+class FunctionTool(Tool):
+    """A tool made from a plain (sync or async) function by :func:`tool`."""
+
+    def __init__(self, fn: Callable[..., Any], name: str | None = None, timeout_s: float | None = None):
+        self.fn = fn
+        self.name = name or fn.__name__
+        self.timeout_s = timeout_s
+        self.description, arg_docs = _parse_docstring(fn.__doc__ or "")
+        self.parameters = _schema_from_signature(fn, arg_docs)
+        self.wants_state = "state" in inspect.signature(fn).parameters
+        self._is_async = inspect.iscoroutinefunction(fn)
+
+    async def run(self, **arguments: Any) -> str:
+        if self._is_async:
+            out = await self.fn(**arguments)
+        else:
+            out = await trio.to_thread.run_sync(lambda: self.fn(**arguments), abandon_on_cancel=True)
+        return out if isinstance(out, str) else str(out)
+
+
+def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None,
+         timeout_s: float | None = None) -> Any:
+    """Decorator: turn a function into a :class:`Tool` (``@tool`` or ``@tool(name=...)``)."""
+    if fn is None:
+        return lambda f: FunctionTool(f, name=name, timeout_s=timeout_s)
+    return FunctionTool(fn, name=name, timeout_s=timeout_s)
+
+
+def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
+    """Split a Google-style docstring into (description, {arg: description})."""
+    doc = inspect.cleandoc(doc)
+    parts = re.split(r"^\s*(?:Args|Arguments|Parameters):\s*$", doc, maxsplit=1, flags=re.M)
+    description = " ".join(parts[0].split())
+    args: dict[str, str] = {}
+    if len(parts) == 2:
+        current = None
+        for line in parts[1].splitlines():
+            m = re.match(r"^\s*(\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$", line)
+            if m:
+                current = m.group(1)
+                args[current] = m.group(2).strip()
+            elif re.match(r"^\s*(Returns|Raises|Yields):", line):
+                break
+            elif current and line.strip():
+                args[current] += " " + line.strip()
+    return description, args
+
+
+def _json_type(annotation: Any) -> dict[str, Any]:
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _json_type(options[0]) if len(options) == 1 else {}
+    if origin is typing.Literal:
+        values = list(typing.get_args(annotation))
+        return {"type": _JSON_TYPES.get(type(values[0]), "string"), "enum": values}
+    if origin in (list, tuple):
+        args = typing.get_args(annotation)
+        return {"type": "array", **({"items": _json_type(args[0])} if args else {})}
+    if origin is dict:
+        return {"type": "object"}
+    if annotation in _JSON_TYPES:
+        return {"type": _JSON_TYPES[annotation]}
+    return {}
+
+
+def _schema_from_signature(fn: Callable[..., Any], arg_docs: dict[str, str]) -> dict[str, Any]:
+    hints = typing.get_type_hints(fn)
+    props: dict[str, Any] = {}
+    required: list[str] = []
+    for pname, param in inspect.signature(fn).parameters.items():
+        if pname == "state" or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        prop = _json_type(hints.get(pname, str))
+        if pname in arg_docs:
+            prop["description"] = arg_docs[pname]
+        props[pname] = prop
+        if param.default is inspect.Parameter.empty:
+            required.append(pname)
+    return {"type": "object", "properties": props, "required": required}
+
+
+def check_arguments(tool_: Tool, arguments: Any) -> str | None:
+    """Return an error message when ``arguments`` do not fit the tool's schema, else None."""
+    if not isinstance(arguments, dict):
+        return f"arguments for {tool_.name} must be a JSON object, got {type(arguments).__name__}"
+    props = tool_.parameters.get("properties", {})
+    missing = [p for p in tool_.parameters.get("required", []) if p not in arguments]
+    if missing:
+        return f"{tool_.name} is missing required argument(s): {', '.join(missing)}"
+    unknown = [a for a in arguments if props and a not in props]
+    if unknown:
+        return f"{tool_.name} got unknown argument(s): {', '.join(unknown)}; it takes {', '.join(props)}"
+    for key, value in arguments.items():
+        expected = props.get(key, {}).get("type")
+        if expected and not _matches(value, expected):
+            return f"argument {key!r} of {tool_.name} must be of type {expected}, got {type(value).__name__}"
+    return None
+
+
+def _matches(value: Any, json_type: str) -> bool:
+    if json_type == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if json_type == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    py = {"string": str, "boolean": bool, "array": list, "object": dict}.get(json_type)
+    return py is None or isinstance(value, py)
+
+
+@dataclass
+class ToolBox:
+    """The tools of one env, executed with a time limit and an output size limit."""
+
+    tools: list[Tool]
+    timeout_s: float = 10.0
+    max_output_chars: int = 2000
+    _by_name: dict[str, Tool] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._by_name = {}
+        for t in self.tools:
+            if not t.name:
+                raise ValueError(f"tool {t!r} has no name")
+            if t.name in self._by_name:
+                raise ValueError(f"two tools are named {t.name!r}")
+            self._by_name[t.name] = t
+
+    def schemas(self) -> list[dict[str, Any]]:
+        return [t.schema() for t in self.tools]
+
+    async def execute(self, call: ToolCall, state: dict[str, Any] | None = None) -> ToolResult:
+        start = time.monotonic()
+        result = await self._execute(call, state if state is not None else {})
+        result.latency_s = time.monotonic() - start
+        result.name = call.name
+        return result
+
+    async def _execute(self, call: ToolCall, state: dict[str, Any]) -> ToolResult:
+        tool_ = self._by_name.get(call.name)
+        if tool_ is None:
+            known = ", ".join(self._by_name) or "none"
+            return ToolResult(f"Error: unknown tool {call.name!r}; available tools: {known}", is_error=True)
+        problem = check_arguments(tool_, call.arguments)
+        if problem:
+            return ToolResult(f"Error: {problem}", is_error=True)
+        kwargs = dict(call.arguments)
+        if tool_.wants_state:
+            kwargs["state"] = state
+        limit = tool_.timeout_s or self.timeout_s
+        try:
+            with trio.move_on_after(limit) as scope:
+                out = await tool_.run(**kwargs)
+        except trio.Cancelled:
+            raise
+        except Exception as e:  # a crashed tool is an observation, not a crashed episode
+            return ToolResult(f"Error: {call.name} failed: {type(e).__name__}: {e}", is_error=True)
+        if scope.cancelled_caught:
+            return ToolResult(f"Error: {call.name} timed out after {limit:g} s", is_error=True)
+        out = out if isinstance(out, str) else str(out)
+        if len(out) > self.max_output_chars:
+            out = out[: self.max_output_chars] + f"\n[output truncated to {self.max_output_chars} characters]"
+        return ToolResult(out)

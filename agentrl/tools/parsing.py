@@ -1,0 +1,80 @@
+"""Tool-call parsing from the text of an assistant turn.
+
+The default format is Qwen/Hermes: each call is a JSON object
+``{"name": ..., "arguments": {...}}`` between ``<tool_call>`` and ``</tool_call>``; a turn may
+hold several. Parsing never raises: each problem (invalid JSON, a missing name, a call cut
+off by the length limit) becomes an error string that the agent loop turns into an error
+observation for the model, so the model learns from its malformed calls instead of the
+episode crashing.
+
+Other formats implement :class:`ToolCallParser` and are chosen by the env.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from agentrl.tools.base import ToolCall
+
+
+@dataclass
+class ParsedTurn:
+    calls: list[ToolCall] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    truncated: bool = False  # a call was opened but never closed
+
+    @property
+    def has_tool_activity(self) -> bool:
+        return bool(self.calls or self.errors)
+
+
+class ToolCallParser(Protocol):
+    def parse(self, text: str) -> ParsedTurn: ...
+
+
+class HermesToolCallParser:
+    """``<tool_call>{json}</tool_call>`` blocks, as Qwen 2.5/3 and Hermes models emit them."""
+
+    open_tag = "<tool_call>"
+    close_tag = "</tool_call>"
+
+    def parse(self, text: str) -> ParsedTurn:
+        turn = ParsedTurn()
+        pattern = re.escape(self.open_tag) + r"(.*?)(" + re.escape(self.close_tag) + r"|$)"
+        for match in re.finditer(pattern, text, flags=re.S):
+            body, closed = match.group(1), bool(match.group(2))
+            if not closed:
+                turn.truncated = True
+                turn.errors.append("Error: the tool call was cut off before </tool_call>; keep calls short")
+                break
+            call, error = _parse_call(body)
+            if call is not None:
+                call.raw = match.group(0)
+                turn.calls.append(call)
+            else:
+                turn.errors.append(error)
+        return turn
+
+
+def _parse_call(body: str) -> tuple[ToolCall | None, str]:
+    try:
+        obj = json.loads(body.strip())
+    except json.JSONDecodeError as e:
+        return None, f"Error: the tool call is not valid JSON ({e.msg} at position {e.pos})"
+    if not isinstance(obj, dict):
+        return None, "Error: a tool call must be a JSON object with \"name\" and \"arguments\""
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        return None, "Error: the tool call has no \"name\""
+    args = obj.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            return None, f"Error: the arguments of {name} are not valid JSON"
+    if not isinstance(args, dict):
+        return None, f"Error: the arguments of {name} must be a JSON object"
+    return ToolCall(name=name, arguments=args), ""
