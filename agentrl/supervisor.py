@@ -1,0 +1,158 @@
+"""Start, watch and stop the processes of a run, under one trio nursery.
+
+Each child is a :class:`ChildSpec`: an argv, a log file, a restart budget and whether it is
+*critical*. The supervisor:
+
+* starts every child in its own process group (so a child's own children -- torchrun's
+  ranks, uvicorn workers -- are stopped with it) with stdout/stderr going to its log file;
+* restarts a non-critical child that exits, up to ``max_restarts`` times, and reports each
+  restart through ``on_event`` (the caller counts what the dead child had in flight);
+* when a critical child exits with an error, or a child runs out of restarts, stops all
+  the others and raises :class:`ChildFailed` naming the child and quoting the end of its log;
+* on cancellation (Ctrl-C, or the caller leaving the nursery) sends SIGTERM to every
+  process group, waits ``stop_grace_s``, then SIGKILLs what is left. Nothing outlives it.
+
+A child that exits with status 0 is done: it is not restarted (``agentrl learn`` finishing
+its steps is how a run ends).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import trio
+
+
+class ChildFailed(RuntimeError):
+    """A child the run cannot do without has failed."""
+
+    def __init__(self, name: str, returncode: int | None, log_path: Path, log_tail: str):
+        self.name, self.returncode, self.log_path, self.log_tail = name, returncode, log_path, log_tail
+        super().__init__(f"{name} exited with status {returncode} (log: {log_path})\n--- end of its log ---\n{log_tail}")
+
+
+@dataclass
+class ChildSpec:
+    name: str
+    argv: list[str]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)  # added to os.environ
+    critical: bool = False  # its failure ends the run
+    max_restarts: int = 3
+    cwd: str | None = None
+
+
+@dataclass
+class ChildState:
+    spec: ChildSpec
+    process: trio.Process | None = None
+    restarts: int = 0
+    exited: bool = False
+    returncode: int | None = None
+
+
+def log_tail(path: Path, num_lines: int = 20) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return "(no log)"
+    return "\n".join(lines[-num_lines:])
+
+
+class Supervisor:
+    """Owns the children of one run. Use :meth:`start` inside a nursery, then :meth:`wait`."""
+
+    def __init__(self, stop_grace_s: float = 10.0, on_event: Callable[[str, str], None] | None = None):
+        self.children: dict[str, ChildState] = {}
+        self.stop_grace_s = stop_grace_s
+        self.on_event = on_event or (lambda name, what: None)
+        self._failure: ChildFailed | None = None
+        self._failed = trio.Event()
+
+    async def start(self, nursery: trio.Nursery, spec: ChildSpec) -> ChildState:
+        if spec.name in self.children:
+            raise ValueError(f"a child named {spec.name!r} is already supervised")
+        state = ChildState(spec)
+        self.children[spec.name] = state
+        await nursery.start(self._watch, state)
+        return state
+
+    async def _spawn(self, state: ChildState) -> None:
+        spec = state.spec
+        spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(spec.log_path, "ab", buffering=0) as log:
+            state.process = await trio.lowlevel.open_process(
+                spec.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env={**os.environ, **spec.env}, cwd=spec.cwd, start_new_session=True,
+            )
+        self.on_event(spec.name, f"started (pid {state.process.pid})")
+
+    async def _watch(self, state: ChildState, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        await self._spawn(state)
+        task_status.started()
+        try:
+            while True:
+                assert state.process is not None
+                code = await state.process.wait()
+                state.returncode = code
+                if code == 0:
+                    state.exited = True
+                    self.on_event(state.spec.name, "finished")
+                    return
+                if state.spec.critical or state.restarts >= state.spec.max_restarts:
+                    state.exited = True
+                    self._fail(state)
+                    return
+                state.restarts += 1
+                self.on_event(state.spec.name, f"exited with status {code}; restart {state.restarts}/"
+                              f"{state.spec.max_restarts}")
+                await trio.sleep(min(0.5 * 2 ** (state.restarts - 1), 5.0))
+                await self._spawn(state)
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._stop(state)
+
+    def _fail(self, state: ChildState) -> None:
+        if self._failure is None:
+            spec = state.spec
+            self._failure = ChildFailed(spec.name, state.returncode, spec.log_path, log_tail(spec.log_path))
+            self.on_event(spec.name, f"failed with status {state.returncode}")
+            self._failed.set()
+
+    async def _stop(self, state: ChildState) -> None:
+        proc = state.process
+        if proc is None or proc.returncode is not None:
+            _kill_group(proc, signal.SIGKILL)  # leftovers of an exited leader
+            return
+        _kill_group(proc, signal.SIGTERM)
+        with trio.move_on_after(self.stop_grace_s):
+            await proc.wait()
+        _kill_group(proc, signal.SIGKILL)
+        await proc.wait()
+
+    async def wait_for_failure(self) -> None:
+        """Return only by raising :class:`ChildFailed` when a child has failed for good."""
+        await self._failed.wait()
+        assert self._failure is not None
+        raise self._failure
+
+    async def wait_finished(self, name: str) -> int | None:
+        """Wait until child ``name`` has exited for good; return its status."""
+        state = self.children[name]
+        while not state.exited:
+            await trio.sleep(0.1)
+        return state.returncode
+
+
+def _kill_group(proc: trio.Process | None, sig: int) -> None:
+    if proc is None:
+        return
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,109 @@
+"""The supervisor with real child processes: restarts, failure, clean stop."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+
+from agentrl.supervisor import ChildFailed, ChildSpec, Supervisor
+
+
+def _py(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def _gone_soon(pid: int, within_s: float = 3.0) -> bool:
+    """A killed process may take a moment to disappear from the process table."""
+    import time
+
+    deadline = time.monotonic() + within_s
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers kill(0); read its state
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_restarts_then_fails_naming_child_and_log(tmp_path: Path) -> None:
+    events: list[tuple[str, str]] = []
+    sup = Supervisor(stop_grace_s=2, on_event=lambda n, w: events.append((n, w)))
+    crash = ChildSpec("actor", _py("print('boom from actor'); raise SystemExit(3)"), tmp_path / "actor.log",
+                      max_restarts=2)
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            await sup.start(n, crash)
+            n.start_soon(sup.wait_for_failure)
+
+    with pytest.raises(BaseExceptionGroup) as info:
+        trio.run(main)
+    failed = info.value.subgroup(ChildFailed)
+    assert failed is not None
+    err = failed.exceptions[0]
+    assert err.name == "actor" and err.returncode == 3
+    assert "boom from actor" in err.log_tail
+    assert sup.children["actor"].restarts == 2
+    assert sum("restart" in w for _, w in events) == 2
+    assert (tmp_path / "actor.log").read_text().count("boom from actor") == 3
+
+
+def test_critical_failure_stops_the_others(tmp_path: Path) -> None:
+    sup = Supervisor(stop_grace_s=2)
+    sleeper = ChildSpec("engine", _py("import time; time.sleep(60)"), tmp_path / "engine.log")
+    learner = ChildSpec("learner", _py("import time; time.sleep(0.5); raise SystemExit(1)"),
+                        tmp_path / "learner.log", critical=True)
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            await sup.start(n, sleeper)
+            await sup.start(n, learner)
+            n.start_soon(sup.wait_for_failure)
+
+    with pytest.raises(BaseExceptionGroup) as info:
+        trio.run(main)
+    assert info.value.subgroup(ChildFailed).exceptions[0].name == "learner"
+    engine_pid = sup.children["engine"].process.pid
+    assert _gone_soon(engine_pid)
+
+
+def test_cancel_stops_process_tree_and_finished_child_is_not_restarted(tmp_path: Path) -> None:
+    sup = Supervisor(stop_grace_s=1)
+    # a child that ignores SIGTERM and has a grandchild: both must be gone after cancellation
+    stubborn = ChildSpec(
+        "stubborn",
+        _py("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            "print(p.pid, flush=True); time.sleep(60)"),
+        tmp_path / "stubborn.log",
+    )
+    done = ChildSpec("oneshot", _py("print('ok')"), tmp_path / "oneshot.log")
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            await sup.start(n, stubborn)
+            await sup.start(n, done)
+            assert await sup.wait_finished("oneshot") == 0
+            await trio.sleep(1.0)
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+    assert sup.children["oneshot"].restarts == 0
+    grandchild = int((tmp_path / "stubborn.log").read_text().split()[0])
+    assert _gone_soon(sup.children["stubborn"].process.pid)
+    assert _gone_soon(grandchild)
