@@ -14,7 +14,11 @@ Encoding choices:
   :class:`ProtocolError` -- one exception type, so a receiver can count and drop.
 * Per-token arrays travel as raw little-endian bytes (``int32``/``float32``/``uint8``),
   never as lists of ints: a 4k-token trajectory is ~40 KB and decodes with ``np.frombuffer``
-  without a per-element Python loop.
+  without a per-element Python loop. Decoded arrays are read-only views of the received
+  bytes (no copy); copy one before changing it in place.
+* ``metadata`` takes msgpack-able values; numpy scalars and arrays are converted on the
+  way out. Anything else fails in :func:`encode` with a ProtocolError naming its type, in
+  the sender, not in the learner.
 * ``weight_versions`` holds, for each token, the policy version that generated it, or -1
   for tokens the model did not generate (prompt, tool results). An episode that survived a
   weight update mid-turn therefore carries several versions.
@@ -117,10 +121,12 @@ class Progress:
 
 def _traj_to_wire(t: Trajectory) -> dict[str, Any]:
     return {
-        "tokens": t.tokens.tobytes(),
-        "loss_mask": t.loss_mask.tobytes(),
-        "behavior_logprobs": t.behavior_logprobs.tobytes(),
-        "weight_versions": t.weight_versions.tobytes(),
+        # memoryviews of the (contiguous, little-endian) arrays: msgpack copies them straight
+        # into its buffer; ``tobytes()`` first would add a copy (and, past 128 KB, an mmap).
+        "tokens": memoryview(t.tokens),
+        "loss_mask": memoryview(t.loss_mask),
+        "behavior_logprobs": memoryview(t.behavior_logprobs),
+        "weight_versions": memoryview(t.weight_versions),
         "reward": float(t.reward),
         "reward_components": {str(k): float(v) for k, v in t.reward_components.items()},
         "metadata": t.metadata,
@@ -190,7 +196,21 @@ def encode(msg: TrajectoryGroup | Progress) -> bytes:
         }
     else:
         raise TypeError(f"cannot encode {type(msg).__name__}")
-    return msgpack.packb(body, use_bin_type=True)
+    try:
+        return msgpack.packb(body, use_bin_type=True, default=_to_builtin)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ProtocolError(f"cannot encode {type(msg).__name__}: {e}") from None
+
+
+def _to_builtin(obj: Any) -> Any:
+    """msgpack fallback for values in ``metadata``: numpy scalars and arrays become Python values."""
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, (set, frozenset, tuple)):
+        return list(obj)
+    raise TypeError(f"a metadata value of type {type(obj).__name__} cannot be sent (use str, int, float, bool, None, list, dict)")
 
 
 def decode(data: bytes) -> TrajectoryGroup | Progress:
@@ -202,7 +222,7 @@ def decode(data: bytes) -> TrajectoryGroup | Progress:
     if not isinstance(d, dict):
         raise ProtocolError(f"message is a {type(d).__name__}, not a map")
     version = d.get("v")
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:  # True == 1 and 1.0 == 1 in Python
         raise ProtocolError(f"protocol version {version!r}, this build speaks {PROTOCOL_VERSION}")
     kind = d.get("kind")
     try:

@@ -1,0 +1,760 @@
+"""ZeroMQ transport between actors and learner, behind a small interface.
+
+Two channels (the learner binds, actors connect):
+
+* trajectories, actors -> learner, ZMQ PUSH/PULL: :class:`GroupSender` (trio, in every actor
+  process) and :class:`GroupReceiver` (synchronous, in the learner);
+* progress, learner -> actors, ZMQ PUB/SUB: :class:`ProgressPublisher` (synchronous) and
+  :class:`ProgressSubscriber` (trio).
+
+Design (measured numbers are in docs/architecture.md and ``bench/transport.py``):
+
+* **One thread owns each socket.** ZMQ sockets are not thread-safe and pyzmq has no trio
+  support. Each endpoint object starts a daemon thread that creates, uses and closes its
+  socket; callers talk to that thread through a :class:`_Mailbox`, a bounded FIFO that both
+  plain threads (a ``threading.Condition``) and trio tasks (a ``trio.Event`` set through
+  ``TrioToken.run_sync_soon``) can wait on. The socket thread moves whole batches: it
+  takes everything queued at once, and after one blocking ``recv`` it drains whatever else
+  is ready with ``NOBLOCK``. Waiting on the socket's file descriptor from trio instead
+  reached about half of raw pyzmq's throughput here, one ``to_thread`` call per message a
+  few per cent; a batching socket thread about 0.9.
+* **Nothing busy-waits.** Threads block in ``recv``/``send`` or on the condition. Closing
+  terminates the object's private ``zmq.Context``: libzmq then fails every blocking call
+  in the socket thread with ETERM, the thread closes its socket (linger 0) and
+  ``Context.term`` returns. No timeouts, no polling loops; only the publisher wakes on a
+  timer, to repeat its last message (below).
+* **Back-pressure.** Every queue is bounded: the mailboxes by ``max_queued_groups`` and the
+  sockets' high-water marks by the same number. When the learner stops calling
+  :meth:`GroupReceiver.get`, its socket thread stops reading, ZMQ's queues and the kernel's
+  socket buffers fill, the sender thread blocks in ``send`` and :meth:`GroupSender.send`
+  waits in trio. Nothing is dropped on the trajectory channel while both ends are open.
+* **Closing drops what is in flight.** Sockets close with linger 0, so a sender that is
+  closed does not hang on an absent learner; groups still queued are lost. Progress is
+  state, not a log: the subscriber keeps only the newest ``max_buffered`` messages.
+* **Late subscribers.** PUB/SUB drops messages for subscribers that are not connected yet
+  (ZMQ's slow-joiner problem). The publisher repeats its latest message every
+  ``heartbeat_s`` seconds, so an actor that starts after the learner's last publish still
+  learns the policy version and the budget within one heartbeat.
+* **Malformed messages** (undecodable, wrong version, wrong kind) are counted in
+  ``stats["malformed"]``, logged and dropped by the receiving thread; they never reach the
+  caller.
+* Endpoints are whatever the config says (``tcp://127.0.0.1:5557`` by default, loopback
+  only). A bound ``tcp://host:*`` or ``:0`` picks a free port; ``.endpoint`` then holds the
+  address actually bound, for the connecting side.
+
+``InMemoryGroupChannel`` and ``InMemoryProgressChannel`` have the same methods without
+sockets, for unit tests of the actor and learner logic; the group channel still encodes
+and decodes every message, so unencodable metadata fails there as it would on the wire.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, Generic, Iterable, TypeVar
+
+import trio
+import zmq
+
+from agentrl.protocol import Progress, ProtocolError, TrajectoryGroup, decode, encode
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+__all__ = [
+    "GroupReceiver",
+    "GroupSender",
+    "InMemoryGroupChannel",
+    "InMemoryProgressChannel",
+    "ProgressPublisher",
+    "ProgressSubscriber",
+    "PullSocket",
+    "PushSocket",
+    "TransportError",
+]
+
+
+class TransportError(RuntimeError):
+    """A socket could not be opened, or its thread failed; the message names the endpoint."""
+
+
+# ---------------------------------------------------------------------------- mailbox
+
+
+class _Mailbox(Generic[T]):
+    """A bounded FIFO between one socket thread and its users, threads or trio tasks.
+
+    ``drop_oldest=True`` makes puts never wait: the oldest item goes (progress messages).
+    Every change wakes all waiters, who re-check; there are at most a handful.
+    """
+
+    def __init__(self, maxlen: int, *, drop_oldest: bool = False) -> None:
+        if maxlen < 1:
+            raise ValueError(f"queue length must be >= 1, got {maxlen}")
+        self.maxlen = maxlen
+        self._drop_oldest = drop_oldest
+        self._items: deque[T] = deque()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._trio_waiters: list[tuple[trio.lowlevel.TrioToken, trio.Event]] = []
+        self.closed = False
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def _wake(self) -> None:  # caller holds the lock
+        self._cond.notify_all()
+        for token, event in self._trio_waiters:
+            try:
+                token.run_sync_soon(event.set)
+            except trio.RunFinishedError:
+                pass
+        self._trio_waiters.clear()
+
+    def close(self, *, discard: bool = True) -> None:
+        with self._lock:
+            self.closed = True
+            if discard:
+                self._items.clear()
+            self._wake()
+
+    # -- non-blocking, any thread
+    def _append(self, items: Iterable[T]) -> None:  # caller holds the lock
+        self._items.extend(items)
+        if self._drop_oldest:
+            while len(self._items) > self.maxlen:
+                self._items.popleft()
+        self._wake()
+
+    def put_many(self, items: Iterable[T]) -> None:
+        """Append without waiting: past ``maxlen`` the oldest items go when ``drop_oldest``,
+        otherwise the caller (the only producer) has checked the free space first."""
+        with self._lock:
+            if not self.closed:
+                self._append(items)
+
+    def put_nowait(self, item: T) -> bool:
+        """Append if there is room (or drop the oldest); False when full or closed."""
+        with self._lock:
+            if self.closed or (len(self._items) >= self.maxlen and not self._drop_oldest):
+                return False
+            self._append([item])
+            return True
+
+    # -- blocking, plain threads
+    def wait_space(self) -> int:
+        """Block until there is room; return how many items fit (0 once closed)."""
+        with self._lock:
+            while not self.closed and len(self._items) >= self.maxlen:
+                self._cond.wait()
+            return 0 if self.closed else self.maxlen - len(self._items)
+
+    def take_all(self, timeout_s: float | None = None) -> list[T]:
+        """Block until there are items (or ``timeout_s``); take them all. [] when closed or timed out."""
+        with self._lock:
+            if not self._items and not self.closed:
+                self._cond.wait_for(lambda: self._items or self.closed, timeout_s)
+            if self.closed and not self._items:
+                return []
+            items = list(self._items)
+            self._items.clear()
+            self._wake()
+            return items
+
+    def get(self, timeout_s: float | None = None) -> tuple[bool, T | None]:
+        """Block for one item: (True, item), or (False, None) on timeout or when closed and empty."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._lock:
+            while not self._items:
+                if self.closed:
+                    return False, None
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False, None
+                self._cond.wait(remaining)
+            item = self._items.popleft()
+            self._wake()
+            return True, item
+
+    # -- trio
+    async def _wait_trio(self, ready: Callable[[], bool]) -> None:
+        """Wait in trio until ``ready()`` (checked under the lock) or the mailbox closes."""
+        while True:
+            with self._lock:
+                if ready() or self.closed:
+                    return
+                event = trio.Event()
+                waiter = (trio.lowlevel.current_trio_token(), event)
+                self._trio_waiters.append(waiter)
+            try:
+                await event.wait()
+            finally:
+                with self._lock:
+                    if waiter in self._trio_waiters:
+                        self._trio_waiters.remove(waiter)
+
+    async def aput(self, item: T) -> None:
+        """Append, waiting in trio while full. Raises trio.ClosedResourceError once closed."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            await self._wait_trio(lambda: len(self._items) < self.maxlen or self._drop_oldest)
+            with self._lock:
+                if self.closed:
+                    raise trio.ClosedResourceError("the channel is closed")
+                if len(self._items) < self.maxlen or self._drop_oldest:
+                    self._append([item])
+                    break
+        await trio.lowlevel.cancel_shielded_checkpoint()
+
+    async def aget(self) -> T:
+        """Take one item, waiting in trio. Raises trio.ClosedResourceError once closed and empty."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            await self._wait_trio(lambda: bool(self._items))
+            with self._lock:
+                if self._items:
+                    item = self._items.popleft()
+                    self._wake()
+                    break
+                if self.closed:
+                    raise trio.ClosedResourceError("the channel is closed")
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        return item
+
+
+# ---------------------------------------------------------------------------- socket thread
+
+
+class _SocketThread:
+    """Runs ``loop(socket)`` in a daemon thread that owns one ZMQ socket in a private context.
+
+    The constructor returns once the socket is bound or connected, raising TransportError
+    (naming the endpoint) when that fails. :meth:`stop` terminates the context, which makes
+    every blocking ZMQ call in the thread raise ``ContextTerminated``, and joins the thread.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        socket_type: int,
+        endpoint: str,
+        bind: bool,
+        options: dict[int, Any],
+        loop: Callable[[zmq.Socket], None],
+        on_exit: Callable[[], None],
+    ) -> None:
+        self.requested_endpoint = endpoint
+        self.endpoint = endpoint
+        self.error: BaseException | None = None
+        self._bind = bind
+        self._socket_type = socket_type
+        self._options = options
+        self._loop = loop
+        self._on_exit = on_exit
+        self._ready = threading.Event()
+        self._stopped = False
+        self._ctx = zmq.Context(io_threads=1)
+        self._thread = threading.Thread(target=self._main, name=f"agentrl-{name}", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self.error is not None:
+            err = self.error
+            self.stop()
+            verb = "bind" if bind else "connect"
+            raise TransportError(f"cannot {verb} {name} socket to {endpoint!r}: {err}") from err
+
+    def _main(self) -> None:
+        sock: zmq.Socket | None = None
+        try:
+            sock = self._ctx.socket(self._socket_type)
+            sock.setsockopt(zmq.LINGER, 0)
+            for opt, value in self._options.items():
+                sock.setsockopt(opt, value)
+            if self._bind:
+                sock.bind(self.requested_endpoint)
+                self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                sock.connect(self.requested_endpoint)
+        except Exception as e:  # zmq errors and bad endpoint strings
+            self.error = e
+            if sock is not None:
+                sock.close(linger=0)
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            self._loop(sock)
+        except zmq.ContextTerminated:
+            pass
+        except BaseException as e:  # a bug: remember it for the caller, do not die silently
+            log.exception("transport thread %s failed", threading.current_thread().name)
+            self.error = e
+        finally:
+            sock.close(linger=0)
+            self._on_exit()
+
+    def stop(self) -> None:
+        """Close the socket (linger 0) and join the thread; idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._ctx.term()  # blocks until the thread has closed its socket
+        self._thread.join()
+
+
+def _recv_batch(sock: zmq.Socket, limit: int) -> list[bytes | None]:
+    """Block for one message, then take up to ``limit`` in all without waiting.
+
+    A multi-frame message (not ours) is read whole and stands as None in the result.
+    """
+    out: list[bytes | None] = []
+    flags = 0
+    while len(out) < limit:
+        try:
+            data = sock.recv(flags)
+        except zmq.Again:
+            break
+        flags = zmq.NOBLOCK
+        if sock.getsockopt(zmq.RCVMORE):
+            while sock.getsockopt(zmq.RCVMORE):
+                sock.recv()
+            out.append(None)
+        else:
+            out.append(data)
+    return out
+
+
+class _MalformedLog:
+    """Counts malformed messages and logs the first few, then every 1000th."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.count = 0
+        self.last = ""
+
+    def add(self, reason: str) -> None:
+        self.count += 1
+        self.last = reason
+        if self.count <= 5 or self.count % 1000 == 0:
+            log.warning("dropped malformed %s message (%d so far): %s", self.what, self.count, reason)
+
+
+def _decode_as(data: bytes, kind: type[T], bad: _MalformedLog) -> T | None:
+    try:
+        msg = decode(data)
+    except ProtocolError as e:
+        bad.add(str(e))
+        return None
+    if not isinstance(msg, kind):
+        bad.add(f"expected a {kind.__name__}, got a {type(msg).__name__}")
+        return None
+    return msg
+
+
+# ---------------------------------------------------------------------------- trajectories
+
+
+class PullSocket:
+    """A ZMQ PULL socket with a synchronous, bounded ``get``: the byte layer under GroupReceiver.
+
+    A background thread receives batches and queues up to ``max_queued`` messages (after
+    :meth:`_convert`); while the queue is full it stops reading, which pushes back on the
+    senders.
+    """
+
+    _name = "pull"
+
+    def __init__(self, endpoint: str, *, bind: bool = True, max_queued: int = 64) -> None:
+        self._box: _Mailbox[Any] = _Mailbox(max_queued)
+        self._bad = _MalformedLog(self._name)
+        self._received = 0
+        self._bytes = 0
+        self._delivered = 0
+        self._closed = False
+        self._thread = _SocketThread(
+            self._name,
+            zmq.PULL,
+            endpoint,
+            bind,
+            {zmq.RCVHWM: max_queued},
+            self._loop,
+            on_exit=lambda: self._box.close(discard=False),
+        )
+        self.endpoint = self._thread.endpoint
+
+    def _convert(self, frame: bytes) -> Any | None:
+        """What the queue holds for one message; None drops it (counted as malformed)."""
+        return frame
+
+    def _loop(self, sock: zmq.Socket) -> None:
+        while True:
+            space = self._box.wait_space()
+            if space == 0:
+                return
+            items = []
+            for frame in _recv_batch(sock, space):
+                if frame is None:
+                    self._bad.add("multi-frame message")
+                elif (item := self._convert(frame)) is not None:
+                    items.append(item)
+                    self._bytes += len(frame)
+            self._received += len(items)
+            self._box.put_many(items)
+
+    def get(self, timeout_s: float | None = None) -> Any | None:
+        """The next message, waiting up to ``timeout_s`` (None: forever); None on timeout."""
+        if self._closed:
+            raise TransportError(f"{type(self).__name__}({self.endpoint}) is closed")
+        ok, item = self._box.get(timeout_s)
+        if ok:
+            self._delivered += 1
+            return item
+        if self._thread.error is not None:
+            raise TransportError(f"{type(self).__name__}({self.endpoint}) thread failed: {self._thread.error}")
+        return None
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return {
+            "received": self._received,  # well-formed messages taken off the socket
+            "malformed": self._bad.count,  # counted and dropped
+            "delivered": self._delivered,  # returned by get()
+            "queued": len(self._box),
+            "bytes": self._bytes,
+        }
+
+    @property
+    def last_malformed(self) -> str:
+        """Why the last malformed message was dropped ('' if none was)."""
+        return self._bad.last
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._box.close()
+        self._thread.stop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class GroupReceiver(PullSocket):
+    """Learner side of the trajectory channel: ZMQ PULL, synchronous API.
+
+    The socket thread decodes while the learner trains; :meth:`get` returns a
+    :class:`TrajectoryGroup`. Malformed messages never reach the caller: they are counted in
+    ``stats["malformed"]`` and logged (``last_malformed`` says why the last one was dropped).
+    """
+
+    _name = "group-receiver"
+
+    def __init__(self, endpoint: str, *, bind: bool = True, max_queued_groups: int = 64) -> None:
+        super().__init__(endpoint, bind=bind, max_queued=max_queued_groups)
+
+    def _convert(self, frame: bytes) -> TrajectoryGroup | None:
+        return _decode_as(frame, TrajectoryGroup, self._bad)
+
+    def get(self, timeout_s: float | None = None) -> TrajectoryGroup | None:
+        return super().get(timeout_s)
+
+
+class PushSocket:
+    """A ZMQ PUSH socket usable from trio: the byte layer under GroupSender.
+
+    :meth:`send` queues the bytes for the socket thread and waits while ``max_queued`` are
+    queued. It is always a cancellation point, but yields to other tasks only when it waits
+    or when it has not yielded for ``_YIELD_EVERY_S``: a trio checkpoint costs about as much
+    as a ZMQ send itself, and actors send one group per finished task, not in tight loops.
+    Delivery is not confirmed: after :meth:`aclose`, messages still queued are dropped.
+    """
+
+    _name = "push"
+    _YIELD_EVERY_S = 0.001
+
+    def __init__(self, endpoint: str, *, bind: bool = False, max_queued: int = 16) -> None:
+        self._box: _Mailbox[bytes] = _Mailbox(max_queued)
+        self._sent = 0
+        self._closed = False
+        self._last_yield = 0.0
+        self._thread = _SocketThread(
+            self._name, zmq.PUSH, endpoint, bind, {zmq.SNDHWM: max_queued}, self._loop, on_exit=self._box.close
+        )
+        self.endpoint = self._thread.endpoint
+
+    def _loop(self, sock: zmq.Socket) -> None:
+        while True:
+            batch = self._box.take_all()
+            if not batch:
+                return  # closed
+            for data in batch:
+                sock.send(data)  # blocks at the high-water mark: back-pressure
+                self._sent += 1
+
+    async def send(self, data: bytes) -> None:
+        """Queue one message; waits while the queue is full."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if self._box.put_nowait(data):
+            now = time.monotonic()
+            if now - self._last_yield > self._YIELD_EVERY_S:
+                self._last_yield = now
+                await trio.lowlevel.cancel_shielded_checkpoint()
+            return
+        try:
+            await self._box.aput(data)  # full (or closed): wait in trio
+        except trio.ClosedResourceError:
+            if self._thread.error is not None:
+                raise TransportError(f"{type(self).__name__}({self.endpoint}) thread failed: {self._thread.error}") from None
+            raise
+        self._last_yield = time.monotonic()
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return {"sent": self._sent, "queued": len(self._box)}
+
+    def close(self) -> None:
+        """Synchronous close (outside trio); drops queued messages."""
+        if self._closed:
+            return
+        self._closed = True
+        self._box.close()
+        self._thread.stop()
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        with trio.CancelScope(shield=True):  # never leave a socket thread behind
+            await trio.to_thread.run_sync(self.close)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+class GroupSender(PushSocket):
+    """Actor side of the trajectory channel: ZMQ PUSH, usable from trio.
+
+    :meth:`send` encodes in the calling task, so a message that cannot be encoded raises
+    :class:`ProtocolError` there, then queues it like :meth:`PushSocket.send`.
+    """
+
+    _name = "group-sender"
+
+    def __init__(self, endpoint: str, *, bind: bool = False, max_queued_groups: int = 16) -> None:
+        super().__init__(endpoint, bind=bind, max_queued=max_queued_groups)
+
+    async def send(self, group: TrajectoryGroup) -> None:  # type: ignore[override]
+        """Queue one group for the learner; waits while the queue is full."""
+        await super().send(encode(group))
+
+
+# ---------------------------------------------------------------------------- progress
+
+
+class ProgressPublisher:
+    """Learner side of the progress channel: ZMQ PUB, synchronous API.
+
+    :meth:`publish` never blocks. The socket thread sends every published message and,
+    when nothing new was published for ``heartbeat_s`` seconds, repeats the latest one
+    for subscribers that joined late (0 disables the repeat).
+    """
+
+    def __init__(self, endpoint: str, *, bind: bool = True, heartbeat_s: float = 1.0) -> None:
+        if heartbeat_s < 0:
+            raise ValueError(f"heartbeat_s must be >= 0, got {heartbeat_s}")
+        self._heartbeat_s = heartbeat_s or None
+        self._box: _Mailbox[bytes] = _Mailbox(64, drop_oldest=True)
+        self._published = 0
+        self._closed = False
+        self._thread = _SocketThread(
+            "progress-publisher", zmq.PUB, endpoint, bind, {zmq.SNDHWM: 64}, self._loop, on_exit=self._box.close
+        )
+        self.endpoint = self._thread.endpoint
+
+    def _loop(self, sock: zmq.Socket) -> None:
+        latest: bytes | None = None
+        while True:
+            batch = self._box.take_all(self._heartbeat_s)
+            if self._box.closed:
+                return
+            if batch:
+                for data in batch:
+                    sock.send(data)
+                latest = batch[-1]
+            elif latest is not None:
+                sock.send(latest)  # heartbeat: the same state again
+
+    def publish(self, progress: Progress) -> None:
+        if self._closed:
+            raise TransportError(f"ProgressPublisher({self.endpoint}) is closed")
+        if not self._box.put_nowait(encode(progress)):
+            raise TransportError(f"ProgressPublisher({self.endpoint}) thread failed: {self._thread.error}")
+        self._published += 1
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return {"published": self._published}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._box.close()
+        self._thread.stop()
+
+    def __enter__(self) -> ProgressPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ProgressSubscriber:
+    """Actor side of the progress channel: ZMQ SUB, usable from trio.
+
+    :meth:`receive` returns the next message in order (heartbeat repeats included); the
+    newest ``max_buffered`` unread ones are kept. :attr:`latest` is the last message seen,
+    whether or not anyone called :meth:`receive`.
+    """
+
+    def __init__(self, endpoint: str, *, bind: bool = False, max_buffered: int = 64) -> None:
+        self._box: _Mailbox[Progress] = _Mailbox(max_buffered, drop_oldest=True)
+        self._bad = _MalformedLog("progress")
+        self._received = 0
+        self._closed = False
+        self.latest: Progress | None = None
+        self._thread = _SocketThread(
+            "progress-subscriber",
+            zmq.SUB,
+            endpoint,
+            bind,
+            {zmq.SUBSCRIBE: b"", zmq.RCVHWM: max_buffered},
+            self._loop,
+            on_exit=lambda: self._box.close(discard=False),
+        )
+        self.endpoint = self._thread.endpoint
+
+    def _loop(self, sock: zmq.Socket) -> None:
+        while True:
+            msgs = []
+            for frame in _recv_batch(sock, self._box.maxlen):
+                if frame is None:
+                    self._bad.add("multi-frame message")
+                elif (msg := _decode_as(frame, Progress, self._bad)) is not None:
+                    msgs.append(msg)
+            if msgs:
+                self._received += len(msgs)
+                self.latest = msgs[-1]
+                self._box.put_many(msgs)
+
+    async def receive(self) -> Progress:
+        """The next progress message (callers bound the wait with trio.fail_after)."""
+        try:
+            return await self._box.aget()
+        except trio.ClosedResourceError:
+            if self._thread.error is not None:
+                raise TransportError(f"ProgressSubscriber({self.endpoint}) thread failed: {self._thread.error}") from None
+            raise
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return {"received": self._received, "malformed": self._bad.count, "queued": len(self._box)}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._box.close()
+        self._thread.stop()
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(self.close)
+
+    async def __aenter__(self) -> ProgressSubscriber:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+# ---------------------------------------------------------------------------- in-memory
+
+
+class InMemoryGroupChannel:
+    """Both ends of a trajectory channel in one process, for unit tests.
+
+    ``send`` (trio) and ``get`` (any thread) behave like GroupSender/GroupReceiver: bounded,
+    ``send`` waits while full, ``get`` returns None on timeout. Every group is encoded and
+    decoded on the way, so tests see exactly what the learner would.
+    """
+
+    def __init__(self, max_queued_groups: int = 16) -> None:
+        self._box: _Mailbox[TrajectoryGroup] = _Mailbox(max_queued_groups)
+        self._received = 0
+        self._delivered = 0
+
+    async def send(self, group: TrajectoryGroup) -> None:
+        wire = decode(encode(group))
+        await self._box.aput(wire)  # type: ignore[arg-type]
+        self._received += 1
+
+    def send_nowait(self, group: TrajectoryGroup) -> None:
+        """For synchronous (learner) tests: queue a group or raise TransportError when full."""
+        if not self._box.put_nowait(decode(encode(group))):  # type: ignore[arg-type]
+            raise TransportError("InMemoryGroupChannel is full or closed")
+        self._received += 1
+
+    def get(self, timeout_s: float | None = None) -> TrajectoryGroup | None:
+        ok, group = self._box.get(timeout_s)
+        if ok:
+            self._delivered += 1
+        return group
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return {"received": self._received, "malformed": 0, "delivered": self._delivered, "queued": len(self._box)}
+
+    def close(self) -> None:
+        self._box.close()
+
+    async def aclose(self) -> None:
+        self.close()
+        await trio.lowlevel.checkpoint()
+
+
+class InMemoryProgressChannel:
+    """Both ends of a progress channel in one process, for unit tests.
+
+    ``publish`` never blocks; ``receive`` (trio) returns the next message; ``latest`` is the
+    last one published. Keeps the newest ``max_buffered`` unread messages, like the subscriber.
+    """
+
+    def __init__(self, max_buffered: int = 64) -> None:
+        self._box: _Mailbox[Progress] = _Mailbox(max_buffered, drop_oldest=True)
+        self.latest: Progress | None = None
+
+    def publish(self, progress: Progress) -> None:
+        msg = decode(encode(progress))
+        self.latest = msg  # type: ignore[assignment]
+        self._box.put_many([msg])  # type: ignore[list-item]
+
+    async def receive(self) -> Progress:
+        return await self._box.aget()
+
+    def close(self) -> None:
+        self._box.close()
+
+    async def aclose(self) -> None:
+        self.close()
+        await trio.lowlevel.checkpoint()

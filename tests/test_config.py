@@ -1,0 +1,166 @@
+"""Config: every shipped TOML parses, unknown keys are named, overrides, cross-field checks."""
+
+from __future__ import annotations
+
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from agentrl.config import AgentRLConfig, ConfigError, dump_toml, load_config, parse_override
+
+ROOT = Path(__file__).resolve().parents[1]
+_NOT_SHIPPED = {".git", ".venv", "runs", "build", "dist", "node_modules", ".pytest_cache", ".hypothesis"}
+
+
+def shipped_tomls(root: Path = ROOT) -> list[Path]:
+    """Every TOML in the repository except pyproject.toml: git's view (tracked, or new and not
+    ignored) when this is a git checkout, else a walk that skips virtualenvs and run outputs."""
+    try:
+        out = subprocess.run(
+            ["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.toml"],
+            cwd=root, capture_output=True, text=True, check=True, timeout=30,
+        ).stdout  # fmt: skip
+        paths = [root / line for line in out.splitlines() if line]
+    except (OSError, subprocess.SubprocessError):
+        paths = [p for p in root.rglob("*.toml") if not _NOT_SHIPPED & set(p.relative_to(root).parts)]
+    return sorted(p for p in paths if p.name != "pyproject.toml" and p.is_file())
+
+
+def test_every_shipped_toml_parses() -> None:
+    paths = shipped_tomls()
+    assert all(p.suffix == ".toml" and p.name != "pyproject.toml" for p in paths)
+    errors = {}
+    for path in paths:
+        try:
+            load_config(path)
+        except ConfigError as e:
+            errors[str(path.relative_to(ROOT))] = str(e)
+    assert not errors, errors
+    examples = sorted((ROOT / "examples").glob("**/*.toml"))
+    assert set(examples) <= set(paths), "every example config is among those checked"
+
+
+def test_shipped_toml_discovery_outside_git(tmp_path) -> None:
+    """Without git (an unpacked tarball) the walk finds new examples and skips run outputs."""
+    (tmp_path / "examples" / "new").mkdir(parents=True)
+    (tmp_path / "examples" / "new" / "config.toml").write_text("[learner]\nlr = 1e-4\n")
+    (tmp_path / "runs" / "x").mkdir(parents=True)
+    (tmp_path / "runs" / "x" / "config.toml").write_text("[nonsense]\n")
+    (tmp_path / "pyproject.toml").write_text("[project]\n")
+    assert shipped_tomls(tmp_path) == [tmp_path / "examples" / "new" / "config.toml"]
+
+
+def write(tmp_path: Path, text: str, name: str = "run.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_defaults_are_valid_and_sectioned() -> None:
+    cfg = load_config()
+    assert isinstance(cfg, AgentRLConfig)
+    assert cfg.tracking.enabled and cfg.tracking.uri == ""
+    assert cfg.actors.trajectory_endpoint.startswith("tcp://127.0.0.1:")
+    assert cfg.actors.progress_endpoint.startswith("tcp://127.0.0.1:")
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ("[learner]\nlrr = 1e-4\n", "learner.lrr"),
+        ("[nonsense]\nx = 1\n", "nonsense"),
+        ("[tracking]\nenabled = true\nurl = 'http://x'\n", "tracking.url"),
+        ("top_level = 1\n", "top_level"),
+    ],
+)
+def test_unknown_keys_are_named_with_the_file(tmp_path, text, key) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert f"unknown key '{key}'" in str(err.value)
+    assert str(path) in str(err.value)
+
+
+def test_invalid_values_are_named(tmp_path) -> None:
+    path = write(tmp_path, "[learner]\nlr = -1.0\n[actors]\ngroup_size = 'many'\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    msg = str(err.value)
+    assert "invalid value for 'learner.lr'" in msg and "invalid value for 'actors.group_size'" in msg
+    assert str(path) in msg
+
+
+def test_env_kwargs_take_any_keys(tmp_path) -> None:
+    cfg = load_config(write(tmp_path, "[env]\ncls = 'my_pkg.env:MyEnv'\n[env.kwargs]\ndifficulty = 3\nname = 'x'\n"))
+    assert cfg.env.kwargs == {"difficulty": 3, "name": "x"}
+
+
+def test_missing_file_and_bad_toml(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "absent.toml")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(write(tmp_path, "[learner\nlr = 1\n"))
+
+
+@pytest.mark.parametrize(
+    "item, path, value",
+    [
+        ("learner.lr=1e-4", ["learner", "lr"], 1e-4),
+        ("actors.group_size=4", ["actors", "group_size"], 4),
+        ("tracking.enabled=false", ["tracking", "enabled"], False),
+        ("engine.urls=['http://a:1', 'http://b:2']", ["engine", "urls"], ["http://a:1", "http://b:2"]),
+        ("tracking.uri=http://127.0.0.1:5000", ["tracking", "uri"], "http://127.0.0.1:5000"),  # not TOML: a string
+        ("env.kwargs.level = 2", ["env", "kwargs", "level"], 2),
+        ("run.name=a=b", ["run", "name"], "a=b"),
+    ],
+)
+def test_parse_override(item, path, value) -> None:
+    assert parse_override(item) == (path, value)
+
+
+@pytest.mark.parametrize("item, match", [("learner.lr", "section.key=value"), ("lr=1", "dotted"), ("a..b=1", "dotted")])
+def test_bad_override_forms(item, match) -> None:
+    with pytest.raises(ConfigError, match=match):
+        parse_override(item)
+
+
+def test_overrides_apply_over_the_file(tmp_path) -> None:
+    path = write(tmp_path, "[learner]\nlr = 1e-3\nmax_steps = 7\n")
+    cfg = load_config(path, ["learner.lr=5e-5", "env.kwargs.level=2", "run.name=exp"])
+    assert cfg.learner.lr == 5e-5 and cfg.learner.max_steps == 7
+    assert cfg.env.kwargs == {"level": 2} and cfg.run.name == "exp"
+    with pytest.raises(ConfigError, match=r"unknown key 'learner\.nope' in .*run\.toml \(with overrides\)"):
+        load_config(path, ["learner.nope=1"])
+    with pytest.raises(ConfigError, match="learner.lr.x"):
+        load_config(path, ["learner.lr.x=1"])
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["env.cls=agentrl.envs.calculator.CalculatorEnv"], "module:Class"),
+        (["learner.dual_clip=0.5"], "dual_clip"),
+        (["learner.algorithm=ppo"], "needs learner.advantage = 'gae'"),
+        (["learner.advantage=gae"], "needs a critic"),
+        (["actors.group_size=1"], "group_size >= 2"),
+        (["env.max_total_tokens=4096", "engine.max_context_tokens=2048"], "exceeds"),
+    ],
+)
+def test_cross_field_checks(overrides, match) -> None:
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, overrides)
+
+
+def test_cross_field_checks_accept_consistent_settings() -> None:
+    cfg = load_config(None, ["learner.algorithm=ppo", "learner.advantage=gae", "actors.group_size=1", "learner.dual_clip=3.0"])
+    assert cfg.learner.algorithm == "ppo"
+
+
+def test_dump_toml_round_trips(tmp_path) -> None:
+    cfg = load_config(None, ["learner.lr=2e-5", "env.kwargs.level=3", "env.kwargs.name='a \"b\"'", "engine.urls=['http://x:1']"])
+    text = dump_toml(cfg)
+    tomllib.loads(text)  # valid TOML
+    again = load_config(write(tmp_path, text))
+    assert again == cfg
