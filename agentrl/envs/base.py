@@ -11,8 +11,9 @@ An environment answers five questions, each a method:
 
 Per-episode resources (a sandbox, a scratch directory) live in the ``state`` dict
 returned by :meth:`Env.setup`; :meth:`Env.cleanup` always runs, on cancellation and
-errors too. Limits (turns, total tokens) come from the ``[env]`` config section, which
-the actor loop enforces.
+errors too. Process-wide resources (a pool of sandboxes) are released by :meth:`Env.aclose`
+when the actor stops. Limits (turns, total tokens) come from the ``[env]`` config section,
+which the actor loop enforces.
 
 Environments are loaded by import path, ``env.cls = "my_pkg.my_env:MyEnv"`` with
 ``[env.kwargs]`` passed to the constructor, so users never edit agentrl.
@@ -80,6 +81,9 @@ class Env:
     def demonstration(self, task: Task) -> list[Message] | None:
         """A correct episode for supervised warm-start (with the right tool calls), or None."""
         return None
+
+    async def aclose(self) -> None:
+        """Release process-wide resources (a sandbox pool); called once when the actor stops."""
 
 
 def load_env(import_path: str, kwargs: dict[str, Any] | None = None) -> Env:
