@@ -7,6 +7,8 @@
 * :func:`make_toolbox` wraps the env's tools in a :class:`~agentrl.tools.base.ToolBox` with
   the ``[env]`` section's time and output limits.
 * :func:`demonstrations` yields correct episodes for the supervised warm start.
+* :func:`score_episode` and :func:`run_cleanup` call an env's ``reward`` and ``cleanup`` so
+  that neither a raising reward nor a cancelled episode can crash an actor.
 
 Built-in envs (import paths for ``env.cls``): ``agentrl.envs.calculator:CalculatorEnv``,
 ``agentrl.envs.search_qa:SearchQAEnv``, ``agentrl.envs.code:CodeEnv``.
@@ -17,13 +19,14 @@ from __future__ import annotations
 import inspect
 from typing import TYPE_CHECKING, Any, Iterator
 
-from agentrl.envs.base import Env, Message, Task, load_env, total_reward
+from agentrl.envs.base import Env, Message, Task, load_env, run_cleanup, score_episode, total_reward
 
 if TYPE_CHECKING:
     from agentrl.config import AgentRLConfig
     from agentrl.tools.base import ToolBox
 
-__all__ = ["Env", "Message", "Task", "demonstrations", "load_env", "make_env", "make_toolbox", "total_reward"]
+__all__ = ["Env", "Message", "Task", "demonstrations", "load_env", "make_env", "make_toolbox", "run_cleanup",
+           "score_episode", "total_reward"]
 
 
 def make_env(cfg: "AgentRLConfig") -> Env:

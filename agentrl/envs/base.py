@@ -112,3 +112,38 @@ def total_reward(value: float | dict[str, float]) -> tuple[float, dict[str, floa
         comps = {str(k): float(v) for k, v in value.items()}
         return sum(comps.values()), comps
     return float(value), {}
+
+
+async def score_episode(
+    env: Env, task: Task, state: dict[str, Any], messages: list[Message]
+) -> tuple[float, dict[str, float], str | None]:
+    """Call ``env.reward`` and normalise it; a reward that raises or is not a finite number
+    scores 0.0 and comes back with an error message (the episode is kept, the run goes on).
+    Returns ``(total, components, error)``. Cancellation propagates."""
+    import math
+
+    try:
+        value = await env.reward(task, state, messages)
+        total, components = total_reward(value)
+    except Exception as e:  # noqa: BLE001 - a broken reward is reported, never fatal
+        return 0.0, {}, f"reward of {type(env).__name__} failed: {type(e).__name__}: {e}"
+    if not math.isfinite(total):
+        return 0.0, {}, f"reward of {type(env).__name__} is not finite: {value!r}"
+    return total, components, None
+
+
+async def run_cleanup(env: Env, task: Task, state: dict[str, Any], limit_s: float = 30.0) -> str | None:
+    """Run ``env.cleanup`` shielded from cancellation and bounded by ``limit_s``; returns an
+    error message instead of raising (so an episode's cleanup always runs, and never crashes
+    the actor)."""
+    import trio
+
+    with trio.CancelScope(shield=True):
+        with trio.move_on_after(limit_s) as scope:
+            try:
+                await env.cleanup(task, state)
+            except Exception as e:  # noqa: BLE001
+                return f"cleanup of {type(env).__name__} failed: {type(e).__name__}: {e}"
+        if scope.cancelled_caught:
+            return f"cleanup of {type(env).__name__} took longer than {limit_s:g} s"
+    return None

@@ -9,10 +9,11 @@ Payload keys: ``action`` ("run" or "reset"), ``code``, ``files`` ({relative path
 (0: not set here), ``max_output_bytes``, ``max_file_bytes``, ``sweep_uid``.
 
 "run": write ``files`` and the code (as ``main.py``) into ``workdir``, start
-``python3 -I main.py`` in a new session with CPU-time, address-space, file-size, process
-and core-dump limits, stdout/stderr redirected to files (so the file-size limit also caps
-output), wait at most ``wall_time_s``, kill the whole session, and report exit code,
-signal, what limit was hit, and the first ``max_output_bytes`` of each stream.
+``python3 -E -s main.py`` (so modules in the work directory are importable) in a new
+session with CPU-time, address-space, file-size, process and core-dump limits,
+stdout/stderr redirected to files (so the file-size limit also caps output), wait at most
+``wall_time_s``, kill the whole session, and report exit code, signal, what limit was hit,
+and the first ``max_output_bytes`` of each stream.
 
 "reset": kill leftover processes of this uid (only when ``sweep_uid`` is set and the uid
 is not root, i.e. inside a container or VM where this uid belongs to the sandbox) and empty
@@ -109,7 +110,7 @@ def run(payload):
     timed_out = False
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-I", "main.py"],
+            [sys.executable, "-E", "-s", "main.py"],
             stdin=subprocess.PIPE, stdout=out, stderr=err, cwd=workdir,
             preexec_fn=_limits(payload), start_new_session=True, close_fds=True,
         )
