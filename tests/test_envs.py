@@ -110,6 +110,16 @@ def test_make_env_passes_kwargs_and_sandbox_settings(tmp_path):
         make_env(load_config(None, ["env.cls=missing_mod:Env"]))
 
 
+def test_episode_limits_prefer_the_env_then_the_config():
+    from agentrl.envs import episode_limits
+
+    cfg = load_config(None, ["env.max_turns=3", "env.max_total_tokens=500"])
+    assert episode_limits(RaisingEnv(), cfg) == (3, 500)
+    env = RaisingEnv()
+    env.max_turns, env.max_total_tokens = 8, 99999
+    assert episode_limits(env, cfg) == (8, cfg.engine.max_context_tokens)
+
+
 def test_demonstrations_helper_skips_tasks_without_demos():
     env = load_env("agentrl.envs.calculator:CalculatorEnv", {"max_ops": 3, "demo_max_ops": 1})
     records = list(demonstrations(env, 30, seed=3))

@@ -4,6 +4,7 @@
   whose constructor takes a ``sandbox`` argument receives the ``[sandbox]`` section as a
   dict, updated by ``env.kwargs.sandbox`` when that is a table (for settings beyond the
   section, such as ``max_live`` or ``docker_host``).
+* :func:`episode_limits` gives the turn and token limits (the env's own, else the config's).
 * :func:`make_toolbox` wraps the env's tools in a :class:`~agentrl.tools.base.ToolBox` with
   the ``[env]`` section's time and output limits.
 * :func:`demonstrations` yields correct episodes for the supervised warm start.
@@ -25,8 +26,8 @@ if TYPE_CHECKING:
     from agentrl.config import AgentRLConfig
     from agentrl.tools.base import ToolBox
 
-__all__ = ["Env", "Message", "Task", "demonstrations", "load_env", "make_env", "make_toolbox", "run_cleanup",
-           "score_episode", "total_reward"]
+__all__ = ["Env", "Message", "Task", "demonstrations", "episode_limits", "load_env", "make_env", "make_toolbox",
+           "run_cleanup", "score_episode", "total_reward"]
 
 
 def make_env(cfg: "AgentRLConfig") -> Env:
@@ -45,6 +46,14 @@ def make_env(cfg: "AgentRLConfig") -> Env:
         if isinstance(cls, type) and "sandbox" in inspect.signature(cls.__init__).parameters:
             kwargs["sandbox"] = cfg.sandbox.model_dump()
     return load_env(cfg.env.cls, kwargs)
+
+
+def episode_limits(env: Env, cfg: "AgentRLConfig") -> tuple[int, int]:
+    """(max_turns, max_total_tokens) for the env's episodes: the env's own values where it
+    sets them, else the ``[env]`` section's; never above ``engine.max_context_tokens``."""
+    turns = env.max_turns if env.max_turns is not None else cfg.env.max_turns
+    tokens = env.max_total_tokens if env.max_total_tokens is not None else cfg.env.max_total_tokens
+    return turns, min(tokens, cfg.engine.max_context_tokens)
 
 
 def make_toolbox(env: Env, cfg: "AgentRLConfig | None" = None) -> "ToolBox":

@@ -43,6 +43,10 @@ class Env:
     """Base class for environments. Override what differs; the defaults are a plain chat."""
 
     name: str = "env"
+    # Episode limits; None means the [env] config section's max_turns / max_total_tokens.
+    # An env that needs tighter (or looser) limits sets them here (see episode_limits).
+    max_turns: int | None = None
+    max_total_tokens: int | None = None
 
     def tasks(self, split: str = "train", seed: int = 0) -> Iterator[Task]:
         """Yield tasks for ``split`` ("train" or "test"); may be infinite for "train"."""
