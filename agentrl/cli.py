@@ -79,6 +79,49 @@ def run_cmd(
 # ------------------------------------------------------ env and actor commands (serve-actors, serve-search)
 
 
+@app.command("serve-search")
+def serve_search_cmd(
+    corpus: Annotated[Path, typer.Option("--corpus", help="JSONL corpus: one {\"id\", \"text\"} object per line.")],
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port (0: a free one, printed at start-up).")] = 8001,
+) -> None:
+    """Serve BM25 retrieval over a local corpus: POST /retrieve {"queries": [...], "top_k": k}."""
+    from agentrl.tools.search_server import serve
+
+    try:
+        serve(corpus, host=host, port=port)
+    except (ValueError, OSError) as e:
+        typer.secho(f"serve-search: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
+
+
+@app.command("make-demos")
+def make_demos_cmd(
+    config: ConfigArg,
+    out: Annotated[Path, typer.Option("--out", "-o", help="JSONL file to write.")],
+    num: Annotated[int, typer.Option("--num", "-n", help="Number of demonstrations.")] = 1000,
+    overrides: OverrideOpt = None,
+) -> None:
+    """Write the configured env's demonstration episodes (correct tool use) as JSONL for SFT."""
+    import json
+
+    from agentrl.envs import demonstrations, make_env
+
+    cfg = _load(config, overrides)
+    try:
+        env = make_env(cfg)
+    except ValueError as e:
+        typer.secho(f"make-demos: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    count = 0
+    with out.open("w") as f:
+        for record in demonstrations(env, num, seed=cfg.run.seed):
+            f.write(json.dumps(record) + "\n")
+            count += 1
+    typer.echo(f"wrote {count} demonstrations of {type(env).__name__} to {out}")
+
+
 # ------------------------------------------------------------- learner commands (learn, sft, export)
 
 

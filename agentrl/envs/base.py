@@ -11,8 +11,9 @@ An environment answers five questions, each a method:
 
 Per-episode resources (a sandbox, a scratch directory) live in the ``state`` dict
 returned by :meth:`Env.setup`; :meth:`Env.cleanup` always runs, on cancellation and
-errors too. Limits (turns, total tokens) come from the ``[env]`` config section, which
-the actor loop enforces.
+errors too. Process-wide resources (a pool of sandboxes) are released by :meth:`Env.aclose`
+when the actor stops. Limits (turns, total tokens) come from the ``[env]`` config section,
+which the actor loop enforces.
 
 Environments are loaded by import path, ``env.cls = "my_pkg.my_env:MyEnv"`` with
 ``[env.kwargs]`` passed to the constructor, so users never edit agentrl.
@@ -42,6 +43,10 @@ class Env:
     """Base class for environments. Override what differs; the defaults are a plain chat."""
 
     name: str = "env"
+    # Episode limits; None means the [env] config section's max_turns / max_total_tokens.
+    # An env that needs tighter (or looser) limits sets them here (see episode_limits).
+    max_turns: int | None = None
+    max_total_tokens: int | None = None
 
     def tasks(self, split: str = "train", seed: int = 0) -> Iterator[Task]:
         """Yield tasks for ``split`` ("train" or "test"); may be infinite for "train"."""
@@ -81,6 +86,9 @@ class Env:
         """A correct episode for supervised warm-start (with the right tool calls), or None."""
         return None
 
+    async def aclose(self) -> None:
+        """Release process-wide resources (a sandbox pool); called once when the actor stops."""
+
 
 def load_env(import_path: str, kwargs: dict[str, Any] | None = None) -> Env:
     """Instantiate ``"module.path:ClassName"`` with ``kwargs``; errors name what was wrong."""
@@ -108,3 +116,38 @@ def total_reward(value: float | dict[str, float]) -> tuple[float, dict[str, floa
         comps = {str(k): float(v) for k, v in value.items()}
         return sum(comps.values()), comps
     return float(value), {}
+
+
+async def score_episode(
+    env: Env, task: Task, state: dict[str, Any], messages: list[Message]
+) -> tuple[float, dict[str, float], str | None]:
+    """Call ``env.reward`` and normalise it; a reward that raises or is not a finite number
+    scores 0.0 and comes back with an error message (the episode is kept, the run goes on).
+    Returns ``(total, components, error)``. Cancellation propagates."""
+    import math
+
+    try:
+        value = await env.reward(task, state, messages)
+        total, components = total_reward(value)
+    except Exception as e:  # noqa: BLE001 - a broken reward is reported, never fatal
+        return 0.0, {}, f"reward of {type(env).__name__} failed: {type(e).__name__}: {e}"
+    if not math.isfinite(total):
+        return 0.0, {}, f"reward of {type(env).__name__} is not finite: {value!r}"
+    return total, components, None
+
+
+async def run_cleanup(env: Env, task: Task, state: dict[str, Any], limit_s: float = 30.0) -> str | None:
+    """Run ``env.cleanup`` shielded from cancellation and bounded by ``limit_s``; returns an
+    error message instead of raising (so an episode's cleanup always runs, and never crashes
+    the actor)."""
+    import trio
+
+    with trio.CancelScope(shield=True):
+        with trio.move_on_after(limit_s) as scope:
+            try:
+                await env.cleanup(task, state)
+            except Exception as e:  # noqa: BLE001
+                return f"cleanup of {type(env).__name__} failed: {type(e).__name__}: {e}"
+        if scope.cancelled_caught:
+            return f"cleanup of {type(env).__name__} took longer than {limit_s:g} s"
+    return None

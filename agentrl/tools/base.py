@@ -54,13 +54,41 @@ class ToolResult:
 
 
 class Tool:
-    """Base class. Subclasses set ``name``/``description``/``parameters`` and implement ``run``."""
+    """Base class. Subclasses implement ``run`` and may set ``name``/``description``/``parameters``.
+
+    What a subclass leaves out is derived, as for decorated functions: ``parameters`` from the
+    type hints of ``run`` (when it names its arguments instead of taking ``**arguments``),
+    ``description`` from the class docstring, argument descriptions from the ``Args:`` section
+    of the class or ``run`` docstring, ``name`` from the class name (``WeatherTool`` ->
+    ``weather``), and ``wants_state`` from a ``state`` parameter of ``run``.
+    """
 
     name: str = ""
     description: str = ""
     parameters: dict[str, Any] = {"type": "object", "properties": {}, "required": []}
     timeout_s: float | None = None  # None: the ToolBox default
     wants_state: bool = False  # pass the episode state as keyword ``state``
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__name__ == "FunctionTool" or cls.__module__ == __name__:
+            return
+        class_desc, class_args = _parse_docstring(cls.__doc__ or "")
+        if "name" not in cls.__dict__ and not any(b.name for b in cls.__mro__[1:] if issubclass(b, Tool)):
+            base = cls.__name__[:-4] if cls.__name__.endswith("Tool") and cls.__name__ != "Tool" else cls.__name__
+            cls.name = re.sub(r"(?<!^)(?=[A-Z])", "_", base).lower()
+        if "description" not in cls.__dict__ and class_desc:
+            cls.description = class_desc
+        run = cls.__dict__.get("run")
+        if run is None:
+            return
+        params = inspect.signature(run).parameters
+        named = [p for n, p in params.items() if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if "parameters" not in cls.__dict__ and named:
+            _, run_args = _parse_docstring(run.__doc__ or "")
+            cls.parameters = _schema_from_signature(run, {**class_args, **run_args})
+        if "wants_state" not in cls.__dict__ and "state" in params:
+            cls.wants_state = True
 
     async def run(self, **arguments: Any) -> str:
         raise NotImplementedError(f"tool {self.name!r} does not implement run()")
@@ -141,7 +169,7 @@ def _schema_from_signature(fn: Callable[..., Any], arg_docs: dict[str, str]) -> 
     props: dict[str, Any] = {}
     required: list[str] = []
     for pname, param in inspect.signature(fn).parameters.items():
-        if pname == "state" or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+        if pname in ("self", "state") or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             continue
         prop = _json_type(hints.get(pname, str))
         if pname in arg_docs:

@@ -78,3 +78,22 @@ def _parse_call(body: str) -> tuple[ToolCall | None, str]:
     if not isinstance(args, dict):
         return None, f"Error: the arguments of {name} must be a JSON object"
     return ToolCall(name=name, arguments=args), ""
+
+
+PARSERS: dict[str, type] = {"hermes": HermesToolCallParser, "qwen": HermesToolCallParser}
+
+
+def get_parser(name: str = "hermes") -> ToolCallParser:
+    """A parser by format name (``hermes``/``qwen``), or by import path ``module:Class``."""
+    if ":" in name:
+        import importlib
+
+        module_name, cls_name = name.split(":", 1)
+        try:
+            cls = getattr(importlib.import_module(module_name), cls_name)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"cannot load tool-call parser {name!r}: {e}") from e
+        return cls()
+    if name not in PARSERS:
+        raise ValueError(f"unknown tool-call format {name!r}; choose one of {', '.join(PARSERS)} or 'module:Class'")
+    return PARSERS[name]()

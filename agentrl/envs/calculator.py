@@ -1,0 +1,193 @@
+"""The quickstart environment: arithmetic questions answered with a ``calculator`` tool.
+
+Designed so that a ~1M-parameter model learns it from scratch in minutes on a CPU:
+
+* Short prompts: system "Use the calculator, then answer with the number." and user
+  "What is 37 + 48 * 2?". The whole correct episode is about a hundred tokens.
+* One obvious policy: copy the expression into ``calculator(expression=...)``, read the
+  result, answer "The answer is 133.". Nothing needs to be computed by the model.
+* Difficulty knobs: ``min_ops``/``max_ops`` operators per question, operands in
+  ``0..max_operand``. Demonstrations (for the supervised warm start) only cover questions
+  with at most ``demo_max_ops`` operators, so RL has harder questions left to learn.
+* Division is off by default (``ops="+-*"``); with ``"/"`` in ``ops`` only questions whose
+  value is a whole number are generated.
+* ``word_problem_rate``: the fraction of questions wrapped in a one-sentence story with a
+  single operation ("Ann has 12 coins and gets 7 more. How many coins now?"), where the model
+  has to write the expression itself.
+
+Splits: ``tasks("train", seed)`` is an infinite stream; ``tasks("test")`` is a fixed
+held-out set of ``num_test_tasks`` questions (independent of ``seed``). A question belongs
+to the test split when the SHA-1 of its text falls in the lowest ``test_fraction`` of the
+hash range, and the train stream skips those, so the splits never share a question.
+
+Reward: ``{"correct": 1.0}`` when the last number in the final answer equals the true value,
+else 0, plus an optional ``format`` component (``format_weight``) for answers of the exact
+form "The answer is N.".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from typing import Any, Iterator
+
+from agentrl.envs.base import Env, Message, Task
+from agentrl.envs.rewards import final_assistant_text, last_number
+from agentrl.tools.base import Tool
+from agentrl.tools.calculator import CalculatorTool, evaluate, format_number
+
+SYSTEM_PROMPT = "Use the calculator, then answer with the number."
+
+_NAMES = ["Ann", "Ben", "Cal", "Dee", "Eli", "Fay", "Gus", "Ivy", "Jon", "Kim"]
+_ITEMS = ["apples", "books", "coins", "cards", "pens", "shells", "stamps", "toys"]
+
+
+def _bucket(text: str) -> float:
+    """A stable number in [0, 1) from the text (the split assignment)."""
+    return int(hashlib.sha1(text.encode()).hexdigest()[:8], 16) / 16**8
+
+
+class CalculatorEnv(Env):
+    name = "calculator"
+
+    def __init__(
+        self,
+        min_ops: int = 1,
+        max_ops: int = 3,
+        max_operand: int = 50,
+        demo_max_ops: int = 2,
+        ops: str = "+-*",
+        word_problem_rate: float = 0.0,
+        num_test_tasks: int = 200,
+        test_fraction: float = 0.1,
+        format_weight: float = 0.0,
+        system_prompt: str = SYSTEM_PROMPT,
+    ):
+        if not 1 <= min_ops <= max_ops:
+            raise ValueError(f"need 1 <= min_ops <= max_ops, got min_ops={min_ops}, max_ops={max_ops}")
+        if max_operand < 1:
+            raise ValueError(f"max_operand must be >= 1, got {max_operand}")
+        bad = set(ops) - set("+-*/")
+        if not ops or bad:
+            raise ValueError(f"ops must be a non-empty string of + - * /, got {ops!r}")
+        if not 0.0 <= word_problem_rate <= 1.0:
+            raise ValueError(f"word_problem_rate must be in [0, 1], got {word_problem_rate}")
+        if not 0.0 < test_fraction < 1.0:
+            raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+        self.min_ops, self.max_ops, self.max_operand = min_ops, max_ops, max_operand
+        self.demo_max_ops = demo_max_ops
+        self.ops = ops
+        self.word_problem_rate = word_problem_rate
+        self.num_test_tasks = num_test_tasks
+        self.test_fraction = test_fraction
+        self.format_weight = format_weight
+        self.system_prompt = system_prompt
+
+    # ------------------------------------------------------------------ tasks
+
+    def tasks(self, split: str = "train", seed: int = 0) -> Iterator[Task]:
+        if split == "train":
+            return self._stream(random.Random(f"calculator-train-{seed}"), test=False)
+        if split == "test":
+            return self._test_set()
+        raise ValueError(f"calculator env has splits 'train' and 'test', not {split!r}")
+
+    def _test_set(self) -> Iterator[Task]:
+        seen: set[str] = set()
+        for task in self._stream(random.Random("calculator-test"), test=True):
+            if task.id in seen:
+                continue
+            seen.add(task.id)
+            yield task
+            if len(seen) >= self.num_test_tasks:
+                return
+
+    def _stream(self, rng: random.Random, test: bool) -> Iterator[Task]:
+        misses = 0
+        while True:
+            task = self.sample_task(rng)
+            if (_bucket(task.data["question"]) < self.test_fraction) == test:
+                misses = 0
+                yield task
+            else:
+                misses += 1
+                if misses > 100_000:
+                    raise ValueError("the calculator task space is too small for a train/test split; "
+                                     "raise max_operand or max_ops")
+
+    def sample_task(self, rng: random.Random) -> Task:
+        """One random question (split membership is decided by the caller)."""
+        if self.word_problem_rate and rng.random() < self.word_problem_rate:
+            question, expression = self._word_problem(rng)
+        else:
+            expression = self._expression(rng)
+            question = f"What is {expression}?"
+        value = evaluate(expression)
+        task_id = "calc-" + hashlib.sha1(question.encode()).hexdigest()[:12]
+        return Task(id=task_id, data={"question": question, "expression": expression,
+                                      "answer": format_number(value),
+                                      "num_ops": sum(expression.count(f" {op} ") for op in "+-*/")})
+
+    def _expression(self, rng: random.Random) -> str:
+        for _ in range(1000):
+            n = rng.randint(self.min_ops, self.max_ops)
+            parts = [str(rng.randint(0, self.max_operand))]
+            for _ in range(n):
+                parts += [rng.choice(self.ops), str(rng.randint(0, self.max_operand))]
+            expression = " ".join(parts)
+            try:
+                if evaluate(expression).denominator == 1:
+                    return expression
+            except ValueError:  # division by zero
+                continue
+        raise ValueError("could not generate a whole-number question; allow more operators than '/'")
+
+    def _word_problem(self, rng: random.Random) -> tuple[str, str]:
+        name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+        a, b = rng.randint(1, self.max_operand), rng.randint(1, self.max_operand)
+        kind = rng.choice([op for op in self.ops if op != "/"] or ["+"])
+        if kind == "+":
+            return f"{name} has {a} {item} and gets {b} more. How many {item} now?", f"{a} + {b}"
+        if kind == "-":
+            a, b = max(a, b), min(a, b)
+            return f"{name} has {a} {item} and gives away {b}. How many {item} are left?", f"{a} - {b}"
+        return f"{name} buys {a} boxes of {b} {item}. How many {item} in all?", f"{a} * {b}"
+
+    # --------------------------------------------------------------- episode
+
+    def initial_messages(self, task: Task) -> list[Message]:
+        return [{"role": "system", "content": self.system_prompt},
+                {"role": "user", "content": task.data["question"]}]
+
+    def tools(self) -> list[Tool]:
+        return [CalculatorTool()]
+
+    async def reward(self, task: Task, state: dict[str, Any], messages: list[Message]) -> dict[str, float]:
+        return self.score(task, messages)
+
+    def score(self, task: Task, messages: list[Message]) -> dict[str, float]:
+        """The reward components (synchronous, for evaluation scripts)."""
+        text = final_assistant_text(messages)
+        value = last_number(text) if text is not None else None
+        correct = value is not None and format_number(value) == task.data["answer"]
+        out = {"correct": 1.0 if correct else 0.0}
+        if self.format_weight:
+            well_formed = text is not None and text.strip() == f"The answer is {task.data['answer']}."
+            out["format"] = self.format_weight if well_formed else 0.0
+        return out
+
+    def is_success(self, task: Task, reward: float) -> bool:
+        return reward >= 1.0
+
+    def demonstration(self, task: Task) -> list[Message] | None:
+        """The correct episode; None for questions harder than ``demo_max_ops``."""
+        if task.data["num_ops"] > self.demo_max_ops:
+            return None
+        call = {"type": "function",
+                "function": {"name": "calculator", "arguments": {"expression": task.data["expression"]}}}
+        return [
+            *self.initial_messages(task),
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "calculator", "content": task.data["answer"]},
+            {"role": "assistant", "content": f"The answer is {task.data['answer']}."},
+        ]

@@ -1,0 +1,54 @@
+"""Reward helpers shared by environments: find the final answer, normalise it, compare it.
+
+An episode's final answer is the content of its last message when that message is an
+assistant turn without a tool call. An episode that ended on a tool call or a tool result
+(the turn limit was hit mid-work) has no final answer and scores zero in the built-in envs.
+Tool calls may appear either as ``tool_calls`` on the message (OpenAI style) or as raw
+``<tool_call>`` text in its content (what a model generated); both count as tool calls.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from fractions import Fraction
+from typing import Any
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_ANSWER_PREFIX = re.compile(r"^\s*(?:the\s+)?(?:final\s+)?answer\s*(?:is|:)\s*", re.I)
+
+
+def final_assistant_text(messages: list[dict[str, Any]]) -> str | None:
+    """The final answer's text, or None when the episode did not end with a plain answer."""
+    if not messages:
+        return None
+    last = messages[-1]
+    if last.get("role") != "assistant" or last.get("tool_calls"):
+        return None
+    content = last.get("content") or ""
+    if not isinstance(content, str) or "<tool_call>" in content:
+        return None
+    return content
+
+
+def last_number(text: str) -> Fraction | None:
+    """The last number written in ``text`` (``"The answer is 133."`` -> 133), or None."""
+    found = _NUMBER.findall(text.replace(",", ""))
+    return Fraction(found[-1]) if found else None
+
+
+def normalize_answer(text: str) -> str:
+    """Lower-case, drop an "The answer is" prefix, punctuation, articles and extra spaces."""
+    text = _ANSWER_PREFIX.sub("", text.strip())
+    text = text.lower()
+    text = "".join(ch for ch in text if ch not in string.punctuation)
+    text = _ARTICLES.sub(" ", text)
+    return " ".join(text.split())
+
+
+def exact_match(prediction: str, answers: str | list[str]) -> bool:
+    """Normalised exact match against one or several accepted answers."""
+    options = [answers] if isinstance(answers, str) else answers
+    pred = normalize_answer(prediction)
+    return any(pred == normalize_answer(a) for a in options)

@@ -1,0 +1,151 @@
+"""Task sources: read an env's tasks from local JSONL, JSON, Parquet or Hugging Face datasets.
+
+:class:`TaskSource` maps split names to local paths and turns records into :class:`Task`
+objects. A path may be
+
+* a ``.jsonl`` file (one JSON object per line; blank lines skipped),
+* a ``.json`` file holding a list of objects,
+* a ``.parquet`` file (needs ``pyarrow``),
+* a folder written by ``datasets``' ``save_to_disk`` (a ``Dataset``, or a ``DatasetDict``
+  whose sub-folder named like the split is used). It is read with ``datasets`` when that is
+  installed and otherwise straight from its Arrow files with ``pyarrow``,
+* a folder of ``.jsonl``/``.parquet`` files, all read in name order.
+
+A path containing ``{split}`` is formatted with the split name, so
+``TaskSource("data/{split}.jsonl")`` serves ``data/train.jsonl`` and ``data/test.jsonl``.
+
+The ``train`` split is an endless stream, reshuffled every pass with ``seed``; every other
+split is served once, in file order, so evaluation sets are stable. A record's ``id_field``
+becomes :attr:`Task.id` (else ``"<split>-<row>"``); the whole record is :attr:`Task.data`.
+Records are loaded once per split and cached.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any, Iterator
+
+from agentrl.envs.base import Task
+
+Record = dict[str, Any]
+
+
+class TaskSource:
+    def __init__(self, path: str | Path | None = None, *, id_field: str = "id", **split_paths: str | Path):
+        """``TaskSource("data/{split}.jsonl")`` or ``TaskSource(train="a.jsonl", test="b.parquet")``."""
+        if path is None and not split_paths:
+            raise ValueError("TaskSource needs a path or one path per split (train=..., test=...)")
+        self.path = str(path) if path is not None else None
+        self.split_paths = {k: str(v) for k, v in split_paths.items()}
+        self.id_field = id_field
+        self._cache: dict[str, list[Record]] = {}
+
+    def records(self, split: str) -> list[Record]:
+        if split not in self._cache:
+            if split in self.split_paths:
+                self._cache[split] = load_records(self.split_paths[split])
+            elif self.path is not None:
+                if "{split}" in self.path:
+                    self._cache[split] = load_records(self.path.format(split=split))
+                else:
+                    self._cache[split] = load_records(self.path, split=split)
+            else:
+                raise ValueError(f"no path for split {split!r}; known splits: {', '.join(self.split_paths)}")
+            if not self._cache[split]:
+                raise ValueError(f"split {split!r} of the task source has no records")
+        return self._cache[split]
+
+    def tasks(self, split: str = "train", seed: int = 0) -> Iterator[Task]:
+        records = self.records(split)
+        tasks = [self._task(split, i, r) for i, r in enumerate(records)]
+        if split != "train":
+            yield from tasks
+            return
+        rng = random.Random(f"tasks-{seed}")
+        while True:
+            order = list(range(len(tasks)))
+            rng.shuffle(order)
+            for i in order:
+                yield tasks[i]
+
+    def _task(self, split: str, index: int, record: Record) -> Task:
+        if not isinstance(record, dict):
+            raise ValueError(f"record {index} of split {split!r} is a {type(record).__name__}, not an object")
+        task_id = record.get(self.id_field)
+        return Task(id=str(task_id) if task_id is not None else f"{split}-{index}", data=dict(record))
+
+
+def load_records(path: str | Path, split: str | None = None) -> list[Record]:
+    """All records at ``path`` (see the module docstring for the formats)."""
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"task data not found: {p}")
+    if p.is_dir():
+        return _load_dir(p, split)
+    suffix = p.suffix.lower()
+    if suffix == ".jsonl":
+        return _load_jsonl(p)
+    if suffix == ".json":
+        data = json.loads(p.read_text())
+        if not isinstance(data, list):
+            raise ValueError(f"{p} must hold a JSON list of objects (use .jsonl for one object per line)")
+        return data
+    if suffix == ".parquet":
+        return _pyarrow("Parquet files").parquet.read_table(p).to_pylist()
+    raise ValueError(f"cannot read tasks from {p}: expected .jsonl, .json, .parquet or a datasets folder")
+
+
+def _load_jsonl(p: Path) -> list[Record]:
+    out = []
+    with p.open() as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{p}:{lineno} is not valid JSON: {e.msg}") from None
+    return out
+
+
+def _load_dir(p: Path, split: str | None) -> list[Record]:
+    if (p / "dataset_dict.json").exists():
+        splits = json.loads((p / "dataset_dict.json").read_text()).get("splits", [])
+        if split not in splits:
+            raise ValueError(f"{p} is a DatasetDict with splits {splits}; split {split!r} is not one of them")
+        return _load_hf_dataset(p / split)
+    if (p / "state.json").exists():
+        return _load_hf_dataset(p)
+    files = sorted(f for f in p.iterdir() if f.suffix.lower() in (".jsonl", ".parquet"))
+    if split is not None and any(f.name.startswith(split) for f in files):
+        files = [f for f in files if f.name.startswith(split)]
+    if not files:
+        raise ValueError(f"{p} holds no .jsonl or .parquet files and is not a datasets folder")
+    return [r for f in files for r in load_records(f)]
+
+
+def _load_hf_dataset(p: Path) -> list[Record]:
+    """A ``save_to_disk`` folder: with ``datasets`` if present, else its Arrow stream files."""
+    try:
+        import datasets  # type: ignore[import-not-found]
+    except ImportError:
+        pa = _pyarrow("datasets folders (or install the `datasets` package)")
+        state = json.loads((p / "state.json").read_text())
+        rows: list[Record] = []
+        for entry in state.get("_data_files", []):
+            with pa.memory_map(str(p / entry["filename"])) as source:
+                rows += pa.ipc.open_stream(source).read_all().to_pylist()
+        return rows
+    return datasets.load_from_disk(str(p)).to_list()
+
+
+def _pyarrow(what: str) -> Any:
+    try:
+        import pyarrow
+        import pyarrow.ipc  # noqa: F401
+        import pyarrow.parquet  # noqa: F401
+    except ImportError:
+        raise ValueError(f"reading {what} needs pyarrow: pip install pyarrow") from None
+    return pyarrow

@@ -1,0 +1,158 @@
+"""The sandbox interface shared by the ``local`` (bubblewrap), ``docker`` and ``e2b`` backends.
+
+A :class:`Sandbox` runs Python code and returns an :class:`ExecResult`; it keeps a work
+directory for one episode (files written by one call are there for the next), and
+:meth:`Sandbox.reset` empties it and ends leftover processes before the sandbox serves the
+next episode. All three backends run the same stdlib-only runner script
+(``agentrl/tools/sandbox/runner.py``) inside the sandbox, which applies the per-run limits
+(CPU time, address space, file size, processes, wall time) and reports what happened as
+JSON, so limits and reports read the same everywhere; each backend adds its own outer wall
+(namespaces, cgroups, a VM).
+
+:class:`SandboxSettings` mirrors the ``[sandbox]`` config section plus backend details.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+RUNNER_PATH = Path(__file__).with_name("runner.py")
+MARKER = "__AGENTRL_RESULT__"
+
+
+@dataclass
+class SandboxSettings:
+    backend: str = "local"  # local | docker | e2b
+    image: str = "agentrl-python:latest"  # docker image
+    e2b_template: str = ""  # e2b template; empty = the SDK's default
+    pool_size: int = 4  # idle sandboxes kept for reuse
+    cpu_time_s: float = 5.0
+    wall_time_s: float = 10.0
+    memory_mb: int = 256
+    max_processes: int = 32
+    max_output_chars: int = 4000
+    max_file_mb: int = 16  # largest file (and stdout/stderr) a run may write
+    tmpfs_mb: int = 64  # size of the private /tmp (local backend)
+    uid_base: int = 61000  # local backend, when run as root: sandboxes run as uid_base + n
+    python: str = ""  # local backend: interpreter inside the sandbox; empty = /usr/bin/python3
+    docker_host: str = ""  # empty: DOCKER_HOST or the default socket
+    cpus: float = 1.0  # docker: CPU share of a container
+    lifetime_s: float = 3600.0  # docker/e2b: a container/VM ends itself after this long
+    max_live: int = 0  # most sandboxes alive at once (0: unbounded); acquire waits beyond it
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None) -> "SandboxSettings":
+        values = dict(values or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown sandbox setting(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        settings = cls(**values)
+        if settings.backend not in ("local", "docker", "e2b"):
+            raise ValueError(f"sandbox backend must be local, docker or e2b, got {settings.backend!r}")
+        return settings
+
+    def payload(self, action: str = "run", code: str = "", files: dict[str, str] | None = None,
+                stdin: str = "", workdir: str = "/work", max_processes: int | None = None,
+                sweep_uid: bool = False) -> dict[str, Any]:
+        """The runner's input for one call."""
+        return {
+            "action": action, "code": code, "files": files or {}, "stdin": stdin, "workdir": workdir,
+            "cpu_time_s": self.cpu_time_s, "wall_time_s": self.wall_time_s, "memory_mb": self.memory_mb,
+            "max_processes": self.max_processes if max_processes is None else max_processes,
+            "max_output_bytes": 4 * self.max_output_chars, "max_file_bytes": self.max_file_mb << 20,
+            "sweep_uid": sweep_uid,
+        }
+
+
+_LIMIT_TEXT = {
+    "wall_time": "wall-clock time limit of {wall:g} s exceeded",
+    "cpu_time": "CPU time limit of {cpu:g} s exceeded",
+    "memory": "memory limit of {mem} MB exceeded",
+    "file_size": "output/file size limit exceeded",
+    "processes": "process limit reached",
+}
+
+
+@dataclass
+class ExecResult:
+    stdout: str = ""
+    stderr: str = ""
+    exit_code: int | None = 0  # None: killed on a time-out or the sandbox failed
+    limit: str = ""  # which limit stopped the code: wall_time, cpu_time, memory, file_size, processes
+    truncated: bool = False
+    duration_s: float = 0.0
+    error: str = ""  # the sandbox itself failed (not the code)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.limit and not self.error
+
+    def render(self, settings: SandboxSettings | None = None, max_chars: int | None = None) -> str:
+        """What the model sees: output, then errors, then one bracketed status line if not clean."""
+        s = settings or SandboxSettings()
+        max_chars = max_chars or s.max_output_chars
+        parts = []
+        if self.stdout:
+            parts.append(self.stdout.rstrip("\n"))
+        if self.stderr:
+            parts.append(self.stderr.rstrip("\n"))
+        text = "\n".join(parts)
+        if len(text) > max_chars:
+            text, truncated = text[:max_chars], True
+        else:
+            truncated = self.truncated
+        notes = []
+        if self.error:
+            notes.append(f"sandbox error: {self.error}")
+        if self.limit:
+            notes.append(_LIMIT_TEXT.get(self.limit, self.limit).format(
+                wall=s.wall_time_s, cpu=s.cpu_time_s, mem=s.memory_mb))
+        elif self.exit_code is not None and self.exit_code < 0:
+            notes.append(f"killed by signal {-self.exit_code}")
+        elif self.exit_code:
+            notes.append(f"exit code {self.exit_code}")
+        if truncated:
+            notes.append("output truncated")
+        if notes:
+            text = (text + "\n" if text else "") + "[" + "; ".join(notes) + "]"
+        return text or "(no output)"
+
+
+def parse_report(stdout: str, stderr: str = "") -> ExecResult:
+    """Decode the runner's report from its stdout (the line after the marker)."""
+    idx = stdout.rfind(MARKER)
+    if idx < 0:
+        detail = (stderr or stdout).strip()[-500:] or "no output"
+        return ExecResult(exit_code=None, error=f"the sandbox runner did not report ({detail})")
+    try:
+        report = json.loads(stdout[idx + len(MARKER):].strip().splitlines()[0])
+    except (json.JSONDecodeError, IndexError) as e:
+        return ExecResult(exit_code=None, error=f"unreadable sandbox report: {e}")
+    known = {"stdout", "stderr", "exit_code", "limit", "truncated", "duration_s", "error"}
+    return ExecResult(**{k: v for k, v in report.items() if k in known},
+                      extra={k: v for k, v in report.items() if k not in known})
+
+
+def runner_source() -> str:
+    return RUNNER_PATH.read_text()
+
+
+class Sandbox:
+    """One sandbox; used by one episode at a time."""
+
+    settings: SandboxSettings
+
+    async def run(self, code: str, *, files: dict[str, str] | None = None, stdin: str = "") -> ExecResult:
+        raise NotImplementedError
+
+    async def reset(self) -> None:
+        """Empty the work directory and end leftover processes (between episodes)."""
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        raise NotImplementedError

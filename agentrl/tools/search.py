@@ -1,0 +1,63 @@
+"""The ``search`` tool: ranked passages from a BM25 index, over HTTP or in-process.
+
+With ``url`` set, each call POSTs ``{"queries": [query], "top_k": k}`` to
+``<url>/retrieve`` of an ``agentrl serve-search`` server (or anything speaking the same
+API); with ``index`` set, it searches a :class:`~agentrl.tools.search_server.BM25Index` in
+this process (in a worker thread). The model sees numbered passages::
+
+    [1] The Silver Lamp is a novel written by Ravel Omni.
+    [2] ...
+
+or ``No results.``. HTTP failures raise, and the :class:`~agentrl.tools.base.ToolBox` turns
+them into error observations.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import trio
+
+from agentrl.tools.base import Tool
+
+
+class SearchTool(Tool):
+    """Search the knowledge base; returns the most relevant passages.
+
+    Args:
+        query: what to look for, for example a name or a title.
+    """
+
+    name = "search"
+
+    def __init__(self, url: str = "", *, index: Any = None, top_k: int = 3, request_timeout_s: float = 10.0):
+        if bool(url) == (index is not None):
+            raise ValueError("SearchTool needs exactly one of url (a search server) or index (a BM25Index)")
+        self.url = url.rstrip("/")
+        self.index = index
+        self.top_k = top_k
+        self.request_timeout_s = request_timeout_s
+
+    async def run(self, query: str) -> str:
+        if not query.strip():
+            raise ValueError("the query is empty")
+        if self.index is not None:
+            results = await trio.to_thread.run_sync(self.index.search, [query], self.top_k)
+        else:
+            results = await self._remote([query])
+        return format_passages(results[0])
+
+    async def _remote(self, queries: list[str]) -> list[list[dict[str, Any]]]:
+        import httpx
+
+        async with httpx.AsyncClient(timeout=self.request_timeout_s) as client:
+            response = await client.post(f"{self.url}/retrieve", json={"queries": queries, "top_k": self.top_k})
+        if response.status_code != 200:
+            raise RuntimeError(f"search server answered HTTP {response.status_code}: {response.text[:200]}")
+        return response.json()["results"]
+
+
+def format_passages(passages: list[dict[str, Any]]) -> str:
+    if not passages:
+        return "No results."
+    return "\n".join(f"[{i}] {p['text']}" for i, p in enumerate(passages, 1))

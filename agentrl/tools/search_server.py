@@ -1,0 +1,145 @@
+"""A BM25 retrieval server over a local JSONL corpus (``agentrl serve-search``).
+
+Corpus: one JSON object per line with ``text`` and optionally ``id`` (else the line number)
+and ``title`` (prepended to the text for indexing). The index is built with ``bm25s`` at
+start-up (English stop words, no stemming: the corpora are small and exact names matter),
+which takes well under a second for thousands of passages.
+
+HTTP API (starlette + uvicorn):
+
+* ``POST /retrieve`` ``{"queries": ["..."], "top_k": 3}`` ->
+  ``{"results": [[{"id": ..., "text": ..., "score": ...}, ...], ...]}``, one ranked list per
+  query; passages sharing no term with the query (score 0) are left out.
+* ``GET /health`` -> ``{"status": "ok", "num_passages": N}``.
+
+Bad requests get HTTP 400 with ``{"error": "..."}`` naming the problem.
+
+The server binds its socket before start-up and prints ``serving search on http://HOST:PORT``
+so that ``--port 0`` (a free port chosen by the kernel) can be used by scripts and tests.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+MAX_TOP_K = 100
+MAX_QUERIES = 256
+
+
+class BM25Index:
+    """An in-memory BM25 index of passages; ``search`` is thread-safe."""
+
+    def __init__(self, passages: list[dict[str, Any]]):
+        import bm25s
+
+        if not passages:
+            raise ValueError("the corpus is empty")
+        self.passages = [{"id": str(p.get("id", i)), "text": str(p["text"])} for i, p in enumerate(passages)]
+        texts = [f"{p.get('title', '')} {p['text']}".strip() for p in passages]
+        self._tokenizer = bm25s.tokenization.Tokenizer(stopwords="en", stemmer=None)
+        tokens = self._tokenizer.tokenize(texts, return_as="tuple", show_progress=False)
+        self._bm25 = bm25s.BM25()
+        self._bm25.index(tokens, show_progress=False)
+        self._lock = threading.Lock()  # the tokenizer's vocabulary lookups are not documented as thread-safe
+
+    @classmethod
+    def from_jsonl(cls, path: str | Path) -> "BM25Index":
+        return cls(load_corpus(path))
+
+    def __len__(self) -> int:
+        return len(self.passages)
+
+    def search(self, queries: list[str], top_k: int = 3) -> list[list[dict[str, Any]]]:
+        if not queries:
+            return []
+        k = max(1, min(top_k, len(self.passages)))
+        with self._lock:
+            ids = self._tokenizer.tokenize(list(queries), update_vocab=False, return_as="ids", show_progress=False)
+            docs, scores = self._bm25.retrieve(ids, k=k, show_progress=False, n_threads=1)
+        results = []
+        for row_docs, row_scores in zip(docs.tolist(), scores.tolist()):
+            results.append([{**self.passages[d], "score": round(float(s), 4)}
+                            for d, s in zip(row_docs, row_scores) if s > 0])
+        return results
+
+
+def load_corpus(path: str | Path) -> list[dict[str, Any]]:
+    """Read a JSONL corpus; each line needs a ``text`` string. Errors name the line."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"corpus file not found: {p}")
+    passages = []
+    with p.open() as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{p}:{lineno} is not valid JSON: {e.msg}") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+                raise ValueError(f"{p}:{lineno} must be an object with a string 'text'")
+            passages.append(obj)
+    if not passages:
+        raise ValueError(f"corpus {p} has no passages")
+    return passages
+
+
+def parse_request(body: Any) -> tuple[list[str], int]:
+    """Validate a /retrieve body; raises ValueError with a message for the client."""
+    if not isinstance(body, dict):
+        raise ValueError("the body must be a JSON object with 'queries' and optional 'top_k'")
+    queries = body.get("queries")
+    if isinstance(queries, str):
+        queries = [queries]
+    if not isinstance(queries, list) or not all(isinstance(q, str) for q in queries):
+        raise ValueError("'queries' must be a list of strings")
+    if len(queries) > MAX_QUERIES:
+        raise ValueError(f"at most {MAX_QUERIES} queries per request")
+    top_k = body.get("top_k", 3)
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= MAX_TOP_K:
+        raise ValueError(f"'top_k' must be an integer from 1 to {MAX_TOP_K}")
+    return queries, top_k
+
+
+def create_app(index: BM25Index):
+    from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    async def retrieve(request: Request) -> JSONResponse:
+        try:
+            queries, top_k = parse_request(json.loads(await request.body()))
+        except json.JSONDecodeError as e:
+            return JSONResponse({"error": f"the body is not valid JSON: {e.msg}"}, status_code=400)
+        except ValueError as e:
+            return JSONResponse({"error": str(e)}, status_code=400)
+        results = await run_in_threadpool(index.search, queries, top_k)
+        return JSONResponse({"results": results})
+
+    async def health(request: Request) -> JSONResponse:
+        return JSONResponse({"status": "ok", "num_passages": len(index)})
+
+    return Starlette(routes=[Route("/retrieve", retrieve, methods=["POST"]), Route("/health", health)])
+
+
+def serve(corpus: str | Path, host: str = "127.0.0.1", port: int = 8001, log_level: str = "warning") -> None:
+    """Index ``corpus`` and serve it until interrupted."""
+    import uvicorn
+
+    index = BM25Index.from_jsonl(corpus)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)  # connections made before uvicorn's loop starts wait in the backlog
+    actual_port = sock.getsockname()[1]
+    config = uvicorn.Config(create_app(index), log_level=log_level, access_log=False)
+    server = uvicorn.Server(config)
+    print(f"serving search on http://{host}:{actual_port} ({len(index)} passages)", flush=True)
+    server.run(sockets=[sock])
