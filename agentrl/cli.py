@@ -76,6 +76,47 @@ def run_cmd(
 # ---------------------------------------------------------------- engine commands (serve-engine)
 
 
+@app.command(
+    "serve-engine",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def serve_engine_cmd(
+    ctx: typer.Context,
+    model: Annotated[Path, typer.Option("--model", help="Local Hugging Face model folder.")],
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 30000,
+    backend: Annotated[str, typer.Option(help="embedded (this process, CPU or one GPU) or sglang.")] = "embedded",
+    device: Annotated[str, typer.Option(help="embedded: auto, cpu, cuda or cuda:N.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16.")] = "auto",
+    max_running_requests: Annotated[int, typer.Option(help="Requests decoded together at most.")] = 64,
+    max_context_tokens: Annotated[int, typer.Option(help="Prompt + completion tokens per request at most.")] = 2048,
+    weight_version: Annotated[str, typer.Option(help="weight_version reported until the first update.")] = "0",
+    num_threads: Annotated[int, typer.Option(help="embedded: torch threads (0: torch's default).")] = 0,
+) -> None:
+    """Serve a model over SGLang's native HTTP API (extra arguments go to the server as they are)."""
+    from agentrl.engine.launch import EngineLaunchError, engine_args, engine_command, require_sglang
+
+    if backend not in ("embedded", "sglang"):
+        typer.secho(f"unknown backend {backend!r}; choose embedded or sglang", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2)
+    flags = engine_args(backend, device=device, dtype=dtype, max_running_requests=max_running_requests,
+                        max_context_tokens=max_context_tokens, weight_version=weight_version,
+                        num_threads=num_threads) + list(ctx.args)
+    if backend == "sglang":
+        try:
+            require_sglang()
+        except EngineLaunchError as e:
+            typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(2) from None
+        import os
+
+        argv = engine_command(str(model), port, backend="sglang", host=host, extra=flags)
+        os.execv(argv[0], argv)  # SGLang's own process tree replaces this one
+    from agentrl.engine.server import main as serve_main
+
+    serve_main(["--model", str(model), "--host", host, "--port", str(port), *flags])
+
+
 # ------------------------------------------------------ env and actor commands (serve-actors, serve-search)
 
 

@@ -1,0 +1,373 @@
+"""SGLang 0.5.x native HTTP API: field names, defaults, validation and response shapes.
+
+This module is the one place that knows the wire format of ``POST /generate``; the embedded
+server validates with it and the client builds requests with the same names. It imports
+neither torch nor sglang.
+
+What mirrors SGLang (``sglang/srt/sampling/sampling_params.py``, ``managers/io_struct.py``,
+``managers/schedule_batch.py``, ``entrypoints/http_server.py``):
+
+* ``sampling_params`` keys and defaults (``max_new_tokens`` 128, ``temperature`` 1.0,
+  ``top_p`` 1.0, ``top_k`` -1 = whole vocabulary, ``min_p`` 0, ``skip_special_tokens`` true,
+  ``no_stop_trim`` false, ...). An unknown key is an HTTP 400 that names it; ``null`` means
+  "the default", as in SGLang. ``temperature`` below 1e-6 means greedy, which SGLang runs as
+  ``temperature = 1, top_k = 1`` (so greedy logprobs are plain ``log_softmax(logits)``).
+* ``finish_reason``: ``{"type": "stop", "matched": <token id or stop string>}``,
+  ``{"type": "length", "length": N}``, ``{"type": "abort", "message": ...}``.
+* ``output_token_logprobs`` as ``[logprob, token_id, text_or_null]``; ``output_ids``
+  include the stop token that ended generation; ``text`` drops it (and cuts at a matched stop
+  string) unless ``no_stop_trim``.
+* Errors: HTTP 400 with ``{"error": {"message": ...}}``; the context-length messages are
+  SGLang's wording.
+* Batches: ``input_ids`` as a list of lists; ``sampling_params``/``rid``/``return_logprob``
+  either one value for all or one per prompt; a single ``rid`` string becomes ``rid_i``.
+
+What the embedded engine does not implement is *accepted at its default value and rejected
+otherwise* (400 naming the field): penalties, ``min_new_tokens``, ``n`` > 1, constrained
+decoding (``json_schema``/``regex``/``ebnf``/``structural_tag``), ``stop_regex``,
+``logit_bias``, ``custom_params``, ``top_logprobs_num`` > 0, ``logprob_start_len`` >= 0, and
+``text``-less extras such as images. So a request either means the same thing on both
+servers or fails loudly here.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+SAMPLING_EPS = 1e-6
+TOP_K_ALL = 1 << 30
+
+# Every key SGLang 0.5.x accepts inside ``sampling_params``, with its default.
+SAMPLING_DEFAULTS: dict[str, Any] = {
+    "max_new_tokens": 128,
+    "stop": None,
+    "stop_token_ids": None,
+    "stop_regex": None,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+    "n": 1,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "ignore_eos": False,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "no_stop_trim": False,
+    "custom_params": None,
+    "stream_interval": None,
+    "logit_bias": None,
+    "sampling_seed": None,
+}
+
+# Accepted by SGLang but not implemented by the embedded engine: only the default is allowed.
+UNSUPPORTED_SAMPLING = (
+    "stop_regex", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens",
+    "n", "json_schema", "regex", "ebnf", "structural_tag", "custom_params", "logit_bias",
+)
+
+
+class RequestError(ValueError):
+    """A malformed request; the server answers HTTP 400 with this message."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Validated sampling parameters of one request (SGLang semantics, greedy normalised)."""
+
+    max_new_tokens: int | None = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = TOP_K_ALL
+    min_p: float = 0.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    sampling_seed: int | None = None
+    stream_interval: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.top_k == 1
+
+    @property
+    def needs_filter(self) -> bool:
+        """True when top-k/top-p/min-p truncate the distribution before sampling."""
+        return self.top_k < TOP_K_ALL or self.top_p < 1.0 or self.min_p > 0.0
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def parse_sampling_params(raw: Any, vocab_size: int) -> SamplingParams:
+    """Validate one ``sampling_params`` object; raise :class:`RequestError` naming the field."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise RequestError(f"sampling_params must be an object, got {type(raw).__name__}")
+    for key in raw:
+        if key not in SAMPLING_DEFAULTS:
+            raise RequestError(f"sampling_params has an unknown field {key!r}")
+    # null means "use the default", as in SGLang's __post_init__.
+    p = {k: (SAMPLING_DEFAULTS[k] if raw.get(k) is None else raw[k]) for k in SAMPLING_DEFAULTS}
+    for key in UNSUPPORTED_SAMPLING:
+        if p[key] != SAMPLING_DEFAULTS[key]:
+            raise RequestError(
+                f"sampling_params.{key} = {p[key]!r} is not supported by the embedded engine "
+                f"(only the default {SAMPLING_DEFAULTS[key]!r})"
+            )
+
+    max_new = raw.get("max_new_tokens", 128)  # an explicit null means "up to the context length"
+    if max_new is not None and (not _is_int(max_new) or max_new < 0):
+        raise RequestError(f"sampling_params.max_new_tokens must be an integer >= 0, got {max_new!r}")
+    temperature = p["temperature"]
+    if not _is_num(temperature) or temperature < 0:
+        raise RequestError(f"sampling_params.temperature must be a non-negative finite number, got {temperature!r}")
+    top_p = p["top_p"]
+    if not _is_num(top_p) or not 0.0 < top_p <= 1.0:
+        raise RequestError(f"sampling_params.top_p must be in (0, 1], got {top_p!r}")
+    min_p = p["min_p"]
+    if not _is_num(min_p) or not 0.0 <= min_p <= 1.0:
+        raise RequestError(f"sampling_params.min_p must be in [0, 1], got {min_p!r}")
+    top_k = p["top_k"]
+    if not _is_int(top_k) or (top_k < 1 and top_k != -1):
+        raise RequestError(f"sampling_params.top_k must be -1 (disable) or at least 1, got {top_k!r}")
+    top_k = TOP_K_ALL if top_k == -1 else top_k
+
+    stop = p["stop"] or []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise RequestError("sampling_params.stop must be a string or a list of strings")
+    stop = tuple(s for s in stop if s)
+    stop_ids = p["stop_token_ids"] or []
+    if not isinstance(stop_ids, list) or not all(_is_int(t) for t in stop_ids):
+        raise RequestError("sampling_params.stop_token_ids must be a list of integers")
+    for t in stop_ids:
+        if not 0 <= t < vocab_size:
+            raise RequestError(f"sampling_params.stop_token_ids has {t}, outside [0, {vocab_size})")
+    flags = {}
+    for key in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
+        if not isinstance(p[key], bool):
+            raise RequestError(f"sampling_params.{key} must be true or false, got {p[key]!r}")
+        flags[key] = p[key]
+    seed = p["sampling_seed"]
+    if seed is not None and not _is_int(seed):
+        raise RequestError(f"sampling_params.sampling_seed must be an integer, got {seed!r}")
+    interval = p["stream_interval"]
+    if interval is not None and (not _is_int(interval) or interval < 1):
+        raise RequestError(f"sampling_params.stream_interval must be an integer >= 1, got {interval!r}")
+
+    if temperature < SAMPLING_EPS:  # greedy: SGLang samples with top_k = 1 at temperature 1
+        temperature, top_k = 1.0, 1
+    return SamplingParams(
+        max_new_tokens=max_new, temperature=float(temperature), top_p=float(top_p), top_k=top_k,
+        min_p=float(min_p), stop=stop, stop_token_ids=frozenset(stop_ids), sampling_seed=seed,
+        stream_interval=interval, **flags,
+    )
+
+
+@dataclass
+class GenerateInput:
+    """One prompt of a (possibly batched) ``/generate`` call, validated."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool = False
+    return_text_in_logprobs: bool = False
+
+
+@dataclass
+class GenerateCall:
+    inputs: list[GenerateInput]
+    batched: bool  # answer with a list even for one prompt
+    stream: bool = False
+
+
+def _per_item(value: Any, n: int, name: str, batched: bool) -> list[Any]:
+    if batched and isinstance(value, list):
+        if len(value) != n:
+            raise RequestError(f"{name} has {len(value)} entries for a batch of {n} prompts")
+        return value
+    return [value] * n
+
+
+def _check_ids(ids: Any, vocab_size: int, where: str) -> list[int]:
+    if not isinstance(ids, list) or not ids:
+        raise RequestError(f"{where} is empty" if isinstance(ids, list) else f"{where} must be a list of token ids")
+    for t in ids:
+        if not _is_int(t):
+            raise RequestError(f"{where} must hold integers, got {t!r}")
+        if not 0 <= t < vocab_size:
+            raise RequestError(f"{where} has token id {t}, outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+def check_context(num_input: int, max_new: int | None, context_len: int) -> None:
+    """SGLang's context-length rules (same wording), raised as :class:`RequestError`."""
+    if num_input >= context_len:
+        raise RequestError(
+            f"The input ({num_input} tokens) is longer than the model's context length ({context_len} tokens)."
+        )
+    if max_new is not None and max_new + num_input >= context_len:
+        total = max_new + num_input
+        raise RequestError(
+            f"Requested token count exceeds the model's maximum context length of {context_len} tokens. "
+            f"You requested a total of {total} tokens: {num_input} tokens from the input messages and "
+            f"{max_new} tokens for the completion. Please reduce the number of tokens in the input "
+            f"messages or the completion to fit within the limit."
+        )
+
+
+def parse_generate(body: Any, *, vocab_size: int, context_len: int, encode=None) -> GenerateCall:
+    """Validate a ``/generate`` body. ``encode(text) -> ids`` serves the ``text`` field."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    has_text, has_ids = body.get("text") is not None, body.get("input_ids") is not None
+    if has_text == has_ids:
+        raise RequestError("Either text or input_ids should be provided (exactly one of them).")
+    for key in ("input_embeds", "image_data", "audio_data", "video_data", "lora_path"):
+        if body.get(key) is not None:
+            raise RequestError(f"{key} is not supported by the embedded engine")
+    if has_text:
+        text = body["text"]
+        texts = text if isinstance(text, list) else [text]
+        if not all(isinstance(t, str) for t in texts):
+            raise RequestError("text must be a string or a list of strings")
+        if encode is None:
+            raise RequestError("text input needs a tokenizer; send input_ids")
+        prompts, batched = [encode(t) for t in texts], isinstance(text, list)
+    else:
+        ids = body["input_ids"]
+        batched = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+        prompts = ids if batched else [ids]
+    n = len(prompts)
+    if n == 0:
+        raise RequestError("input_ids is empty")
+    where = lambda i: f"input_ids[{i}]" if batched else "input_ids"  # noqa: E731
+    prompts = [_check_ids(p, vocab_size, where(i)) for i, p in enumerate(prompts)]
+
+    if body.get("top_logprobs_num") not in (None, 0):
+        raise RequestError("top_logprobs_num > 0 is not supported by the embedded engine")
+    if body.get("logprob_start_len") not in (None, -1):
+        raise RequestError("logprob_start_len >= 0 (input logprobs) is not supported by the embedded engine")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError(f"stream must be true or false, got {stream!r}")
+
+    rid = body.get("rid")
+    if rid is None:
+        rids = [uuid.uuid4().hex for _ in range(n)]
+    elif isinstance(rid, str):
+        rids = [f"{rid}_{i}" for i in range(n)] if batched else [rid]
+    elif isinstance(rid, list) and batched and len(rid) == n and all(isinstance(r, str) for r in rid):
+        rids = rid
+    else:
+        raise RequestError("rid must be a string, or a list of strings with one per prompt")
+
+    raw_params = _per_item(body.get("sampling_params"), n, "sampling_params", batched)
+    logprob = _per_item(body.get("return_logprob", False), n, "return_logprob", batched)
+    text_lp = body.get("return_text_in_logprobs", False)
+    if not all(isinstance(x, bool) for x in logprob) or not isinstance(text_lp, bool):
+        raise RequestError("return_logprob and return_text_in_logprobs must be true or false")
+    inputs = []
+    for i in range(n):
+        params = parse_sampling_params(raw_params[i], vocab_size)
+        max_new = params.max_new_tokens
+        check_context(len(prompts[i]), max_new, context_len)
+        inputs.append(GenerateInput(rids[i], prompts[i], params, logprob[i], text_lp))
+    return GenerateCall(inputs=inputs, batched=batched, stream=stream)
+
+
+# ------------------------------------------------------------------------- finish reasons
+
+
+def finish_stop_token(token_id: int) -> dict:
+    return {"type": "stop", "matched": token_id}
+
+
+def finish_stop_str(stop: str) -> dict:
+    return {"type": "stop", "matched": stop}
+
+
+def finish_length(length: int) -> dict:
+    return {"type": "length", "length": length}
+
+
+def finish_abort(message: str) -> dict:
+    return {"type": "abort", "message": message}
+
+
+def error_body(message: str) -> dict:
+    """SGLang's error shape for /generate and control endpoints."""
+    return {"error": {"message": message}}
+
+
+@dataclass
+class Completion:
+    """What the scheduler knows about a request when it reports it (finished or streamed)."""
+
+    rid: str
+    prompt_tokens: int
+    output_ids: list[int]
+    output_logprobs: list[float]
+    finish_reason: dict | None
+    weight_version: str
+    weight_versions: list[dict] = field(default_factory=list)
+    e2e_latency: float = 0.0
+
+
+def output_text_ids(c: Completion, params: SamplingParams) -> list[int]:
+    """Token ids that make up ``text``: the matched stop token is trimmed unless no_stop_trim."""
+    fr = c.finish_reason or {}
+    if not params.no_stop_trim and fr.get("type") == "stop" and isinstance(fr.get("matched"), int) and c.output_ids:
+        return c.output_ids[:-1]
+    return c.output_ids
+
+
+def trim_stop_str(text: str, c: Completion, params: SamplingParams) -> str:
+    fr = c.finish_reason or {}
+    matched = fr.get("matched")
+    if not params.no_stop_trim and fr.get("type") == "stop" and isinstance(matched, str):
+        pos = text.find(matched)
+        if pos != -1:
+            return text[:pos]
+    return text
+
+
+def build_response(c: Completion, inp: GenerateInput, text: str, token_texts: list[str] | None = None) -> dict:
+    """The JSON object SGLang returns for one prompt."""
+    meta: dict[str, Any] = {
+        "id": c.rid,
+        "finish_reason": c.finish_reason,
+        "prompt_tokens": c.prompt_tokens,
+        "completion_tokens": len(c.output_ids),
+        "cached_tokens": 0,
+        "weight_version": c.weight_version,
+        "weight_versions": c.weight_versions,
+        "e2e_latency": c.e2e_latency,
+    }
+    if inp.return_logprob:
+        texts = token_texts if token_texts is not None else [None] * len(c.output_ids)
+        meta["output_token_logprobs"] = [
+            [lp, tok, txt] for lp, tok, txt in zip(c.output_logprobs, c.output_ids, texts)
+        ]
+    return {"text": text, "output_ids": list(c.output_ids), "meta_info": meta}

@@ -1,0 +1,343 @@
+"""Async client for a fleet of SGLang-compatible servers (real SGLang or the embedded engine).
+
+Usable from trio and asyncio (httpx + anyio). One :class:`EngineClient` spreads
+``/generate`` calls over N servers:
+
+* **Least outstanding requests**: a call goes to the healthy server with the fewest calls in
+  flight from this client (ties rotate).
+* **Episode affinity**: calls with the same ``affinity_key`` (an episode id) go to the
+  server that served the key before, as long as it is healthy -- the turns of an episode
+  share a prefix, which SGLang's radix cache reuses. The map is bounded (LRU).
+* **Retries**: connection errors and HTTP 5xx are retried with exponential backoff (and
+  jitter), on another server when the first one looks down; HTTP 4xx is the caller's error
+  and raises :class:`EngineRequestError` at once. A result with
+  ``finish_reason.type == "abort"`` (the server was paused with mode ``abort``, e.g. for a
+  weight update) is a *result*, returned with its partial output and never retried.
+* **Health**: a background task (started by ``async with``) polls ``/health``; a server
+  that fails is dropped from the rotation and re-admitted when it answers again. When no
+  server is healthy a call *waits* (re-probing) until one is, up to ``timeout_s``, instead
+  of failing -- an engine that is restarting or busy with a weight update is not an error.
+  A paused server simply holds the requests it receives (SGLang's behaviour), so calls wait.
+* **Router**: with ``router_url`` (sglang-router), generation goes through the router,
+  which balances by itself; control calls (``pause``, ``abort`` ...) still go to each engine
+  in ``urls`` because the router does not fan them out. Weight updates are
+  :class:`agentrl.engine.weights.WeightUpdater`'s job, also engine by engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import httpx
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """Base class of the client's errors."""
+
+
+class EngineRequestError(EngineError):
+    """The server rejected the request (HTTP 4xx); retrying would not help."""
+
+    def __init__(self, status: int, message: str, url: str = ""):
+        super().__init__(f"{url} answered HTTP {status}: {message}")
+        self.status, self.message, self.url = status, message, url
+
+
+class EngineUnavailableError(EngineError):
+    """No server could serve the call within the retries and the time limit."""
+
+
+@dataclass
+class GenerateResult:
+    output_ids: list[int]  # generated token ids, INCLUDING the stop token when it stopped on one
+    output_logprobs: list[float]  # one per output id (sampling distribution, temperature-scaled)
+    text: str
+    finish_reason: dict  # SGLang shape: {"type": "stop"|"length"|"abort", ...}
+    weight_version: str  # the engine's weight_version when the request finished
+    prompt_tokens: int
+    meta_info: dict  # the raw meta_info
+    url: str = ""  # the server (or router) that answered
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_reason.get("type") == "abort"
+
+    @classmethod
+    def from_response(cls, body: dict, url: str = "") -> "GenerateResult":
+        meta = body.get("meta_info") or {}
+        lps = meta.get("output_token_logprobs") or []
+        return cls(
+            output_ids=list(body.get("output_ids") or []),
+            output_logprobs=[float(x[0]) if x[0] is not None else float("nan") for x in lps],
+            text=body.get("text", ""),
+            finish_reason=meta.get("finish_reason") or {},
+            weight_version=str(meta.get("weight_version", "")),
+            prompt_tokens=int(meta.get("prompt_tokens", 0)),
+            meta_info=meta,
+            url=url,
+        )
+
+
+@dataclass(eq=False)
+class _Server:
+    url: str
+    healthy: bool = True
+    outstanding: int = 0
+    served: int = 0
+    last_error: str = ""
+
+
+def _error_message(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text.strip()[:500]
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if "message" in body:
+            return str(body["message"])
+    return str(body)[:500]
+
+
+class EngineClient:
+    def __init__(self, urls: list[str], *, router_url: str = "", max_retries: int = 5,
+                 health_check_interval_s: float = 2.0, timeout_s: float = 600.0, health_timeout_s: float = 5.0,
+                 backoff_s: float = 0.2, max_backoff_s: float = 5.0, max_affinity_keys: int = 100_000):
+        if not urls and not router_url:
+            raise ValueError("EngineClient needs engine urls, a router_url, or both")
+        self.engines = [_Server(u.rstrip("/")) for u in urls]
+        self.router = _Server(router_url.rstrip("/")) if router_url else None
+        self.max_retries, self.timeout_s = max_retries, timeout_s
+        self.health_check_interval_s, self.health_timeout_s = health_check_interval_s, health_timeout_s
+        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
+        self.max_affinity_keys = max_affinity_keys
+        self._affinity: OrderedDict[str, _Server] = OrderedDict()
+        self._turn = 0
+        self._http: httpx.AsyncClient | None = None
+        self._tg: Any = None
+        self._last_probe = 0.0
+        self._probe_lock: anyio.Lock | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    async def __aenter__(self) -> "EngineClient":
+        self._client()
+        await self.check_health()
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._tg.start_soon(self._health_loop)
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self._tg is not None:
+            self._tg.cancel_scope.cancel()
+            await self._tg.__aexit__(None, None, None)
+            self._tg = None
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+    def _client(self) -> httpx.AsyncClient:
+        if self._http is None:
+            self._http = httpx.AsyncClient(
+                timeout=httpx.Timeout(self.timeout_s, connect=min(10.0, self.timeout_s)),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
+            )
+        return self._http
+
+    @property
+    def _pool(self) -> list[_Server]:
+        return [self.router] if self.router is not None else self.engines
+
+    @property
+    def servers(self) -> list[_Server]:
+        return self._pool + (self.engines if self.router is not None else [])
+
+    def healthy_urls(self) -> list[str]:
+        return [s.url for s in self._pool if s.healthy]
+
+    # -- health -------------------------------------------------------------------------------
+    async def _probe(self, server: _Server) -> None:
+        try:
+            r = await self._client().get(f"{server.url}/health", timeout=self.health_timeout_s)
+            ok, why = r.status_code == 200, f"HTTP {r.status_code}"
+        except httpx.HTTPError as e:
+            ok, why = False, f"{type(e).__name__}: {e}"
+        if ok and not server.healthy:
+            log.info("engine %s is healthy again", server.url)
+        elif not ok and server.healthy:
+            log.warning("engine %s dropped: /health failed (%s)", server.url, why)
+        server.healthy = ok
+        if not ok:
+            server.last_error = why
+
+    async def check_health(self, only_unhealthy: bool = False) -> None:
+        """Probe every server (or only the dropped ones) once, concurrently."""
+        targets = [s for s in self.servers if not (only_unhealthy and s.healthy)]
+        async with anyio.create_task_group() as tg:
+            for s in targets:
+                tg.start_soon(self._probe, s)
+
+    async def _health_loop(self) -> None:
+        while True:
+            await anyio.sleep(self.health_check_interval_s)
+            await self.check_health()
+
+    def _mark_down(self, server: _Server, why: str) -> None:
+        if server.healthy:
+            log.warning("engine %s dropped: %s", server.url, why)
+        server.healthy, server.last_error = False, why
+
+    async def _wait_for_healthy(self, deadline: float) -> None:
+        """No server is healthy: re-probe the dropped ones (at most every 0.2 s) until one is back."""
+        if self._probe_lock is None:
+            self._probe_lock = anyio.Lock()
+        while not any(s.healthy for s in self._pool):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                errors = ", ".join(f"{s.url}: {s.last_error or 'unhealthy'}" for s in self._pool)
+                raise EngineUnavailableError(f"no healthy engine within {self.timeout_s:.0f} s ({errors})")
+            async with self._probe_lock:
+                if time.monotonic() - self._last_probe >= 0.2:
+                    self._last_probe = time.monotonic()
+                    with anyio.move_on_after(remaining):
+                        await self.check_health(only_unhealthy=True)
+            if not any(s.healthy for s in self._pool):
+                await anyio.sleep(min(0.2 + random.random() * 0.1, max(0.0, deadline - time.monotonic())))
+
+    # -- routing ------------------------------------------------------------------------------
+    def _choose(self, affinity_key: str | None, avoid: _Server | None) -> _Server | None:
+        healthy = [s for s in self._pool if s.healthy]
+        if not healthy:
+            return None
+        if affinity_key is not None and self.router is None:
+            s = self._affinity.get(affinity_key)
+            if s is not None and s.healthy and s is not avoid:
+                self._affinity.move_to_end(affinity_key)
+                return s
+        candidates = [s for s in healthy if s is not avoid] or healthy
+        fewest = min(s.outstanding for s in candidates)
+        best = [s for s in candidates if s.outstanding == fewest]
+        self._turn += 1
+        s = best[self._turn % len(best)]
+        if affinity_key is not None and self.router is None:
+            self._affinity[affinity_key] = s
+            self._affinity.move_to_end(affinity_key)
+            while len(self._affinity) > self.max_affinity_keys:
+                self._affinity.popitem(last=False)
+        return s
+
+    # -- calls --------------------------------------------------------------------------------
+    async def generate(self, input_ids: list[int], sampling_params: dict, *, affinity_key: str | None = None,
+                       rid: str | None = None, return_logprob: bool = True) -> GenerateResult:
+        """One ``/generate`` call (a single prompt), balanced, retried and health-aware."""
+        payload = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params),
+                   "return_logprob": return_logprob, "rid": rid or uuid.uuid4().hex}
+        body, url = await self._request("/generate", payload, affinity_key)
+        return GenerateResult.from_response(body, url)
+
+    async def _request(self, path: str, payload: dict, affinity_key: str | None) -> tuple[Any, str]:
+        """POST with balancing, retries and health handling; returns (JSON body, server url)."""
+        deadline = time.monotonic() + self.timeout_s
+        http = self._client()
+        attempt, avoid = 0, None
+        while True:
+            server = self._choose(affinity_key, avoid)
+            if server is None:
+                await self._wait_for_healthy(deadline)
+                continue
+            server.outstanding += 1
+            try:
+                resp = await http.post(server.url + path, json=payload,
+                                       timeout=max(1.0, deadline - time.monotonic()))
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                self._mark_down(server, f"{type(e).__name__}: {e}")
+                why = f"{server.url}: cannot connect ({type(e).__name__})"
+            except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError) as e:
+                self._mark_down(server, f"{type(e).__name__}: {e}")
+                why = f"{server.url}: connection lost ({type(e).__name__})"
+            except httpx.TimeoutException as e:
+                raise EngineUnavailableError(f"{server.url}{path}: no answer within {self.timeout_s:.0f} s") from e
+            else:
+                if resp.status_code < 400:
+                    server.served += 1
+                    return resp.json(), server.url
+                if resp.status_code < 500:
+                    raise EngineRequestError(resp.status_code, _error_message(resp), server.url + path)
+                why = f"{server.url}: HTTP {resp.status_code}: {_error_message(resp)}"
+            finally:
+                server.outstanding -= 1
+            attempt += 1
+            avoid = server
+            if attempt > self.max_retries:
+                raise EngineUnavailableError(f"{path} failed after {attempt} attempts; last: {why}")
+            delay = min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s) * (0.5 + random.random())
+            if time.monotonic() + delay > deadline:
+                raise EngineUnavailableError(f"{path} failed and the time limit is reached; last: {why}")
+            log.info("retrying %s in %.2f s (attempt %d): %s", path, delay, attempt, why)
+            await anyio.sleep(delay)
+
+    async def model_info(self) -> dict:
+        """``/model_info`` of an engine (``/get_model_info`` on older SGLang)."""
+        http = self._client()
+        servers = sorted(self.engines or self._pool, key=lambda s: not s.healthy)
+        last = ""
+        for s in servers:
+            for path in ("/model_info", "/get_model_info"):
+                try:
+                    r = await http.get(s.url + path, timeout=self.health_timeout_s)
+                except httpx.HTTPError as e:
+                    last = f"{s.url}: {type(e).__name__}"
+                    break
+                if r.status_code == 200:
+                    return r.json()
+                last = f"{s.url}{path}: HTTP {r.status_code}"
+        raise EngineUnavailableError(f"no engine answered /model_info ({last})")
+
+    async def _broadcast(self, path: str, body: dict | None = None) -> list[Any]:
+        """POST to every engine directly (the router does not fan control calls out)."""
+        http = self._client()
+        targets = self.engines or self._pool
+        results: list[Any] = [None] * len(targets)
+
+        async def one(i: int, s: _Server) -> None:
+            r = await http.post(s.url + path, json=body or {}, timeout=self.timeout_s)
+            if r.status_code >= 400:
+                raise EngineRequestError(r.status_code, _error_message(r), s.url + path)
+            results[i] = r.json() if r.content and r.headers.get("content-type", "").startswith("application/json") else None
+
+        async with anyio.create_task_group() as tg:
+            for i, s in enumerate(targets):
+                tg.start_soon(one, i, s)
+        return results
+
+    async def pause(self, mode: str = "abort") -> None:
+        await self._broadcast("/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> None:
+        await self._broadcast("/continue_generation")
+
+    async def abort(self, rid: str | None = None) -> None:
+        """Abort ``rid`` (or everything when None) on every engine."""
+        await self._broadcast("/abort_request", {"rid": rid or "", "abort_all": rid is None})
+
+    async def weight_versions(self) -> list[str]:
+        http = self._client()
+        out = []
+        for s in self.engines or self._pool:
+            r = await http.get(s.url + "/model_info", timeout=self.health_timeout_s)
+            out.append(str(r.json().get("weight_version")))
+        return out

@@ -1,0 +1,276 @@
+"""Model runner of the embedded engine: a transformers causal LM, a slot KV cache, sampling.
+
+Design (measured against transformers' own continuous batching; see docs/architecture.md):
+
+* **Slot KV cache.** Per layer, one K and one V buffer of shape
+  ``[max_running_requests, kv_heads, capacity, head_dim]``. Running request ``i`` lives in
+  slot ``i``; the running rows are kept *compact* (slots ``0..B-1``): when a request leaves,
+  the last row is moved into its slot (one copy of that row's K/V). The attention of a decode
+  step therefore reads the view ``buf[:B, :, :max_len]`` -- no gather, no concatenation, no
+  per-step copy of the cache -- and a boolean mask hides each row's unused tail. Capacity
+  grows by doubling (up to the context length), so a small model does not reserve
+  ``slots x context`` memory up front.
+* **The model is plain transformers.** The runner calls the decoder (``get_decoder()``) with
+  its own cache object (``update()`` is the whole cache protocol transformers needs), explicit
+  ``position_ids`` and a precomputed 4-D mask passed as ``{"full_attention": mask}``, which
+  transformers uses as is. Then it applies ``lm_head`` only to the rows that need logits:
+  the last real token of each prompt in a prefill, every row in a decode step. Any
+  decoder-only model whose attention calls ``cache.update`` works (Qwen2/3, Llama, ...);
+  sliding-window layers are not supported.
+* **Prefill** runs new (or retracted) requests as one right-padded batch, written straight
+  into their slots; **decode** advances every running row by one token.
+* **Sampling** follows SGLang: logprobs are ``log_softmax(logits / temperature)`` over the
+  full vocabulary, before top-k/top-p/min-p truncation (greedy rows: plain
+  ``log_softmax(logits)``); the token is drawn from the truncated distribution by an
+  exponential race (``argmax(p / E)``, ``E ~ Exp(1)``), which is exact and lets a request
+  with ``sampling_seed`` draw its noise from its own generator (deterministic whatever
+  else is in the batch).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+class SlotKVCache:
+    """Compact per-slot K/V buffers; duck-types the part of transformers' ``Cache`` used by attention."""
+
+    def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device, max_tokens: int, min_capacity: int = 128):
+        self.num_layers, self.num_slots, self.kv_heads, self.head_dim = num_layers, num_slots, kv_heads, head_dim
+        self.dtype, self.device, self.max_tokens, self.min_capacity = dtype, device, max_tokens, min_capacity
+        self.capacity = 0
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        # Set by the runner before each forward.
+        self._prefill = False
+        self._row0 = 0
+        self._rows: torch.Tensor | None = None
+        self._write_pos: torch.Tensor | None = None
+        self._kv_len = 0
+
+    def ensure_capacity(self, needed: int) -> None:
+        if needed <= self.capacity:
+            return
+        if needed > self.max_tokens:
+            raise ValueError(f"KV cache needs {needed} positions, more than max_tokens={self.max_tokens}")
+        cap = max(self.min_capacity, self.capacity)
+        while cap < needed:
+            cap *= 2
+        cap = min(cap, self.max_tokens)
+        shape = (self.num_slots, self.kv_heads, cap, self.head_dim)
+        new_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        new_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        if self.capacity:
+            for layer in range(self.num_layers):
+                new_k[layer][:, :, : self.capacity] = self.k[layer]
+                new_v[layer][:, :, : self.capacity] = self.v[layer]
+        self.k, self.v, self.capacity = new_k, new_v, cap
+
+    def release(self) -> None:
+        """Free the buffers (they are re-allocated on demand)."""
+        self.k, self.v, self.capacity = [], [], 0
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        for layer in range(self.num_layers):
+            self.k[layer][dst, :, :length] = self.k[layer][src, :, :length]
+            self.v[layer][dst, :, :length] = self.v[layer][src, :, :length]
+
+    # -- what transformers' attention calls -------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        k_buf, v_buf = self.k[layer_idx], self.v[layer_idx]
+        rows = key_states.shape[0]
+        if self._prefill:
+            r0, length = self._row0, key_states.shape[2]
+            k_buf[r0 : r0 + rows, :, :length] = key_states
+            v_buf[r0 : r0 + rows, :, :length] = value_states
+            return k_buf[r0 : r0 + rows, :, :length], v_buf[r0 : r0 + rows, :, :length]
+        k_buf[self._rows, :, self._write_pos] = key_states[:, :, 0]
+        v_buf[self._rows, :, self._write_pos] = value_states[:, :, 0]
+        return k_buf[:rows, :, : self._kv_len], v_buf[:rows, :, : self._kv_len]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:  # unused: position_ids are always given
+        return 0
+
+
+@dataclass
+class RowParams:
+    """Per-row sampling settings of one forward, as tensors (built by the scheduler)."""
+
+    temperature: torch.Tensor  # [N] float32
+    top_p: torch.Tensor  # [N] float32
+    top_k: torch.Tensor  # [N] int64
+    min_p: torch.Tensor  # [N] float32
+    greedy: torch.Tensor  # [N] bool
+    all_greedy: bool
+    any_filter: bool
+    generators: list[tuple[int, torch.Generator]]  # (row, generator) for rows with sampling_seed
+
+
+class ModelRunner:
+    """Owns the model weights, the KV cache and the forward/sampling code. Single-threaded."""
+
+    def __init__(self, model_path: str | Path, *, device: str = "auto", dtype: str = "auto",
+                 max_running_requests: int = 64, max_context_tokens: int = 2048, seed: int = 0):
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        self.model_path = str(model_path)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        config = AutoConfig.from_pretrained(self.model_path)
+        if "sliding_attention" in (getattr(config, "layer_types", None) or []):
+            raise ValueError("models with sliding-window attention layers are not supported by the embedded engine")
+        self.model = AutoModelForCausalLM.from_pretrained(
+            self.model_path, dtype=self.dtype, attn_implementation="sdpa"
+        ).to(self.device).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.config = self.model.config
+        self.decoder = self.model.get_decoder()
+        self.lm_head = self.model.get_output_embeddings()
+        params = inspect.signature(self.decoder.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.vocab_size = int(self.config.vocab_size)
+        self.max_context_tokens = min(max_context_tokens, int(getattr(self.config, "max_position_embeddings", max_context_tokens)))
+        self.max_running_requests = max_running_requests
+        self.eos_token_ids = self._eos_ids()
+        head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
+        kv_heads = getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads
+        self.cache = SlotKVCache(self.config.num_hidden_layers, max_running_requests, kv_heads, head_dim,
+                                 self.dtype, self.device, self.max_context_tokens)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        self._arange = torch.arange(self.max_context_tokens, device=self.device)
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        for src in (getattr(self.model, "generation_config", None), self.config):
+            eos = getattr(src, "eos_token_id", None) if src is not None else None
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, (list, tuple)):
+                ids.update(int(e) for e in eos)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return frozenset(ids)
+
+    # -- weights ------------------------------------------------------------------------------
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """Parameter name -> tensor, including the tied ``lm_head.weight`` alias."""
+        named = dict(self.model.named_parameters())
+        if "lm_head.weight" not in named and self.lm_head is not None:
+            named["lm_head.weight"] = self.lm_head.weight
+        return named
+
+    # -- forward ------------------------------------------------------------------------------
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        out = self.decoder(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask={"full_attention": mask},
+            use_cache=True,
+            **{self._cache_kw: self.cache},
+        )
+        return out.last_hidden_state
+
+    @torch.inference_mode()
+    def prefill(self, row0: int, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Run ``sequences`` (rows ``row0..``) from position 0; return last-token logits [N, V] (fp32)."""
+        lengths = [len(s) for s in sequences]
+        width = max(lengths)
+        self.cache.ensure_capacity(width + 1)
+        ids = torch.zeros((len(sequences), width), dtype=torch.long)
+        for i, s in enumerate(sequences):
+            ids[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+        ids = ids.to(self.device)
+        lens = torch.as_tensor(lengths, device=self.device)
+        pos = self._arange[:width]
+        # Causal and inside the row's own length: [N, 1, width, width].
+        mask = (pos[None, :] <= pos[:, None])[None, None] & (pos[None, None, None, :] < lens[:, None, None, None])
+        self.cache._prefill, self.cache._row0 = True, row0
+        hidden = self._forward(ids, pos[None, :].expand(len(sequences), -1), mask)
+        last = hidden[torch.arange(len(sequences), device=self.device), lens - 1]
+        return self.lm_head(last).float()
+
+    @torch.inference_mode()
+    def decode(self, tokens: Sequence[int], kv_lens: Sequence[int]) -> torch.Tensor:
+        """Feed one token per running row (rows ``0..B-1``); return next-token logits [B, V] (fp32)."""
+        rows = len(tokens)
+        kv_len = max(kv_lens) + 1
+        self.cache.ensure_capacity(kv_len)
+        write_pos = torch.as_tensor(kv_lens, dtype=torch.long).to(self.device)
+        ids = torch.as_tensor(tokens, dtype=torch.long).to(self.device)[:, None]
+        mask = (self._arange[None, :kv_len] <= write_pos[:, None])[:, None, None, :]
+        self.cache._prefill = False
+        self.cache._rows = self._arange[:rows]
+        self.cache._write_pos, self.cache._kv_len = write_pos, kv_len
+        hidden = self._forward(ids, write_pos[:, None], mask)
+        return self.lm_head(hidden[:, 0]).float()
+
+    # -- sampling -----------------------------------------------------------------------------
+    def row_params(self, params: Sequence[Any], generators: Sequence[torch.Generator | None]) -> RowParams:
+        dev = self.device
+        greedy = [p.greedy for p in params]
+        return RowParams(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev),
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=dev),
+            all_greedy=all(greedy),
+            any_filter=any(p.needs_filter and not p.greedy for p in params),
+            generators=[(i, g) for i, g in enumerate(generators) if g is not None],
+        )
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, rp: RowParams) -> tuple[list[int], list[float]]:
+        """Draw one token per row; return the tokens and their logprobs under the sampling distribution."""
+        logprobs = torch.log_softmax(logits / rp.temperature[:, None], dim=-1)
+        if rp.all_greedy:
+            tokens = logits.argmax(dim=-1)
+        else:
+            probs = logprobs.exp()
+            if rp.any_filter:
+                probs = _truncate(probs, rp.top_k, rp.top_p, rp.min_p)
+            noise = torch.empty_like(probs).exponential_(generator=self.generator)
+            for row, gen in rp.generators:
+                noise[row].exponential_(generator=gen)
+            tokens = (probs / noise).argmax(dim=-1)
+            tokens = torch.where(rp.greedy, logits.argmax(dim=-1), tokens)
+        chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+        return tokens.tolist(), chosen.tolist()
+
+
+def _truncate(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zero out what top-k, top-p and min-p remove (SGLang's rules); the rest need not sum to 1."""
+    sorted_p, idx = probs.sort(dim=-1, descending=True)
+    ranks = torch.arange(probs.shape[-1], device=probs.device)
+    keep = ranks[None, :] < top_k[:, None]
+    keep &= (sorted_p.cumsum(dim=-1) - sorted_p) <= top_p[:, None]
+    keep &= sorted_p >= (sorted_p[:, :1] * min_p[:, None])
+    return torch.zeros_like(probs).scatter_(1, idx, sorted_p * keep)

@@ -1,0 +1,257 @@
+"""Benchmark of the embedded engine, side by side in one run.
+
+1. Throughput: the embedded engine (a server process, driven over HTTP by an async client
+   at concurrency 1, 16 and 64) against plain transformers ``generate`` with static batches
+   of the same size, on the same model, the same ragged prompts and the same per-request
+   output lengths (``ignore_eos``). Static batches run until their longest member is done,
+   so only each request's own tokens count as useful output. Both sides use the same
+   number of torch threads; the HTTP client runs in this process, so the engine pays for
+   its serving overhead.
+2. Weight push: :class:`WeightUpdater.push` (pause, begin, HTTP + broadcast per bucket, end,
+   continue) to an engine serving the ``small`` model, against a raw torch.distributed
+   broadcast of the same tensors (and of one flat buffer of the same bytes) to a plain
+   receiver process.
+
+Optional ``--hf-cb``: transformers' own continuous batching (``ContinuousBatchingManager``)
+on the concurrency-64 workload, the measurement behind the choice of an own scheduler.
+
+    python bench/engine.py              # about 1-2 minutes on a 2-core CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+LEVELS = {1: 4, 16: 48, 64: 128}  # concurrency -> number of requests
+
+
+def workload(n: int, seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(3, 500) for _ in range(rng.randint(8, 120))], rng.randint(16, 128)) for _ in range(n)]
+
+
+def bench_generate(model, reqs, batch: int) -> float:
+    import torch
+
+    tokens, t0 = 0, time.perf_counter()
+    for i in range(0, len(reqs), batch):
+        chunk = reqs[i : i + batch]
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.zeros((len(chunk), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for j, (p, _) in enumerate(chunk):  # left padding, as generate wants
+            ids[j, width - len(p):] = torch.tensor(p)
+            mask[j, width - len(p):] = 1
+        longest = max(n for _, n in chunk)
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest, do_sample=True,
+                           temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0)
+        tokens += sum(n for _, n in chunk)
+    return tokens / (time.perf_counter() - t0)
+
+
+async def _drive(url: str, reqs, concurrency: int) -> float:
+    import httpx
+
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=None)) as http:
+        async def one(p, n):
+            async with sem:
+                r = await http.post(url + "/generate", json={"input_ids": p, "return_logprob": True, "sampling_params": {
+                    "max_new_tokens": n, "temperature": 1.0, "ignore_eos": True}})
+                r.raise_for_status()
+                return r.json()["meta_info"]["completion_tokens"]
+
+        t0 = time.perf_counter()
+        done = await asyncio.gather(*[one(p, n) for p, n in reqs])
+        return sum(done) / (time.perf_counter() - t0)
+
+
+def bench_engine(url: str, reqs, concurrency: int) -> float:
+    return asyncio.run(_drive(url, reqs, concurrency))
+
+
+def bench_hf_cb(model, reqs) -> float:
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    gc = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=128, eos_token_id=-1)
+    cbc = ContinuousBatchingConfig(return_logprobs=True, max_requests_per_batch=64)
+    mgr = model.init_continuous_batching(generation_config=gc, continuous_batching_config=cbc)
+    mgr.start()
+    try:
+        rates = []
+        for _ in range(2):  # the first pass is warm-up (it is very slow)
+            t0 = time.perf_counter()
+            for p, n in reqs:
+                mgr.add_request(p, max_new_tokens=n)
+            got = tokens = 0
+            while got < len(reqs):
+                r = mgr.get_result(timeout=120)
+                if r is None:
+                    raise RuntimeError("transformers CB stopped answering")
+                if r.is_finished():
+                    got, tokens = got + 1, tokens + len(r.generated_tokens)
+            rates.append(tokens / (time.perf_counter() - t0))
+        return rates[-1]
+    finally:
+        mgr.stop(block=True)
+
+
+# ------------------------------------------------------------------------------ weight push
+
+
+def _raw_receiver(port: int, specs, reps: int) -> None:
+    import torch
+
+    from agentrl.engine.weights import init_weight_group
+
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    group = init_weight_group("gloo", "127.0.0.1", port, 2, 1, "raw_bench")
+    bufs = [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
+    flat = torch.empty(sum(b.numel() * b.element_size() for b in bufs), dtype=torch.uint8)
+    sync = torch.zeros(1)
+    for _ in range(reps):
+        dist.broadcast(sync, src=0, group=group)
+        for w in [dist.broadcast(b, src=0, group=group, async_op=True) for b in bufs]:
+            w.wait()
+        dist.broadcast(sync, src=0, group=group)
+        dist.broadcast(flat, src=0, group=group)
+    dist.broadcast(sync, src=0, group=group)
+
+
+def bench_push(small_model: Path, engine, reps: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.engine.launch import free_port
+    from agentrl.engine.weights import WeightUpdater, destroy_weight_group, init_weight_group
+
+    model = AutoModelForCausalLM.from_pretrained(small_model, dtype=torch.float32)
+    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+
+    # raw: the same tensors, then one flat buffer of the same bytes, to a plain receiver process
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    proc = ctx.Process(target=_raw_receiver, args=(port, [(tuple(t.shape), t.dtype) for _, t in named], reps))
+    proc.start()
+    group = init_weight_group("gloo", "127.0.0.1", port, 2, 0, "raw_bench")
+    flat = torch.empty(nbytes, dtype=torch.uint8)
+    sync = torch.zeros(1)
+    raw_tensors, raw_flat = [], []
+    for _ in range(reps):
+        dist.broadcast(sync, src=0, group=group)
+        t0 = time.perf_counter()
+        for w in [dist.broadcast(t, src=0, group=group, async_op=True) for _, t in named]:
+            w.wait()
+        raw_tensors.append(time.perf_counter() - t0)
+        dist.broadcast(sync, src=0, group=group)
+        t0 = time.perf_counter()
+        dist.broadcast(flat, src=0, group=group)
+        raw_flat.append(time.perf_counter() - t0)
+    dist.broadcast(sync, src=0, group=group)
+    proc.join(60)
+    destroy_weight_group(group)
+
+    with WeightUpdater([engine.url], backend="gloo") as updater:
+        updater.connect()
+        pushes = [updater.push(named, version=v + 1) for v in range(reps)]
+    best = min(pushes, key=lambda p: p["total_s"])
+    return {"bytes": nbytes, "tensors": len(named), "raw_tensors_s": min(raw_tensors), "raw_flat_s": min(raw_flat),
+            "push": best}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="", help="model folder (default: build the tiny model in a temp dir)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for generate and for the engine")
+    ap.add_argument("--reps", type=int, default=3, help="weight pushes / raw broadcasts (best is reported)")
+    ap.add_argument("--skip-push", action="store_true")
+    ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--hf-cb", action="store_true", help="also measure transformers' continuous batching")
+    args = ap.parse_args()
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.engine.launch import EngineProcess, free_port, wait_ready
+    from agentrl.model_builder import init_model
+
+    torch.set_num_threads(args.threads)
+    tmp = Path(tempfile.mkdtemp(prefix="agentrl-bench-"))
+    model_path = Path(args.model) if args.model else init_model(tmp / "tiny", "tiny")
+    small_path = None if args.skip_push else init_model(tmp / "small", "small")
+    print(f"model {model_path}, {args.threads} torch thread(s) on each side", flush=True)
+    flags = ["--num-threads", str(args.threads)]
+    # Both servers load at once; the idle one costs nothing while the other is measured.
+    engine = None if args.skip_throughput else EngineProcess(str(model_path), free_port(), extra=flags,
+                                                             log_path=tmp / "engine.log").start(wait_s=0)
+    push_engine = None if args.skip_push else EngineProcess(str(small_path), free_port(), extra=flags,
+                                                            log_path=tmp / "push_engine.log").start(wait_s=0)
+    rows = []
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        for e in (engine, push_engine):
+            if e is not None:
+                wait_ready(e.url, 300, process=e.process)
+        if engine is not None:
+            bench_engine(engine.url, workload(16, seed=99), 16)  # warm-up
+            bench_generate(model, workload(4, seed=98), 4)
+            for conc, n in LEVELS.items():
+                reqs = workload(n, seed=conc)
+                gen = bench_generate(model, reqs, conc)
+                eng = bench_engine(engine.url, reqs, conc)
+                rows.append((conc, n, gen, eng))
+                print(f"  concurrency {conc:>2}: generate {gen:7.0f} tok/s, engine {eng:7.0f} tok/s", flush=True)
+            engine.stop()
+        if args.hf_cb and rows:
+            cb = bench_hf_cb(model, workload(LEVELS[64], seed=64))
+        push = None if push_engine is None else bench_push(small_path, push_engine, args.reps)
+    finally:
+        for e in (engine, push_engine):
+            if e is not None:
+                e.stop()
+
+    print("\nthroughput (useful tokens/s; ragged prompts 8-120, outputs 16-128 tokens)")
+    print(f"{'concurrency':>11} {'requests':>8} {'generate':>10} {'engine':>10} {'engine/generate':>16}")
+    for conc, n, gen, eng in rows:
+        print(f"{conc:>11} {n:>8} {gen:>10.0f} {eng:>10.0f} {eng / gen:>15.2f}x")
+
+    if args.hf_cb and rows:
+        eng64 = rows[-1][3]
+        print(f"\ntransformers continuous batching at concurrency 64: {cb:.0f} tok/s "
+              f"(embedded engine {eng64:.0f} tok/s, {eng64 / cb:.2f}x)")
+
+    if push is not None:
+        r, p = push, push["push"]
+        mb = r["bytes"] / 2**20
+        print(f"\nweight push: {mb:.0f} MiB in {r['tensors']} tensors (small model), best of {args.reps}")
+        rows_push = [
+            ("raw broadcast, one flat buffer", r["raw_flat_s"], ""),
+            ("raw broadcast, same tensors (async)", r["raw_tensors_s"], ""),
+            ("WeightUpdater.push", p["total_s"], f"  (pause {p['pause_s'] * 1e3:.1f} ms, broadcast "
+             f"{p['broadcast_s'] * 1e3:.1f} ms, continue {p['continue_s'] * 1e3:.1f} ms)"),
+        ]
+        for label, sec, note in rows_push:
+            print(f"  {label:<36} {sec * 1e3:8.1f} ms{note}")
+        print(f"  {'push / raw flat buffer':<36} {p['total_s'] / r['raw_flat_s']:8.2f}x")
+        print(f"  {'push / raw same tensors':<36} {p['total_s'] / r['raw_tensors_s']:8.2f}x")
+    print("\ntargets: engine/generate >= 1.0x at 16 and 64; push/raw <= 1.5x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,3 @@
+"""Test configuration: each area registers its fixtures module here."""
+
+pytest_plugins = ["tests.conftest_engine"]

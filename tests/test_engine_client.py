@@ -1,0 +1,229 @@
+"""EngineClient against two real embedded engine processes on loopback (trio)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+import trio
+
+from agentrl.engine.client import EngineClient, EngineRequestError, GenerateResult
+from agentrl.engine.launch import free_port
+
+GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def fleet(engine_fleet):
+    return engine_fleet
+
+
+@pytest.fixture(scope="module")
+def urls(engine_urls) -> list[str]:
+    return engine_urls
+
+
+def server_info(url: str) -> dict:
+    return httpx.get(url + "/server_info", timeout=10).json()
+
+
+def test_least_outstanding_balancing_and_episode_affinity(urls):
+    async def main():
+        async with EngineClient(urls, health_check_interval_s=0.5) as client:
+            spread: list[GenerateResult] = []
+            episodes: dict[str, list[str]] = {f"ep{i}": [] for i in range(8)}
+
+            async def free(i):
+                spread.append(await client.generate([5, 6, i], {"max_new_tokens": 12, "ignore_eos": True}))
+
+            async def episode(key):
+                prompt = [7, 8]
+                for _turn in range(3):
+                    r = await client.generate(prompt, {"max_new_tokens": 4, "ignore_eos": True}, affinity_key=key)
+                    episodes[key].append(r.url)
+                    prompt = prompt + r.output_ids + [9]
+
+            async with trio.open_nursery() as n:
+                for i in range(24):
+                    n.start_soon(free, i)
+                for key in episodes:
+                    n.start_soon(episode, key)
+            return spread, episodes
+
+    spread, episodes = trio.run(main)
+    per_server = {u: sum(r.url == u for r in spread) for u in urls}
+    assert all(count >= 6 for count in per_server.values()), per_server  # both engines carried load
+    assert all(len(set(v)) == 1 for v in episodes.values()), episodes  # one server per episode
+    assert len({v[0] for v in episodes.values()}) == 2  # and episodes were spread over both
+    r = spread[0]
+    assert len(r.output_ids) == len(r.output_logprobs) == 12 and r.finish_reason["type"] == "length"
+    assert r.weight_version == "0" and r.prompt_tokens == 3
+
+
+def test_a_dead_server_is_dropped_and_calls_go_elsewhere(urls):
+    dead = f"http://127.0.0.1:{free_port()}"
+
+    async def main():
+        async with EngineClient([dead, urls[0]], health_check_interval_s=0.3, backoff_s=0.01) as client:
+            results = []
+            async with trio.open_nursery() as n:
+                for i in range(8):
+                    n.start_soon(lambda i=i: _append(results, client.generate([1, i], GREEDY)))
+            return results, client.healthy_urls()
+
+    results, healthy = trio.run(main)
+    assert len(results) == 8 and all(r.url == urls[0] for r in results)
+    assert healthy == [urls[0]]
+
+
+async def _append(out: list, coro) -> None:
+    out.append(await coro)
+
+
+def test_a_hung_server_is_dropped_then_readmitted(fleet, urls):
+    hung = fleet[1]
+
+    async def main():
+        async with EngineClient(urls, health_check_interval_s=0.2, health_timeout_s=0.5) as client:
+            os.kill(hung.process.pid, signal.SIGSTOP)
+            try:
+                with trio.fail_after(10):
+                    while urls[1] in client.healthy_urls():
+                        await trio.sleep(0.05)
+                during = [await client.generate([2, i], GREEDY) for i in range(4)]
+            finally:
+                os.kill(hung.process.pid, signal.SIGCONT)
+            with trio.fail_after(20):
+                while urls[1] not in client.healthy_urls():
+                    await trio.sleep(0.05)
+            return during
+
+    during = trio.run(main)
+    assert all(r.url == urls[0] for r in during)
+
+
+def test_calls_wait_while_no_server_is_healthy(fleet, urls):
+    hung = fleet[1]
+    got: list[GenerateResult] = []
+
+    async def main():
+        async with EngineClient([urls[1]], health_check_interval_s=0.2, health_timeout_s=0.3) as client:
+            os.kill(hung.process.pid, signal.SIGSTOP)
+            try:
+                with trio.fail_after(10):
+                    while client.healthy_urls():
+                        await trio.sleep(0.05)
+                async with trio.open_nursery() as n:
+                    n.start_soon(lambda: _append(got, client.generate([3, 3], GREEDY)))
+                    await trio.sleep(1.0)
+                    assert not got, "the call should still be waiting"
+                    os.kill(hung.process.pid, signal.SIGCONT)
+            finally:
+                os.kill(hung.process.pid, signal.SIGCONT)
+
+    trio.run(main)
+    assert len(got) == 1 and got[0].finish_reason["type"] == "length"
+
+
+class _FlakyServer:
+    """A stand-in HTTP server for the retry logic: 503 twice, then an SGLang-shaped answer; 400 on demand."""
+
+    def __init__(self):
+        import uvicorn
+        from starlette.applications import Starlette
+        from starlette.responses import JSONResponse, Response
+        from starlette.routing import Route
+
+        self.calls = 0
+
+        async def generate(request):
+            self.calls += 1
+            body = await request.json()
+            if body["sampling_params"].get("bad"):
+                return JSONResponse({"error": {"message": "sampling_params has an unknown field 'bad'"}}, 400)
+            if self.calls <= 2:
+                return JSONResponse({"error": {"message": "busy"}}, 503)
+            return JSONResponse({"text": "x", "output_ids": [4], "meta_info": {
+                "id": body["rid"], "finish_reason": {"type": "length", "length": 1}, "prompt_tokens": 1,
+                "completion_tokens": 1, "weight_version": "3", "output_token_logprobs": [[-0.5, 4, None]]}})
+
+        async def health(request):
+            return Response(status_code=200)
+
+        app = Starlette(routes=[Route("/generate", generate, methods=["POST"]), Route("/health", health)])
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.time() + 10
+        while not self.server.started and time.time() < deadline:
+            time.sleep(0.02)
+        return f"http://127.0.0.1:{self.port}"
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def test_5xx_is_retried_with_backoff_and_4xx_is_not():
+    flaky = _FlakyServer()
+    with flaky as url:
+
+        async def main():
+            async with EngineClient([url], backoff_s=0.01, max_retries=3) as client:
+                ok = await client.generate([1], {"max_new_tokens": 1})
+                with pytest.raises(EngineRequestError, match="unknown field 'bad'"):
+                    await client.generate([1], {"bad": True})
+                return ok
+
+        ok = trio.run(main)
+    assert ok.output_ids == [4] and ok.output_logprobs == [-0.5] and ok.weight_version == "3"
+    assert flaky.calls == 4  # 503, 503, then the answer; the 400 was not retried
+
+
+def test_paused_engines_hold_calls_and_aborted_results_are_returned(urls):
+    async def main():
+        async with EngineClient(urls[:1], health_check_interval_s=0.5) as client:
+            await client.pause("in_place")
+            held: list[GenerateResult] = []
+            async with trio.open_nursery() as n:
+                n.start_soon(lambda: _append(held, client.generate([4, 4], GREEDY)))
+                await trio.sleep(0.5)
+                assert not held, "a call ran while the engine was paused"
+                await client.continue_generation()
+            long: list[GenerateResult] = []
+            async with trio.open_nursery() as n:
+                n.start_soon(lambda: _append(long, client.generate([5], {"max_new_tokens": 900, "ignore_eos": True})))
+                with trio.fail_after(20):
+                    while server_info(urls[0])["num_generated_tokens"] == 0 or not server_info(urls[0])["num_running"]:
+                        await trio.sleep(0.05)
+                await client.pause("abort")
+            await client.continue_generation()
+            return held[0], long[0]
+
+    held, aborted = trio.run(main)
+    assert held.finish_reason["type"] == "length"
+    assert aborted.aborted and 0 < len(aborted.output_ids) < 900
+    assert len(aborted.output_logprobs) == len(aborted.output_ids)
+
+
+def test_router_url_takes_generation_and_control_goes_to_each_engine(urls):
+    async def main():
+        # An engine URL stands in for sglang-router: it speaks the same /generate.
+        async with EngineClient(urls, router_url=urls[1]) as client:
+            results = [await client.generate([6, i], GREEDY, affinity_key="e") for i in range(3)]
+            await client.pause("in_place")
+            paused = [server_info(u)["paused"] for u in urls]
+            await client.continue_generation()
+            return results, paused
+
+    results, paused = trio.run(main)
+    assert all(r.url == urls[1] for r in results)
+    assert paused == [True, True]
+    assert not any(server_info(u)["paused"] for u in urls)

@@ -1,0 +1,56 @@
+"""Launching servers: command lines (SGLang's flags), readiness, and serve-engine without SGLang."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from agentrl.cli import app
+from agentrl.engine import launch
+from agentrl.engine.launch import EngineLaunchError, engine_args, engine_command, wait_ready
+
+
+def test_engine_commands():
+    emb = engine_command("/m", 31000, extra=["--num-threads", "1"])
+    assert emb[:3] == [sys.executable, "-m", "agentrl.engine.server"]
+    assert emb[3:] == ["--model", "/m", "--host", "127.0.0.1", "--port", "31000", "--num-threads", "1"]
+    sg = engine_command("/m", 31001, backend="sglang", host="0.0.0.0",
+                        extra=engine_args("sglang", dtype="bfloat16", max_running_requests=32,
+                                          max_context_tokens=4096, sglang_args=["--tp", "2"]))
+    assert sg[:3] == [sys.executable, "-m", "sglang.launch_server"]
+    flags = sg[3:]
+    pairs = dict(zip(flags[::2], flags[1::2]))
+    assert pairs == {"--model-path": "/m", "--host": "0.0.0.0", "--port": "31001", "--context-length": "4096",
+                     "--max-running-requests": "32", "--weight-version": "0", "--dtype": "bfloat16", "--tp": "2"}
+    with pytest.raises(ValueError, match="unknown engine backend"):
+        engine_command("/m", 1, backend="vllm")
+
+
+def test_serve_engine_with_sglang_missing_fails_at_once(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a))
+    assert not launch.sglang_available()
+    result = CliRunner().invoke(app, ["serve-engine", "--model", "/m", "--backend", "sglang"])
+    assert result.exit_code == 2
+    assert "pip install 'agentrl[sglang]'" in result.output
+    with pytest.raises(EngineLaunchError, match="agentrl\\[sglang\\]"):
+        launch.EngineProcess("/m", 1, backend="sglang")
+
+
+def test_serve_engine_rejects_an_unknown_backend():
+    result = CliRunner().invoke(app, ["serve-engine", "--model", "/m", "--backend", "tgi"])
+    assert result.exit_code == 2 and "unknown backend" in result.output
+
+
+def test_wait_ready_reports_a_dead_process_and_a_timeout():
+    dead = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    dead.wait()
+    port = launch.free_port()
+    with pytest.raises(EngineLaunchError, match="exited with code 3"):
+        wait_ready(f"http://127.0.0.1:{port}", 5, process=dead)
+    with pytest.raises(EngineLaunchError, match="not ready after"):
+        wait_ready(f"http://127.0.0.1:{port}", 0.5)

@@ -1,0 +1,230 @@
+"""The embedded engine's scheduler and runner, in process: batching, sampling, logprobs, stops, pauses."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from agentrl.engine.api import Completion, GenerateInput, parse_sampling_params
+from agentrl.engine.scheduler import Request, Scheduler
+from tests.conftest_engine import max_abs_diff
+
+VOCAB = 576
+
+
+class Waiter:
+    def __init__(self):
+        self.done = threading.Event()
+        self.result: Completion | None = None
+        self.updates: list[Completion] = []
+
+    def __call__(self, req: Request, c: Completion) -> None:
+        self.updates.append(c)
+        if c.finish_reason is not None:
+            self.result = c
+            self.done.set()
+
+    def wait(self, timeout: float = 60.0) -> Completion:
+        assert self.done.wait(timeout), "request did not finish"
+        return self.result  # type: ignore[return-value]
+
+
+@pytest.fixture(scope="module")
+def engine(engine_model):
+    from agentrl.engine.runner import ModelRunner
+
+    torch.set_num_threads(1)
+    runner = ModelRunner(engine_model, device="cpu", dtype="float32", max_running_requests=16, max_context_tokens=512)
+    sched = Scheduler(runner, max_prefill_tokens=1024)
+    sched.start()
+    yield sched
+    sched.stop()
+
+
+@pytest.fixture(scope="module")
+def teacher(engine_teacher):
+    return engine_teacher
+
+
+def submit(sched: Scheduler, prompt: list[int], rid: str = "", stream: bool = False, **params) -> Waiter:
+    w = Waiter()
+    inp = GenerateInput(rid or f"r{random.random()}", list(prompt), parse_sampling_params(params, VOCAB), True)
+    sched.submit(Request(inp, w, stream=stream))
+    return w
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 518) for _ in range(rng.randint(1, 40))] for _ in range(n)]
+
+
+def test_logprobs_match_teacher_forced_recompute_in_ragged_batches(engine, teacher):
+    rng = random.Random(1)
+    cases = []
+    for i, p in enumerate(prompts(24, seed=1)):
+        temperature = [0.0, 0.7, 1.0, 1.3][i % 4]
+        cases.append((p, temperature, submit(engine, p, max_new_tokens=rng.randint(1, 40), temperature=temperature,
+                                              ignore_eos=True)))
+    worst = 0.0
+    for p, temperature, w in cases:
+        c = w.wait()
+        assert c.finish_reason["type"] == "length"
+        assert len(c.output_logprobs) == len(c.output_ids) == c.finish_reason["length"]
+        worst = max(worst, max_abs_diff(c.output_logprobs, teacher.logprobs(p, c.output_ids, temperature)))
+    assert worst <= 1e-4, worst
+
+
+def test_greedy_matches_argmax_and_top_k_1(engine, teacher):
+    p = prompts(1, seed=3)[0]
+    a = submit(engine, p, max_new_tokens=12, temperature=0.0, ignore_eos=True).wait()
+    b = submit(engine, p, max_new_tokens=12, temperature=0.9, top_k=1, ignore_eos=True).wait()
+    assert a.output_ids == teacher.greedy(p, 12) == b.output_ids
+
+
+def test_stop_token_is_kept_with_its_logprob(engine, teacher):
+    p = prompts(1, seed=4)[0]
+    ref = submit(engine, p, max_new_tokens=30, temperature=0.0, ignore_eos=True).wait().output_ids
+    stop_at = next(i for i in range(3, 29) if ref[i] not in ref[:i])  # a first occurrence before the last token
+    c = submit(engine, p, max_new_tokens=30, temperature=0.0, stop_token_ids=[ref[stop_at]]).wait()
+    assert c.output_ids == ref[: stop_at + 1]
+    assert c.finish_reason == {"type": "stop", "matched": ref[stop_at]}
+    assert max_abs_diff(c.output_logprobs, teacher.logprobs(p, c.output_ids)) <= 1e-4
+    ignored = submit(engine, p, max_new_tokens=30, temperature=0.0, stop_token_ids=[ref[stop_at]], ignore_eos=True).wait()
+    assert ignored.finish_reason == {"type": "length", "length": 30}  # SGLang: ignore_eos skips all token stops
+
+
+def test_the_last_allowed_token_finishes_by_length_even_when_it_is_a_stop(engine):
+    p = prompts(1, seed=9)[0]
+    ref = submit(engine, p, max_new_tokens=20, temperature=0.0, ignore_eos=True).wait().output_ids
+    assert ref[-1] not in ref[:-1], "pick a prompt whose last greedy token is new"
+    c = submit(engine, p, max_new_tokens=20, temperature=0.0, stop_token_ids=[ref[-1]]).wait()
+    assert c.output_ids == ref and c.finish_reason == {"type": "length", "length": 20}  # length is checked first
+
+
+def test_model_eos_ids_stop_generation(engine):
+    p = prompts(1, seed=9)[0]
+    ref = submit(engine, p, max_new_tokens=30, temperature=0.0, ignore_eos=True).wait().output_ids
+    stop_at = next(i for i in range(2, 29) if ref[i] not in ref[:i])  # a first occurrence before the last token
+    saved = engine.runner.eos_token_ids
+    engine.runner.eos_token_ids = frozenset({ref[stop_at]})  # as if it were the model's EOS id
+    try:
+        c = submit(engine, p, max_new_tokens=30, temperature=0.0).wait()
+        d = submit(engine, p, max_new_tokens=30, temperature=0.0, ignore_eos=True).wait()
+    finally:
+        engine.runner.eos_token_ids = saved
+    assert c.output_ids == ref[: stop_at + 1] and c.finish_reason == {"type": "stop", "matched": ref[stop_at]}
+    assert d.output_ids == ref
+
+
+def test_stop_string_ends_generation(engine):
+    tok = engine.tokenizer
+    p = prompts(1, seed=5)[0]
+    ref = submit(engine, p, max_new_tokens=30, temperature=0.0, ignore_eos=True).wait().output_ids
+    text = tok.decode(ref)
+    stop = next(text[i : i + 2] for i in range(len(text) // 2, len(text) - 1) if text[i : i + 2].isalnum())
+    c = submit(engine, p, max_new_tokens=30, temperature=0.0, stop=[stop]).wait()
+    assert c.finish_reason == {"type": "stop", "matched": stop}
+    assert stop in tok.decode(c.output_ids) and stop not in tok.decode(c.output_ids[:-1])
+    assert c.output_ids == ref[: len(c.output_ids)]
+
+
+def test_sampling_seed_is_deterministic_whatever_the_batch(engine):
+    p = prompts(1, seed=6)[0]
+    a = submit(engine, p, max_new_tokens=16, temperature=1.0, sampling_seed=42, ignore_eos=True)
+    others = [submit(engine, q, max_new_tokens=8, ignore_eos=True) for q in prompts(5, seed=7)]
+    a = a.wait()
+    for o in others:
+        o.wait()
+    b = submit(engine, p, max_new_tokens=16, temperature=1.0, sampling_seed=42, ignore_eos=True).wait()
+    c = submit(engine, p, max_new_tokens=16, temperature=1.0, sampling_seed=43, ignore_eos=True).wait()
+    assert a.output_ids == b.output_ids != c.output_ids
+
+
+def test_top_p_and_min_p_restrict_sampling(engine, teacher):
+    p = prompts(1, seed=8)[0]
+    greedy = teacher.greedy(p, 8)
+    c = submit(engine, p, max_new_tokens=8, temperature=1.0, top_p=1e-6, ignore_eos=True).wait()
+    assert c.output_ids == greedy  # only the top token survives top-p
+    d = submit(engine, p, max_new_tokens=8, temperature=1.0, min_p=1.0, ignore_eos=True).wait()
+    assert d.output_ids == greedy  # min_p = 1 keeps only tokens as likely as the top one
+    # the returned logprobs are still those of the full temperature-scaled distribution
+    assert max_abs_diff(c.output_logprobs, teacher.logprobs(p, c.output_ids)) <= 1e-4
+
+
+def test_a_request_joins_and_leaves_the_running_batch(engine):
+    long = submit(engine, [5, 6, 7], max_new_tokens=150, ignore_eos=True, rid="long", stream=True)
+    _wait_tokens(long, 2)
+    short = submit(engine, [8, 9], max_new_tokens=3, ignore_eos=True, rid="short")
+    short.wait(30)
+    assert not long.done.is_set(), "the short request had to wait for the long one"
+    assert long.wait().finish_reason == {"type": "length", "length": 150}
+
+
+def _call(engine, fn):
+    return engine.call(fn).result(30)
+
+
+def _wait_tokens(w: Waiter, n: int, timeout: float = 30.0) -> None:
+    deadline = time.time() + timeout
+    while (not w.updates or len(w.updates[-1].output_ids) < n) and time.time() < deadline:
+        time.sleep(0.01)
+    assert w.updates and len(w.updates[-1].output_ids) >= n
+
+
+def test_pause_abort_returns_partial_output_and_holds_new_requests(engine):
+    w = submit(engine, [5, 6, 7], max_new_tokens=400, ignore_eos=True, stream=True)
+    _wait_tokens(w, 3)
+    assert _call(engine, lambda: engine.pause("abort")) == 1
+    c = w.wait()
+    assert c.finish_reason["type"] == "abort" and 3 <= len(c.output_ids) < 400
+    assert len(c.output_logprobs) == len(c.output_ids)
+    held = submit(engine, [5, 6], max_new_tokens=4)
+    time.sleep(0.3)
+    assert not held.done.is_set(), "a new request ran while paused"
+    _call(engine, engine.resume)
+    assert held.wait().finish_reason == {"type": "length", "length": 4}
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_pause_retract_and_in_place_resume_where_they_stopped(engine, teacher, mode):
+    p = [20, 21, 22, 23]
+    w = submit(engine, p, max_new_tokens=60, temperature=0.8, ignore_eos=True, stream=True)
+    _wait_tokens(w, 5)
+    _call(engine, lambda: engine.pause(mode))
+    n_paused = len(w.updates[-1].output_ids)
+    time.sleep(0.2)
+    assert len(w.updates[-1].output_ids) == n_paused and not w.done.is_set()
+    if mode == "retract":
+        assert not engine.running and engine.waiting  # back in the queue, KV dropped
+    _call(engine, engine.resume)
+    c = w.wait()
+    assert c.finish_reason == {"type": "length", "length": 60}
+    assert max_abs_diff(c.output_logprobs, teacher.logprobs(p, c.output_ids, 0.8)) <= 1e-4
+
+
+def test_abort_by_rid_and_flush_cache(engine):
+    w = submit(engine, [1, 2, 3], max_new_tokens=400, ignore_eos=True, rid="victim", stream=True)
+    _wait_tokens(w, 2)
+    assert _call(engine, engine.flush_cache) is False  # busy
+    assert _call(engine, lambda: engine.abort("victim")) == 1
+    assert w.wait().finish_reason["type"] == "abort"
+    assert _call(engine, engine.flush_cache) is True
+    assert submit(engine, [4, 5], max_new_tokens=3).wait().finish_reason["type"] == "length"
+
+
+def test_weight_version_spans_follow_updates(engine):
+    w = submit(engine, [30, 31], max_new_tokens=40, ignore_eos=True, stream=True)
+    _wait_tokens(w, 3)
+    _call(engine, lambda: engine.pause("in_place"))
+    _call(engine, lambda: setattr(engine, "weight_version", "7"))
+    _call(engine, engine.resume)
+    c = w.wait()
+    _call(engine, lambda: setattr(engine, "weight_version", "0"))
+    assert c.weight_version == "7"
+    assert [s["version"] for s in c.weight_versions] == ["0", "7"]
+    assert c.weight_versions[0]["start"] == 0 and c.weight_versions[-1]["end"] == 40
+    assert c.weight_versions[0]["end"] == c.weight_versions[1]["start"]
