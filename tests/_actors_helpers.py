@@ -27,12 +27,23 @@ _TINY: dict[str, Path] = {}
 
 
 def tiny_model_dir(tmp_path_factory) -> Path:
-    """The tiny model (random weights) and tokenizer, built once per test session."""
-    if "path" not in _TINY:
+    """The tiny model (random weights) and its tokenizer, built once per test session."""
+    if "model" not in _TINY:
         from agentrl.model_builder import init_model
 
-        _TINY["path"] = init_model(tmp_path_factory.mktemp("actors-tiny") / "tiny", "tiny")
-    return _TINY["path"]
+        _TINY["model"] = init_model(tmp_path_factory.mktemp("actors-tiny") / "tiny", "tiny")
+    return _TINY["model"]
+
+
+def tiny_tokenizer_dir(tmp_path_factory) -> Path:
+    """The tiny model's tokenizer alone (no torch, no weights: seconds faster), built once per session."""
+    if "tokenizer" not in _TINY:
+        from agentrl.model_builder import SIZES, build_tokenizer
+
+        path = tmp_path_factory.mktemp("actors-tokenizer") / "tiny"
+        build_tokenizer(SIZES["tiny"]["vocab_target"], seed=0).save_pretrained(path)
+        _TINY["tokenizer"] = path
+    return _TINY["tokenizer"]
 
 
 _TOKENIZERS: dict[Path, Any] = {}
@@ -100,7 +111,11 @@ class ScriptedEngine:
             await asyncio.sleep(self.delay_s)
         with self.lock:
             self.requests.append(req)
-            out = self._generate(req)
+            try:
+                out = self._generate(req)
+            except Exception as e:  # a failing policy is an engine error: HTTP 500
+                await _respond(send, 500, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+                return
         await _respond(send, 200, json.dumps(out).encode())
 
     def _generate(self, req: dict) -> dict:

@@ -16,7 +16,7 @@ from agentrl.envs.base import Env, Task, load_env
 from agentrl.protocol import decode, encode
 from agentrl.tools.base import ToolBox
 from tests._actors_helpers import (HttpEngineClient, ModelPolicy, Reply, ScriptedEngine, TurnScript, fake_logprob,
-                                   load_tokenizer, tiny_model_dir)
+                                   load_tokenizer, tiny_model_dir, tiny_tokenizer_dir)
 from tests._actors_user_env import AddEnv, call, solver
 
 TASK = Task(id="t1", data={"a": 12, "b": 30})
@@ -25,7 +25,7 @@ LIMITS = EpisodeLimits(max_turns=4, max_total_tokens=1024, max_new_tokens_per_tu
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    return load_tokenizer(tiny_model_dir(tmp_path_factory))
+    return load_tokenizer(tiny_tokenizer_dir(tmp_path_factory))
 
 
 def play(engine: ScriptedEngine, tokenizer, env: Env, task: Task = TASK, limits: EpisodeLimits = LIMITS,
@@ -260,7 +260,9 @@ def test_random_model_keeps_the_invariant(tmp_path_factory, tokenizer, env_path)
     """The tiny model with random weights writes garbage (stray special tokens, broken UTF-8, cut
     tool calls): every episode still decodes to its chat, masked-in tokens are the model's."""
     env = load_env(env_path)
-    policy = ModelPolicy(tiny_model_dir(tmp_path_factory), seed=1)
+    model_dir = tiny_model_dir(tmp_path_factory)
+    assert load_tokenizer(model_dir).get_vocab() == tokenizer.get_vocab()  # the same tokenizer
+    policy = ModelPolicy(model_dir, seed=1)
     limits = EpisodeLimits(max_turns=3, max_total_tokens=700, max_new_tokens_per_turn=24)
     tasks = [t for _, t in zip(range(3), env.tasks("train", seed=0))]
     with ScriptedEngine(policy) as engine:

@@ -242,18 +242,20 @@ class ActorService:
         version = None if self.progress is None else self.progress.policy_version
         extra = {"policy_version_at_start": -1 if version is None else version}
         async with send_in:
+            ended = False  # completed or lost; otherwise cancelled (Cancelled may arrive in an exception group)
             try:
                 group = await run_group(self.client, self.tokenizer, self.env, self.toolbox, task, self.sampling,
                                         self.limits, cfg.group_size, group_id=uuid.uuid4().hex[:12],
                                         actor_id=cfg.actor_id, extra_metadata=extra)
+                ended = True
             except GroupLost as e:
+                ended = True
                 self._on_lost(task, str(e))
                 return
-            except trio.Cancelled:
-                s.groups_abandoned += 1
-                s.episodes_abandoned += cfg.group_size
-                raise
             finally:
+                if not ended:
+                    s.groups_abandoned += 1
+                    s.episodes_abandoned += cfg.group_size
                 self._notify()
             self._consecutive_lost = 0
             s.add_group(group)
