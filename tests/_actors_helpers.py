@@ -9,6 +9,7 @@ sockets now and through the real parts once they land.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import socket
 import threading
@@ -98,14 +99,19 @@ class ScriptedEngine:
         if scope["path"] == "/health":
             await _respond(send, 200, b"{}")
             return
+        if scope["path"] in ("/model_info", "/get_model_info"):
+            body = {"model_path": "scripted", "weight_version": str(self.version), "is_generation": True}
+            await _respond(send, 200, json.dumps(body).encode())
+            return
+        if scope["path"] != "/generate":
+            await _respond(send, 404, b'{"error": "not found"}')
+            return
         body = b""
         while True:
             msg = await receive()
             body += msg.get("body", b"")
             if not msg.get("more_body"):
                 break
-        import json
-
         req = json.loads(body)
         if self.delay_s:
             await asyncio.sleep(self.delay_s)

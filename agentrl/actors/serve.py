@@ -46,6 +46,11 @@ def serve_actors(cfg: Any, *, dump_path: Path | None = None, max_groups: int | N
                  engine_client: str = "agentrl.engine.client:EngineClient",
                  transport: str = "agentrl.transport") -> int:
     """Run one actor process until it stops; print the report as JSON; return the exit code."""
+    if not send and dump_path is None:
+        raise ValueError("--no-send without --dump-trajectories would throw every group away")
+    if not (Path(cfg.model.path) / "tokenizer_config.json").exists():
+        raise ValueError(f"no tokenizer at model.path={cfg.model.path!r} (tokenizer_config.json missing)")
+
     import trio
     from transformers import AutoTokenizer
 
@@ -55,8 +60,8 @@ def serve_actors(cfg: Any, *, dump_path: Path | None = None, max_groups: int | N
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not send and dump_path is None:
-        raise ValueError("--no-send without --dump-trajectories would throw every group away")
+    for noisy in ("httpx", "httpcore"):  # one line per request otherwise
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     num_actors = num_actors or cfg.actors.num_processes
     settings = ActorSettings(
         group_size=cfg.actors.group_size, num_concurrent_episodes=cfg.actors.num_concurrent_episodes,
@@ -64,8 +69,6 @@ def serve_actors(cfg: Any, *, dump_path: Path | None = None, max_groups: int | N
         wait_for_learner=wait_for_learner, split=split, seed=cfg.run.seed, max_staleness=cfg.actors.max_staleness,
         log_interval_s=log_interval_s,
     )
-    if not (Path(cfg.model.path) / "tokenizer_config.json").exists():
-        raise ValueError(f"no tokenizer at model.path={cfg.model.path!r} (tokenizer_config.json missing)")
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     env = load_env(cfg.env.cls, cfg.env.kwargs)
     toolbox = toolbox_for(env, cfg)
