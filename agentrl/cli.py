@@ -163,6 +163,41 @@ def make_demos_cmd(
     typer.echo(f"wrote {count} demonstrations of {type(env).__name__} to {out}")
 
 
+@app.command("serve-actors")
+def serve_actors_cmd(
+    config: ConfigArg,
+    overrides: OverrideOpt = None,
+    dump_trajectories: Annotated[
+        Optional[Path], typer.Option("--dump-trajectories", help="Also append every group to this JSONL file.")
+    ] = None,
+    max_groups: Annotated[Optional[int], typer.Option("--max-groups", min=1, help="Stop after N groups.")] = None,
+    index: Annotated[int, typer.Option("--index", min=0, help="This actor's index among the actor processes.")] = 0,
+    num_actors: Annotated[
+        Optional[int], typer.Option("--num-actors", min=1, help="Actor processes in all (default: actors.num_processes).")
+    ] = None,
+    send: Annotated[bool, typer.Option("--send/--no-send", help="Send groups to the learner over ZMQ.")] = True,
+    wait_for_learner: Annotated[
+        bool, typer.Option("--wait-for-learner", help="Start no episode before the learner's first progress message.")
+    ] = False,
+    split: Annotated[str, typer.Option("--split", help="Task split: train (cycles) or test (one pass).")] = "train",
+    log_interval_s: Annotated[float, typer.Option("--log-interval-s", help="Seconds between metric lines.")] = 30.0,
+    engine_client: Annotated[str, typer.Option("--engine-client", hidden=True)] = "agentrl.engine.client:EngineClient",
+    transport: Annotated[str, typer.Option("--transport", hidden=True)] = "agentrl.transport",
+) -> None:
+    """Run many concurrent episodes against the engines and send them to the learner as groups."""
+    cfg = _load(config, overrides)
+    from agentrl.actors.serve import serve_actors
+
+    try:
+        code = serve_actors(cfg, dump_path=dump_trajectories, max_groups=max_groups, index=index,
+                            num_actors=num_actors, send=send, wait_for_learner=wait_for_learner, split=split,
+                            log_interval_s=log_interval_s, engine_client=engine_client, transport=transport)
+    except ValueError as e:
+        typer.secho(f"serve-actors: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
+    raise typer.Exit(code)
+
+
 # ------------------------------------------------------------- learner commands (learn, sft, export)
 
 

@@ -1,0 +1,213 @@
+"""Token-in/token-out bookkeeping: one episode as token ids that always decode to its chat.
+
+The engine speaks token ids; environments and tools speak chat messages. :class:`TokenChat`
+keeps both views of one episode in lock-step, with this invariant after every step::
+
+    decode(tokens) == apply_chat_template(messages, tools, tokenize=False,
+                                          add_generation_prompt=<waiting for the model>)
+
+How each kind of text enters the token list:
+
+* **Prompt**: ``apply_chat_template(initial_messages, tools, add_generation_prompt=True,
+  tokenize=True)``, appended as non-model tokens.
+* **Model tokens** are appended exactly as the engine returned them (``output_ids``, which
+  include the stop token when generation stopped on it), with their logprobs and weight
+  versions. They are never re-tokenized. The assistant message's ``content`` is the model's
+  text decoded from its own ids (without the template's end-of-turn token), raw: a
+  ``<tool_call>`` block stays text, so that rendering the message reproduces the model's bytes.
+* **Everything else** (the template's text after the end-of-turn token, tool responses, user
+  replies, the next ``<|im_start|>assistant\\n``) is the *text delta* between two renderings of
+  the chat: ``render(messages + new)[len(render(messages)):]``, tokenized on its own
+  (``add_special_tokens=False``) and appended with ``loss_mask`` 0, logprob 0, version -1.
+
+The delta is only defined when the template is *prefix-stable*: rendering more messages only
+appends text. When a template rewrites history (Qwen3's official template drops earlier
+``<think>`` blocks, for instance) the new rendering does not start with the old one and
+:class:`TemplateMismatch` names the problem instead of silently training on text the model
+never saw. The tiny model's template (agentrl.model_builder) is prefix-stable.
+
+If the model stopped by length (or on a stop token other than the template's end-of-turn), the
+template's closing text (``<|im_end|>\\n``) is appended as non-model tokens; the loop reserves
+room for it, so an episode never exceeds ``max_total_tokens``.
+
+Speed: each step renders the whole chat once (Jinja, a fraction of a millisecond for short
+chats) and tokenizes only the delta with the Rust tokenizer directly; decoding uses the Rust
+tokenizer too. Both are checked against the transformers calls in the tests.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+Message = dict[str, Any]
+
+_SENTINEL = "\x00agentrl-sentinel\x00"
+
+
+class TemplateMismatch(ValueError):
+    """The chat template rewrote text that is already in the episode's tokens."""
+
+
+class ChatCodec:
+    """A tokenizer plus its chat template, with the few operations the agent loop needs.
+
+    Built once per tokenizer (see :func:`codec_for`); stateless after construction.
+    """
+
+    def __init__(self, tokenizer: Any):
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', tokenizer)!r} has no chat template")
+        self.tokenizer = tokenizer
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer, when fast
+        suffix = self._assistant_suffix()
+        self.assistant_suffix = suffix  # the template's text after an assistant message, e.g. "<|im_end|>\n"
+        suffix_ids = self.encode(suffix)
+        self.reserve_tokens = len(suffix_ids)  # room kept for closing a turn the model did not close
+        # The template's end-of-turn token: the suffix's first token when it is an added/special token
+        # (<|im_end|>). A model turn that stops on it has its content decoded without it.
+        added = set(tokenizer.get_added_vocab().values()) | set(tokenizer.all_special_ids)
+        first = suffix_ids[0] if suffix_ids else None
+        self.end_of_turn_id: int | None = first if first in added else None
+
+    # ----------------------------------------------------------------- primitives
+
+    def render(self, messages: list[Message], tools: list[dict] | None, add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+
+    def prompt_ids(self, messages: list[Message], tools: list[dict] | None) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        return list(ids)
+
+    def encode(self, text: str) -> list[int]:
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=False).ids
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(list(ids), skip_special_tokens=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def _assistant_suffix(self) -> str:
+        base = [{"role": "user", "content": "hi"}]
+        before = self.render(base, None, add_generation_prompt=True)
+        after = self.render(base + [{"role": "assistant", "content": _SENTINEL}], None, add_generation_prompt=False)
+        if not after.startswith(before) or _SENTINEL not in after:
+            raise TemplateMismatch(
+                "the chat template does not render an assistant message as generation prompt + content + suffix; "
+                "token-in/token-out needs a prefix-stable template"
+            )
+        return after[after.index(_SENTINEL) + len(_SENTINEL):]
+
+
+_CODECS: "weakref.WeakKeyDictionary[Any, ChatCodec]" = weakref.WeakKeyDictionary()
+
+
+def codec_for(tokenizer: Any) -> ChatCodec:
+    """The (cached) :class:`ChatCodec` of a Hugging Face tokenizer; a codec is returned as is."""
+    if isinstance(tokenizer, ChatCodec):
+        return tokenizer
+    codec = _CODECS.get(tokenizer)
+    if codec is None:
+        codec = ChatCodec(tokenizer)
+        _CODECS[tokenizer] = codec
+    return codec
+
+
+@dataclass
+class TokenChat:
+    """One episode's tokens and messages, kept so that the tokens always decode to the chat."""
+
+    codec: ChatCodec
+    tools: list[dict] | None
+    messages: list[Message]
+    tokens: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    text: str = ""  # == decode(tokens), kept to check each new rendering against
+    turn_start: int = 0  # index of the current model turn's first token
+
+    @classmethod
+    def start(cls, codec: ChatCodec, messages: list[Message], tools: list[dict] | None) -> "TokenChat":
+        chat = cls(codec=codec, tools=tools or None, messages=[dict(m) for m in messages])
+        ids = codec.prompt_ids(chat.messages, chat.tools)
+        chat._append_context(ids, codec.render(chat.messages, chat.tools, add_generation_prompt=True))
+        return chat
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    # ----------------------------------------------------------------- model tokens
+
+    def append_model(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
+        """Append tokens the model generated (part of the current turn), exactly as returned."""
+        if not (len(ids) == len(logprobs) == len(versions)):
+            raise ValueError(f"{len(ids)} ids, {len(logprobs)} logprobs, {len(versions)} versions")
+        self.tokens.extend(ids)
+        self.loss_mask.extend([1] * len(ids))
+        self.logprobs.extend(logprobs)
+        self.versions.extend(versions)
+
+    def turn_ids(self) -> list[int]:
+        return self.tokens[self.turn_start:]
+
+    def turn_content(self) -> str:
+        """The current model turn's text without the end-of-turn token it stopped on."""
+        ids = self.turn_ids()
+        if ids and self.codec.end_of_turn_id is not None and ids[-1] == self.codec.end_of_turn_id:
+            ids = ids[:-1]
+        return self.codec.decode(ids)
+
+    # ----------------------------------------------------------------- non-model text
+
+    def close_turn_and_add(self, new_messages: list[Message], *, max_len: int | None = None) -> bool:
+        """Close the model's turn as an assistant message, then add ``new_messages`` (tool results,
+        a user reply) and the next generation prompt.
+
+        With ``new_messages`` empty the chat ends after the assistant message (no generation prompt).
+        When ``max_len`` is given and the new tokens would take the episode past it, only the
+        assistant message is closed, the new messages are left out, and False is returned.
+        """
+        model_text = self.codec.decode(self.turn_ids())
+        assistant = {"role": "assistant", "content": self.turn_content()}
+        if new_messages:
+            rendered, delta_ids = self._delta(self.messages + [assistant] + new_messages, True, model_text)
+            if max_len is None or len(self.tokens) + len(delta_ids) <= max_len:
+                self.messages.append(assistant)
+                self.messages.extend(dict(m) for m in new_messages)
+                self._append_context(delta_ids, rendered)
+                return True
+        rendered, delta_ids = self._delta(self.messages + [assistant], False, model_text)
+        self.messages.append(assistant)
+        self._append_context(delta_ids, rendered)
+        return not new_messages
+
+    def _delta(self, messages: list[Message], add_generation_prompt: bool, model_text: str) -> tuple[str, list[int]]:
+        """Render ``messages``; return the rendering and the token ids of the text past the episode's."""
+        rendered = self.codec.render(messages, self.tools, add_generation_prompt)
+        expected = self.text + model_text
+        if not rendered.startswith(expected):
+            at = next((i for i, (a, b) in enumerate(zip(rendered, expected)) if a != b), min(len(rendered), len(expected)))
+            raise TemplateMismatch(
+                "the chat template is not prefix-stable: rendering the chat with its new messages changed text "
+                f"already in the episode at character {at} (had {expected[at:at + 40]!r}, "
+                f"now {rendered[at:at + 40]!r}); token-in/token-out cannot keep tokens and messages in sync"
+            )
+        delta = rendered[len(expected):]
+        return rendered, (self.codec.encode(delta) if delta else [])
+
+    def _append_context(self, ids: list[int], text: str) -> None:
+        """Append non-model tokens; ``text`` is the chat's rendering once they are in."""
+        self.tokens.extend(ids)
+        self.loss_mask.extend([0] * len(ids))
+        self.logprobs.extend([0.0] * len(ids))
+        self.versions.extend([-1] * len(ids))
+        self.text = text
+        self.turn_start = len(self.tokens)

@@ -1,0 +1,398 @@
+"""The agent loop: one episode, one group of episodes, and greedy evaluation.
+
+An episode alternates model turns and observations until it finishes:
+
+1. **Model turn.** Ask the engine for at most ``min(max_new_tokens_per_turn, room left)``
+   tokens, where the room left keeps space for the template to close the turn, so an episode
+   never exceeds ``max_total_tokens``. The returned ids are appended exactly as generated, with
+   their logprobs and ``int(weight_version)`` (see :mod:`agentrl.actors.chat`).
+2. **Interruptions.** When a weight update pauses the engine with ``mode="abort"``, the request
+   returns ``finish_reason.type == "abort"`` with its partial output. The loop keeps those tokens
+   (with their logprobs and the old version) and asks again with the prompt extended by them,
+   for the tokens still allowed: the turn continues under the new weights, and the per-token
+   versions show where the policy changed. An episode survives any number of updates; only a run
+   of aborts that return no tokens at all (the engine refusing the request) ends it as
+   ``"aborted"``.
+3. **Observation.** The turn's text is parsed for tool calls (Hermes ``<tool_call>`` by default,
+   or ``env.tool_parser``). Calls are executed concurrently by the :class:`ToolBox` (time and
+   output limits, errors as text) and each result becomes one ``tool`` message; a turn with
+   only malformed calls gets the parse errors as ``tool`` messages so the model sees them; a
+   turn without tool activity goes to ``env.on_text_turn`` (None ends the episode, a string is
+   the next user message).
+
+Finish reasons: ``answer`` (the env accepted a text turn), ``max_turns``, ``context_full``
+(no room for another turn or its observation; also a turn cut by the room left), ``
+truncated_tool_call`` (the per-turn token limit cut a ``<tool_call>`` open), ``aborted``.
+
+Failures: a tool failure is an observation, a reward that raises scores the episode 0 with the
+error in ``metadata["reward_error"]``. Anything else (engine unreachable after the client's
+retries, an engine reply that breaks the protocol, an env whose ``setup``/``initial_messages``
+raises) raises :class:`EpisodeFailed`; :func:`run_group` then cancels the group's other
+episodes and reports the group as lost, never silently.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import trio
+
+from agentrl.actors.chat import ChatCodec, Message, TokenChat, codec_for
+from agentrl.envs.base import Env, Task, total_reward
+from agentrl.protocol import Trajectory, TrajectoryGroup
+from agentrl.tools.base import ToolBox, ToolCall, ToolResult
+from agentrl.tools.parsing import HermesToolCallParser, ParsedTurn, ToolCallParser
+
+log = logging.getLogger(__name__)
+
+FINISH_REASONS = ("answer", "max_turns", "context_full", "truncated_tool_call", "aborted")
+CLEANUP_TIMEOUT_S = 30.0
+
+
+class GenerateResultLike(Protocol):
+    output_ids: list[int]
+    output_logprobs: list[float]
+    finish_reason: dict
+    weight_version: str
+    meta_info: dict
+
+
+class EngineClientLike(Protocol):
+    """What the loop needs of :class:`agentrl.engine.client.EngineClient`."""
+
+    async def generate(self, input_ids: list[int], sampling_params: dict, *, affinity_key: str | None = None,
+                       rid: str | None = None, return_logprob: bool = True) -> GenerateResultLike: ...
+
+
+class EpisodeFailed(Exception):
+    """The episode produced no usable trajectory (engine unreachable, protocol error, env bug)."""
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    max_turns: int = 4
+    max_total_tokens: int = 1024
+    max_new_tokens_per_turn: int = 128
+    max_empty_aborts: int = 20  # aborts in a row that return no token before the episode gives up
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "EpisodeLimits":
+        return cls(max_turns=cfg.env.max_turns, max_total_tokens=cfg.env.max_total_tokens,
+                   max_new_tokens_per_turn=cfg.actors.max_new_tokens_per_turn)
+
+
+def sampling_from_config(cfg: Any, greedy: bool = False) -> dict[str, Any]:
+    """SGLang sampling params from ``[actors]``; greedy is temperature 0."""
+    if greedy:
+        return {"temperature": 0.0}
+    return {"temperature": cfg.actors.temperature, "top_p": cfg.actors.top_p, "top_k": cfg.actors.top_k}
+
+
+def toolbox_for(env: Env, cfg: Any = None) -> ToolBox:
+    """The env's tools with the ``[env]`` time and output limits."""
+    if cfg is None:
+        return ToolBox(env.tools())
+    return ToolBox(env.tools(), timeout_s=cfg.env.tool_timeout_s, max_output_chars=cfg.env.tool_max_output_chars)
+
+
+@dataclass
+class _Counters:
+    num_turns: int = 0
+    num_tool_calls: int = 0
+    num_tool_errors: int = 0
+    num_aborts: int = 0
+    tool_latency_s: float = 0.0  # summed over calls
+    tool_wall_s: float = 0.0  # wall time spent waiting for tools (calls of a turn overlap)
+    generation_latency_s: float = 0.0  # wall time spent in /generate calls
+    num_generate_calls: int = 0
+
+
+class _Episode:
+    """The mutable state of one running episode."""
+
+    def __init__(self, client: EngineClientLike, codec: ChatCodec, env: Env, toolbox: ToolBox, task: Task,
+                 sampling: dict[str, Any], limits: EpisodeLimits, episode_id: str):
+        self.client, self.codec, self.env, self.toolbox, self.task = client, codec, env, toolbox, task
+        self.sampling = {k: v for k, v in sampling.items() if k != "max_new_tokens"}
+        if codec.end_of_turn_id is not None:
+            self.sampling.setdefault("stop_token_ids", [codec.end_of_turn_id])
+        self.limits = limits
+        self.id = episode_id
+        self.parser: ToolCallParser = getattr(env, "tool_parser", None) or HermesToolCallParser()
+        self.counters = _Counters()
+        self.state: dict[str, Any] = {}
+        self.chat: TokenChat | None = None
+
+    async def play(self) -> str:
+        """Run turns until the episode finishes; return the finish reason."""
+        chat = self.chat
+        assert chat is not None
+        limits = self.limits
+        # After an observation, leave room for one model token and the template's closing text.
+        obs_limit = limits.max_total_tokens - self.codec.reserve_tokens - 1
+        if len(chat) > obs_limit:
+            raise EpisodeFailed(f"the prompt has {len(chat)} tokens and leaves no room for the model in "
+                                f"env.max_total_tokens={limits.max_total_tokens}")
+        while True:
+            room = limits.max_total_tokens - len(chat) - self.codec.reserve_tokens
+            budget = min(limits.max_new_tokens_per_turn, room)
+            if budget < 1:
+                return "context_full"
+            stop = await self._model_turn(budget)
+            self.counters.num_turns += 1
+            if stop == "aborted":
+                chat.close_turn_and_add([])
+                return "aborted"
+            parsed = self.parser.parse(chat.turn_content())
+            if stop == "length" and budget < limits.max_new_tokens_per_turn:
+                chat.close_turn_and_add([])
+                return "context_full"
+            if stop == "length" and parsed.truncated:
+                chat.close_turn_and_add([])
+                return "truncated_tool_call"
+            if parsed.has_tool_activity:
+                if self.counters.num_turns >= limits.max_turns:
+                    chat.close_turn_and_add([])
+                    return "max_turns"
+                observations = await self._run_tools(parsed)
+            else:
+                assistant = {"role": "assistant", "content": chat.turn_content()}
+                reply = await self.env.on_text_turn(self.task, self.state, chat.messages + [assistant])
+                if reply is None:
+                    chat.close_turn_and_add([])
+                    return "answer"
+                if self.counters.num_turns >= limits.max_turns:
+                    chat.close_turn_and_add([])
+                    return "max_turns"
+                observations = [{"role": "user", "content": str(reply)}]
+            if not chat.close_turn_and_add(observations, max_len=obs_limit):
+                return "context_full"
+
+    async def _model_turn(self, budget: int) -> str:
+        """Generate one model turn of at most ``budget`` tokens; 'stop', 'length' or 'aborted'."""
+        chat = self.chat
+        assert chat is not None
+        remaining, empty_aborts, part = budget, 0, 0
+        while True:
+            params = {**self.sampling, "max_new_tokens": remaining}
+            rid = f"{self.id}-{self.counters.num_turns}-{part}"
+            part += 1
+            start = time.monotonic()
+            try:
+                result = await self.client.generate(chat.tokens, params, affinity_key=self.id, rid=rid)
+            except Exception as e:  # the client has already retried; trio.Cancelled is not an Exception
+                raise EpisodeFailed(f"generate failed: {type(e).__name__}: {e}") from e
+            self.counters.generation_latency_s += time.monotonic() - start
+            self.counters.num_generate_calls += 1
+            ids, logprobs, versions, kind = _unpack(result)
+            if len(ids) > remaining:
+                raise EpisodeFailed(f"engine returned {len(ids)} tokens, {remaining} were asked for")
+            chat.append_model(ids, logprobs, versions)
+            remaining -= len(ids)
+            if kind == "stop":
+                return "stop"
+            if kind == "length":
+                return "length"
+            # abort: keep the partial output and continue the same turn (likely under new weights)
+            self.counters.num_aborts += 1
+            if ids and self.codec.end_of_turn_id is not None and ids[-1] == self.codec.end_of_turn_id:
+                return "stop"
+            if remaining <= 0:
+                return "length"
+            if ids:
+                empty_aborts = 0
+                continue
+            empty_aborts += 1
+            if empty_aborts > self.limits.max_empty_aborts:
+                return "aborted"
+            await trio.sleep(min(1.0, 0.05 * empty_aborts))
+
+    async def _run_tools(self, parsed: ParsedTurn) -> list[Message]:
+        results: list[ToolResult | None] = [None] * len(parsed.calls)
+
+        async def call(i: int, c: ToolCall) -> None:
+            results[i] = await self.toolbox.execute(c, self.state)
+
+        start = time.monotonic()
+        async with trio.open_nursery() as nursery:
+            for i, c in enumerate(parsed.calls):
+                nursery.start_soon(call, i, c)
+        self.counters.tool_wall_s += time.monotonic() - start
+        messages: list[Message] = []
+        for r in results:
+            assert r is not None
+            self.counters.num_tool_calls += 1
+            self.counters.num_tool_errors += int(r.is_error)
+            self.counters.tool_latency_s += r.latency_s
+            messages.append({"role": "tool", "name": r.name, "content": r.content})
+        for err in parsed.errors:
+            self.counters.num_tool_errors += 1
+            messages.append({"role": "tool", "content": err})
+        return messages
+
+
+def _unpack(result: GenerateResultLike) -> tuple[list[int], list[float], list[int], str]:
+    """Validate an engine reply; return (ids, logprobs, versions per token, finish type)."""
+    ids = [int(i) for i in result.output_ids]
+    logprobs = [0.0 if lp is None else float(lp) for lp in (result.output_logprobs or [])]
+    if len(logprobs) != len(ids):
+        raise EpisodeFailed(f"engine returned {len(ids)} output ids but {len(logprobs)} logprobs (return_logprob?)")
+    kind = (result.finish_reason or {}).get("type")
+    if kind not in ("stop", "length", "abort"):
+        raise EpisodeFailed(f"engine returned an unknown finish_reason {result.finish_reason!r}")
+    try:
+        version = int(result.weight_version)
+    except (TypeError, ValueError):
+        raise EpisodeFailed(f"engine weight_version {result.weight_version!r} is not an integer") from None
+    versions = [version] * len(ids)
+    # SGLang reports spans when the weights changed during one request (pause mode in_place).
+    spans = (result.meta_info or {}).get("weight_versions")
+    if isinstance(spans, list) and len(spans) > 1:
+        try:
+            for span in spans:
+                v = int(span["version"])
+                for i in range(max(0, int(span["start"])), min(len(ids), int(span["end"]))):
+                    versions[i] = v
+        except (KeyError, TypeError, ValueError):
+            raise EpisodeFailed(f"engine returned malformed weight_versions spans {spans!r}") from None
+    return ids, logprobs, versions, kind
+
+
+async def _score(env: Env, task: Task, state: dict[str, Any], messages: list[Message]) -> tuple[float, dict, str]:
+    """The env's reward; a reward that raises or is not finite scores 0 with the error returned."""
+    try:
+        value = await env.reward(task, state, messages)
+        reward, components = total_reward(value)
+    except Exception as e:
+        return 0.0, {}, f"{type(e).__name__}: {e}"
+    if not math.isfinite(reward) or not all(math.isfinite(v) for v in components.values()):
+        return 0.0, {}, f"reward is not finite: {value!r}"
+    return reward, components, ""
+
+
+async def run_episode(client: EngineClientLike, tokenizer: Any, env: Env, toolbox: ToolBox, task: Task,
+                      sampling: dict[str, Any], limits: EpisodeLimits, *, episode_id: str | None = None,
+                      extra_metadata: dict[str, Any] | None = None) -> Trajectory:
+    """Play one episode of ``task`` and score it; raises :class:`EpisodeFailed` when it cannot."""
+    codec = codec_for(tokenizer)
+    ep = _Episode(client, codec, env, toolbox, task, sampling, limits, episode_id or uuid.uuid4().hex[:12])
+    start = time.monotonic()
+    try:
+        ep.state = await env.setup(task)
+    except Exception as e:
+        raise EpisodeFailed(f"{type(env).__name__}.setup raised {type(e).__name__}: {e}") from e
+    cleanup_error = ""
+    try:
+        try:
+            ep.chat = TokenChat.start(codec, env.initial_messages(task), toolbox.schemas())
+            finish = await ep.play()
+        except EpisodeFailed:
+            raise
+        except Exception as e:  # an env or template bug ends this episode, not the actor
+            log.warning("episode %s crashed", ep.id, exc_info=True)
+            raise EpisodeFailed(f"episode crashed: {type(e).__name__}: {e}") from e
+        reward, components, reward_error = await _score(env, task, ep.state, ep.chat.messages)
+    finally:
+        with trio.CancelScope(shield=True), trio.move_on_after(CLEANUP_TIMEOUT_S):
+            try:
+                await env.cleanup(task, ep.state)
+            except Exception as e:  # a leaking env is logged, the episode still counts
+                cleanup_error = f"{type(e).__name__}: {e}"
+                log.warning("%s.cleanup raised %s", type(env).__name__, cleanup_error)
+    chat, c = ep.chat, ep.counters
+    metadata: dict[str, Any] = {
+        "env": env.name, "task_id": task.id, "episode_id": ep.id, "finish_reason": finish,
+        "num_turns": c.num_turns, "num_tool_calls": c.num_tool_calls, "num_tool_errors": c.num_tool_errors,
+        "num_aborts": c.num_aborts, "num_generate_calls": c.num_generate_calls,
+        "tool_latency_s": c.tool_latency_s, "tool_wall_s": c.tool_wall_s,
+        "generation_latency_s": c.generation_latency_s, "episode_wall_s": time.monotonic() - start,
+        "num_model_tokens": sum(chat.loss_mask), "messages": chat.messages,
+    }
+    if reward_error:
+        metadata["reward_error"] = reward_error
+    if cleanup_error:
+        metadata["cleanup_error"] = cleanup_error
+    metadata.update(extra_metadata or {})
+    return Trajectory(tokens=chat.tokens, loss_mask=chat.loss_mask, behavior_logprobs=chat.logprobs,
+                      weight_versions=chat.versions, reward=reward, reward_components=components, metadata=metadata)
+
+
+class GroupLost(Exception):
+    """A group could not be completed; ``reason`` says why (the first failed episode's error)."""
+
+
+async def run_group(client: EngineClientLike, tokenizer: Any, env: Env, toolbox: ToolBox, task: Task,
+                    sampling: dict[str, Any], limits: EpisodeLimits, n: int, *, group_id: str | None = None,
+                    actor_id: str = "", extra_metadata: dict[str, Any] | None = None) -> TrajectoryGroup:
+    """Run the ``n`` samples of ``task`` concurrently and return them as one group.
+
+    If any episode fails, the others are cancelled (their work is useless to GRPO) and
+    :class:`GroupLost` is raised with the failure.
+    """
+    gid = group_id or uuid.uuid4().hex[:12]
+    trajectories: list[Trajectory | None] = [None] * n
+    failure: list[str] = []
+
+    async def one(i: int, cancel: trio.CancelScope) -> None:
+        try:
+            trajectories[i] = await run_episode(client, tokenizer, env, toolbox, task, sampling, limits,
+                                                episode_id=f"{gid}-{i}", extra_metadata=extra_metadata)
+        except EpisodeFailed as e:
+            failure.append(str(e))
+            cancel.cancel()
+
+    async with trio.open_nursery() as nursery:
+        for i in range(n):
+            nursery.start_soon(one, i, nursery.cancel_scope)
+    if failure:
+        raise GroupLost(failure[0])
+    return TrajectoryGroup(group_id=gid, task_id=task.id, env=env.name,
+                           trajectories=[t for t in trajectories if t is not None],
+                           actor_id=actor_id, created_at=time.time())
+
+
+async def evaluate(client: EngineClientLike, tokenizer: Any, env: Env, tasks: list[Task], greedy: bool = True,
+                   concurrency: int = 64, *, toolbox: ToolBox | None = None, limits: EpisodeLimits | None = None,
+                   sampling: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Play one episode per task and report ``success_rate`` and ``reward_mean`` over the episodes
+    that completed (``n``); episodes that failed (engine unreachable...) are counted in ``n_failed``
+    and left out of the rates, so an outage does not read as a bad policy."""
+    toolbox = toolbox or toolbox_for(env)
+    limits = limits or EpisodeLimits()
+    sampling = dict(sampling or {})
+    if greedy:
+        sampling["temperature"] = 0.0
+    limiter = trio.CapacityLimiter(max(1, concurrency))
+    rewards: list[float] = []
+    successes: list[bool] = []
+    finish: dict[str, int] = {}
+    errors: list[str] = []
+
+    async def one(task: Task) -> None:
+        async with limiter:
+            try:
+                traj = await run_episode(client, tokenizer, env, toolbox, task, sampling, limits)
+            except EpisodeFailed as e:
+                errors.append(str(e))
+                return
+        rewards.append(traj.reward)
+        successes.append(bool(env.is_success(task, traj.reward)))
+        reason = traj.metadata["finish_reason"]
+        finish[reason] = finish.get(reason, 0) + 1
+
+    async with trio.open_nursery() as nursery:
+        for task in tasks:
+            nursery.start_soon(one, task)
+    n = len(rewards)
+    return {
+        "n": n, "n_failed": len(errors),
+        "success_rate": sum(successes) / n if n else 0.0,
+        "reward_mean": sum(rewards) / n if n else 0.0,
+        "finish_reasons": finish,
+        "errors": errors[:5],
+    }

@@ -1,0 +1,343 @@
+"""One actor process: many concurrent episodes, gated by the learner's budget, sent as groups.
+
+Scheduling. The unit of work is a *group*: the ``group_size`` samples of one task, run
+concurrently (:func:`agentrl.actors.rollout.run_group`). At most
+``num_concurrent_episodes // group_size`` groups are *open* at a time, where open means started
+and not yet delivered (running, or finished and waiting to be sent). Counting waiting groups
+too is what bounds memory: when the learner stops reading, sending blocks, open groups pile
+up to the limit, and the actor stops starting new ones.
+
+Gating (staleness). The learner publishes :class:`agentrl.protocol.Progress`, whose
+``accept_groups`` is a cumulative budget of groups all actors together may have started
+(it already includes ``max_staleness`` steps of look-ahead; ``max_staleness = 0`` therefore
+admits exactly one step's groups per policy version: a synchronous system). Actor ``i`` of
+``k`` takes the share ``accept // k + (i < accept % k)`` and starts a group only while
+``started - lost < share``: a lost group never reaches the learner, so it is replaced.
+Without any Progress (no learner) the actor runs freely against the engines' current
+weights, bounded by ``max_groups`` when given: the same process collects data or evaluates.
+``wait_for_learner`` holds every start until the first Progress arrives.
+
+Tasks. Every actor iterates the same ``env.tasks(split, seed + epoch)`` sequence and takes
+every ``k``-th task from position ``i``, so that the actors together cover the env's sequence
+once per epoch; the "train" split cycles with a new seed per epoch, other splits run once.
+
+Stopping. ``request_stop`` (SIGTERM/SIGINT, ``Progress.done``, ``max_groups`` reached, too
+many groups lost in a row) stops new starts; in-flight groups are cancelled (abandoned and
+counted); groups that already finished are still dumped and sent, for at most
+``drain_timeout_s`` when sending blocks. A second signal cancels everything at once. The
+report (a dict, printed as JSON by ``serve-actors``) says what was sent, lost and abandoned.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import signal
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Protocol
+
+import trio
+
+from agentrl.actors.metrics import ActorStats
+from agentrl.actors.rollout import EngineClientLike, EpisodeLimits, GroupLost, run_group
+from agentrl.envs.base import Env, Task
+from agentrl.protocol import Progress, TrajectoryGroup
+from agentrl.tools.base import ToolBox
+
+log = logging.getLogger(__name__)
+
+
+class GroupSenderLike(Protocol):
+    async def send(self, group: TrajectoryGroup) -> None: ...
+
+
+class ProgressSourceLike(Protocol):
+    async def receive(self) -> Progress: ...
+
+
+def budget_share(accept_groups: int, index: int, num_actors: int) -> int:
+    """Actor ``index``'s share of the learner's cumulative group budget."""
+    return accept_groups // num_actors + (1 if index < accept_groups % num_actors else 0)
+
+
+@dataclass
+class ActorSettings:
+    group_size: int = 8
+    num_concurrent_episodes: int = 64
+    actor_index: int = 0
+    num_actors: int = 1
+    actor_id: str = ""
+    max_groups: int | None = None  # stop after delivering this many groups
+    wait_for_learner: bool = False
+    split: str = "train"
+    seed: int = 0
+    max_staleness: int = 1  # only checked against the learner's (the learner's value governs)
+    log_interval_s: float = 30.0
+    drain_timeout_s: float = 10.0
+    max_consecutive_lost: int = 20
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.actor_index < self.num_actors:
+            raise ValueError(f"actor index {self.actor_index} is not in [0, {self.num_actors})")
+        if self.max_groups is not None and self.max_groups < 1:
+            raise ValueError(f"max_groups must be >= 1, got {self.max_groups}")
+
+    @property
+    def max_open_groups(self) -> int:
+        return max(1, self.num_concurrent_episodes // self.group_size)
+
+
+class ActorService:
+    """Runs groups of episodes until stopped; see the module docstring."""
+
+    def __init__(self, *, client: EngineClientLike, tokenizer: Any, env: Env, toolbox: ToolBox,
+                 sampling: dict[str, Any], limits: EpisodeLimits, settings: ActorSettings,
+                 sender: GroupSenderLike | None = None, progress: ProgressSourceLike | None = None,
+                 dump_path: str | Path | None = None):
+        self.client, self.tokenizer, self.env, self.toolbox = client, tokenizer, env, toolbox
+        self.sampling, self.limits, self.settings = sampling, limits, settings
+        self.sender, self.progress_source = sender, progress
+        self.dump_path = Path(dump_path) if dump_path else None
+        self.stats = ActorStats()
+        self.progress: Progress | None = None
+        self.stop_reason = ""
+        self.failed = False  # stopped because groups kept failing
+        self._changed = trio.Event()
+        self._groups_scope: trio.CancelScope | None = None
+        self._consecutive_lost = 0
+        self._not_before = 0.0
+        self._warned_staleness = False
+        if settings.max_open_groups * settings.group_size < settings.num_concurrent_episodes:
+            log.info("num_concurrent_episodes %d is not a multiple of group_size %d: running %d episodes",
+                     settings.num_concurrent_episodes, settings.group_size,
+                     settings.max_open_groups * settings.group_size)
+        if settings.group_size > settings.num_concurrent_episodes:
+            log.warning("group_size %d > num_concurrent_episodes %d: one group at a time",
+                        settings.group_size, settings.num_concurrent_episodes)
+
+    # ------------------------------------------------------------------ control
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def request_stop(self, reason: str) -> None:
+        """Start no more groups, abandon running ones, deliver finished ones."""
+        if not self.stop_reason:
+            log.info("stopping: %s", reason)
+            self.stop_reason = reason
+        if self._groups_scope is not None:
+            self._groups_scope.cancel()
+        self._notify()
+
+    @property
+    def open_groups(self) -> int:
+        s = self.stats
+        return s.groups_started - s.groups_lost - s.groups_abandoned - s.groups_delivered
+
+    def may_start(self) -> bool:
+        """Whether a new group may start now (capacity, max_groups, the learner's budget)."""
+        s, cfg = self.stats, self.settings
+        if self.stop_reason or self.open_groups >= cfg.max_open_groups:
+            return False
+        useful = s.groups_started - s.groups_lost  # started groups that have reached or will reach the learner
+        if cfg.max_groups is not None and useful - s.groups_abandoned >= cfg.max_groups:
+            return False
+        if self.progress is None:
+            return not cfg.wait_for_learner
+        return useful < budget_share(self.progress.accept_groups, cfg.actor_index, cfg.num_actors)
+
+    # ------------------------------------------------------------------ main
+
+    async def run(self, *, handle_signals: bool = False, task_status=trio.TASK_STATUS_IGNORED) -> dict[str, Any]:
+        """Run until stopped; return the report."""
+        send_in, send_out = trio.open_memory_channel[TrajectoryGroup](self.settings.max_open_groups)
+        delivered_all = trio.Event()
+        dump = self.dump_path.open("a", encoding="utf-8") if self.dump_path else None
+        try:
+            async with trio.open_nursery() as root:
+                if self.progress_source is not None:
+                    root.start_soon(self._listen_progress)
+                if handle_signals:
+                    root.start_soon(self._watch_signals, root.cancel_scope)
+                if self.settings.log_interval_s > 0:
+                    root.start_soon(self._log_periodically)
+                root.start_soon(self._deliver, send_out, dump, delivered_all)
+                task_status.started()
+                async with send_in:
+                    async with trio.open_nursery() as groups:
+                        self._groups_scope = groups.cancel_scope
+                        if self.stop_reason:
+                            groups.cancel_scope.cancel()
+                        await self._schedule(groups, send_in)
+                if self.stop_reason:
+                    with trio.move_on_after(self.settings.drain_timeout_s):
+                        await delivered_all.wait()
+                else:
+                    await delivered_all.wait()
+                root.cancel_scope.cancel()
+        finally:
+            if dump is not None:
+                dump.close()
+        return self.report()
+
+    def report(self) -> dict[str, Any]:
+        s = self.stats
+        return {
+            "stop_reason": self.stop_reason or "done",
+            "failed": self.failed,
+            "groups_unsent": s.groups_completed - s.groups_delivered,
+            "last_progress": None if self.progress is None else {
+                "policy_version": self.progress.policy_version, "accept_groups": self.progress.accept_groups},
+            **s.summary(),
+        }
+
+    async def _schedule(self, groups: trio.Nursery, send_in: trio.MemorySendChannel) -> None:
+        tasks = self._tasks()
+        while not self.stop_reason:
+            cfg, s = self.settings, self.stats
+            if cfg.max_groups is not None and s.groups_delivered >= cfg.max_groups:
+                self.request_stop(f"delivered max_groups={cfg.max_groups}")
+                return
+            wait_s = self._not_before - time.monotonic()
+            if wait_s > 0:
+                with trio.move_on_after(wait_s):
+                    await self._changed.wait()
+                continue
+            if not self.may_start():
+                await self._changed.wait()
+                continue
+            try:
+                task = next(tasks, None)
+            except Exception as e:  # an env bug: stop cleanly with the reason
+                self.failed = True
+                self.request_stop(f"{type(self.env).__name__}.tasks() raised {type(e).__name__}: {e}")
+                return
+            if task is None:
+                log.info("no more tasks in split %r; finishing the open groups", cfg.split)
+                return  # the nursery waits for the open groups; then delivery drains
+            s.groups_started += 1
+            groups.start_soon(self._group, task, send_in.clone())
+
+    def _tasks(self) -> Iterator[Task]:
+        cfg = self.settings
+        epoch = 0
+        while True:
+            position = -1
+            for position, task in enumerate(self.env.tasks(cfg.split, cfg.seed + epoch)):
+                if position % cfg.num_actors == cfg.actor_index:
+                    yield task
+            if position < 0:
+                raise ValueError(f"{type(self.env).__name__}.tasks({cfg.split!r}) yielded no tasks")
+            if cfg.split != "train":
+                return
+            epoch += 1
+
+    async def _group(self, task: Task, send_in: trio.MemorySendChannel) -> None:
+        cfg, s = self.settings, self.stats
+        version = None if self.progress is None else self.progress.policy_version
+        extra = {"policy_version_at_start": -1 if version is None else version}
+        async with send_in:
+            ended = False  # completed or lost; otherwise cancelled (Cancelled may arrive in an exception group)
+            try:
+                group = await run_group(self.client, self.tokenizer, self.env, self.toolbox, task, self.sampling,
+                                        self.limits, cfg.group_size, group_id=uuid.uuid4().hex[:12],
+                                        actor_id=cfg.actor_id, extra_metadata=extra)
+                ended = True
+            except GroupLost as e:
+                ended = True
+                self._on_lost(task, str(e))
+                return
+            finally:
+                if not ended:
+                    s.groups_abandoned += 1
+                    s.episodes_abandoned += cfg.group_size
+                self._notify()
+            self._consecutive_lost = 0
+            s.add_group(group)
+            send_in.send_nowait(group)  # never full: the buffer holds max_open_groups
+
+    def _on_lost(self, task: Task, reason: str) -> None:
+        self.stats.add_lost(reason)
+        self._consecutive_lost += 1
+        n = self._consecutive_lost
+        log.warning("group of task %s lost (%d in a row): %s", task.id, n, reason)
+        if n >= self.settings.max_consecutive_lost:
+            self.failed = True
+            self.request_stop(f"{n} groups lost in a row, last: {reason}")
+        else:  # back off so a down engine is not hammered
+            self._not_before = time.monotonic() + min(30.0, 0.25 * 2 ** (n - 1))
+
+    async def _deliver(self, send_out: trio.MemoryReceiveChannel, dump: Any, done: trio.Event) -> None:
+        async with send_out:
+            async for group in send_out:
+                if dump is not None:
+                    dump.write(json.dumps(group_to_json(group), default=str) + "\n")
+                    dump.flush()
+                if self.sender is not None:
+                    await self.sender.send(group)
+                self.stats.groups_delivered += 1
+                self._notify()
+        done.set()
+
+    async def _listen_progress(self) -> None:
+        assert self.progress_source is not None
+        while True:
+            try:
+                progress = await self.progress_source.receive()
+            except Exception as e:
+                self.failed = True
+                self.request_stop(f"the progress channel failed: {type(e).__name__}: {e}")
+                return
+            if self.progress is None:
+                log.info("learner seen: policy version %d, budget %d groups", progress.policy_version,
+                         progress.accept_groups)
+            self.progress = progress
+            if progress.max_staleness != self.settings.max_staleness and not self._warned_staleness:
+                self._warned_staleness = True
+                log.warning("actors.max_staleness=%d but the learner publishes %d; the learner's value governs",
+                            self.settings.max_staleness, progress.max_staleness)
+            if progress.done:
+                self.request_stop("the learner is done")
+            self._notify()
+
+    async def _watch_signals(self, root: trio.CancelScope) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                if self.stop_reason:
+                    log.warning("second signal: stopping now")
+                    root.cancel()
+                    return
+                self.request_stop(f"received {signal.Signals(signum).name}")
+
+    async def _log_periodically(self) -> None:
+        while True:
+            await trio.sleep(self.settings.log_interval_s)
+            window = self.stats.window()
+            s = self.stats.summary()
+            log.info("actor %s: %.1f turns/s, %.2f groups/s, open %d, delivered %d, lost %d, reward %.3f, "
+                     "turns %.2f, tool errors %.3f, finish %s", self.settings.actor_id, window["turns_per_s"],
+                     window["groups_per_s"], self.open_groups, s["groups_delivered"], s["groups_lost"],
+                     s["reward_mean"], s["turns_mean"], s["tool_error_rate"], s["finish_reasons"])
+
+
+def group_to_json(group: TrajectoryGroup) -> dict[str, Any]:
+    """A group as one JSON object (for ``--dump-trajectories``)."""
+    return {
+        "group_id": group.group_id, "task_id": group.task_id, "env": group.env, "actor_id": group.actor_id,
+        "created_at": group.created_at,
+        "trajectories": [
+            {
+                "reward": t.reward, "reward_components": t.reward_components,
+                "tokens": t.tokens.tolist(), "loss_mask": t.loss_mask.tolist(),
+                "behavior_logprobs": [round(float(x), 6) if math.isfinite(x) else None for x in t.behavior_logprobs],
+                "weight_versions": t.weight_versions.tolist(),
+                "metadata": t.metadata,
+            }
+            for t in group.trajectories
+        ],
+    }

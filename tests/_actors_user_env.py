@@ -1,0 +1,82 @@
+"""A user-written environment, outside the agentrl package, loaded by import path
+(``env.cls = "tests._actors_user_env:AddEnv"``), plus a scripted agent that solves it."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from typing import Any, Iterator
+
+import trio
+
+from agentrl.envs.base import Env, Message, Task
+from agentrl.tools.base import Tool, tool
+
+
+@tool
+def add(a: int, b: int) -> str:
+    """Add two integers.
+
+    Args:
+        a: the first number.
+        b: the second number.
+    """
+    return str(a + b)
+
+
+@tool
+async def wait(seconds: float) -> str:
+    """Wait, then say so.
+
+    Args:
+        seconds: how long.
+    """
+    await trio.sleep(seconds)
+    return "done waiting"
+
+
+class AddEnv(Env):
+    name = "add"
+
+    def __init__(self, num_tasks: int = 1000, reward_raises: bool = False, max_operand: int = 99):
+        self.num_tasks = num_tasks
+        self.reward_raises = reward_raises
+        self.max_operand = max_operand
+        self.cleaned_up = 0
+
+    def tasks(self, split: str = "train", seed: int = 0) -> Iterator[Task]:
+        rng = random.Random(f"{split}-{seed}")
+        for i in range(self.num_tasks):
+            a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
+            yield Task(id=f"{split}-{seed}-{i}", data={"a": a, "b": b})
+
+    def initial_messages(self, task: Task) -> list[Message]:
+        return [{"role": "system", "content": "Use the tools."},
+                {"role": "user", "content": f"What is {task.data['a']} + {task.data['b']}?"}]
+
+    def tools(self) -> list[Tool]:
+        return [add, wait]
+
+    async def cleanup(self, task: Task, state: dict[str, Any]) -> None:
+        self.cleaned_up += 1
+
+    async def reward(self, task: Task, state: dict[str, Any], messages: list[Message]) -> float:
+        if self.reward_raises:
+            raise RuntimeError("the scorer crashed")
+        last = messages[-1]
+        right = str(task.data["a"] + task.data["b"])
+        return 1.0 if last["role"] == "assistant" and re.search(rf"\b{right}\b", last["content"]) else 0.0
+
+
+def call(name: str, **arguments: Any) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def solver(turn: int, prompt: str) -> str:
+    """A scripted agent for AddEnv: call add, then state the tool's result."""
+    if turn == 0:
+        a, b = re.findall(r"What is (\d+) \+ (\d+)\?", prompt)[-1]
+        return call("add", a=int(a), b=int(b))
+    result = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", prompt, flags=re.S)[-1]
+    return f"The answer is {result}."

@@ -1,0 +1,206 @@
+"""One actor process's scheduling in-process: gating on the learner's budget, max_groups, lost
+groups, back-pressure, stopping. The engine is a scripted HTTP server; sender and progress are
+in-memory doubles of the transport interface."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import trio
+
+from agentrl.actors.rollout import EpisodeLimits, toolbox_for
+from agentrl.actors.service import ActorService, ActorSettings, budget_share
+from agentrl.protocol import Progress
+from tests._actors_helpers import (HttpEngineClient, MemoryProgress, MemorySender, ScriptedEngine, TurnScript,
+                                   load_tokenizer, tiny_tokenizer_dir)
+from tests._actors_user_env import AddEnv, solver
+
+LIMITS = EpisodeLimits(max_turns=4, max_total_tokens=1024, max_new_tokens_per_turn=64)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return load_tokenizer(tiny_tokenizer_dir(tmp_path_factory))
+
+
+def service(client, tokenizer, env=None, sender=None, progress=None, dump_path=None, **settings) -> ActorService:
+    env = env or AddEnv()
+    defaults = dict(group_size=2, num_concurrent_episodes=4, log_interval_s=0, drain_timeout_s=1.0)
+    return ActorService(client=client, tokenizer=tokenizer, env=env, toolbox=toolbox_for(env), sampling={},
+                        limits=LIMITS, settings=ActorSettings(**{**defaults, **settings}), sender=sender,
+                        progress=progress, dump_path=dump_path)
+
+
+async def wait_for(predicate, timeout_s: float = 20.0) -> None:
+    with trio.fail_after(timeout_s):
+        while not predicate():
+            await trio.sleep(0.01)
+
+
+def test_budget_share():
+    assert [budget_share(5, i, 2) for i in range(2)] == [3, 2]
+    assert [budget_share(7, i, 3) for i in range(3)] == [3, 2, 2]
+    assert sum(budget_share(1001, i, 4) for i in range(4)) == 1001
+    with pytest.raises(ValueError, match="actor index 2 is not in"):
+        ActorSettings(actor_index=2, num_actors=2)
+
+
+def test_free_run_max_groups_and_dump(tokenizer, tmp_path):
+    dump = tmp_path / "groups.jsonl"
+    sender = MemorySender()
+    with ScriptedEngine(TurnScript(tokenizer, solver), version=3) as engine:
+        async def main():
+            async with HttpEngineClient([engine.url]) as client:
+                return await service(client, tokenizer, sender=sender, dump_path=dump, max_groups=5).run()
+
+        report = trio.run(main)
+    assert report["stop_reason"] == "delivered max_groups=5" and not report["failed"]
+    assert report["groups_delivered"] == 5 == len(sender.groups) and report["groups_started"] == 5
+    assert report["episodes"] == 10 and report["reward_mean"] == 1.0
+    assert report["finish_reasons"] == {"answer": 10} and report["turns_mean"] == 2.0
+    assert report["tool_calls_mean"] == 1.0 and report["generation_latency_mean_s"] > 0
+    lines = [json.loads(line) for line in dump.read_text().splitlines()]
+    assert [g["group_id"] for g in lines] == [g.group_id for g in sender.groups]
+    assert len({g["task_id"] for g in lines}) == 5  # one task per group, n samples each
+    for g, sent in zip(lines, sender.groups):
+        assert len(g["trajectories"]) == 2
+        for t, st in zip(g["trajectories"], sent.trajectories):
+            assert t["tokens"] == st.tokens.tolist() and t["loss_mask"] == st.loss_mask.tolist()
+            assert len(t["behavior_logprobs"]) == len(t["weight_versions"]) == len(t["tokens"])
+            assert t["reward"] == 1.0 and t["metadata"]["messages"][-1]["content"].startswith("The answer is")
+            assert set(t["weight_versions"]) == {-1, 3}
+            assert t["metadata"]["finish_reason"] == "answer" and t["metadata"]["policy_version_at_start"] == -1
+
+
+def test_max_staleness_zero_is_synchronous(tokenizer):
+    """With a budget of one step per version, the actor starts exactly that step's groups and waits."""
+    sender, progress = MemorySender(), MemoryProgress()
+    with ScriptedEngine(TurnScript(tokenizer, solver), version=0) as engine:
+        async def main():
+            async with HttpEngineClient([engine.url]) as client:
+                svc = service(client, tokenizer, sender=sender, progress=progress, wait_for_learner=True,
+                              max_staleness=0, num_concurrent_episodes=8)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(svc.run)
+                    await trio.sleep(0.3)
+                    assert svc.stats.groups_started == 0  # waits for the learner
+                    for step in range(3):
+                        progress.publish(Progress(policy_version=step, accept_groups=3 * (step + 1), step=step,
+                                                  max_staleness=0))
+                        await wait_for(lambda: len(sender.groups) == 3 * (step + 1))
+                        await trio.sleep(0.3)
+                        assert svc.stats.groups_started == 3 * (step + 1)  # nothing beyond the budget
+                        engine.version = step + 1  # the learner trains, pushes weights, publishes
+                    progress.publish(Progress(policy_version=3, accept_groups=12, step=3, max_staleness=0, done=True))
+                return svc
+
+        svc = trio.run(main)
+    assert svc.stop_reason == "the learner is done"
+    for i, group in enumerate(sender.groups):  # one batch per version
+        assert group.oldest_version() == i // 3
+        for t in group.trajectories:
+            assert set(t.weight_versions[t.loss_mask == 1].tolist()) == {i // 3}
+            assert t.metadata["policy_version_at_start"] == i // 3
+
+
+def test_actor_takes_its_share_and_replaces_lost_groups(tokenizer):
+    calls = {"n": 0}
+    script = TurnScript(tokenizer, solver)
+
+    def flaky(ids, params):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("engine hiccup")  # HTTP 500: that episode's group is lost
+        return script(ids, params)
+
+    sender, progress = MemorySender(), MemoryProgress()
+    progress.publish(Progress(policy_version=0, accept_groups=7, max_staleness=1))
+    with ScriptedEngine(flaky) as engine:
+        async def main():
+            async with HttpEngineClient([engine.url]) as client:
+                svc = service(client, tokenizer, sender=sender, progress=progress, actor_index=1, num_actors=3,
+                              wait_for_learner=True, max_staleness=1, group_size=1)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(svc.run)
+                    await wait_for(lambda: len(sender.groups) == 2)
+                    await trio.sleep(0.5)
+                    svc.request_stop("test over")
+                return svc
+
+        svc = trio.run(main)
+    # actor 1 of 3 gets 7 // 3 = 2 groups; the lost one was replaced
+    assert len(sender.groups) == 2
+    assert svc.stats.groups_lost == 1 and svc.stats.groups_started == 3
+    assert "500" in next(iter(svc.stats.lost_reasons))
+
+
+def test_persistent_failure_stops_the_actor(tokenizer):
+    def broken(ids, params):
+        raise RuntimeError("down")
+
+    with ScriptedEngine(broken) as engine:
+        async def main():
+            async with HttpEngineClient([engine.url]) as client:
+                return await service(client, tokenizer, max_consecutive_lost=3).run()
+
+        report = trio.run(main)
+    assert report["failed"] and report["groups_lost"] >= 3 and report["groups_delivered"] == 0
+    assert report["stop_reason"].startswith("3 groups lost in a row, last: generate failed")
+
+
+def test_back_pressure_bounds_open_groups_and_stop_reports(tokenizer):
+    """A learner that stops reading: open groups fill up to the limit, then nothing starts; on stop
+    the finished groups are reported unsent."""
+    sender = MemorySender()
+    sender.blocked = True
+    env = AddEnv()
+    with ScriptedEngine(TurnScript(tokenizer, solver)) as engine:
+        async def main():
+            async with HttpEngineClient([engine.url]) as client:
+                svc = service(client, tokenizer, env=env, sender=sender, drain_timeout_s=0.3)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(svc.run)
+                    await wait_for(lambda: svc.stats.groups_completed == 2)
+                    await trio.sleep(0.5)
+                    assert svc.stats.groups_started == 2 == svc.open_groups  # 4 episodes / 2 per group
+                    svc.request_stop("test over")
+                return svc.report()
+
+        report = trio.run(main)
+    assert report["groups_unsent"] == 2 and report["groups_delivered"] == 0 and report["groups_abandoned"] == 0
+    assert env.cleaned_up == 4
+
+
+def test_stop_abandons_running_groups(tokenizer):
+    env = AddEnv()
+    sender = MemorySender()
+    with ScriptedEngine(TurnScript(tokenizer, solver), delay_s=0.4) as engine:
+        async def main():
+            async with HttpEngineClient([engine.url]) as client:
+                svc = service(client, tokenizer, env=env, sender=sender, num_concurrent_episodes=6)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(svc.run)
+                    await wait_for(lambda: len(engine.requests) >= 6)
+                    svc.request_stop("received SIGTERM")
+                return svc.report()
+
+        report = trio.run(main)
+    assert report["stop_reason"] == "received SIGTERM"
+    assert report["groups_abandoned"] == 3 and report["episodes_abandoned"] == 6
+    assert report["groups_delivered"] == 0 and len(sender.groups) == 0
+    assert env.cleaned_up == 6  # cleanup runs for cancelled episodes too
+
+
+def test_reward_errors_do_not_stop_the_actor(tokenizer):
+    sender = MemorySender()
+    with ScriptedEngine(TurnScript(tokenizer, solver)) as engine:
+        async def main():
+            async with HttpEngineClient([engine.url]) as client:
+                return await service(client, tokenizer, env=AddEnv(reward_raises=True), sender=sender,
+                                     max_groups=3).run()
+
+        report = trio.run(main)
+    assert report["groups_delivered"] == 3 and report["reward_errors"] == 6 and report["reward_mean"] == 0.0
+    assert all(t.metadata["reward_error"] == "RuntimeError: the scorer crashed"
+               for g in sender.groups for t in g.trajectories)
