@@ -200,6 +200,53 @@ def serve_actors_cmd(
 
 # ------------------------------------------------------------- learner commands (learn, sft, export)
 
+ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="Run config (TOML).")]
+NprocOpt = Annotated[
+    Optional[int], typer.Option("--nproc", help="Ranks on this machine (default: learner.nproc); > 1 uses torchrun.")
+]
+
+
+def _learner_launch(command: str, config: Path | None, nproc: int | None, overrides: list[str] | None) -> None:
+    cfg = _load(config, overrides)  # validate before starting anything
+    from agentrl.config import ConfigError
+    from agentrl.learner.launch import launch
+
+    try:
+        code = launch(command, config, list(overrides or []), nproc or cfg.learner.nproc)
+    except (ConfigError, ValueError) as e:
+        typer.secho(f"{command} error: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
+    raise typer.Exit(code)
+
+
+@app.command("learn")
+def learn_cmd(config: ConfigOpt = None, nproc: NprocOpt = None, overrides: OverrideOpt = None) -> None:
+    """Train the policy from trajectory groups (FSDP2; torchrun when --nproc > 1)."""
+    _learner_launch("learn", config, nproc, overrides)
+
+
+@app.command("sft")
+def sft_cmd(config: ConfigOpt = None, nproc: NprocOpt = None, overrides: OverrideOpt = None) -> None:
+    """Supervised warm-start on conversations (sft.data JSONL, or the env's demonstrations)."""
+    _learner_launch("sft", config, nproc, overrides)
+
+
+@app.command("export")
+def export_cmd(
+    checkpoint: Annotated[Path, typer.Argument(help="A checkpoint folder, a checkpoint root, or a run folder.")],
+    out_dir: Annotated[Path, typer.Argument(help="Folder to write the Hugging Face model to.")],
+    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "float32",
+) -> None:
+    """Write a learner checkpoint as a Hugging Face folder (safetensors, config, tokenizer)."""
+    from agentrl.learner.export import export_checkpoint
+
+    try:
+        path = export_checkpoint(checkpoint, out_dir, dtype=dtype)
+    except ValueError as e:
+        typer.secho(f"export error: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"exported {checkpoint} to {path}")
+
 
 # ------------------------------------------------------------------------ run-level commands (eval)
 

@@ -126,14 +126,30 @@ class LearnerSection(Section):
     loss_normalization: Literal["token", "sequence"] = "token"
     gamma: float = Field(default=1.0, ge=0, le=1)
     gae_lambda: float = Field(default=0.95, ge=0, le=1)
+    value_clip: float = Field(default=0.2, ge=0)  # PPO critic: clip of V - V_old; 0 disables
+    num_minibatches: int = Field(default=1, ge=1)  # optimiser updates per step; > 1 recomputes pi_prox first
     # Data
     max_staleness: int = Field(default=1, ge=0)  # groups older than this many versions are dropped
     dynamic_sampling: bool = True  # drop groups whose rewards do not vary
+    wait_log_interval_s: float = Field(default=30.0, gt=0)  # how often to log while waiting for groups
+    max_wait_for_data_s: float = Field(default=0.0, ge=0)  # stop (with a checkpoint) after this long without a batch; 0: wait forever
     # Systems
     sync_every_steps: int = Field(default=1, ge=1)
     activation_checkpointing: bool = False
     checkpoint_every_steps: int = Field(default=50, ge=0)  # 0: only at the end
+    keep_checkpoints: int = Field(default=2, ge=1)  # newest checkpoints kept on disk
     resume: Literal["auto", "never"] = "auto"
+    weight_sync_address: str = "127.0.0.1"  # address of rank 0 as the engines see it (weight-update group)
+    weight_sync_port: int = Field(default=0, ge=0, le=65535)  # 0: a free port
+
+    @model_validator(mode="after")
+    def _check_corrections(self) -> "LearnerSection":
+        if self.decoupled and self.tis != "none":
+            raise ValueError(
+                "learner.decoupled and learner.tis both correct pi_prox/pi_behaviour; "
+                "set learner.decoupled = false to use TIS"
+            )
+        return self
 
 
 class SftSection(Section):
@@ -143,6 +159,7 @@ class SftSection(Section):
     lr: float = Field(default=1e-3, gt=0)
     batch_tokens: int = Field(default=8192, ge=16)
     max_steps: int = Field(default=0, ge=0)  # 0: derived from epochs
+    output_dir: str = ""  # Hugging Face folder written at the end; empty: <run_dir>/sft/model
 
 
 class EvalSection(Section):

@@ -1,0 +1,480 @@
+"""``agentrl learn``: the learner's main loop.
+
+::
+
+    resume? -> [ wait for groups -> filter -> step -> push weights every k steps
+                 -> publish progress -> log -> checkpoint every n steps ] x max_steps -> done
+
+**Who does what.** Rank 0 owns every connection (:class:`LearnerIO`): it receives
+trajectory groups (ZMQ PULL), keeps them in a :class:`GroupBuffer` that drops and counts
+malformed, stale and zero-variance groups, publishes :class:`Progress` (ZMQ PUB), pushes
+weights into the engines and logs to MLflow. Every rank trains: each poll, rank 0
+broadcasts one control message, ``("batch", samples)``, ``("wait",)`` or ``("stop",
+reason)``, so the other ranks never sit in a collective longer than a poll (about 2 s),
+however long the actors take.
+
+**Waiting for data.** With no actor connected the learner keeps polling, publishes its
+progress every poll (a late subscriber still learns the version) and logs what it has
+every ``wait_log_interval_s``. ``max_wait_for_data_s > 0`` turns a long silence into a
+clean stop (checkpoint first).
+
+**Progress and the budget.** After every step and weight update rank 0 publishes the
+policy version and ``accept_groups``, how many more groups it will take before data
+started now would be too stale::
+
+    accept_groups = G * k * (max_staleness + 1) - G * steps_since_version_bump - buffered
+
+with ``G = groups_per_step`` and ``k = sync_every_steps``. Actors subtract their own
+in-flight groups from it. ``max_staleness = 0`` makes this exactly one version's worth of
+groups: a synchronous system.
+
+**Weights.** Every ``sync_every_steps`` steps the version is bumped and the weights are
+pushed (``weights_gather.push_weights``) into ``WeightUpdater`` (``agentrl.engine.weights``)
+when ``engine.urls`` is set. After a resume the weights are pushed once straight away, so
+that engines which kept running with newer weights than the checkpoint are brought back.
+
+**Stopping.** SIGTERM/SIGINT ask rank 0 to stop at the next poll or after the current
+step; the loop then writes a checkpoint. A second signal aborts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import random
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from agentrl.config import AgentRLConfig, dump_toml
+from agentrl.protocol import Progress, TrajectoryGroup
+
+log = logging.getLogger("agentrl.learner")
+
+POLL_S = 2.0  # longest a non-zero rank waits in one control broadcast
+
+
+class GroupSource(Protocol):
+    stats: dict[str, int]
+
+    def get(self, timeout_s: float | None = None) -> TrajectoryGroup | None: ...
+    def close(self) -> None: ...
+
+
+class ProgressSink(Protocol):
+    def publish(self, progress: Progress) -> None: ...
+    def close(self) -> None: ...
+
+
+@dataclass
+class LearnerIO:
+    """Rank 0's connections. Tests pass their own; ``open_io`` builds the real ones."""
+
+    source: Any  # GroupSource
+    progress: Any = None  # ProgressSink
+    weights: Any = None  # WeightSink (agentrl.engine.weights.WeightUpdater)
+    tracker: Any = None  # agentrl.tracking.Tracker
+    owned: list[Any] = field(default_factory=list)
+
+    def close(self) -> None:
+        for thing in (self.source, self.progress, self.weights, self.tracker):
+            if thing is None:
+                continue
+            try:
+                thing.close()
+            except Exception as e:  # closing must not mask the real outcome
+                log.warning("closing %s failed: %s", type(thing).__name__, e)
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def open_tracker(cfg: AgentRLConfig, run_dir: Path) -> Any:
+    if _module_exists("agentrl.tracking"):
+        from agentrl.tracking import open_tracker as _open
+    else:  # the tracking module is not on this branch yet
+        from agentrl.learner._standins import open_tracker as _open
+    return _open(cfg.tracking, run_dir)
+
+
+def open_io(cfg: AgentRLConfig, run_dir: Path) -> LearnerIO:
+    """The real transport (bind), weight updater (when ``engine.urls`` is set) and tracker."""
+    if _module_exists("agentrl.transport"):
+        from agentrl.transport import GroupReceiver, ProgressPublisher
+    else:  # the transport module is not on this branch yet
+        from agentrl.learner._standins import GroupReceiver, ProgressPublisher
+    lc = cfg.learner
+    source = GroupReceiver(cfg.actors.trajectory_endpoint, bind=True, max_queued_groups=max(64, 2 * lc.groups_per_step))
+    progress = ProgressPublisher(cfg.actors.progress_endpoint, bind=True)
+    weights = None
+    if cfg.engine.urls:
+        import torch
+
+        from agentrl.engine.weights import WeightUpdater
+
+        backend = cfg.engine.weight_group_backend
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        weights = WeightUpdater(
+            list(cfg.engine.urls),
+            master_address=lc.weight_sync_address,
+            master_port=lc.weight_sync_port,
+            backend=backend,
+            bucket_bytes=int(cfg.engine.weight_bucket_mb * (1 << 20)),
+        )
+        weights.connect()
+    else:
+        log.warning("engine.urls is empty: weights are not pushed to any engine (the version still advances)")
+    return LearnerIO(source=source, progress=progress, weights=weights, tracker=open_tracker(cfg, run_dir))
+
+
+def resolve_run_dir(cfg: AgentRLConfig) -> Path:
+    """``run.run_dir``, or ``runs/<name>-<timestamp>`` when empty (resume needs a fixed one)."""
+    if cfg.run.run_dir:
+        return Path(cfg.run.run_dir)
+    return Path("runs") / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def seed_everything(seed: int, num_threads: int = 0) -> None:
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if num_threads > 0:
+        torch.set_num_threads(num_threads)
+
+
+def flatten_params(cfg: AgentRLConfig, sections: tuple[str, ...]) -> dict[str, Any]:
+    dumped = cfg.model_dump()
+    return {f"{s}.{k}": v for s in sections for k, v in dumped[s].items()}
+
+
+class Learner:
+    """The ``learn`` loop on one rank (module docstring)."""
+
+    def __init__(self, cfg: AgentRLConfig, *, io: LearnerIO | None = None) -> None:
+        from agentrl.learner.batching import GroupBuffer
+        from agentrl.learner.checkpoint import checkpoint_root
+        from agentrl.learner.distributed import broadcast_object, init_distributed
+        from agentrl.learner.trainer import Trainer, TrainerSpec
+        from agentrl.model_builder import ensure_model
+
+        self.cfg = cfg
+        self.lc = cfg.learner
+        self.dist = init_distributed(self.lc.device)
+        seed_everything(cfg.run.seed, cfg.run.torch_num_threads)
+        self.run_dir = Path(broadcast_object(str(resolve_run_dir(cfg)) if self.dist.is_main else None))
+        model_path = cfg.model.path
+        if self.dist.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            ensure_model(model_path, cfg.model.init_size, seed=cfg.run.seed)
+            (self.run_dir / "learner_config.toml").write_text(dump_toml(cfg))
+        broadcast_object(None)  # everyone waits until the model exists
+        self.trainer = Trainer(TrainerSpec.for_learn(cfg), self.dist)
+        self.ckpt_root = checkpoint_root(self.run_dir, "learn")
+        self.version = 0
+        self.steps_since_sync = 0
+        self.exit_reason = "done"
+        self._stop_requested = False
+        self._batch_stats: dict[str, float] = {}
+        self.io: LearnerIO | None = None
+        self.buffer: GroupBuffer | None = None
+        if self.dist.is_main:
+            self.io = io if io is not None else open_io(cfg, self.run_dir)
+            self.buffer = GroupBuffer(
+                max_staleness=self.lc.max_staleness,
+                dynamic_sampling=self.lc.dynamic_sampling,
+                vocab_size=self.trainer.vocab_size,
+                max_sequence_tokens=self.lc.max_tokens_per_microbatch,
+            )
+        self.push_enabled = bool(broadcast_object(self.io is not None and self.io.weights is not None))
+        self.metrics_file = self.run_dir / "learner_metrics.jsonl"
+
+    # ------------------------------------------------------------------ main loop
+
+    def run(self) -> str:
+        """Train until ``max_steps`` (or a stop); returns ``done``, ``stopped`` or ``data_timeout``."""
+        self._install_signal_handlers()
+        try:
+            self._resume()
+            self._log_params()
+            self._publish()
+            last_checkpoint_step = self.trainer.step
+            while self.trainer.step < self.lc.max_steps:
+                started = time.perf_counter()
+                samples = self._next_batch()
+                if samples is None:
+                    break
+                wait_s = time.perf_counter() - started
+                step_started = time.perf_counter()
+                metrics = self.trainer.rl_step(samples)
+                train_s = time.perf_counter() - step_started
+                self.steps_since_sync += 1
+                push_s = self._sync_weights() if self.steps_since_sync >= self.lc.sync_every_steps else 0.0
+                self._publish()
+                checkpoint_s = 0.0
+                every = self.lc.checkpoint_every_steps
+                if every and self.trainer.step % every == 0:
+                    checkpoint_s = self._checkpoint()
+                    last_checkpoint_step = self.trainer.step
+                tokens = sum(s.num_tokens for s in samples)
+                metrics.update(
+                    {
+                        "time/wait_data_s": wait_s,
+                        "time/train_s": train_s,
+                        "time/weight_push_s": push_s,
+                        "time/checkpoint_s": checkpoint_s,
+                        "throughput/train_tokens_per_s": tokens / max(train_s, 1e-9),
+                        "throughput/tokens_per_s": tokens / max(time.perf_counter() - started, 1e-9),
+                        "policy_version": float(self.version),
+                    }
+                )
+                self._log_step(metrics)
+            if self.trainer.step != last_checkpoint_step or self.trainer.step == 0:
+                self._checkpoint()
+            if self.exit_reason == "done":
+                self._publish(done=True)
+            return self.exit_reason
+        finally:
+            if self.io is not None:
+                self.io.close()
+
+    # ------------------------------------------------------------------ data
+
+    def _next_batch(self) -> list | None:
+        """Every rank: the next step's samples, or None when the loop must stop."""
+        from agentrl.learner.distributed import broadcast_object
+
+        self._wait_started = time.monotonic()
+        self._last_wait_log = self._wait_started
+        while True:
+            msg = self._poll() if self.dist.is_main else None
+            msg = broadcast_object(msg)
+            if msg[0] == "batch":
+                return msg[1]
+            if msg[0] == "stop":
+                self.exit_reason = msg[1]
+                return None
+
+    def _poll(self) -> tuple:
+        """Rank 0: gather groups for at most ``POLL_S``; returns a control message."""
+        from agentrl.learner.batching import batch_statistics, samples_from_group
+
+        assert self.buffer is not None and self.io is not None
+        deadline = time.monotonic() + POLL_S
+        while True:
+            if self._stop_requested:
+                return ("stop", "stopped")
+            groups = self.buffer.take(self.lc.groups_per_step, self.version)
+            if groups is not None:
+                samples = [
+                    s
+                    for g in groups
+                    for s in samples_from_group(
+                        g, self.version, advantage=self.lc.advantage, normalize_std=self.lc.normalize_advantage_std
+                    )
+                ]
+                self._batch_stats = batch_statistics(groups, samples)
+                return ("batch", samples)
+            now = time.monotonic()
+            if now - self._last_wait_log >= self.lc.wait_log_interval_s:
+                self._last_wait_log = now
+                self._log_wait(now - self._wait_started)
+            if self.lc.max_wait_for_data_s and now - self._wait_started >= self.lc.max_wait_for_data_s:
+                log.error(
+                    "no batch after %.0f s (learner.max_wait_for_data_s); stopping with a checkpoint",
+                    now - self._wait_started,
+                )
+                return ("stop", "data_timeout")
+            if now >= deadline:
+                self._publish()
+                return ("wait",)
+            group = self.io.source.get(timeout_s=min(0.5, max(0.01, deadline - now)))
+            if group is not None:
+                reason = self.buffer.add(group, self.version)
+                if reason is not None:
+                    log.debug("dropped group %s: %s", group.group_id, reason)
+
+    def _log_wait(self, waited_s: float) -> None:
+        assert self.buffer is not None and self.io is not None
+        counters = dict(self.buffer.counters)
+        stats = dict(getattr(self.io.source, "stats", {}) or {})
+        hint = "" if stats.get("received") else f" (nothing received yet on {self.cfg.actors.trajectory_endpoint})"
+        log.info(
+            "waiting for trajectory groups for %.0f s: have %d/%d at policy version %d; received %s, dropped %s, "
+            "malformed messages %s%s",
+            waited_s,
+            len(self.buffer),
+            self.lc.groups_per_step,
+            self.version,
+            counters.get("received", 0),
+            {k[8:]: v for k, v in counters.items() if k.startswith("dropped_")},
+            stats.get("malformed", 0),
+            hint,
+        )
+
+    # ------------------------------------------------------------------ progress and weights
+
+    def _progress(self, done: bool = False) -> Progress:
+        g, k, s = self.lc.groups_per_step, self.lc.sync_every_steps, self.lc.max_staleness
+        buffered = len(self.buffer) if self.buffer is not None else 0
+        budget = g * k * (s + 1) - g * self.steps_since_sync - buffered
+        return Progress(
+            policy_version=self.version,
+            accept_groups=0 if done else max(0, budget),
+            step=self.trainer.step,
+            max_staleness=s,
+            done=done,
+        )
+
+    def _publish(self, done: bool = False) -> None:
+        if self.io is not None and self.io.progress is not None:
+            self.io.progress.publish(self._progress(done))
+
+    def _sync_weights(self) -> float:
+        """Bump the policy version and push the weights (every rank takes part in the gathers)."""
+        self.version += 1
+        self.steps_since_sync = 0
+        return self._push()
+
+    def _push(self) -> float:
+        import torch
+
+        from agentrl.learner.weights_gather import push_weights
+
+        if not self.push_enabled:
+            return 0.0
+        started = time.perf_counter()
+        push_weights(
+            self.trainer.policy,
+            self.io.weights if self.io is not None else None,
+            self.version,
+            bucket_bytes=int(self.cfg.engine.weight_bucket_mb * (1 << 20)),
+            dtype=getattr(torch, self.cfg.model.dtype),
+        )
+        seconds = time.perf_counter() - started
+        if self.dist.is_main:
+            log.info("pushed weights of policy version %d in %.2f s", self.version, seconds)
+        return seconds
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _checkpoint(self) -> float:
+        import msgpack
+
+        from agentrl.learner.checkpoint import save_checkpoint
+        from agentrl.protocol import encode
+
+        started = time.perf_counter()
+        pending = b""
+        counters: dict[str, int] = {}
+        if self.buffer is not None:
+            pending = msgpack.packb([encode(g) for g in self.buffer.groups], use_bin_type=True)
+            counters = dict(self.buffer.counters)
+        state = {"policy_version": self.version, "steps_since_sync": self.steps_since_sync, "counters": counters}
+        path = save_checkpoint(
+            self.ckpt_root, self.trainer, state=state, pending_groups=pending, keep=self.lc.keep_checkpoints
+        )
+        if self.dist.is_main:
+            log.info("checkpoint %s (policy version %d)", path, self.version)
+        return time.perf_counter() - started
+
+    def _resume(self) -> None:
+        import msgpack
+
+        from agentrl.learner.checkpoint import latest_checkpoint, load_checkpoint
+        from agentrl.learner.distributed import broadcast_object
+        from agentrl.protocol import ProtocolError, decode
+
+        if self.lc.resume != "auto":
+            return
+        path = broadcast_object(latest_checkpoint(self.ckpt_root) if self.dist.is_main else None)
+        if path is None:
+            return
+        state = load_checkpoint(path, self.trainer)
+        self.version = int(state.get("policy_version", 0))
+        self.steps_since_sync = int(state.get("steps_since_sync", 0))
+        if self.buffer is not None:
+            self.buffer.counters.update(state.get("counters", {}))
+            raw = state.get("pending_groups") or b""
+            for item in msgpack.unpackb(raw, raw=False) if raw else []:
+                try:
+                    group = decode(item)
+                except ProtocolError as e:
+                    log.warning("dropping an unreadable pending group from the checkpoint: %s", e)
+                    continue
+                if isinstance(group, TrajectoryGroup):
+                    self.buffer.groups.append(group)
+            log.info(
+                "resumed from %s: next step %d, policy version %d, %d pending groups",
+                path,
+                self.trainer.step + 1,
+                self.version,
+                len(self.buffer),
+            )
+        if self.version > 0:
+            self._push()  # engines may hold other weights than this checkpoint
+
+    # ------------------------------------------------------------------ logging and signals
+
+    def _log_params(self) -> None:
+        if self.io is None or self.io.tracker is None:
+            return
+        params = flatten_params(self.cfg, ("learner", "model", "run"))
+        params["world_size"] = self.dist.world_size
+        self.io.tracker.log_params(params)
+
+    def _log_step(self, metrics: dict[str, float]) -> None:
+        if not self.dist.is_main:
+            return
+        assert self.buffer is not None and self.io is not None
+        row = dict(metrics)
+        row.update(self._batch_stats)
+        for key, value in self.buffer.counters.items():
+            row[f"data/{key}"] = float(value)
+        for key, value in (getattr(self.io.source, "stats", {}) or {}).items():
+            row[f"transport/{key}"] = float(value)
+        row["data/buffered"] = float(len(self.buffer))
+        if self.io.tracker is not None:
+            self.io.tracker.log_metrics(row, step=self.trainer.step)
+        with self.metrics_file.open("a") as f:
+            f.write(json.dumps({"step": self.trainer.step, **row}) + "\n")
+        log.info(
+            "step %d | loss %.4f | reward %.3f | policy v%d | %.0f tok/s | wait %.1fs | dropped %d",
+            self.trainer.step,
+            row.get("loss/total", float("nan")),
+            row.get("reward/mean", float("nan")),
+            self.version,
+            row.get("throughput/train_tokens_per_s", 0.0),
+            row.get("time/wait_data_s", 0.0),
+            sum(v for k, v in self.buffer.counters.items() if k.startswith("dropped_")),
+        )
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def handler(signum: int, frame: Any) -> None:
+            if self._stop_requested:
+                raise KeyboardInterrupt
+            self._stop_requested = True
+            log.warning("signal %d: stopping after the current step (again to abort)", signum)
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+
+def learn(cfg: AgentRLConfig, *, io: LearnerIO | None = None) -> str:
+    """Run the learner on this rank; returns the exit reason (see :meth:`Learner.run`)."""
+    return Learner(cfg, io=io).run()

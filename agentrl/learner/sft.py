@@ -1,0 +1,275 @@
+"""``agentrl sft``: supervised warm-start on conversations with tool calls.
+
+**Data.** ``sft.data`` names a JSONL file, one conversation per line:
+``{"messages": [...], "tools": [...]}`` with OpenAI-style messages (``role`` system, user,
+assistant with optional ``tool_calls``, tool) and optional tool schemas. When ``sft.data``
+is empty, the environment (``env.cls``) supplies ``sft.num_demonstrations`` correct
+episodes through ``Env.demonstration(task)``, with its tools' schemas.
+
+**Loss mask.** The conversation is rendered once with the model's chat template and
+tokenised once. The assistant spans are found from the template itself: an assistant
+message ``i`` starts where ``render(messages[:i], add_generation_prompt=True)`` ends and
+stops after the end-of-turn token in ``render(messages[:i+1])``. Tokens inside those
+spans (content, tool calls and the end-of-turn token, which the policy must learn to
+emit) get loss; the system, user and tool turns and the template's own
+``<|im_start|>assistant\\n`` header do not. A template that does not render prefixes
+consistently is reported as an error rather than silently mis-masked.
+
+**Training** uses the learner's :class:`Trainer` (same FSDP2 layout, step, checkpoint
+format): steps of about ``sft.batch_tokens`` tokens, micro-batches of
+``learner.max_tokens_per_microbatch``, token-mean NLL of assistant tokens, LR ``sft.lr``
+with ``learner.warmup_steps``/``learner.lr_schedule``. The order of examples is a fixed
+function of ``run.seed`` and the epoch, so a resumed run skips exactly the batches it has
+already trained on. At the end the policy is exported as a Hugging Face folder
+(``sft.output_dir``), ready to be ``model.path`` of an RL run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from agentrl.config import AgentRLConfig, dump_toml
+from agentrl.learner.batching import Sample
+
+log = logging.getLogger("agentrl.learner.sft")
+
+Conversation = tuple[list[dict[str, Any]], list[dict[str, Any]] | None]
+
+
+# ------------------------------------------------------------------------ tokenisation
+
+
+def _render(tokenizer: Any, messages: list[dict], tools: list[dict] | None, *, generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(
+        messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt
+    )
+
+
+def tokenize_conversation(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None) -> Sample:
+    """Tokens of the rendered conversation with ``loss_mask = 1`` on assistant tokens only."""
+    if not messages:
+        raise ValueError("empty conversation")
+    text = _render(tokenizer, messages, tools, generation_prompt=False)
+    eos = tokenizer.eos_token or ""
+    spans: list[tuple[int, int]] = []
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        prefix = _render(tokenizer, messages[:i], tools, generation_prompt=True) if i else ""
+        upto = _render(tokenizer, messages[: i + 1], tools, generation_prompt=False)
+        if not text.startswith(prefix) or not text.startswith(upto):
+            raise ValueError(f"the chat template does not render message {i} as a prefix of the conversation")
+        end = upto.rfind(eos) + len(eos) if eos and eos in upto[len(prefix) :] else len(upto)
+        spans.append((len(prefix), end))
+    if not spans:
+        raise ValueError("conversation has no assistant message to learn from")
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = np.asarray(enc["input_ids"], dtype=np.int32)
+    mask = np.zeros(len(ids), dtype=np.uint8)
+    for t, (a, b) in enumerate(enc["offset_mapping"]):
+        if b > a and any(s <= a and b <= e for s, e in spans):
+            mask[t] = 1
+    return Sample(tokens=ids, loss_mask=mask, behavior_logprobs=np.zeros(len(ids), dtype=np.float32))
+
+
+# ------------------------------------------------------------------------ data sources
+
+
+def load_jsonl(path: str | Path) -> list[Conversation]:
+    out: list[Conversation] = []
+    with Path(path).open() as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not JSON: {e}") from None
+            if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
+                raise ValueError(f"{path}:{n}: expected an object with a 'messages' list")
+            tools = row.get("tools")
+            if tools is not None and not isinstance(tools, list):
+                raise ValueError(f"{path}:{n}: 'tools' must be a list of tool schemas")
+            out.append((row["messages"], tools))
+    if not out:
+        raise ValueError(f"{path} holds no conversations")
+    return out
+
+
+def tool_schema(tool: Any) -> dict[str, Any]:
+    """A tool's OpenAI-style schema, from a dict or an object with ``schema``/``openai_schema``
+    (an attribute or a method)."""
+    if isinstance(tool, dict):
+        return tool
+    for name in ("schema", "openai_schema", "to_openai", "json_schema"):
+        value = getattr(tool, name, None)
+        if value is None:
+            continue
+        value = value() if callable(value) else value
+        if isinstance(value, dict):
+            return value
+    raise ValueError(f"cannot get a JSON schema from tool {tool!r} (expected a dict or a .schema)")
+
+
+def env_demonstrations(cfg: AgentRLConfig) -> list[Conversation]:
+    """``sft.num_demonstrations`` correct episodes from the configured environment."""
+    from agentrl.envs.base import load_env
+
+    env = load_env(cfg.env.cls, cfg.env.kwargs)
+    tools = [tool_schema(t) for t in env.tools()] or None
+    out: list[Conversation] = []
+    tasks = env.tasks("train", seed=cfg.run.seed)
+    for task in itertools.islice(tasks, cfg.sft.num_demonstrations * 4):
+        demo = env.demonstration(task)
+        if not demo:
+            continue
+        if demo[0].get("role") == "assistant":
+            demo = env.initial_messages(task) + list(demo)
+        out.append((demo, tools))
+        if len(out) >= cfg.sft.num_demonstrations:
+            break
+    if not out:
+        raise ValueError(f"{cfg.env.cls} gave no demonstrations (Env.demonstration returned None)")
+    return out
+
+
+def load_samples(cfg: AgentRLConfig, tokenizer: Any) -> list[Sample]:
+    conversations = load_jsonl(cfg.sft.data) if cfg.sft.data else env_demonstrations(cfg)
+    limit = cfg.learner.max_tokens_per_microbatch
+    samples = []
+    for messages, tools in conversations:
+        sample = tokenize_conversation(tokenizer, messages, tools)
+        if sample.num_tokens > limit:
+            log.warning("skipping a conversation of %d tokens (> learner.max_tokens_per_microbatch)", sample.num_tokens)
+            continue
+        samples.append(sample)
+    if not samples:
+        raise ValueError("no conversation fits in learner.max_tokens_per_microbatch")
+    return samples
+
+
+# ------------------------------------------------------------------------ batches
+
+
+def epoch_batches(samples: list[Sample], batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
+    """Indices of each step's batch in one epoch: a seeded shuffle cut into ~batch_tokens chunks."""
+    order = list(range(len(samples)))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    batches: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for i in order:
+        if current and size + samples[i].num_tokens > batch_tokens:
+            batches.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += samples[i].num_tokens
+    if current:
+        batches.append(current)
+    return batches
+
+
+def total_steps(cfg: AgentRLConfig, samples: list[Sample]) -> int:
+    if cfg.sft.max_steps:
+        return cfg.sft.max_steps
+    per_epoch = len(epoch_batches(samples, cfg.sft.batch_tokens, cfg.run.seed, 0))
+    return max(1, math.ceil(cfg.sft.epochs * per_epoch))
+
+
+def batch_for_step(samples: list[Sample], cfg: AgentRLConfig, step: int) -> list[Sample]:
+    """The batch of (0-based) step ``step``: deterministic, so a resume continues exactly."""
+    epoch = 0
+    while True:
+        batches = epoch_batches(samples, cfg.sft.batch_tokens, cfg.run.seed, epoch)
+        if step < len(batches):
+            return [samples[i] for i in batches[step]]
+        step -= len(batches)
+        epoch += 1
+
+
+# ------------------------------------------------------------------------ the command
+
+
+def sft(cfg: AgentRLConfig) -> Path:
+    """Run supervised warm-start; returns the exported Hugging Face folder (on every rank)."""
+    from transformers import AutoTokenizer
+
+    from agentrl.learner.checkpoint import checkpoint_root, latest_checkpoint, load_checkpoint, save_checkpoint
+    from agentrl.learner.distributed import broadcast_object, init_distributed
+    from agentrl.learner.export import export_checkpoint
+    from agentrl.learner.loop import open_tracker, resolve_run_dir, seed_everything
+    from agentrl.learner.trainer import Trainer, TrainerSpec
+    from agentrl.model_builder import ensure_model
+
+    dist_info = init_distributed(cfg.learner.device)
+    seed_everything(cfg.run.seed, cfg.run.torch_num_threads)
+    run_dir = Path(broadcast_object(str(resolve_run_dir(cfg)) if dist_info.is_main else None))
+    if dist_info.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        ensure_model(cfg.model.path, cfg.model.init_size, seed=cfg.run.seed)
+        (run_dir / "sft_config.toml").write_text(dump_toml(cfg))
+    broadcast_object(None)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    samples = load_samples(cfg, tokenizer)
+    steps = total_steps(cfg, samples)
+    lc = cfg.learner
+    spec = TrainerSpec(
+        model_path=cfg.model.path,
+        lr=cfg.sft.lr,
+        algorithm="sft",
+        weight_decay=lc.weight_decay,
+        warmup_steps=lc.warmup_steps,
+        lr_schedule=lc.lr_schedule,
+        total_steps=steps,
+        grad_clip=lc.grad_clip,
+        max_tokens_per_microbatch=lc.max_tokens_per_microbatch,
+        activation_checkpointing=lc.activation_checkpointing,
+    )
+    trainer = Trainer(spec, dist_info)
+    root = checkpoint_root(run_dir, "sft")
+    if lc.resume == "auto":
+        path = broadcast_object(latest_checkpoint(root) if dist_info.is_main else None)
+        if path is not None:
+            load_checkpoint(path, trainer)
+            if dist_info.is_main:
+                log.info("resumed SFT from %s at step %d/%d", path, trainer.step, steps)
+    tracker = open_tracker(cfg, run_dir) if dist_info.is_main else None
+    metrics_file = run_dir / "sft_metrics.jsonl"
+    if tracker is not None:
+        tracker.log_params({"sft.examples": len(samples), "sft.steps": steps, **{f"sft.{k}": v for k, v in cfg.sft.model_dump().items()}})
+    try:
+        last_saved = trainer.step
+        while trainer.step < steps:
+            batch = batch_for_step(samples, cfg, trainer.step)
+            metrics = trainer.sft_step(batch)
+            metrics["throughput/tokens_per_s"] = sum(s.num_tokens for s in batch) / max(
+                1e-9, metrics.get("time/forward_backward_s", 0) + metrics.get("time/optimizer_s", 0)
+            )
+            if dist_info.is_main:
+                tracker.log_metrics(metrics, step=trainer.step)
+                with metrics_file.open("a") as f:
+                    f.write(json.dumps({"step": trainer.step, **metrics}) + "\n")
+                if trainer.step % 10 == 0 or trainer.step == steps:
+                    log.info("sft step %d/%d | nll %.4f", trainer.step, steps, metrics.get("sft/nll", float("nan")))
+            if lc.checkpoint_every_steps and trainer.step % lc.checkpoint_every_steps == 0:
+                save_checkpoint(root, trainer, keep=lc.keep_checkpoints)
+                last_saved = trainer.step
+        if trainer.step != last_saved or latest_checkpoint(root) is None:
+            save_checkpoint(root, trainer, keep=lc.keep_checkpoints)
+    finally:
+        if tracker is not None:
+            tracker.close()
+    out = Path(cfg.sft.output_dir) if cfg.sft.output_dir else run_dir / "sft" / "model"
+    if dist_info.is_main:
+        export_checkpoint(latest_checkpoint(root), out)
+        log.info("SFT done after %d steps; model written to %s", trainer.step, out)
+    broadcast_object(None)
+    return out

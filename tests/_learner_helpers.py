@@ -1,0 +1,88 @@
+"""Shared pieces of the learner's tests: the tiny model, synthetic groups, a config.
+
+Fixtures are imported into each test module (``from tests._learner_helpers import tiny_model``);
+the model is built once per session under pytest's base temp folder and reused.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from agentrl.protocol import Trajectory, TrajectoryGroup
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def subprocess_env() -> dict[str, str]:
+    """Environment for subprocesses: this branch first on PYTHONPATH, few threads."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["HF_HUB_OFFLINE"] = "1"
+    env["TRANSFORMERS_VERBOSITY"] = "error"
+    env["TQDM_DISABLE"] = "1"
+    return env
+
+
+PYTHON = sys.executable
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3 (0.86M parameters) shared by every learner test module."""
+    from agentrl.model_builder import init_model
+
+    path = tmp_path_factory.getbasetemp() / "learner-tiny-model"
+    if not (path / "config.json").exists():
+        init_model(path, "tiny", seed=0)
+    return path
+
+
+def make_group(
+    rng: np.random.Generator,
+    *,
+    group_size: int = 4,
+    version: int = 0,
+    min_len: int = 12,
+    max_len: int = 40,
+    vocab: int = 400,
+    rewards: list[float] | None = None,
+    group_id: str = "g",
+) -> TrajectoryGroup:
+    """A group of multi-turn-shaped trajectories: prompt, model turn, tool result, model turn."""
+    trajs = []
+    for i in range(group_size):
+        n = int(rng.integers(min_len, max_len + 1))
+        tokens = rng.integers(1, vocab, n).astype(np.int32)
+        mask = np.zeros(n, np.uint8)
+        a = n // 4
+        b = a + max(2, n // 4)
+        c = b + max(1, n // 8)
+        mask[a:b] = 1
+        mask[c:] = 1
+        behavior = np.where(mask, -rng.uniform(0.5, 6.0, n), 0.0).astype(np.float32)
+        versions = np.where(mask, version, -1).astype(np.int32)
+        reward = float(rewards[i]) if rewards is not None else float(rng.integers(0, 2))
+        trajs.append(
+            Trajectory(tokens=tokens, loss_mask=mask, behavior_logprobs=behavior, weight_versions=versions, reward=reward)
+        )
+    if rewards is None and len({t.reward for t in trajs}) == 1:
+        trajs[0].reward = 1.0 - trajs[0].reward  # keep the group's rewards varied
+    return TrajectoryGroup(group_id=group_id, task_id=group_id, env="test", trajectories=trajs)
+
+
+def fixed_samples(seed: int, groups: int = 4, policy_version: int = 0, advantage: str = "grpo") -> list:
+    """A deterministic batch of samples (the same on every rank and in every process)."""
+    from agentrl.learner.batching import samples_from_group
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(groups):
+        g = make_group(rng, version=policy_version, group_id=f"g{i}")
+        out += samples_from_group(g, policy_version, advantage=advantage)
+    return out

@@ -1,0 +1,160 @@
+"""Group filtering, staleness, dynamic sampling and sequence packing (agentrl/learner/batching.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from agentrl.learner.batching import (
+    GroupBuffer,
+    Sample,
+    collate,
+    loss_normalizer,
+    plan_microbatches,
+    samples_from_group,
+    validate_group,
+)
+from tests._learner_helpers import make_group, tiny_model  # noqa: F401
+
+
+def _buffer(**kw) -> GroupBuffer:
+    base = dict(max_staleness=1, dynamic_sampling=True, vocab_size=512, max_sequence_tokens=64)
+    base.update(kw)
+    return GroupBuffer(**base)
+
+
+def test_validation_names_what_is_wrong():
+    rng = np.random.default_rng(0)
+    assert validate_group(make_group(rng), vocab_size=512, max_sequence_tokens=64) is None
+    g = make_group(rng)
+    g.trajectories[1].tokens[3] = 600
+    assert validate_group(g, vocab_size=512, max_sequence_tokens=64) == "malformed_token_id"
+    g = make_group(rng)
+    g.trajectories[0].behavior_logprobs[g.trajectories[0].loss_mask.astype(bool)] = np.nan
+    assert validate_group(g, vocab_size=512, max_sequence_tokens=64) == "malformed_logprob"
+    g = make_group(rng)
+    g.trajectories[0].loss_mask[:] = 0
+    assert validate_group(g, vocab_size=512, max_sequence_tokens=64) == "malformed_no_model_tokens"
+    assert validate_group(make_group(rng, min_len=70, max_len=70), vocab_size=512, max_sequence_tokens=64) == "too_long"
+    g = make_group(rng)
+    g.trajectories = []
+    assert validate_group(g, vocab_size=512, max_sequence_tokens=64) == "malformed_empty"
+
+
+def test_buffer_counts_drops_and_never_raises():
+    rng = np.random.default_rng(1)
+    buf = _buffer(max_staleness=1)
+    assert buf.add(make_group(rng, version=5), policy_version=5) is None
+    assert buf.add(make_group(rng, version=4), policy_version=5) is None  # staleness 1: fine
+    assert buf.add(make_group(rng, version=3), policy_version=5) == "stale"  # staleness 2
+    assert buf.add(make_group(rng, rewards=[1, 1, 1, 1]), policy_version=0) == "zero_variance"
+    bad = make_group(rng)
+    bad.trajectories[0].tokens[0] = -3
+    assert buf.add(bad, policy_version=0) == "malformed_token_id"
+    assert buf.add(make_group(rng, version=9), policy_version=5) is None  # newer than the learner: kept
+    c = buf.counters
+    assert (c["received"], c["accepted"], c["dropped_stale"], c["dropped_zero_variance"]) == (6, 3, 1, 1)
+    assert c["dropped_malformed_token_id"] == 1 and c["future_version"] == 1
+    # groups can go stale while they wait: at version 6 the version-4 group is too old
+    taken = buf.take(2, policy_version=6)
+    assert taken is not None and [g.oldest_version() for g in taken] == [5, 9]
+    assert buf.counters["dropped_stale"] == 2 and len(buf) == 0
+    assert buf.take(1, policy_version=6) is None
+
+
+def test_synchronous_staleness_zero_and_no_dynamic_sampling():
+    rng = np.random.default_rng(2)
+    buf = _buffer(max_staleness=0, dynamic_sampling=False)
+    assert buf.add(make_group(rng, version=2), policy_version=3) == "stale"
+    assert buf.add(make_group(rng, version=3, rewards=[0, 0, 0, 0]), policy_version=3) is None
+
+
+def test_samples_carry_group_advantages():
+    rng = np.random.default_rng(3)
+    g = make_group(rng, rewards=[1, 0, 0, 1], version=2)
+    samples = samples_from_group(g, policy_version=3, advantage="grpo")
+    assert [s.advantage for s in samples] == [0.5, -0.5, -0.5, 0.5]
+    assert all(s.staleness == 1 for s in samples)
+    rloo = samples_from_group(g, policy_version=3, advantage="rloo")
+    assert rloo[0].advantage == pytest.approx(1 - 1 / 3)
+
+
+def test_plan_is_even_and_within_budget():
+    rng = np.random.default_rng(4)
+    lengths = [int(x) for x in rng.integers(5, 60, 37)]
+    for world in (1, 2, 3):
+        plan = plan_microbatches(lengths, max_tokens=100, world_size=world)
+        assert len({len(r) for r in plan}) == 1  # same number of micro-batches on every rank
+        seen = sorted(i for r in plan for mb in r for i in mb)
+        assert seen == list(range(len(lengths)))
+        loads = [sum(lengths[i] for mb in r for i in mb) for r in plan]
+        for r in plan:
+            assert all(sum(lengths[i] for i in mb) <= 100 for mb in r)
+        assert max(loads) - min(loads) <= max(lengths)
+    # fewer sequences than ranks: the other rank gets an empty micro-batch
+    assert plan_microbatches([10], max_tokens=100, world_size=2) == [[[0]], [[]]]
+    with pytest.raises(ValueError, match="exceeds"):
+        plan_microbatches([101], max_tokens=100)
+
+
+def test_collate_restarts_positions_and_shifts_targets():
+    a = Sample(
+        tokens=np.array([5, 6, 7], np.int32),
+        loss_mask=np.array([0, 1, 1], np.uint8),
+        behavior_logprobs=np.array([0, -0.5, -0.25], np.float32),
+        advantage=2.0,
+    )
+    b = Sample(
+        tokens=np.array([8, 9], np.int32),
+        loss_mask=np.array([0, 1], np.uint8),
+        behavior_logprobs=np.array([0, -1.0], np.float32),
+        advantage=-1.0,
+    )
+    mb = collate([a, b])
+    assert mb.input_ids.tolist() == [[5, 6, 7, 8, 9]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 0, 1]]
+    assert mb.cu_seqlens.tolist() == [0, 3, 5]
+    assert mb.targets.tolist() == [6, 7, 0, 9, 0]
+    assert mb.loss_mask.tolist() == [True, True, False, True, False]
+    assert mb.behavior_logprobs.tolist() == [-0.5, -0.25, 0.0, -1.0, 0.0]
+    assert mb.advantages.tolist() == [2.0, 2.0, 0.0, -1.0, 0.0]
+    assert mb.seq_ids.tolist() == [0, 0, 0, 1, 1]
+    assert mb.num_loss_tokens == 3
+    assert loss_normalizer([a, b], "token") == 3.0 and loss_normalizer([a, b], "sequence") == 2.0
+    empty = collate([])
+    assert empty.num_tokens == 1 and empty.num_loss_tokens == 0
+
+
+def test_packed_logprobs_equal_unpacked(tiny_model):
+    """Attention never crosses sequences: logprobs packed with others == logprobs alone."""
+    from agentrl.learner.model import load_causal_lm, token_logprobs
+
+    torch.manual_seed(0)
+    model = load_causal_lm(str(tiny_model)).eval()
+    rng = np.random.default_rng(5)
+    samples = []
+    for n in (7, 1 + 1, 33, 18):
+        samples.append(
+            Sample(
+                tokens=rng.integers(0, 500, n).astype(np.int32),
+                loss_mask=np.ones(n, np.uint8),
+                behavior_logprobs=np.zeros(n, np.float32),
+            )
+        )
+    with torch.no_grad():
+        packed, _ = token_logprobs(model, collate(samples), temperature=0.7)
+        starts = np.cumsum([0] + [s.num_tokens for s in samples])
+        for s, start in zip(samples, starts):
+            alone, _ = token_logprobs(model, collate([s]), temperature=0.7)
+            assert torch.allclose(packed[start : start + s.num_tokens - 1], alone[:-1], atol=1e-5)
+        # and transformers' own sdpa forward of one sequence agrees with the varlen path
+        from transformers import AutoModelForCausalLM
+
+        sdpa = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="sdpa").eval()
+        s = samples[2]
+        ids = torch.from_numpy(s.tokens.astype(np.int64))[None]
+        ref = torch.log_softmax(sdpa(input_ids=ids).logits[0].float() / 0.7, -1)
+        ref = ref[:-1].gather(-1, ids[0, 1:, None]).squeeze(-1)
+        alone, _ = token_logprobs(model, collate([s]), temperature=0.7)
+        assert torch.allclose(alone[:-1], ref, atol=1e-5)
