@@ -20,6 +20,7 @@ app = typer.Typer(
 )
 
 ConfigArg = Annotated[Path, typer.Argument(help="Run config (TOML).", exists=False)]
+ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="Run config (TOML).")]
 OverrideOpt = Annotated[
     Optional[list[str]], typer.Option("--set", "-s", help="Override a config key: section.key=value (repeatable).")
 ]
@@ -56,21 +57,36 @@ def run_cmd(
     config: ConfigArg,
     overrides: OverrideOpt = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and print the resolved config, then exit.")] = False,
+    run_dir: Annotated[Optional[Path], typer.Option("--run-dir", help="Run folder (default: runs/<name>-<time>).")] = None,
+    live: Annotated[bool, typer.Option("--live/--no-live", help="Show the live progress table.")] = True,
 ) -> None:
-    """Run everything a config needs: engines, learner, actors."""
+    """Run everything a config needs: warm start, engines, learner, actors, evaluations."""
     from agentrl.config import dump_toml
 
     cfg = _load(config, overrides)
     if dry_run:
         typer.echo(dump_toml(cfg))
         return
-    typer.secho(
-        "agentrl run can only validate configs in this build (use --dry-run); "
-        "the supervisor that starts engines, learner and actors is not built yet.",
-        fg=typer.colors.YELLOW,
-        err=True,
-    )
-    raise typer.Exit(2)
+    import json
+    import logging
+
+    from agentrl.run import resolve_run_dir, run
+    from agentrl.supervisor import ChildFailed
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    folder = resolve_run_dir(cfg, run_dir)
+    typer.echo(f"run folder: {folder}")
+    try:
+        summary = run(cfg, folder, live_display=live)
+    except ChildFailed as e:
+        typer.secho(f"run failed: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        typer.secho("interrupted: every process was stopped", fg=typer.colors.YELLOW, err=True)
+        raise typer.Exit(130) from None
+    keys = ("eval_before", "eval_after", "success_rise", "learner_steps", "policy_versions_seen", "wall_time_s")
+    typer.echo(json.dumps({k: summary.get(k) for k in keys}, indent=2, default=str))
+    typer.echo(f"summary: {folder / 'summary.json'}")
 
 
 # ---------------------------------------------------------------- engine commands (serve-engine)
@@ -165,7 +181,7 @@ def make_demos_cmd(
 
 @app.command("serve-actors")
 def serve_actors_cmd(
-    config: ConfigArg,
+    config: ConfigOpt = None,
     overrides: OverrideOpt = None,
     dump_trajectories: Annotated[
         Optional[Path], typer.Option("--dump-trajectories", help="Also append every group to this JSONL file.")
@@ -200,7 +216,6 @@ def serve_actors_cmd(
 
 # ------------------------------------------------------------- learner commands (learn, sft, export)
 
-ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="Run config (TOML).")]
 NprocOpt = Annotated[
     Optional[int], typer.Option("--nproc", help="Ranks on this machine (default: learner.nproc); > 1 uses torchrun.")
 ]
@@ -249,6 +264,30 @@ def export_cmd(
 
 
 # ------------------------------------------------------------------------ run-level commands (eval)
+
+
+@app.command("eval")
+def eval_cmd(
+    config: ConfigArg,
+    overrides: OverrideOpt = None,
+    checkpoint: Annotated[
+        Optional[Path], typer.Option("--checkpoint", help="A learner checkpoint (or run folder) to evaluate.")
+    ] = None,
+    num_tasks: Annotated[Optional[int], typer.Option("--num-tasks", help="Held-out tasks (default eval.num_tasks).")] = None,
+    sampled: Annotated[bool, typer.Option("--sampled", help="Sample at actors.temperature instead of greedy.")] = False,
+) -> None:
+    """Success rate and mean reward on held-out tasks (greedy by default), printed and logged."""
+    import json
+
+    from agentrl.evaluate import evaluate_command
+
+    cfg = _load(config, overrides)
+    try:
+        result = evaluate_command(cfg, checkpoint=checkpoint, num_tasks=num_tasks, greedy=not sampled)
+    except ValueError as e:
+        typer.secho(f"eval error: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
+    typer.echo(json.dumps(result, indent=2))
 
 
 def main() -> None:

@@ -153,6 +153,7 @@ class LearnerSection(Section):
 
 
 class SftSection(Section):
+    enabled: bool = False  # `agentrl run` warm-starts with SFT before RL when true
     data: str = ""  # JSONL of conversations; empty = the env's demonstrations
     num_demonstrations: int = Field(default=2000, ge=0)
     epochs: float = Field(default=1.0, gt=0)
@@ -173,6 +174,7 @@ class TrackingSection(Section):
     enabled: bool = True
     uri: str = ""  # empty: sqlite:///<run_dir>/mlflow.db
     experiment: str = "agentrl"
+    run_id: str = ""  # log into this existing MLflow run (`agentrl run` sets it for its children)
 
 
 class AgentRLConfig(Section):

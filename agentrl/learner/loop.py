@@ -104,7 +104,7 @@ def open_tracker(cfg: AgentRLConfig, run_dir: Path) -> Any:
         from agentrl.tracking import open_tracker as _open
     else:  # the tracking module is not on this branch yet
         from agentrl.learner._standins import open_tracker as _open
-    return _open(cfg.tracking, run_dir)
+    return _open(cfg.tracking, run_dir, resume_run_id=cfg.tracking.run_id or None)
 
 
 def open_io(cfg: AgentRLConfig, run_dir: Path) -> LearnerIO:

@@ -1,0 +1,72 @@
+"""``agentrl eval CONFIG [--checkpoint PATH]``: success and reward on held-out tasks.
+
+The policy is ``model.path``, or a learner checkpoint exported to a temporary Hugging Face
+folder first. Episodes are played exactly as in training (same agent loop, tools and
+limits) through the engines in ``engine.urls``, or through one embedded engine started for
+the evaluation and stopped afterwards. Greedy by default (temperature 0); ``--sampled``
+uses ``actors.temperature``. The result is printed and, when tracking is enabled, logged as
+``eval/*`` metrics to a new MLflow run (or ``tracking.run_id``).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from agentrl.config import AgentRLConfig
+
+
+def evaluate_command(cfg: AgentRLConfig, *, checkpoint: Path | None = None, num_tasks: int | None = None,
+                     greedy: bool = True) -> dict[str, Any]:
+    from agentrl.engine.launch import EngineProcess, free_port, engine_args
+    from agentrl.model_builder import ensure_model
+    from agentrl.run import evaluate_policy
+
+    with tempfile.TemporaryDirectory(prefix="agentrl-eval-") as tmp:
+        model_path = cfg.model.path
+        if checkpoint is not None:
+            from agentrl.learner.export import export_checkpoint
+
+            model_path = str(export_checkpoint(checkpoint, Path(tmp) / "model"))
+        else:
+            ensure_model(model_path, cfg.model.init_size, seed=cfg.run.seed)
+        data = cfg.model_dump()
+        data["model"]["path"] = model_path
+        data["eval"]["greedy"] = greedy
+        engine = None
+        if not cfg.engine.urls:
+            extra = engine_args("embedded", device=cfg.engine.device, dtype=cfg.model.dtype,
+                                max_running_requests=cfg.engine.max_running_requests,
+                                max_context_tokens=cfg.engine.max_context_tokens,
+                                num_threads=cfg.run.torch_num_threads)
+            engine = EngineProcess(model_path, free_port(cfg.engine.host), host=cfg.engine.host, extra=extra,
+                                   log_path=Path(tmp) / "engine.log").start()
+            data["engine"]["urls"] = [engine.url]
+        try:
+            eval_cfg = AgentRLConfig.model_validate(data)
+            result = trio.run(evaluate_policy, eval_cfg, num_tasks)
+        finally:
+            if engine is not None:
+                engine.stop()
+    result["policy"] = str(checkpoint or cfg.model.path)
+    _log(cfg, result)
+    return result
+
+
+def _log(cfg: AgentRLConfig, result: dict[str, Any]) -> None:
+    if not cfg.tracking.enabled:
+        return
+    from agentrl.tracking import open_tracker
+
+    run_dir = Path(cfg.run.run_dir or "runs/eval")
+    tracker = open_tracker(cfg.tracking, run_dir, run_name=f"eval-{cfg.run.name}",
+                           resume_run_id=cfg.tracking.run_id or None)
+    try:
+        tracker.log_params({"eval.policy": result["policy"], "eval.greedy": result["greedy"]})
+        tracker.log_metrics({"eval/success_rate": result["success_rate"], "eval/reward_mean": result["reward_mean"],
+                             "eval/n": float(result["n"])}, step=0)
+    finally:
+        tracker.close()

@@ -1,0 +1,407 @@
+"""``agentrl run CONFIG``: every process a run needs, started and supervised from one command.
+
+Stages, in order, all under one trio nursery (:class:`agentrl.supervisor.Supervisor`):
+
+1. **Model.** Build the tiny model at ``model.path`` when it is absent (``model.init_size``).
+2. **Warm start** (``sft.enabled``): ``agentrl sft`` on the env's demonstrations, exported to
+   ``<run_dir>/sft/model``, which becomes the policy for every later stage. Skipped when that
+   folder already exists (a restarted run does not redo it).
+3. **Engines.** ``engine.num_engines`` embedded (or SGLang) servers on free ports, unless
+   ``engine.urls`` points at servers that already run. A retrieval server when the env needs one.
+4. **Evaluation before** RL: greedy episodes on ``eval.num_tasks`` held-out tasks, played by
+   this process through the same engines.
+5. **RL.** ``agentrl learn`` (critical: its failure ends the run) and
+   ``actors.num_processes`` × ``agentrl serve-actors`` (restarted up to ``max_restarts``
+   times; what a dead actor had in flight is reported as lost). While they run, a live
+   table shows step, reward, staleness and throughput, and an evaluation runs every
+   ``eval.every_steps`` policy versions.
+6. **Evaluation after**: the engines now hold the learner's final weights (the learner
+   pushes them after its last step). Then ``summary.json`` is written and the metrics are
+   logged to the run's MLflow run, which the learner logs to as well.
+
+Every child gets the resolved config as a file in the run directory (``config.toml``), with
+the ports this run picked, so a child can be restarted by hand with the same command.
+Ctrl-C stops everything; a failing learner stops everything and exits non-zero, naming the
+child and quoting the end of its log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from agentrl.config import AgentRLConfig, dump_toml
+from agentrl.supervisor import ChildFailed, ChildSpec, Supervisor
+
+log = logging.getLogger("agentrl.run")
+
+
+@dataclass
+class RunState:
+    """What the run has seen so far; becomes ``summary.json``."""
+
+    run_dir: Path
+    started: float = field(default_factory=time.monotonic)
+    eval_before: dict[str, Any] | None = None
+    eval_after: dict[str, Any] | None = None
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    versions_seen: set[int] = field(default_factory=set)
+    events: list[str] = field(default_factory=list)
+    last_metrics: dict[str, Any] = field(default_factory=dict)
+    actor_restarts: int = 0
+    warm_start: dict[str, Any] = field(default_factory=dict)
+
+    def event(self, name: str, what: str) -> None:
+        line = f"{time.strftime('%H:%M:%S')} {name}: {what}"
+        self.events.append(line)
+        log.info("%s: %s", name, what)
+
+
+def resolve_run_dir(cfg: AgentRLConfig, run_dir: str | Path | None) -> Path:
+    if run_dir:
+        return Path(run_dir)
+    if cfg.run.run_dir:
+        return Path(cfg.run.run_dir)
+    return Path("runs") / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _free_port() -> int:
+    from agentrl.engine.launch import free_port
+
+    return free_port("127.0.0.1")
+
+
+def plan_config(cfg: AgentRLConfig, run_dir: Path, policy_path: str) -> AgentRLConfig:
+    """The config every child gets: run_dir, policy, engine URLs and ZMQ endpoints filled in."""
+    data = cfg.model_dump()
+    data["run"]["run_dir"] = str(run_dir)
+    data["model"]["path"] = policy_path
+    if not cfg.engine.urls:
+        data["engine"]["urls"] = [f"http://{cfg.engine.host}:{_free_port()}" for _ in range(cfg.engine.num_engines)]
+    data["actors"]["trajectory_endpoint"] = f"tcp://127.0.0.1:{_free_port()}"
+    data["actors"]["progress_endpoint"] = f"tcp://127.0.0.1:{_free_port()}"
+    return AgentRLConfig.model_validate(data)
+
+
+def _agentrl(*args: str) -> list[str]:
+    return [sys.executable, "-m", "agentrl", *args]
+
+
+def write_config(cfg: AgentRLConfig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(dump_toml(cfg))
+    return path
+
+
+# ------------------------------------------------------------------------------ stages
+
+
+async def warm_start(sup: Supervisor, nursery: trio.Nursery, cfg: AgentRLConfig, run_dir: Path,
+                     state: RunState) -> str:
+    """Run ``agentrl sft`` unless its exported model exists; return the policy path."""
+    out = run_dir / "sft" / "model"
+    state.warm_start = {"enabled": cfg.sft.enabled, "data": cfg.sft.data or f"demonstrations of {cfg.env.cls}",
+                        "env_kwargs": dict(cfg.env.kwargs), "num_demonstrations": cfg.sft.num_demonstrations}
+    if not cfg.sft.enabled:
+        return cfg.model.path
+    if (out / "config.json").exists():
+        state.event("sft", f"reusing the warm-started model at {out}")
+        return str(out)
+    data = cfg.model_dump()
+    data["run"]["run_dir"] = str(run_dir)
+    data["sft"]["output_dir"] = str(out)
+    sft_cfg = write_config(AgentRLConfig.model_validate(data), run_dir / "sft_config.toml")
+    spec = ChildSpec("sft", _agentrl("sft", "--config", str(sft_cfg)), run_dir / "logs" / "sft.log",
+                     critical=True, max_restarts=0)
+    await sup.start(nursery, spec)
+    await sup.wait_finished("sft")
+    if sup.children["sft"].returncode != 0:
+        await trio.sleep_forever()  # the supervisor raises ChildFailed
+    return str(out)
+
+
+async def start_engines(sup: Supervisor, nursery: trio.Nursery, cfg: AgentRLConfig, run_dir: Path,
+                        own_engines: bool) -> None:
+    from agentrl.engine.launch import engine_args, engine_command, wait_ready
+
+    if own_engines:
+        extra = engine_args(cfg.engine.backend, device=cfg.engine.device, dtype=cfg.model.dtype,
+                            max_running_requests=cfg.engine.max_running_requests,
+                            max_context_tokens=cfg.engine.max_context_tokens,
+                            num_threads=cfg.run.torch_num_threads, sglang_args=cfg.engine.sglang_args)
+        for i, url in enumerate(cfg.engine.urls):
+            host, port = url.rsplit("//", 1)[1].rsplit(":", 1)
+            argv = engine_command(cfg.model.path, int(port), backend=cfg.engine.backend, host=host, extra=extra)
+            # an engine restarted mid-run would have left the weight-update group: it is critical
+            await sup.start(nursery, ChildSpec(f"engine{i}", argv, run_dir / "logs" / f"engine{i}.log",
+                                               critical=True, max_restarts=0))
+    for url in cfg.engine.urls:
+        await trio.to_thread.run_sync(lambda u=url: wait_ready(u, 300.0))
+
+
+async def evaluate_policy(cfg: AgentRLConfig, num_tasks: int | None = None) -> dict[str, Any]:
+    """Greedy (or sampled) episodes on held-out tasks through the engines in ``engine.urls``."""
+    from transformers import AutoTokenizer
+
+    from agentrl.actors.rollout import EpisodeLimits, evaluate, sampling_from_config, toolbox_for
+    from agentrl.engine.client import EngineClient
+    from agentrl.envs import make_env
+
+    env = make_env(cfg)
+    tokenizer = await trio.to_thread.run_sync(AutoTokenizer.from_pretrained, cfg.model.path)
+    tasks = []
+    for task in env.tasks(cfg.eval.split, seed=cfg.run.seed):
+        tasks.append(task)
+        if len(tasks) >= (num_tasks or cfg.eval.num_tasks):
+            break
+    sampling = sampling_from_config(cfg, greedy=cfg.eval.greedy)
+    sampling["max_new_tokens"] = cfg.actors.max_new_tokens_per_turn
+    async with EngineClient(list(cfg.engine.urls), router_url=cfg.engine.router_url,
+                            max_retries=cfg.engine.request_retries) as client:
+        started = time.monotonic()
+        result = await evaluate(client, tokenizer, env, tasks, greedy=cfg.eval.greedy,
+                                concurrency=cfg.actors.num_concurrent_episodes, toolbox=toolbox_for(env, cfg),
+                                limits=EpisodeLimits.from_config(cfg), sampling=sampling)
+    result["seconds"] = round(time.monotonic() - started, 2)
+    result["greedy"] = cfg.eval.greedy
+    return result
+
+
+async def watch_progress(cfg: AgentRLConfig, state: RunState, run_dir: Path, live: Any,
+                         eval_lock: trio.Lock) -> None:
+    """Follow the learner's progress and metrics; evaluate every ``eval.every_steps`` versions."""
+    from agentrl.transport import ProgressSubscriber
+
+    sub = ProgressSubscriber(cfg.actors.progress_endpoint, bind=False)
+    metrics_file = run_dir / "learner_metrics.jsonl"
+    next_eval = cfg.eval.every_steps
+    try:
+        while True:
+            with trio.move_on_after(1.0):
+                progress = await sub.receive()
+                state.versions_seen.add(progress.policy_version)
+            state.last_metrics = _last_json_line(metrics_file) or state.last_metrics
+            if live is not None:
+                live.update(_table(state, cfg))
+            version = max(state.versions_seen, default=0)
+            if next_eval and version >= next_eval and not eval_lock.locked():
+                next_eval = version + cfg.eval.every_steps
+                async with eval_lock:
+                    result = await evaluate_policy(cfg)
+                result["policy_version"] = version
+                state.evals.append(result)
+                state.event("eval", f"v{version}: success {result['success_rate']:.3f}")
+    finally:
+        with trio.CancelScope(shield=True):
+            await sub.aclose()
+
+
+def _last_json_line(path: Path) -> dict[str, Any] | None:
+    try:
+        with path.open("rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - 65536))
+            lines = f.read().decode(errors="replace").strip().splitlines()
+        return json.loads(lines[-1]) if lines else None
+    except (FileNotFoundError, json.JSONDecodeError, IndexError):
+        return None
+
+
+def _table(state: RunState, cfg: AgentRLConfig) -> Any:
+    from rich.table import Table
+
+    m = state.last_metrics
+    table = Table(title=f"agentrl run · {state.run_dir}", show_header=False, expand=False)
+    elapsed = time.monotonic() - state.started
+    rows = [
+        ("elapsed", f"{elapsed:,.0f} s"),
+        ("step", f"{int(m.get('step', 0))} / {cfg.learner.max_steps}"),
+        ("policy version", str(max(state.versions_seen, default=0))),
+        ("reward (batch mean)", f"{m.get('reward/mean', float('nan')):.3f}"),
+        ("staleness (mean)", f"{m.get('staleness/mean', float('nan')):.2f}"),
+        ("train tokens/s", f"{m.get('throughput/train_tokens_per_s', 0.0):,.0f}"),
+        ("groups consumed / dropped",
+         f"{int(m.get('data/accepted', 0))} / {int(sum(v for k, v in m.items() if k.startswith('data/dropped_')))}"),
+        ("eval before", _fmt_eval(state.eval_before)),
+        ("last eval", _fmt_eval(state.evals[-1] if state.evals else None)),
+        ("actor restarts", str(state.actor_restarts)),
+    ]
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
+
+
+def _fmt_eval(result: dict[str, Any] | None) -> str:
+    if not result:
+        return "-"
+    return f"success {result['success_rate']:.1%}, reward {result['reward_mean']:.3f} (n={result['n']})"
+
+
+def summarize(state: RunState, cfg: AgentRLConfig, run_dir: Path) -> dict[str, Any]:
+    m = state.last_metrics
+    recent = [e["success_rate"] for e in state.evals[-3:]]
+    summary = {
+        "config": str(run_dir / "config.toml"),
+        "warm_start": state.warm_start,
+        "eval_before": state.eval_before,
+        "eval_after": state.eval_after,
+        "success_rise": (state.eval_after["success_rate"] - state.eval_before["success_rate"]
+                         if state.eval_after and state.eval_before else None),
+        "evals_during_training": state.evals,
+        "eval_recent_mean_success": statistics.fmean(recent) if recent else None,
+        "learner_steps": int(m.get("step", 0)),
+        "groups_consumed": int(m.get("data/accepted", 0)) - int(m.get("data/buffered", 0)),
+        "groups_received": int(m.get("data/received", 0)),
+        "groups_dropped": {k[len("data/dropped_"):]: int(v) for k, v in m.items() if k.startswith("data/dropped_")},
+        "groups_produced": _actor_totals(run_dir),
+        "policy_versions_seen": sorted(state.versions_seen),
+        "actor_restarts": state.actor_restarts,
+        "wall_time_s": round(time.monotonic() - state.started, 1),
+        "events": state.events[-50:],
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+def _actor_totals(run_dir: Path) -> dict[str, int]:
+    """Sum the final reports the actor processes print (one JSON object per line in their logs)."""
+    totals: dict[str, int] = {}
+    for log_path in sorted((run_dir / "logs").glob("actor*.log")):
+        for line in log_path.read_text(errors="replace").splitlines():
+            if line.startswith("{") and '"groups_delivered"' in line:
+                try:
+                    report = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                for key in ("groups_started", "groups_delivered", "groups_lost", "groups_abandoned", "episodes"):
+                    if isinstance(report.get(key), int):
+                        totals[key] = totals.get(key, 0) + report[key]
+    return totals
+
+
+def log_to_mlflow(cfg: AgentRLConfig, run_dir: Path, summary: dict[str, Any]) -> None:
+    from agentrl.tracking import open_tracker
+
+    tracker = open_tracker(cfg.tracking, run_dir, run_name=cfg.run.name, resume_run_id=cfg.tracking.run_id or None)
+    try:
+        metrics = {}
+        for name in ("eval_before", "eval_after"):
+            if summary.get(name):
+                metrics[f"{name}/success_rate"] = summary[name]["success_rate"]
+                metrics[f"{name}/reward_mean"] = summary[name]["reward_mean"]
+        if summary.get("success_rise") is not None:
+            metrics["eval/success_rise"] = summary["success_rise"]
+        tracker.log_metrics(metrics, step=summary.get("learner_steps", 0))
+        tracker.log_artifact(run_dir / "summary.json")
+        tracker.log_artifact(run_dir / "config.toml")
+    finally:
+        tracker.close()
+
+
+def create_mlflow_run(cfg: AgentRLConfig, run_dir: Path) -> str:
+    """Open the run's MLflow run up front so that every process logs to the same one."""
+    from agentrl.tracking import open_tracker
+
+    if not cfg.tracking.enabled:
+        return ""
+    tracker = open_tracker(cfg.tracking, run_dir, run_name=cfg.run.name)
+    tracker.log_params({"run.run_dir": str(run_dir), "env.cls": cfg.env.cls})
+    return tracker.run_id or ""  # left RUNNING: the learner and the final summary log to it
+
+
+# ------------------------------------------------------------------------------ main
+
+
+async def run_async(cfg: AgentRLConfig, run_dir: Path, *, live_display: bool = True) -> dict[str, Any]:
+    from agentrl.model_builder import ensure_model
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    state = RunState(run_dir)
+    sup = Supervisor(on_event=lambda name, what: _on_event(state, name, what))
+    if cfg.tracking.enabled and not cfg.tracking.uri:
+        cfg = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(
+            update={"uri": f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"})})
+    if cfg.tracking.enabled and not cfg.tracking.run_id:
+        run_id = await trio.to_thread.run_sync(create_mlflow_run, cfg, run_dir)
+        cfg = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"run_id": run_id})})
+    await trio.to_thread.run_sync(lambda: ensure_model(cfg.model.path, cfg.model.init_size, seed=cfg.run.seed))
+    own_engines = not cfg.engine.urls
+    eval_lock = trio.Lock()
+    try:
+        async with trio.open_nursery() as outer:
+            outer.start_soon(sup.wait_for_failure)
+            policy = await warm_start(sup, outer, cfg, run_dir, state)
+            cfg = plan_config(cfg, run_dir, policy)
+            write_config(cfg, run_dir / "config.toml")
+            await start_engines(sup, outer, cfg, run_dir, own_engines)
+            state.event("engines", f"ready at {', '.join(cfg.engine.urls)}")
+            state.eval_before = await evaluate_policy(cfg)
+            state.event("eval", f"before RL: success {state.eval_before['success_rate']:.3f}")
+            await _train(sup, outer, cfg, run_dir, state, live_display, eval_lock)
+            async with eval_lock:
+                state.eval_after = await evaluate_policy(cfg)
+            state.event("eval", f"after RL: success {state.eval_after['success_rate']:.3f}")
+            outer.cancel_scope.cancel()
+    finally:
+        summary = summarize(state, cfg, run_dir)
+    if cfg.tracking.enabled:
+        await trio.to_thread.run_sync(log_to_mlflow, cfg, run_dir, summary)
+    return summary
+
+
+async def _train(sup: Supervisor, outer: trio.Nursery, cfg: AgentRLConfig, run_dir: Path, state: RunState,
+                 live_display: bool, eval_lock: trio.Lock) -> None:
+    from contextlib import nullcontext
+
+    from rich.live import Live
+
+    config_path = str(run_dir / "config.toml")
+    learn = ChildSpec("learner", _agentrl("learn", "--config", config_path), run_dir / "logs" / "learner.log",
+                      critical=True, max_restarts=0)
+    live = Live(_table(state, cfg), refresh_per_second=2, transient=False) if live_display else None
+    with live if live is not None else nullcontext():
+        async with trio.open_nursery() as inner:
+            await sup.start(inner, learn)
+            for i in range(cfg.actors.num_processes):
+                argv = _agentrl("serve-actors", "--config", config_path, "--index", str(i),
+                                "--num-actors", str(cfg.actors.num_processes), "--wait-for-learner",
+                                "--log-interval-s", "10")
+                await sup.start(inner, ChildSpec(f"actor{i}", argv, run_dir / "logs" / f"actor{i}.log",
+                                                 max_restarts=3))
+            inner.start_soon(watch_progress, cfg, state, run_dir, live, eval_lock)
+            await sup.wait_finished("learner")
+            state.last_metrics = _last_json_line(run_dir / "learner_metrics.jsonl") or state.last_metrics
+            inner.cancel_scope.cancel()
+
+
+def _on_event(state: RunState, name: str, what: str) -> None:
+    if name.startswith("actor") and "restart" in what:
+        state.actor_restarts += 1
+        what += " (its in-flight groups are lost)"
+    state.event(name, what)
+
+
+def run(cfg: AgentRLConfig, run_dir: Path, *, live_display: bool = True) -> dict[str, Any]:
+    """Run synchronously; raises :class:`ChildFailed` (unwrapped) when a critical child fails."""
+    try:
+        return trio.run(run_async, cfg, run_dir, live_display=live_display)
+    except BaseExceptionGroup as group:
+        failed = group.subgroup(ChildFailed)
+        if failed is not None:
+            raise _first(failed) from None
+        raise
+
+
+def _first(group: BaseExceptionGroup) -> BaseException:
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
