@@ -19,14 +19,16 @@ every ``wait_log_interval_s``. ``max_wait_for_data_s > 0`` turns a long silence 
 clean stop (checkpoint first).
 
 **Progress and the budget.** After every step and weight update rank 0 publishes the
-policy version and ``accept_groups``, how many more groups it will take before data
-started now would be too stale::
+policy version and ``accept_groups``, the cumulative number of groups all actors together
+may have started (``Progress`` in agentrl/protocol.py)::
 
-    accept_groups = G * k * (max_staleness + 1) - G * steps_since_version_bump - buffered
+    accept_groups = received + G * k * (max_staleness + 1) - G * steps_since_version_bump - buffered
 
-with ``G = groups_per_step`` and ``k = sync_every_steps``. Actors subtract their own
-in-flight groups from it. ``max_staleness = 0`` makes this exactly one version's worth of
-groups: a synchronous system.
+with ``G = groups_per_step`` and ``k = sync_every_steps``. Every group received was started
+by some actor, so what may still be buffered or in flight is the second part: at most
+``max_staleness + 1`` versions' worth. ``max_staleness = 0`` makes it exactly one version's
+worth of groups: a synchronous system. Dropped groups count as received, so they are
+replaced.
 
 **Weights.** Every ``sync_every_steps`` steps the version is bumped and the weights are
 pushed (``weights_gather.push_weights``) into ``WeightUpdater`` (``agentrl.engine.weights``)
@@ -241,6 +243,8 @@ class Learner:
                     }
                 )
                 self._log_step(metrics)
+            if self.exit_reason == "done" and self.steps_since_sync > 0:
+                self._sync_weights()  # the engines end with the final policy (evaluation reads it)
             if self.trainer.step != last_checkpoint_step or self.trainer.step == 0:
                 self._checkpoint()
             if self.exit_reason == "done":
@@ -329,10 +333,13 @@ class Learner:
     def _progress(self, done: bool = False) -> Progress:
         g, k, s = self.lc.groups_per_step, self.lc.sync_every_steps, self.lc.max_staleness
         buffered = len(self.buffer) if self.buffer is not None else 0
-        budget = g * k * (s + 1) - g * self.steps_since_sync - buffered
+        received = self.buffer.counters.get("received", 0) if self.buffer is not None else 0
+        # cumulative (see Progress.accept_groups): everything received so far was started by an
+        # actor, and at most this many more may be buffered or in flight for the current version
+        ahead = g * k * (s + 1) - g * self.steps_since_sync - buffered
         return Progress(
             policy_version=self.version,
-            accept_groups=0 if done else max(0, budget),
+            accept_groups=0 if done else max(0, received + ahead),
             step=self.trainer.step,
             max_staleness=s,
             done=done,
