@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from contextlib import contextmanager
 
 import pytest
 
@@ -16,6 +18,18 @@ def require(reason: str | None) -> None:
     if IN_CI:
         pytest.fail(f"CI must be able to run this test: {reason}")
     pytest.skip(reason)
+
+
+@contextmanager
+def changed_settings(sandbox, **changes):
+    """Run a sandbox with some settings changed (e.g. a longer wall time for a CPU-limit test:
+    on a loaded machine one CPU second can take several wall-clock seconds)."""
+    old = sandbox.settings
+    sandbox.settings = dataclasses.replace(old, **changes)
+    try:
+        yield sandbox.settings
+    finally:
+        sandbox.settings = old
 
 
 READ_OUTSIDE = """

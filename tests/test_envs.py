@@ -263,3 +263,18 @@ def test_the_tutorial_env_in_docs_works(tmp_path, monkeypatch):
     (total, comps, error), follow_up = trio.run(episode)
     assert error is None and total == 1.0 and comps["correct"] == 1.0
     assert isinstance(follow_up, str)
+
+
+def test_reward_helpers():
+    from fractions import Fraction
+
+    from agentrl.envs.rewards import exact_match, final_assistant_text, last_number, normalize_answer
+
+    assert final_assistant_text([{"role": "assistant", "content": "<think>maybe 7</think>The answer is 5."}]) == \
+        "The answer is 5."
+    assert final_assistant_text([{"role": "assistant", "content": "x", "tool_calls": [{}]}]) is None
+    assert final_assistant_text([{"role": "tool", "content": "5"}]) is None
+    assert final_assistant_text([]) is None
+    assert last_number("1,234 then -5.5.") == Fraction("-5.5") and last_number("none") is None
+    assert normalize_answer("The answer is: The Silver Lamp!") == "silver lamp"
+    assert exact_match("answer: Oslo.", ["Paris", "oslo"]) and not exact_match("Oslo, Norway", "Oslo")

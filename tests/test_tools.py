@@ -79,6 +79,15 @@ def test_class_tool_schema_is_derived():
     assert out.content == "Oslo sunny for 2 day(s)"
 
 
+def test_unresolvable_annotations_do_not_break_a_class():
+    class Odd(Tool):
+        async def run(self, thing: "NotDefinedAnywhere", count: int = 1) -> str:  # noqa: F821
+            return "ok"
+
+    assert Odd.name == "odd"
+    assert Odd.parameters["properties"] == {"thing": {}, "count": {}} and Odd.parameters["required"] == ["thing"]
+
+
 def test_explicit_class_schema_is_kept():
     class Echo(Tool):
         name = "echo"

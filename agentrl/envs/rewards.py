@@ -5,6 +5,7 @@ assistant turn without a tool call. An episode that ended on a tool call or a to
 (the turn limit was hit mid-work) has no final answer and scores zero in the built-in envs.
 Tool calls may appear either as ``tool_calls`` on the message (OpenAI style) or as raw
 ``<tool_call>`` text in its content (what a model generated); both count as tool calls.
+``<think>...</think>`` reasoning is removed from the answer.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import string
 from fractions import Fraction
 from typing import Any
 
+_THINK = re.compile(r"<think>.*?(?:</think>|$)", re.S)  # reasoning is not the answer
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _ANSWER_PREFIX = re.compile(r"^\s*(?:the\s+)?(?:final\s+)?answer\s*(?:is|:)\s*", re.I)
@@ -29,7 +31,7 @@ def final_assistant_text(messages: list[dict[str, Any]]) -> str | None:
     content = last.get("content") or ""
     if not isinstance(content, str) or "<tool_call>" in content:
         return None
-    return content
+    return _THINK.sub("", content).strip()
 
 
 def last_number(text: str) -> Fraction | None:

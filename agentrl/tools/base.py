@@ -165,7 +165,10 @@ def _json_type(annotation: Any) -> dict[str, Any]:
 
 
 def _schema_from_signature(fn: Callable[..., Any], arg_docs: dict[str, str]) -> dict[str, Any]:
-    hints = typing.get_type_hints(fn)
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # an annotation that does not resolve (a forward reference): leave it untyped
+        hints = {name: Any for name in inspect.signature(fn).parameters}
     props: dict[str, Any] = {}
     required: list[str] = []
     for pname, param in inspect.signature(fn).parameters.items():

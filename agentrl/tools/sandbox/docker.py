@@ -4,7 +4,10 @@ A sandbox is a container started from ``settings.image`` (see ``sandboxes/python
 
 * ``network_mode="none"``, all capabilities dropped, ``no-new-privileges``,
 * ``mem_limit`` = ``memory_mb`` + 64 MB for the runner (no swap), ``pids_limit`` =
-  ``max_processes`` + 8, ``cpus`` CPUs,
+  ``max_processes`` + 2 (the keep-alive and the exec'd runner),
+  ``cpus`` CPUs. The process limit is the container's pids cgroup, not ``RLIMIT_NPROC``:
+  that rlimit counts every process of the uid on the whole host, so sandboxes sharing uid
+  65534 would eat each other's quota;
 * a keep-alive main process that reaps orphans and exits after ``lifetime_s`` (``auto_remove`` then deletes
   the container, so even a crashed host process leaves nothing behind for long), and the
   label ``agentrl.sandbox=1``.
@@ -93,7 +96,7 @@ class DockerSandbox(Sandbox):
         container = await trio.to_thread.run_sync(lambda: client.containers.run(
             settings.image, ["python3", "-c", keepalive], detach=True, auto_remove=True,
             network_mode="none", mem_limit=f"{settings.memory_mb + 64}m",
-            memswap_limit=f"{settings.memory_mb + 64}m", pids_limit=settings.max_processes + 8,
+            memswap_limit=f"{settings.memory_mb + 64}m", pids_limit=settings.max_processes + 2,
             nano_cpus=int(settings.cpus * 1e9), cap_drop=["ALL"], security_opt=["no-new-privileges"],
             labels={"agentrl.sandbox": "1"}, working_dir="/work", environment=_ENV,
         ))
@@ -131,8 +134,8 @@ class DockerSandbox(Sandbox):
         return result
 
     async def run(self, code: str, *, files: dict[str, str] | None = None, stdin: str = "") -> ExecResult:
-        # pids_limit bounds the container; the runner's RLIMIT_NPROC also reports a fork bomb.
-        return await self._exec(self.settings.payload("run", code, files, stdin, workdir="/work"))
+        # pids_limit bounds the processes (max_processes=0: the runner sets no RLIMIT_NPROC).
+        return await self._exec(self.settings.payload("run", code, files, stdin, workdir="/work", max_processes=0))
 
     async def reset(self) -> None:
         result = await self._exec(self.settings.payload("reset", workdir="/work", sweep_uid=True))
