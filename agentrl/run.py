@@ -27,6 +27,7 @@ child and quoting the end of its log.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import statistics
@@ -392,7 +393,7 @@ def _on_event(state: RunState, name: str, what: str) -> None:
 def run(cfg: AgentRLConfig, run_dir: Path, *, live_display: bool = True) -> dict[str, Any]:
     """Run synchronously; raises :class:`ChildFailed` (unwrapped) when a critical child fails."""
     try:
-        return trio.run(run_async, cfg, run_dir, live_display=live_display)
+        return trio.run(functools.partial(run_async, cfg, run_dir, live_display=live_display))
     except BaseExceptionGroup as group:
         failed = group.subgroup(ChildFailed)
         if failed is not None:
