@@ -15,7 +15,7 @@ the tool tags are single added tokens (not "special", so they survive
 
 Sizes:
 
-* ``tiny``: hidden 128 x 4 layers, ~0.85M parameters; the CPU default.
+* ``tiny``: hidden 128 x 4 layers, 1,024-token vocabulary, ~0.92M parameters; the CPU default.
 * ``small``: hidden 512 x 8 layers, ~25M parameters.
 * ``0.5b``: Qwen2.5-0.5B's shape (hidden 896 x 24 layers, 151,936-row embedding) for GPU
   benchmarks; the tokenizer is still the small local one, the embedding rows past it unused.
@@ -67,7 +67,7 @@ CHAT_TEMPLATE = (
 
 SIZES: dict[str, dict[str, int]] = {
     "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=32, vocab_target=512),
+                 num_key_value_heads=2, head_dim=32, vocab_target=1024),
     "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                   num_key_value_heads=4, head_dim=64, vocab_target=2048),
     "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -101,7 +101,29 @@ def _synthetic_corpus(rng: random.Random, num_docs: int = 1500) -> list[str]:
             f"<|im_start|>assistant\nThe answer is {rng.randint(0, 9999)}.<|im_end|>\n"
         )
         docs.append(f"def f(x):\n    return x {rng.choice(ops)} {a}\n\nprint(f({b}))\nassert f({c}) == {a}\n")
+        docs.append(_tool_preamble(rng))
     return docs
+
+
+_TOOL_NAMES = ["calculator", "search", "python", "lookup", "run_tests", "weather", "translate"]
+_PARAM_NAMES = ["expression", "query", "code", "top_k", "text", "city", "language"]
+
+
+def _tool_preamble(rng: random.Random) -> str:
+    """A system turn with tool schemas, as the chat template renders it (JSON of OpenAI tools),
+    so that the BPE merges cover the schema boilerplate every agent prompt starts with."""
+    tools = []
+    for _ in range(rng.randint(1, 2)):
+        param = rng.choice(_PARAM_NAMES)
+        kind = "integer" if param == "top_k" else "string"
+        tools.append(json.dumps({"type": "function", "function": {
+            "name": rng.choice(_TOOL_NAMES),
+            "description": " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 8))).capitalize() + ".",
+            "parameters": {"type": "object", "properties": {param: {"type": kind, "description": "for example "
+                           + json.dumps(" ".join(rng.choice(_WORDS) for _ in range(2))) + "."}},
+                           "required": [param]}}}))
+    return ("<|im_start|>system\n# Tools\n<tools>\n" + "\n".join(tools) + "\n</tools>\nTo call a tool, answer with "
+            "<tool_call>\n{\"name\": <name>, \"arguments\": <json>}\n</tool_call><|im_end|>\n")
 
 
 def build_tokenizer(vocab_target: int, seed: int = 0):
