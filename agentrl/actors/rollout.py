@@ -219,9 +219,12 @@ class _Episode:
             results[i] = await self.toolbox.execute(c, self.state)
 
         start = time.monotonic()
-        async with trio.open_nursery() as nursery:
-            for i, c in enumerate(parsed.calls):
-                nursery.start_soon(call, i, c)
+        if len(parsed.calls) == 1:
+            await call(0, parsed.calls[0])
+        elif parsed.calls:
+            async with trio.open_nursery() as nursery:
+                for i, c in enumerate(parsed.calls):
+                    nursery.start_soon(call, i, c)
         self.counters.tool_wall_s += time.monotonic() - start
         messages: list[Message] = []
         for r in results:
@@ -311,7 +314,7 @@ async def run_episode(client: EngineClientLike, tokenizer: Any, env: Env, toolbo
         "num_aborts": c.num_aborts, "num_generate_calls": c.num_generate_calls,
         "tool_latency_s": c.tool_latency_s, "tool_wall_s": c.tool_wall_s,
         "generation_latency_s": c.generation_latency_s, "episode_wall_s": time.monotonic() - start,
-        "num_model_tokens": sum(chat.loss_mask), "messages": chat.messages,
+        "num_model_tokens": chat.loss_mask.count(1), "messages": chat.messages,
     }
     if reward_error:
         metadata["reward_error"] = reward_error
