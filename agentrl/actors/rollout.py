@@ -81,8 +81,12 @@ class EpisodeLimits:
     max_empty_aborts: int = 20  # aborts in a row that return no token before the episode gives up
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "EpisodeLimits":
-        return cls(max_turns=cfg.env.max_turns, max_total_tokens=cfg.env.max_total_tokens,
+    def from_config(cls, cfg: Any, env: Env | None = None) -> "EpisodeLimits":
+        """``[env]`` limits, overridden by an env's own ``max_turns``/``max_total_tokens`` attributes
+        when it sets them, and never above ``engine.max_context_tokens``."""
+        turns = getattr(env, "max_turns", None) or cfg.env.max_turns
+        tokens = getattr(env, "max_total_tokens", None) or cfg.env.max_total_tokens
+        return cls(max_turns=turns, max_total_tokens=min(tokens, cfg.engine.max_context_tokens),
                    max_new_tokens_per_turn=cfg.actors.max_new_tokens_per_turn)
 
 
