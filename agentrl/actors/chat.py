@@ -30,9 +30,13 @@ If the model stopped by length (or on a stop token other than the template's end
 template's closing text (``<|im_end|>\\n``) is appended as non-model tokens; the loop reserves
 room for it, so an episode never exceeds ``max_total_tokens``.
 
-Speed: each step renders the whole chat once (Jinja, a fraction of a millisecond for short
-chats) and tokenizes only the delta with the Rust tokenizer directly; decoding uses the Rust
-tokenizer too. Both are checked against the transformers calls in the tests.
+Speed: each turn renders the whole chat once and tokenizes only the delta. Rendering calls
+transformers' own compiled (sandboxed) Jinja template directly when the messages are plain
+string dicts, skipping ``apply_chat_template``'s defensive copies; the codec first checks that
+this renders probe chats exactly as ``apply_chat_template`` does, else it uses the latter. A
+prompt is rendered and tokenized once per group (LRU cache), encoding and decoding call the Rust
+tokenizer directly, and per-token arrays grow as ``array.array``s. Tests compare every shortcut
+with the plain transformers calls.
 """
 
 from __future__ import annotations
@@ -278,7 +282,8 @@ class TokenChat:
         rendered = self.codec.render(messages, self.tools, add_generation_prompt, plain=plain)
         expected = self.text + model_text
         if not rendered.startswith(expected):
-            at = next((i for i, (a, b) in enumerate(zip(rendered, expected)) if a != b), min(len(rendered), len(expected)))
+            at = next((i for i, (a, b) in enumerate(zip(rendered, expected)) if a != b),
+                      min(len(rendered), len(expected)))
             raise TemplateMismatch(
                 "the chat template is not prefix-stable: rendering the chat with its new messages changed text "
                 f"already in the episode at character {at} (had {expected[at:at + 40]!r}, "

@@ -21,14 +21,15 @@ An episode alternates model turns and observations until it finishes:
    the next user message).
 
 Finish reasons: ``answer`` (the env accepted a text turn), ``max_turns``, ``context_full``
-(no room for another turn or its observation; also a turn cut by the room left), ``
-truncated_tool_call`` (the per-turn token limit cut a ``<tool_call>`` open), ``aborted``.
+(no room for another turn or its observation; also a turn cut by the room left),
+``truncated_tool_call`` (the per-turn token limit cut a ``<tool_call>`` open), ``aborted``.
 
 Failures: a tool failure is an observation, a reward that raises scores the episode 0 with the
 error in ``metadata["reward_error"]``. Anything else (engine unreachable after the client's
-retries, an engine reply that breaks the protocol, an env whose ``setup``/``initial_messages``
-raises) raises :class:`EpisodeFailed`; :func:`run_group` then cancels the group's other
-episodes and reports the group as lost, never silently.
+retries, an engine reply that breaks the protocol, an env whose ``setup``, ``initial_messages``
+or ``on_text_turn`` raises, a template that is not prefix-stable) raises :class:`EpisodeFailed`;
+:func:`run_group` then cancels the group's other episodes and reports the group as lost, never
+silently.
 """
 
 from __future__ import annotations
