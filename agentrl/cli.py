@@ -189,7 +189,8 @@ def serve_actors_cmd(
     max_groups: Annotated[Optional[int], typer.Option("--max-groups", min=1, help="Stop after N groups.")] = None,
     index: Annotated[int, typer.Option("--index", min=0, help="This actor's index among the actor processes.")] = 0,
     num_actors: Annotated[
-        Optional[int], typer.Option("--num-actors", min=1, help="Actor processes in all (default: actors.num_processes).")
+        Optional[int],
+        typer.Option("--num-actors", min=1, help="Actor processes in all (default: actors.num_processes)."),
     ] = None,
     send: Annotated[bool, typer.Option("--send/--no-send", help="Send groups to the learner over ZMQ.")] = True,
     wait_for_learner: Annotated[

@@ -31,6 +31,13 @@ def check(chat: TokenChat, generation_prompt: bool) -> None:
 
 def test_codec_matches_transformers(tokenizer):
     codec = codec_for(tokenizer)
+    assert codec._fast is not None  # the compiled-template path is in use, and renders as transformers does
+    chat = START + [{"role": "assistant", "content": "<tool_call>x</tool_call>"}, {"role": "tool", "content": "1"},
+                    {"role": "tool", "name": "add", "content": "2"}, {"role": "user", "content": "ok"}]
+    for tools in (None, TOOLS):
+        for gen in (True, False):
+            assert codec.render(chat, tools, gen) == tokenizer.apply_chat_template(
+                chat, tools=tools, add_generation_prompt=gen, tokenize=False)
     assert codec_for(tokenizer) is codec
     for text in ["plain", "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
                  "émoji 🙂 and <tool_call>{\"a\": 1}</tool_call>", "<|endoftext|><|im_end|>", ""]:
@@ -88,9 +95,9 @@ def test_observation_that_does_not_fit_is_left_out(tokenizer):
 
 def test_history_rewriting_template_is_refused(tokenizer):
     class Rewriter(ChatCodec):  # drops earlier assistant turns, as some reasoning templates do
-        def render(self, messages, tools, add_generation_prompt):
+        def render(self, messages, tools, add_generation_prompt, plain=None):
             kept = [m for i, m in enumerate(messages) if m["role"] != "assistant" or i == len(messages) - 1]
-            return super().render(kept, tools, add_generation_prompt)
+            return super().render(kept, tools, add_generation_prompt, plain)
 
     chat = TokenChat.start(Rewriter(tokenizer), START, None)
     ids = chat.codec.encode("a") + [chat.codec.end_of_turn_id]

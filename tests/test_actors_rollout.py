@@ -245,12 +245,13 @@ def test_user_env_loaded_by_import_path_and_evaluate(tokenizer):
 
 
 def builtin_envs() -> list[str]:
-    """Every Env subclass shipped in agentrl.envs (built on the envs branch) that builds without kwargs."""
+    """Every concrete Env shipped in agentrl.envs (the envs branch builds them)."""
     found = []
     for mod in pkgutil.iter_modules(agentrl.envs.__path__):
         module = importlib.import_module(f"agentrl.envs.{mod.name}")
         for name, obj in vars(module).items():
-            if isinstance(obj, type) and issubclass(obj, Env) and obj is not Env and obj.__module__ == module.__name__:
+            if (isinstance(obj, type) and issubclass(obj, Env) and obj.__module__ == module.__name__
+                    and all(getattr(obj, m) is not getattr(Env, m) for m in ("tasks", "initial_messages", "reward"))):
                 found.append(f"{module.__name__}:{name}")
     return found
 
@@ -269,8 +270,12 @@ def test_random_model_keeps_the_invariant(tmp_path_factory, tokenizer, env_path)
         async def main():
             async with HttpEngineClient([engine.url]) as client:
                 out = []
-                for task in tasks:
-                    out.append(await run_episode(client, tokenizer, env, toolbox_for(env), task, {}, limits))
+                try:
+                    for task in tasks:
+                        out.append(await run_episode(client, tokenizer, env, toolbox_for(env), task, {}, limits))
+                finally:
+                    if getattr(env, "aclose", None) is not None:
+                        await env.aclose()
                 return out
 
         trajs = trio.run(main)

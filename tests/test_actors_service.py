@@ -204,3 +204,40 @@ def test_reward_errors_do_not_stop_the_actor(tokenizer):
     assert report["groups_delivered"] == 3 and report["reward_errors"] == 6 and report["reward_mean"] == 0.0
     assert all(t.metadata["reward_error"] == "RuntimeError: the scorer crashed"
                for g in sender.groups for t in g.trajectories)
+
+
+def test_limits_and_sampling_from_config():
+    from agentrl.actors.rollout import sampling_from_config
+    from agentrl.config import load_config
+
+    cfg = load_config(None, ["env.max_turns=6", "env.max_total_tokens=900", "actors.max_new_tokens_per_turn=50",
+                             "actors.temperature=0.7", "engine.max_context_tokens=1000"])
+    assert EpisodeLimits.from_config(cfg) == EpisodeLimits(max_turns=6, max_total_tokens=900,
+                                                           max_new_tokens_per_turn=50)
+    env = AddEnv()
+    env.max_turns, env.max_total_tokens = 2, 5000  # an env's own limits win, capped by the engine's context
+    assert EpisodeLimits.from_config(cfg, env) == EpisodeLimits(max_turns=2, max_total_tokens=1000,
+                                                                max_new_tokens_per_turn=50)
+    assert sampling_from_config(cfg) == {"temperature": 0.7, "top_p": 1.0, "top_k": -1}
+    assert sampling_from_config(cfg, greedy=True) == {"temperature": 0.0}
+
+
+def test_finite_split_then_blocked_send_still_stops(tokenizer):
+    """A test split runs once; if the learner is gone at the end, a stop still ends the actor."""
+    sender = MemorySender()
+    sender.blocked = True
+    with ScriptedEngine(TurnScript(tokenizer, solver)) as engine:
+        async def main():
+            async with HttpEngineClient([engine.url]) as client:
+                svc = service(client, tokenizer, env=AddEnv(num_tasks=3), sender=sender, split="test",
+                              num_concurrent_episodes=6, drain_timeout_s=0.2)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(svc.run)
+                    await wait_for(lambda: svc.stats.groups_completed == 3)
+                    await trio.sleep(0.3)
+                    with trio.fail_after(5):
+                        svc.request_stop("received SIGTERM")
+                return svc.report()
+
+        report = trio.run(main)
+    assert report["groups_started"] == 3 and report["groups_unsent"] == 3 and report["groups_delivered"] == 0

@@ -30,20 +30,40 @@ If the model stopped by length (or on a stop token other than the template's end
 template's closing text (``<|im_end|>\\n``) is appended as non-model tokens; the loop reserves
 room for it, so an episode never exceeds ``max_total_tokens``.
 
-Speed: each step renders the whole chat once (Jinja, a fraction of a millisecond for short
-chats) and tokenizes only the delta with the Rust tokenizer directly; decoding uses the Rust
-tokenizer too. Both are checked against the transformers calls in the tests.
+Speed: each turn renders the whole chat once and tokenizes only the delta. Rendering calls
+transformers' own compiled (sandboxed) Jinja template directly when the messages are plain
+string dicts, skipping ``apply_chat_template``'s defensive copies; the codec first checks that
+this renders probe chats exactly as ``apply_chat_template`` does, else it uses the latter. A
+prompt is rendered and tokenized once per group (LRU cache), encoding and decoding call the Rust
+tokenizer directly, and per-token arrays grow as ``array.array``s. Tests compare every shortcut
+with the plain transformers calls.
 """
 
 from __future__ import annotations
 
+import json
 import weakref
+from array import array
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 Message = dict[str, Any]
 
 _SENTINEL = "\x00agentrl-sentinel\x00"
+_PROBE_TOOLS = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {
+    "type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}}}]
+_PROBE = [
+    {"role": "system", "content": "s"}, {"role": "user", "content": "u <b>&"},
+    {"role": "assistant", "content": '<tool_call>\n{"name": "f", "arguments": {"x": "1"}}\n</tool_call>'},
+    {"role": "tool", "name": "f", "content": "r1"}, {"role": "tool", "content": "r2"},
+    {"role": "assistant", "content": "a"}, {"role": "user", "content": "again"}, {"role": "assistant", "content": ""},
+]
+_PLAIN_KEYS = frozenset({"role", "content", "name"})
+
+
+def _plain(message: Message) -> bool:
+    return message.keys() <= _PLAIN_KEYS and all(isinstance(v, str) for v in message.values())
 
 
 class TemplateMismatch(ValueError):
@@ -56,11 +76,14 @@ class ChatCodec:
     Built once per tokenizer (see :func:`codec_for`); stateless after construction.
     """
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, *, prompt_cache_size: int = 256):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', tokenizer)!r} has no chat template")
         self.tokenizer = tokenizer
         self._backend = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer, when fast
+        self._fast = self._fast_renderer()
+        self._prompts: OrderedDict[str, tuple[list[int], str]] = OrderedDict()
+        self._prompt_cache_size = prompt_cache_size
         suffix = self._assistant_suffix()
         self.assistant_suffix = suffix  # the template's text after an assistant message, e.g. "<|im_end|>\n"
         suffix_ids = self.encode(suffix)
@@ -70,19 +93,66 @@ class ChatCodec:
         added = set(tokenizer.get_added_vocab().values()) | set(tokenizer.all_special_ids)
         first = suffix_ids[0] if suffix_ids else None
         self.end_of_turn_id: int | None = first if first in added else None
+        self.end_of_turn_text = self.decode([first]) if self.end_of_turn_id is not None else ""
 
     # ----------------------------------------------------------------- primitives
 
-    def render(self, messages: list[Message], tools: list[dict] | None, add_generation_prompt: bool) -> str:
+    def render(self, messages: list[Message], tools: list[dict] | None, add_generation_prompt: bool,
+               plain: bool | None = None) -> str:
+        """``apply_chat_template(messages, tools, tokenize=False)``, through the compiled template when
+        the messages are plain string dicts (what the loop writes), which skips transformers' copying.
+        ``plain=True`` vouches for that without checking every message."""
+        if plain is None:
+            plain = all(_plain(m) for m in messages)
+        if self._fast is not None and plain:
+            return self._fast(messages, tools or None, add_generation_prompt)
         return self.tokenizer.apply_chat_template(
             messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False
         )
 
-    def prompt_ids(self, messages: list[Message], tools: list[dict] | None) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        return list(ids)
+    def prompt(self, messages: list[Message], tools: list[dict] | None) -> tuple[list[int], str]:
+        """The prompt's ids and text; the same as ``apply_chat_template(..., add_generation_prompt=True,
+        tokenize=True)``. Cached: the ``n`` samples of a group share their prompt."""
+        key = json.dumps([messages, tools], sort_keys=True, default=str)
+        hit = self._prompts.get(key)
+        if hit is None:
+            text = self.render(messages, tools, add_generation_prompt=True)
+            hit = (self.encode(text), text)
+            self._prompts[key] = hit
+            if len(self._prompts) > self._prompt_cache_size:
+                self._prompts.popitem(last=False)
+        else:
+            self._prompts.move_to_end(key)
+        return list(hit[0]), hit[1]
+
+    def _fast_renderer(self) -> Callable[[list[Message], list[dict] | None, bool], str] | None:
+        """transformers' own compiled (sandboxed) template, called directly; used only when it renders
+        probe chats exactly as ``apply_chat_template`` does."""
+        template = self.tokenizer.chat_template
+        try:
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+
+            compiled = _compile_jinja_template(template) if isinstance(template, str) else None
+        except Exception:  # a transformers without it: the slow path is still exact
+            compiled = None
+        if compiled is None:
+            return None
+        kwargs = dict(self.tokenizer.special_tokens_map)
+
+        def fast(messages: list[Message], tools: list[dict] | None, add_generation_prompt: bool) -> str:
+            return compiled.render(messages=messages, tools=tools, documents=None,
+                                   add_generation_prompt=add_generation_prompt, **kwargs)
+
+        for tools in (None, _PROBE_TOOLS):
+            for gen in (False, True):
+                try:
+                    same = fast(_PROBE, tools, gen) == self.tokenizer.apply_chat_template(
+                        _PROBE, tools=tools, add_generation_prompt=gen, tokenize=False)
+                except Exception:
+                    same = False
+                if not same:
+                    return None
+        return fast
 
     def encode(self, text: str) -> list[int]:
         if self._backend is not None:
@@ -128,17 +198,21 @@ class TokenChat:
     tools: list[dict] | None
     messages: list[Message]
     tokens: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
+    # typed arrays: they become the trajectory's numpy arrays without a per-element conversion
+    loss_mask: array = field(default_factory=lambda: array("B"))
+    logprobs: array = field(default_factory=lambda: array("f"))
+    versions: array = field(default_factory=lambda: array("i"))
     text: str = ""  # == decode(tokens), kept to check each new rendering against
     turn_start: int = 0  # index of the current model turn's first token
+    plain: bool = False  # every message is a plain string dict (the loop only adds such messages)
+    _turn_cache: tuple = ((-1, -1), "", "")
 
     @classmethod
     def start(cls, codec: ChatCodec, messages: list[Message], tools: list[dict] | None) -> "TokenChat":
         chat = cls(codec=codec, tools=tools or None, messages=[dict(m) for m in messages])
-        ids = codec.prompt_ids(chat.messages, chat.tools)
-        chat._append_context(ids, codec.render(chat.messages, chat.tools, add_generation_prompt=True))
+        chat.plain = all(_plain(m) for m in chat.messages)
+        ids, text = codec.prompt(chat.messages, chat.tools)
+        chat._append_context(ids, text)
         return chat
 
     def __len__(self) -> int:
@@ -151,19 +225,31 @@ class TokenChat:
         if not (len(ids) == len(logprobs) == len(versions)):
             raise ValueError(f"{len(ids)} ids, {len(logprobs)} logprobs, {len(versions)} versions")
         self.tokens.extend(ids)
-        self.loss_mask.extend([1] * len(ids))
-        self.logprobs.extend(logprobs)
-        self.versions.extend(versions)
+        self.loss_mask.extend(array("B", [1]) * len(ids))
+        self.logprobs.extend(array("f", logprobs))
+        self.versions.extend(array("i", versions))
 
     def turn_ids(self) -> list[int]:
         return self.tokens[self.turn_start:]
 
     def turn_content(self) -> str:
         """The current model turn's text without the end-of-turn token it stopped on."""
-        ids = self.turn_ids()
-        if ids and self.codec.end_of_turn_id is not None and ids[-1] == self.codec.end_of_turn_id:
-            ids = ids[:-1]
-        return self.codec.decode(ids)
+        return self._turn_text()[0]
+
+    def _turn_text(self) -> tuple[str, str]:
+        """(content, all model text) of the current turn, decoded once per turn state. The end-of-turn
+        token is an added token, decoded on its own, so the full text is content + its text."""
+        key = (self.turn_start, len(self.tokens))
+        if self._turn_cache[0] != key:
+            ids = self.turn_ids()
+            eot = self.codec.end_of_turn_id
+            if ids and eot is not None and ids[-1] == eot:
+                content = self.codec.decode(ids[:-1])
+                self._turn_cache = (key, content, content + self.codec.end_of_turn_text)
+            else:
+                content = self.codec.decode(ids)
+                self._turn_cache = (key, content, content)
+        return self._turn_cache[1], self._turn_cache[2]
 
     # ----------------------------------------------------------------- non-model text
 
@@ -175,13 +261,14 @@ class TokenChat:
         When ``max_len`` is given and the new tokens would take the episode past it, only the
         assistant message is closed, the new messages are left out, and False is returned.
         """
-        model_text = self.codec.decode(self.turn_ids())
-        assistant = {"role": "assistant", "content": self.turn_content()}
+        content, model_text = self._turn_text()
+        assistant = {"role": "assistant", "content": content}
         if new_messages:
             rendered, delta_ids = self._delta(self.messages + [assistant] + new_messages, True, model_text)
             if max_len is None or len(self.tokens) + len(delta_ids) <= max_len:
                 self.messages.append(assistant)
                 self.messages.extend(dict(m) for m in new_messages)
+                self.plain = self.plain and all(_plain(m) for m in new_messages)
                 self._append_context(delta_ids, rendered)
                 return True
         rendered, delta_ids = self._delta(self.messages + [assistant], False, model_text)
@@ -191,10 +278,12 @@ class TokenChat:
 
     def _delta(self, messages: list[Message], add_generation_prompt: bool, model_text: str) -> tuple[str, list[int]]:
         """Render ``messages``; return the rendering and the token ids of the text past the episode's."""
-        rendered = self.codec.render(messages, self.tools, add_generation_prompt)
+        plain = self.plain and all(_plain(m) for m in messages[len(self.messages):])
+        rendered = self.codec.render(messages, self.tools, add_generation_prompt, plain=plain)
         expected = self.text + model_text
         if not rendered.startswith(expected):
-            at = next((i for i, (a, b) in enumerate(zip(rendered, expected)) if a != b), min(len(rendered), len(expected)))
+            at = next((i for i, (a, b) in enumerate(zip(rendered, expected)) if a != b),
+                      min(len(rendered), len(expected)))
             raise TemplateMismatch(
                 "the chat template is not prefix-stable: rendering the chat with its new messages changed text "
                 f"already in the episode at character {at} (had {expected[at:at + 40]!r}, "
@@ -206,8 +295,9 @@ class TokenChat:
     def _append_context(self, ids: list[int], text: str) -> None:
         """Append non-model tokens; ``text`` is the chat's rendering once they are in."""
         self.tokens.extend(ids)
-        self.loss_mask.extend([0] * len(ids))
-        self.logprobs.extend([0.0] * len(ids))
-        self.versions.extend([-1] * len(ids))
+        n = len(ids)
+        self.loss_mask.extend(array("B", [0]) * n)
+        self.logprobs.extend(array("f", [0.0]) * n)
+        self.versions.extend(array("i", [-1]) * n)
         self.text = text
         self.turn_start = len(self.tokens)

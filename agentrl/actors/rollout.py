@@ -21,14 +21,15 @@ An episode alternates model turns and observations until it finishes:
    the next user message).
 
 Finish reasons: ``answer`` (the env accepted a text turn), ``max_turns``, ``context_full``
-(no room for another turn or its observation; also a turn cut by the room left), ``
-truncated_tool_call`` (the per-turn token limit cut a ``<tool_call>`` open), ``aborted``.
+(no room for another turn or its observation; also a turn cut by the room left),
+``truncated_tool_call`` (the per-turn token limit cut a ``<tool_call>`` open), ``aborted``.
 
 Failures: a tool failure is an observation, a reward that raises scores the episode 0 with the
 error in ``metadata["reward_error"]``. Anything else (engine unreachable after the client's
-retries, an engine reply that breaks the protocol, an env whose ``setup``/``initial_messages``
-raises) raises :class:`EpisodeFailed`; :func:`run_group` then cancels the group's other
-episodes and reports the group as lost, never silently.
+retries, an engine reply that breaks the protocol, an env whose ``setup``, ``initial_messages``
+or ``on_text_turn`` raises, a template that is not prefix-stable) raises :class:`EpisodeFailed`;
+:func:`run_group` then cancels the group's other episodes and reports the group as lost, never
+silently.
 """
 
 from __future__ import annotations
@@ -81,8 +82,12 @@ class EpisodeLimits:
     max_empty_aborts: int = 20  # aborts in a row that return no token before the episode gives up
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "EpisodeLimits":
-        return cls(max_turns=cfg.env.max_turns, max_total_tokens=cfg.env.max_total_tokens,
+    def from_config(cls, cfg: Any, env: Env | None = None) -> "EpisodeLimits":
+        """``[env]`` limits, overridden by an env's own ``max_turns``/``max_total_tokens`` attributes
+        when it sets them, and never above ``engine.max_context_tokens``."""
+        turns = getattr(env, "max_turns", None) or cfg.env.max_turns
+        tokens = getattr(env, "max_total_tokens", None) or cfg.env.max_total_tokens
+        return cls(max_turns=turns, max_total_tokens=min(tokens, cfg.engine.max_context_tokens),
                    max_new_tokens_per_turn=cfg.actors.max_new_tokens_per_turn)
 
 
@@ -219,9 +224,12 @@ class _Episode:
             results[i] = await self.toolbox.execute(c, self.state)
 
         start = time.monotonic()
-        async with trio.open_nursery() as nursery:
-            for i, c in enumerate(parsed.calls):
-                nursery.start_soon(call, i, c)
+        if len(parsed.calls) == 1:
+            await call(0, parsed.calls[0])
+        elif parsed.calls:
+            async with trio.open_nursery() as nursery:
+                for i, c in enumerate(parsed.calls):
+                    nursery.start_soon(call, i, c)
         self.counters.tool_wall_s += time.monotonic() - start
         messages: list[Message] = []
         for r in results:
@@ -311,7 +319,7 @@ async def run_episode(client: EngineClientLike, tokenizer: Any, env: Env, toolbo
         "num_aborts": c.num_aborts, "num_generate_calls": c.num_generate_calls,
         "tool_latency_s": c.tool_latency_s, "tool_wall_s": c.tool_wall_s,
         "generation_latency_s": c.generation_latency_s, "episode_wall_s": time.monotonic() - start,
-        "num_model_tokens": sum(chat.loss_mask), "messages": chat.messages,
+        "num_model_tokens": chat.loss_mask.count(1), "messages": chat.messages,
     }
     if reward_error:
         metadata["reward_error"] = reward_error

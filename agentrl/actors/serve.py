@@ -40,6 +40,16 @@ def import_object(path: str) -> Any:
         raise ValueError(f"module {module_name!r} has no attribute {attr!r}") from None
 
 
+def build_env(cfg: Any) -> Any:
+    """The configured env: ``agentrl.envs.make_env(cfg)`` where the envs package provides it (it
+    passes the ``[sandbox]`` section to envs that take one), else ``load_env(env.cls, env.kwargs)``."""
+    import agentrl.envs
+    from agentrl.envs.base import load_env
+
+    make_env = getattr(agentrl.envs, "make_env", None)
+    return make_env(cfg) if make_env is not None else load_env(cfg.env.cls, cfg.env.kwargs)
+
+
 def serve_actors(cfg: Any, *, dump_path: Path | None = None, max_groups: int | None = None, index: int = 0,
                  num_actors: int | None = None, send: bool = True, wait_for_learner: bool = False,
                  split: str = "train", log_interval_s: float = 30.0,
@@ -56,7 +66,6 @@ def serve_actors(cfg: Any, *, dump_path: Path | None = None, max_groups: int | N
 
     from agentrl.actors.rollout import EpisodeLimits, sampling_from_config, toolbox_for
     from agentrl.actors.service import ActorService, ActorSettings
-    from agentrl.envs.base import load_env
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -70,7 +79,7 @@ def serve_actors(cfg: Any, *, dump_path: Path | None = None, max_groups: int | N
         log_interval_s=log_interval_s,
     )
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    env = load_env(cfg.env.cls, cfg.env.kwargs)
+    env = build_env(cfg)
     toolbox = toolbox_for(env, cfg)
     client_cls = import_object(engine_client)
     transport_mod = import_object(transport) if send else None
@@ -87,7 +96,7 @@ def serve_actors(cfg: Any, *, dump_path: Path | None = None, max_groups: int | N
         try:
             async with client:
                 service = ActorService(client=client, tokenizer=tokenizer, env=env, toolbox=toolbox,
-                                       sampling=sampling_from_config(cfg), limits=EpisodeLimits.from_config(cfg),
+                                       sampling=sampling_from_config(cfg), limits=EpisodeLimits.from_config(cfg, env),
                                        settings=settings, sender=sender, progress=progress, dump_path=dump_path)
                 log.info("actor %s: %d engine(s), %d groups of %d open at most, env %s, split %s",
                          settings.actor_id, len(engine_urls(cfg)), settings.max_open_groups, settings.group_size,
@@ -95,8 +104,8 @@ def serve_actors(cfg: Any, *, dump_path: Path | None = None, max_groups: int | N
                 return await service.run(handle_signals=True)
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(10):
-                for closable in (sender, progress):
-                    if closable is not None:
+                for closable in (sender, progress, env):  # env.aclose: process-wide resources (sandbox pools)
+                    if getattr(closable, "aclose", None) is not None:
                         await closable.aclose()
 
     report = trio.run(main)

@@ -174,10 +174,10 @@ class ActorService:
                         if self.stop_reason:
                             groups.cancel_scope.cancel()
                         await self._schedule(groups, send_in)
-                if self.stop_reason:
-                    with trio.move_on_after(self.settings.drain_timeout_s):
-                        await delivered_all.wait()
-                else:
+                # deliver what finished; once a stop is requested, for at most drain_timeout_s
+                while not delivered_all.is_set() and not self.stop_reason:
+                    await self._changed.wait()
+                with trio.move_on_after(self.settings.drain_timeout_s):
                     await delivered_all.wait()
                 root.cancel_scope.cancel()
         finally:
@@ -283,6 +283,7 @@ class ActorService:
                 self.stats.groups_delivered += 1
                 self._notify()
         done.set()
+        self._notify()
 
     async def _listen_progress(self) -> None:
         assert self.progress_source is not None
