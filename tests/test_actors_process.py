@@ -110,7 +110,7 @@ cls = "tests._actors_user_env:AddEnv"
 kwargs = {{ num_tasks = 50 }}
 max_total_tokens = 1024
 """)
-        cmd = [sys.executable, "-m", "agentrl", "serve-actors", str(config), "--wait-for-learner",
+        cmd = [sys.executable, "-m", "agentrl", "serve-actors", "--config", str(config), "--wait-for-learner",
                "--dump-trajectories", str(dump), "--log-interval-s", "1"]
         if not REAL_CLIENT:
             cmd += ["--engine-client", "tests._actors_helpers:HttpEngineClient"]
@@ -165,14 +165,14 @@ max_total_tokens = 1024
 def test_serve_actors_config_errors(tmp_path):
     config = tmp_path / "bad.toml"
     config.write_text('[actors]\ngroup_size = 2\nnum_episodes = 3\n')
-    res = subprocess.run([sys.executable, "-m", "agentrl", "serve-actors", str(config)], cwd=ROOT,
+    res = subprocess.run([sys.executable, "-m", "agentrl", "serve-actors", "--config", str(config)], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "unknown key 'actors.num_episodes'" in res.stderr
     config.write_text(f'[model]\npath = "{tmp_path}/nothing"\n')
-    res = subprocess.run([sys.executable, "-m", "agentrl", "serve-actors", str(config), "--no-send"], cwd=ROOT,
+    res = subprocess.run([sys.executable, "-m", "agentrl", "serve-actors", "--config", str(config), "--no-send"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "--no-send without --dump-trajectories" in res.stderr
-    res = subprocess.run([sys.executable, "-m", "agentrl", "serve-actors", str(config), "--no-send",
+    res = subprocess.run([sys.executable, "-m", "agentrl", "serve-actors", "--config", str(config), "--no-send",
                           "--dump-trajectories", str(tmp_path / "d.jsonl")], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "no tokenizer at model.path" in res.stderr

@@ -198,7 +198,7 @@ def test_prompt_longer_than_the_context_fails_clearly(tokenizer):
         async def main():
             async with HttpEngineClient([engine.url]) as client:
                 return await run_group(client, tokenizer, env, toolbox_for(env), TASK, {},
-                                       EpisodeLimits(max_total_tokens=300), 2)
+                                       EpisodeLimits(max_total_tokens=60), 2)
 
         with pytest.raises(GroupLost, match=r"the prompt has \d+ tokens and leaves no room"):
             trio.run(main)
