@@ -34,7 +34,7 @@ Design (measurements in docs/architecture.md and ``bench/transport.py``):
   receive queue and then the kernel's socket buffers fill, the actor's send queue fills
   and :meth:`GroupSender.send` waits. Nothing is dropped on the trajectory channel while
   both ends are open; closing drops what is in flight.
-* **Malformed messages** (undecodable, wrong version, wrong kind, multi-frame) are counted
+* **Malformed messages** (undecodable, wrong version, wrong kind) are counted
   in ``stats["malformed"]``, logged and dropped; they never reach the caller.
 * Endpoints are whatever the config says (``tcp://127.0.0.1:5557`` by default: loopback
   only). Binding ``tcp://host:*`` picks a free port; ``.endpoint`` then holds the address
@@ -317,25 +317,18 @@ class _SocketThread:
         self._thread.join()
 
 
-def _recv_batch(sock: zmq.Socket, limit: int) -> list[bytes | None]:
+def _recv_batch(sock: zmq.Socket, limit: int) -> list[bytes]:
     """Block for one message, then take up to ``limit`` in all without waiting.
 
-    A multi-frame message (not ours) is read whole and stands as None in the result.
+    One frame is one message (agentrl never sends multi-frame messages; a stranger's frames
+    are each dropped as malformed by the caller).
     """
-    out: list[bytes | None] = []
-    flags = 0
+    out = [sock.recv()]
     while len(out) < limit:
         try:
-            data = sock.recv(flags)
+            out.append(sock.recv(zmq.NOBLOCK))
         except zmq.Again:
             break
-        flags = zmq.NOBLOCK
-        if sock.getsockopt(zmq.RCVMORE):
-            while sock.getsockopt(zmq.RCVMORE):
-                sock.recv()
-            out.append(None)
-        else:
-            out.append(data)
     return out
 
 
@@ -373,10 +366,12 @@ class PullSocket:
     """A ZMQ PULL socket behind a synchronous, thread-safe ``get``: the byte layer under
     GroupReceiver.
 
-    The caller's thread receives: ZMQ's own I/O thread already buffers up to ``max_queued``
-    messages (the receive high-water mark) in the background, so a Python thread in between
-    would only add a hand-off per message. :meth:`close` may come from another thread: it
-    wakes a blocked :meth:`get` through an inproc socket, no timeouts or polling loops.
+    The caller's thread receives, in a blocking ``recv`` (with ``RCVTIMEO`` for a timeout):
+    ZMQ's own I/O thread already buffers up to ``max_queued`` messages (the receive
+    high-water mark) in the background, so a Python thread in between would only add a
+    hand-off per message. :meth:`close` may come from another thread while a ``get`` is
+    blocked: it terminates the socket's private context, which makes that ``recv`` fail
+    with ETERM; whoever holds the socket last closes it.
     """
 
     _name = "pull"
@@ -388,7 +383,9 @@ class PullSocket:
         self._received = 0
         self._bytes = 0
         self._closed = False
-        self._lock = threading.Lock()  # one get() at a time owns the sockets
+        self._sock_closed = False
+        self._timeout_ms = -1  # the socket's current RCVTIMEO
+        self._lock = threading.Lock()  # held by the get() that is using the socket
         self._close_lock = threading.Lock()
         self._ctx = zmq.Context(io_threads=1)
         try:
@@ -398,13 +395,6 @@ class PullSocket:
         except TransportError:
             self._ctx.term()
             raise
-        self._wake_rx = self._ctx.socket(zmq.PAIR)
-        self._wake_rx.bind("inproc://wake")
-        self._wake_tx = self._ctx.socket(zmq.PAIR)
-        self._wake_tx.connect("inproc://wake")
-        self._poller = zmq.Poller()
-        self._poller.register(self._sock, zmq.POLLIN)
-        self._poller.register(self._wake_rx, zmq.POLLIN)
 
     def _convert(self, frame: bytes) -> Any | None:
         """What get() returns for one message; None drops it (counted as malformed)."""
@@ -415,29 +405,47 @@ class PullSocket:
         or when another thread closes the socket meanwhile."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._lock:
-            while True:
-                if self._closed:
-                    raise TransportError(f"{type(self).__name__}({self.endpoint}) is closed")
-                try:
-                    frame = self._sock.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                    if remaining == 0.0:
-                        return None
-                    ready = dict(self._poller.poll(None if remaining is None else max(1, int(remaining * 1000))))
-                    if self._wake_rx in ready:
-                        return None  # closed meanwhile
-                    continue
-                if self._sock.getsockopt(zmq.RCVMORE):
-                    while self._sock.getsockopt(zmq.RCVMORE):
-                        self._sock.recv()
-                    self._bad.add("multi-frame message")
-                    continue
-                item = self._convert(frame)
-                if item is not None:
-                    self._received += 1
-                    self._bytes += len(frame)
-                    return item
+            try:
+                while True:
+                    if self._closed:
+                        raise TransportError(f"{type(self).__name__}({self.endpoint}) is closed")
+                    if deadline is None:
+                        self._set_timeout(-1)
+                    else:
+                        remaining_ms = int(1000 * (deadline - time.monotonic()))
+                        if remaining_ms <= 0:
+                            return None
+                        self._set_timeout(remaining_ms)
+                    try:
+                        # One frame is one message: agentrl never sends multi-frame messages,
+                        # and a stranger's frames are each dropped as malformed.
+                        frame = self._sock.recv()
+                    except zmq.Again:
+                        continue  # RCVTIMEO passed: the loop re-checks the deadline
+                    except zmq.ContextTerminated:
+                        return None  # closed by another thread
+                    item = self._convert(frame)
+                    if item is not None:
+                        self._received += 1
+                        self._bytes += len(frame)
+                        return item
+            finally:
+                if self._closed:  # close() came while we held the socket: we close it
+                    self._close_socket()
+
+    def _set_timeout(self, ms: int) -> None:
+        """Set RCVTIMEO, skipping the call (it costs as much as a recv) when the current
+        value is within 1 ms + 1 % of the wanted one; -1 waits forever."""
+        now = self._timeout_ms
+        if now == ms or (ms >= 0 and now >= 0 and abs(now - ms) <= 1 + ms // 100):
+            return
+        self._sock.setsockopt(zmq.RCVTIMEO, ms)
+        self._timeout_ms = ms
+
+    def _close_socket(self) -> None:  # with self._lock held
+        if not self._sock_closed:
+            self._sock_closed = True
+            self._sock.close(linger=0)
 
     @property
     def stats(self) -> dict[str, int]:
@@ -457,12 +465,13 @@ class PullSocket:
         with self._close_lock:
             if self._closed:
                 return
-            self._closed = True
-            self._wake_tx.send(b"")
-        with self._lock:  # wait for a blocked get() to leave
-            for sock in (self._sock, self._wake_rx, self._wake_tx):
-                sock.close(linger=0)
-        self._ctx.term()
+            self._closed = True  # from here on, a get() closes the socket before it lets go of it
+        if self._lock.acquire(blocking=False):
+            try:
+                self._close_socket()
+            finally:
+                self._lock.release()
+        self._ctx.term()  # wakes a blocked recv (ETERM); returns once the socket is closed
 
     def __enter__(self):
         return self
@@ -694,12 +703,8 @@ class ProgressSubscriber:
 
     def _loop(self, sock: zmq.Socket) -> None:
         while True:
-            msgs = []
-            for frame in _recv_batch(sock, self._box.maxlen):
-                if frame is None:
-                    self._bad.add("multi-frame message")
-                elif (msg := _decode_as(frame, Progress, self._bad)) is not None:
-                    msgs.append(msg)
+            frames = _recv_batch(sock, self._box.maxlen)
+            msgs = [m for m in (_decode_as(f, Progress, self._bad) for f in frames) if m is not None]
             if msgs:
                 self._received += len(msgs)
                 self.latest = msgs[-1]
@@ -746,34 +751,35 @@ class InMemoryGroupChannel:
 
     ``send`` (trio) and ``get`` (any thread) behave like GroupSender/GroupReceiver: bounded,
     ``send`` waits while full, ``get`` returns None on timeout. Every group is encoded and
-    decoded on the way, so tests see exactly what the learner would.
+    decoded on the way, so tests see exactly what the learner would (read-only arrays
+    included) and metadata that cannot be sent fails in ``send``.
     """
 
     def __init__(self, max_queued_groups: int = 16) -> None:
         self._box: _Mailbox[TrajectoryGroup] = _Mailbox(max_queued_groups)
+        self._sent = 0
         self._received = 0
-        self._delivered = 0
 
     async def send(self, group: TrajectoryGroup) -> None:
         wire = decode(encode(group))
         await self._box.aput(wire)  # type: ignore[arg-type]
-        self._received += 1
+        self._sent += 1
 
     def send_nowait(self, group: TrajectoryGroup) -> None:
         """For synchronous (learner) tests: queue a group or raise TransportError when full."""
         if not self._box.put_nowait(decode(encode(group))):  # type: ignore[arg-type]
             raise TransportError("InMemoryGroupChannel is full or closed")
-        self._received += 1
+        self._sent += 1
 
     def get(self, timeout_s: float | None = None) -> TrajectoryGroup | None:
         ok, group = self._box.get(timeout_s)
         if ok:
-            self._delivered += 1
+            self._received += 1
         return group
 
     @property
     def stats(self) -> dict[str, int]:
-        return {"received": self._received, "malformed": 0, "delivered": self._delivered, "queued": len(self._box)}
+        return {"sent": self._sent, "received": self._received, "malformed": 0, "queued": len(self._box)}
 
     def close(self) -> None:
         self._box.close()

@@ -6,10 +6,13 @@ messages to a receiver in this process, three ways, interleaved ``--repeats`` ti
 * ``raw``: pyzmq PUSH/PULL moving pre-encoded bytes, ``send``/``recv`` in plain loops,
   default options (the baseline);
 * ``agentrl``: the same pre-encoded bytes through agentrl's socket layer, ``PushSocket``
-  under trio (queue + socket thread) and ``PullSocket`` (socket thread + queue + ``get``):
-  what the transport itself costs. Target: >= 0.85 of raw;
-* ``+codec``: ``GroupSender``/``GroupReceiver`` with TrajectoryGroup objects, encoding and
-  decoding every message: what an actor and the learner see end to end.
+  under trio and ``PullSocket.get``, with the same high-water mark as raw (ZMQ's default,
+  1000): what the transport itself costs. Target: >= 0.85 of raw;
+* ``defaults``: the same with agentrl's default queue bounds (16 groups at the sender, 64
+  at the learner): bounded memory, but a sender faster than its receiver then waits on
+  the socket every ~8 messages (ZMQ's low-water mark is half the high one);
+* ``+codec``: ``GroupSender``/``GroupReceiver`` with TrajectoryGroup objects and default
+  bounds, encoding and decoding every message: what an actor and the learner see.
 
 Two tables: throughput (messages/s and MB/s at the receiver), and the CPU time that the
 sender and receiver processes (all their threads) spent per message. On a shared machine
@@ -43,7 +46,8 @@ from agentrl.protocol import Trajectory, TrajectoryGroup, decode, encode  # noqa
 
 SIZES = {"4KB": 4 << 10, "256KB": 256 << 10}
 WARMUP = 200
-MODES = ("raw", "agentrl", "+codec")
+MODES = ("raw", "agentrl", "defaults", "+codec")
+RAW_HWM = 1000  # ZMQ's default high-water mark, which the raw baseline runs with
 
 
 def make_group(target_bytes: int) -> TrajectoryGroup:
@@ -83,7 +87,7 @@ def raw_sender(endpoint: str, size: int, count: int, done, result) -> None:
     time.sleep(60)  # killed by the receiver
 
 
-def agentrl_sender(endpoint: str, size: int, count: int, done, result, with_codec: bool) -> None:
+def agentrl_sender(endpoint: str, size: int, count: int, done, result, mode: str) -> None:
     import trio
 
     from agentrl.transport import GroupSender, PushSocket
@@ -92,8 +96,10 @@ def agentrl_sender(endpoint: str, size: int, count: int, done, result, with_code
     data = encode(group)
 
     async def main() -> None:
-        sender = GroupSender(endpoint) if with_codec else PushSocket(endpoint)
-        item = group if with_codec else data
+        if mode == "+codec":
+            sender, item = GroupSender(endpoint), group
+        else:
+            sender, item = PushSocket(endpoint, max_queued=RAW_HWM if mode == "agentrl" else 16), data
         cpu0 = time.process_time()
         for _ in range(count):
             await sender.send(item)
@@ -125,8 +131,11 @@ def measure(mode: str, endpoint: str, size: int, count: int) -> tuple[float, flo
     else:
         from agentrl.transport import GroupReceiver, PullSocket
 
-        receiver = GroupReceiver(endpoint) if mode == "+codec" else PullSocket(endpoint)
-        args = (receiver.endpoint, size, total, done, result, mode == "+codec")
+        if mode == "+codec":
+            receiver = GroupReceiver(endpoint)
+        else:
+            receiver = PullSocket(endpoint, max_queued=RAW_HWM if mode == "agentrl" else 64)
+        args = (receiver.endpoint, size, total, done, result, mode)
         proc = ctx.Process(target=agentrl_sender, args=args, daemon=True)
         recv = lambda: receiver.get(60)  # noqa: E731
         close = receiver.close
@@ -176,8 +185,8 @@ def main() -> None:
             rows.append((scheme, label, nbytes, codec_us, rate, cpu))
             print(f"  measured {scheme} {label}", flush=True)
 
-    print("\nThroughput: best of --repeats runs, messages/s (MB/s); ratio to raw of the best [of the medians] runs")
-    print(f"{'endpoint':8} {'size':>6} {'raw':>15} {'agentrl':>15} {'ratio':>12} {'+codec':>15} {'ratio':>12}")
+    print("\nThroughput: best of --repeats runs, messages/s (MB/s); ratios to raw of the best [of the median] runs")
+    print(f"{'endpoint':8} {'size':>6} {'raw':>15} {'agentrl':>15} {'ratio':>12} {'defaults':>12} {'+codec':>12}")
     best_ratios = []
     for scheme, label, nbytes, _, rate, _ in rows:
         best = {m: max(v) for m, v in rate.items()}
@@ -187,16 +196,20 @@ def main() -> None:
         ratio = {m: f"{best[m] / best['raw']:.2f} [{med[m] / med['raw']:.2f}]" for m in MODES}
         print(
             f"{scheme:8} {label:>6} {cell['raw']:>15} {cell['agentrl']:>15} {ratio['agentrl']:>12} "
-            f"{cell['+codec']:>15} {ratio['+codec']:>12}"
+            f"{ratio['defaults']:>12} {ratio['+codec']:>12}"
         )
     print("\nCPU per message, sender + receiver processes, median of runs (us); ratio raw/agentrl")
-    print(f"{'endpoint':8} {'size':>6} {'raw':>8} {'agentrl':>8} {'ratio':>6} {'+codec':>8} {'ratio':>6} {'codec only':>10}")
+    print(
+        f"{'endpoint':8} {'size':>6} {'raw':>8} {'agentrl':>8} {'ratio':>6} {'defaults':>8} {'ratio':>6} "
+        f"{'+codec':>8} {'ratio':>6} {'codec only':>10}"
+    )
     cpu_ratios = []
     for scheme, label, _, codec_us, _, cpu in rows:
         med = {m: statistics.median(v) for m, v in cpu.items()}
         cpu_ratios.append(med["raw"] / med["agentrl"])
         print(
             f"{scheme:8} {label:>6} {med['raw']:8.1f} {med['agentrl']:8.1f} {med['raw'] / med['agentrl']:6.2f} "
+            f"{med['defaults']:8.1f} {med['raw'] / med['defaults']:6.2f} "
             f"{med['+codec']:8.1f} {med['raw'] / med['+codec']:6.2f} {codec_us:10.1f}"
         )
     print(f"\nload average {os.getloadavg()[0]:.1f} at the end")
