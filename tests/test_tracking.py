@@ -155,7 +155,7 @@ def _group_alive(pgid: int) -> bool:
         return False
 
 
-def _stop_group(proc: subprocess.Popen, timeout_s: float = 3.0) -> None:
+def _stop_group(proc: subprocess.Popen, timeout_s: float = 1.0) -> None:
     """SIGTERM the server's process group, wait for every member, SIGKILL what is left."""
     if _group_alive(proc.pid):
         os.killpg(proc.pid, signal.SIGTERM)
