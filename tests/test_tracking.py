@@ -182,7 +182,7 @@ def mlflow_server(tmp_path_factory):
              "--artifacts-destination", str(tmp / "artifacts"),
              "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
             stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp,
-            # MLflow 3's job runner adds eight huey worker processes that these tests do not use
+            # MLflow 3's job runner adds eight processes (huey workers) that these tests do not use
             env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
         )  # fmt: skip
     try:
