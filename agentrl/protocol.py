@@ -220,7 +220,7 @@ def decode(data: bytes) -> TrajectoryGroup | Progress:
     except Exception as e:  # msgpack raises several unrelated types for bad input
         raise ProtocolError(f"not a msgpack message: {type(e).__name__}: {e}") from None
     if not isinstance(d, dict):
-        raise ProtocolError(f"message is a {type(d).__name__}, not a map")
+        raise ProtocolError(f"message is a msgpack {type(d).__name__}, not a map")
     version = d.get("v")
     if type(version) is not int or version != PROTOCOL_VERSION:  # True == 1 and 1.0 == 1 in Python
         raise ProtocolError(f"protocol version {version!r}, this build speaks {PROTOCOL_VERSION}")

@@ -7,44 +7,44 @@ Two channels (the learner binds, actors connect):
 * progress, learner -> actors, ZMQ PUB/SUB: :class:`ProgressPublisher` (synchronous) and
   :class:`ProgressSubscriber` (trio).
 
-Design (measured numbers are in docs/architecture.md and ``bench/transport.py``):
+Design (measurements in docs/architecture.md and ``bench/transport.py``):
 
-* **One thread owns each socket.** ZMQ sockets are not thread-safe and pyzmq has no trio
-  support. Each endpoint object starts a daemon thread that creates, uses and closes its
-  socket; callers talk to that thread through a :class:`_Mailbox`, a bounded FIFO that both
-  plain threads (a ``threading.Condition``) and trio tasks (a ``trio.Event`` set through
-  ``TrioToken.run_sync_soon``) can wait on. The socket thread moves whole batches: it
-  takes everything queued at once, and after one blocking ``recv`` it drains whatever else
-  is ready with ``NOBLOCK``. Waiting on the socket's file descriptor from trio instead
-  reached about half of raw pyzmq's throughput here, one ``to_thread`` call per message a
-  few per cent; a batching socket thread about 0.9.
-* **Nothing busy-waits.** Threads block in ``recv``/``send`` or on the condition. Closing
-  terminates the object's private ``zmq.Context``: libzmq then fails every blocking call
-  in the socket thread with ETERM, the thread closes its socket (linger 0) and
-  ``Context.term`` returns. No timeouts, no polling loops; only the publisher wakes on a
-  timer, to repeat its last message (below).
-* **Back-pressure.** Every queue is bounded: the mailboxes by ``max_queued_groups`` and the
-  sockets' high-water marks by the same number. When the learner stops calling
-  :meth:`GroupReceiver.get`, its socket thread stops reading, ZMQ's queues and the kernel's
-  socket buffers fill, the sender thread blocks in ``send`` and :meth:`GroupSender.send`
-  waits in trio. Nothing is dropped on the trajectory channel while both ends are open.
-* **Closing drops what is in flight.** Sockets close with linger 0, so a sender that is
-  closed does not hang on an absent learner; groups still queued are lost. Progress is
-  state, not a log: the subscriber keeps only the newest ``max_buffered`` messages.
-* **Late subscribers.** PUB/SUB drops messages for subscribers that are not connected yet
-  (ZMQ's slow-joiner problem). The publisher repeats its latest message every
-  ``heartbeat_s`` seconds, so an actor that starts after the learner's last publish still
-  learns the policy version and the budget within one heartbeat.
-* **Malformed messages** (undecodable, wrong version, wrong kind) are counted in
-  ``stats["malformed"]``, logged and dropped by the receiving thread; they never reach the
-  caller.
-* Endpoints are whatever the config says (``tcp://127.0.0.1:5557`` by default, loopback
-  only). A bound ``tcp://host:*`` or ``:0`` picks a free port; ``.endpoint`` then holds the
-  address actually bound, for the connecting side.
+* **Trajectories go straight through the caller's thread.** ZMQ already has a background
+  I/O thread per context that queues messages up to the high-water mark, so the sender
+  hands bytes to ZMQ with ``NOBLOCK`` from the trio thread and the learner receives in
+  its own thread. A Python socket thread in between (the first design) cost a thread
+  hand-off and a GIL hand-off per message: 2-4x the CPU of raw pyzmq per 4 KB message
+  here. The sender waits only when ZMQ's queue is full, on the socket's file descriptor
+  in trio (the descriptor is edge-triggered: ``ZMQ_EVENTS`` is re-checked before every
+  wait).
+* **Progress goes through a thread per socket.** The publisher repeats its latest message
+  every ``heartbeat_s`` (ZMQ's slow-joiner problem: PUB drops messages for subscribers
+  that have not connected yet, so an actor that starts after the learner's last publish
+  would wait forever), and the subscriber keeps :attr:`ProgressSubscriber.latest` current
+  even when no task is reading. A daemon thread owns each socket; callers talk to it
+  through :class:`_Mailbox`, a bounded FIFO that plain threads (``threading.Condition``)
+  and trio tasks (a ``trio.Event`` set through ``TrioToken.run_sync_soon``) can wait on,
+  moved in batches.
+* **Nothing busy-waits.** Blocking happens in ZMQ calls, in ``zmq_poll``, in trio's
+  ``wait_readable`` or on a condition. Closing wakes blocked callers (an inproc socket
+  for a blocked ``GroupReceiver.get``, ``notify_closing`` for a waiting send, context
+  termination for socket threads). Every socket closes with linger 0.
+* **Back-pressure.** Every queue is bounded: ZMQ's high-water marks by
+  ``max_queued_groups`` on both sides. When the learner stops calling ``get``, its
+  receive queue and then the kernel's socket buffers fill, the actor's send queue fills
+  and :meth:`GroupSender.send` waits. Nothing is dropped on the trajectory channel while
+  both ends are open; closing drops what is in flight.
+* **Malformed messages** (undecodable, wrong version, wrong kind) are counted
+  in ``stats["malformed"]``, logged and dropped; they never reach the caller.
+* Endpoints are whatever the config says (``tcp://127.0.0.1:5557`` by default: loopback
+  only). Binding ``tcp://host:*`` picks a free port; ``.endpoint`` then holds the address
+  actually bound, for the connecting side. ``ipc://path`` works the same.
 
-``InMemoryGroupChannel`` and ``InMemoryProgressChannel`` have the same methods without
-sockets, for unit tests of the actor and learner logic; the group channel still encodes
-and decodes every message, so unencodable metadata fails there as it would on the wire.
+``PushSocket``/``PullSocket`` are the byte layer under the group classes (the benchmark
+drives them with pre-encoded bytes). ``InMemoryGroupChannel`` and
+``InMemoryProgressChannel`` have the same methods without sockets, for unit tests of the
+actor and learner logic; the group channel still encodes and decodes every message, so
+metadata that cannot be sent fails there as it would on the wire.
 """
 
 from __future__ import annotations
@@ -228,6 +228,27 @@ class _Mailbox(Generic[T]):
 # ---------------------------------------------------------------------------- socket thread
 
 
+def _open_socket(
+    ctx: zmq.Context, name: str, socket_type: int, endpoint: str, bind: bool, options: dict[int, Any]
+) -> tuple[zmq.Socket, str]:
+    """A socket with linger 0 and ``options``, bound or connected; returns it and the address
+    actually bound (a ``*`` or ``0`` port resolved). Failures name the endpoint."""
+    sock = ctx.socket(socket_type)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        for opt, value in options.items():
+            sock.setsockopt(opt, value)
+        if bind:
+            sock.bind(endpoint)
+            return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        sock.connect(endpoint)
+        return sock, endpoint
+    except (zmq.ZMQError, TypeError, ValueError) as e:
+        sock.close(linger=0)
+        verb = "bind" if bind else "connect"
+        raise TransportError(f"cannot {verb} {name} socket to {endpoint!r}: {e}") from e
+
+
 class _SocketThread:
     """Runs ``loop(socket)`` in a daemon thread that owns one ZMQ socket in a private context.
 
@@ -248,6 +269,7 @@ class _SocketThread:
     ) -> None:
         self.requested_endpoint = endpoint
         self.endpoint = endpoint
+        self._name = name
         self.error: BaseException | None = None
         self._bind = bind
         self._socket_type = socket_type
@@ -263,25 +285,15 @@ class _SocketThread:
         if self.error is not None:
             err = self.error
             self.stop()
-            verb = "bind" if bind else "connect"
-            raise TransportError(f"cannot {verb} {name} socket to {endpoint!r}: {err}") from err
+            raise err
 
     def _main(self) -> None:
-        sock: zmq.Socket | None = None
         try:
-            sock = self._ctx.socket(self._socket_type)
-            sock.setsockopt(zmq.LINGER, 0)
-            for opt, value in self._options.items():
-                sock.setsockopt(opt, value)
-            if self._bind:
-                sock.bind(self.requested_endpoint)
-                self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-            else:
-                sock.connect(self.requested_endpoint)
-        except Exception as e:  # zmq errors and bad endpoint strings
-            self.error = e
-            if sock is not None:
-                sock.close(linger=0)
+            sock, self.endpoint = _open_socket(
+                self._ctx, self._name, self._socket_type, self.requested_endpoint, self._bind, self._options
+            )
+        except Exception as e:  # never leave the constructor waiting
+            self.error = e if isinstance(e, TransportError) else TransportError(f"{self._name}: {e}")
             self._ready.set()
             return
         self._ready.set()
@@ -305,25 +317,18 @@ class _SocketThread:
         self._thread.join()
 
 
-def _recv_batch(sock: zmq.Socket, limit: int) -> list[bytes | None]:
+def _recv_batch(sock: zmq.Socket, limit: int) -> list[bytes]:
     """Block for one message, then take up to ``limit`` in all without waiting.
 
-    A multi-frame message (not ours) is read whole and stands as None in the result.
+    One frame is one message (agentrl never sends multi-frame messages; a stranger's frames
+    are each dropped as malformed by the caller).
     """
-    out: list[bytes | None] = []
-    flags = 0
+    out = [sock.recv()]
     while len(out) < limit:
         try:
-            data = sock.recv(flags)
+            out.append(sock.recv(zmq.NOBLOCK))
         except zmq.Again:
             break
-        flags = zmq.NOBLOCK
-        if sock.getsockopt(zmq.RCVMORE):
-            while sock.getsockopt(zmq.RCVMORE):
-                sock.recv()
-            out.append(None)
-        else:
-            out.append(data)
     return out
 
 
@@ -358,71 +363,95 @@ def _decode_as(data: bytes, kind: type[T], bad: _MalformedLog) -> T | None:
 
 
 class PullSocket:
-    """A ZMQ PULL socket with a synchronous, bounded ``get``: the byte layer under GroupReceiver.
+    """A ZMQ PULL socket behind a synchronous, thread-safe ``get``: the byte layer under
+    GroupReceiver.
 
-    A background thread receives batches and queues up to ``max_queued`` messages (after
-    :meth:`_convert`); while the queue is full it stops reading, which pushes back on the
-    senders.
+    The caller's thread receives, in a blocking ``recv`` (with ``RCVTIMEO`` for a timeout):
+    ZMQ's own I/O thread already buffers up to ``max_queued`` messages (the receive
+    high-water mark) in the background, so a Python thread in between would only add a
+    hand-off per message. :meth:`close` may come from another thread while a ``get`` is
+    blocked: it terminates the socket's private context, which makes that ``recv`` fail
+    with ETERM; whoever holds the socket last closes it.
     """
 
     _name = "pull"
 
     def __init__(self, endpoint: str, *, bind: bool = True, max_queued: int = 64) -> None:
-        self._box: _Mailbox[Any] = _Mailbox(max_queued)
+        if max_queued < 1:
+            raise ValueError(f"max_queued must be >= 1, got {max_queued}")
         self._bad = _MalformedLog(self._name)
         self._received = 0
         self._bytes = 0
-        self._delivered = 0
         self._closed = False
-        self._thread = _SocketThread(
-            self._name,
-            zmq.PULL,
-            endpoint,
-            bind,
-            {zmq.RCVHWM: max_queued},
-            self._loop,
-            on_exit=lambda: self._box.close(discard=False),
-        )
-        self.endpoint = self._thread.endpoint
+        self._sock_closed = False
+        self._timeout_ms = -1  # the socket's current RCVTIMEO
+        self._lock = threading.Lock()  # held by the get() that is using the socket
+        self._close_lock = threading.Lock()
+        self._ctx = zmq.Context(io_threads=1)
+        try:
+            self._sock, self.endpoint = _open_socket(
+                self._ctx, self._name, zmq.PULL, endpoint, bind, {zmq.RCVHWM: max_queued}
+            )
+        except TransportError:
+            self._ctx.term()
+            raise
 
     def _convert(self, frame: bytes) -> Any | None:
-        """What the queue holds for one message; None drops it (counted as malformed)."""
+        """What get() returns for one message; None drops it (counted as malformed)."""
         return frame
 
-    def _loop(self, sock: zmq.Socket) -> None:
-        while True:
-            space = self._box.wait_space()
-            if space == 0:
-                return
-            items = []
-            for frame in _recv_batch(sock, space):
-                if frame is None:
-                    self._bad.add("multi-frame message")
-                elif (item := self._convert(frame)) is not None:
-                    items.append(item)
-                    self._bytes += len(frame)
-            self._received += len(items)
-            self._box.put_many(items)
-
     def get(self, timeout_s: float | None = None) -> Any | None:
-        """The next message, waiting up to ``timeout_s`` (None: forever); None on timeout."""
-        if self._closed:
-            raise TransportError(f"{type(self).__name__}({self.endpoint}) is closed")
-        ok, item = self._box.get(timeout_s)
-        if ok:
-            self._delivered += 1
-            return item
-        if self._thread.error is not None:
-            raise TransportError(f"{type(self).__name__}({self.endpoint}) thread failed: {self._thread.error}")
-        return None
+        """The next message, waiting up to ``timeout_s`` (None: forever); None on timeout
+        or when another thread closes the socket meanwhile."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._lock:
+            try:
+                while True:
+                    if self._closed:
+                        raise TransportError(f"{type(self).__name__}({self.endpoint}) is closed")
+                    if deadline is None:
+                        self._set_timeout(-1)
+                    else:
+                        remaining_ms = int(1000 * (deadline - time.monotonic()))
+                        if remaining_ms <= 0:
+                            return None
+                        self._set_timeout(remaining_ms)
+                    try:
+                        # One frame is one message: agentrl never sends multi-frame messages,
+                        # and a stranger's frames are each dropped as malformed.
+                        frame = self._sock.recv()
+                    except zmq.Again:
+                        continue  # RCVTIMEO passed: the loop re-checks the deadline
+                    except zmq.ContextTerminated:
+                        return None  # closed by another thread
+                    item = self._convert(frame)
+                    if item is not None:
+                        self._received += 1
+                        self._bytes += len(frame)
+                        return item
+            finally:
+                if self._closed:  # close() came while we held the socket: we close it
+                    self._close_socket()
+
+    def _set_timeout(self, ms: int) -> None:
+        """Set RCVTIMEO, skipping the call (it costs as much as a recv) when the current
+        value is within 1 ms + 1 % of the wanted one; -1 waits forever."""
+        now = self._timeout_ms
+        if now == ms or (ms >= 0 and now >= 0 and abs(now - ms) <= 1 + ms // 100):
+            return
+        self._sock.setsockopt(zmq.RCVTIMEO, ms)
+        self._timeout_ms = ms
+
+    def _close_socket(self) -> None:  # with self._lock held
+        if not self._sock_closed:
+            self._sock_closed = True
+            self._sock.close(linger=0)
 
     @property
     def stats(self) -> dict[str, int]:
         return {
-            "received": self._received,  # well-formed messages taken off the socket
+            "received": self._received,  # well-formed messages returned by get()
             "malformed": self._bad.count,  # counted and dropped
-            "delivered": self._delivered,  # returned by get()
-            "queued": len(self._box),
             "bytes": self._bytes,
         }
 
@@ -432,11 +461,17 @@ class PullSocket:
         return self._bad.last
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._box.close()
-        self._thread.stop()
+        """Close (linger 0); a get() blocked in another thread returns None. Idempotent."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True  # from here on, a get() closes the socket before it lets go of it
+        if self._lock.acquire(blocking=False):
+            try:
+                self._close_socket()
+            finally:
+                self._lock.release()
+        self._ctx.term()  # wakes a blocked recv (ETERM); returns once the socket is closed
 
     def __enter__(self):
         return self
@@ -448,9 +483,10 @@ class PullSocket:
 class GroupReceiver(PullSocket):
     """Learner side of the trajectory channel: ZMQ PULL, synchronous API.
 
-    The socket thread decodes while the learner trains; :meth:`get` returns a
-    :class:`TrajectoryGroup`. Malformed messages never reach the caller: they are counted in
-    ``stats["malformed"]`` and logged (``last_malformed`` says why the last one was dropped).
+    :meth:`get` returns a :class:`TrajectoryGroup`. Malformed messages never reach the
+    caller: they are counted in ``stats["malformed"]`` and logged (``last_malformed`` says
+    why the last one was dropped). Up to ``max_queued_groups`` wait in ZMQ's queue; past
+    that the kernel's socket buffers fill and then the actors' ``send`` waits.
     """
 
     _name = "group-receiver"
@@ -468,69 +504,92 @@ class GroupReceiver(PullSocket):
 class PushSocket:
     """A ZMQ PUSH socket usable from trio: the byte layer under GroupSender.
 
-    :meth:`send` queues the bytes for the socket thread and waits while ``max_queued`` are
-    queued. It is always a cancellation point, but yields to other tasks only when it waits
-    or when it has not yielded for ``_YIELD_EVERY_S``: a trio checkpoint costs about as much
-    as a ZMQ send itself, and actors send one group per finished task, not in tight loops.
-    Delivery is not confirmed: after :meth:`aclose`, messages still queued are dropped.
+    :meth:`send` hands the bytes to ZMQ without blocking (``NOBLOCK``); ZMQ's I/O thread
+    writes them out. Only when ``max_queued`` messages are waiting in ZMQ (the send
+    high-water mark: the learner is not keeping up) does it wait, in trio, for the socket's
+    file descriptor, re-checking ``ZMQ_EVENTS`` before every wait (the descriptor is
+    edge-triggered). Tasks that have to wait go in FIFO order, and a new send does not
+    overtake them. ``send`` is always a cancellation point but yields to other tasks only
+    when it waits or when it has not yielded for ``_YIELD_EVERY_S``: a trio checkpoint costs
+    about as much as the send itself, and actors send one group per finished task.
+
+    Use it from one trio thread. Delivery is not confirmed: closing (linger 0) drops what
+    ZMQ still holds.
     """
 
     _name = "push"
     _YIELD_EVERY_S = 0.001
 
     def __init__(self, endpoint: str, *, bind: bool = False, max_queued: int = 16) -> None:
-        self._box: _Mailbox[bytes] = _Mailbox(max_queued)
+        if max_queued < 1:
+            raise ValueError(f"max_queued must be >= 1, got {max_queued}")
         self._sent = 0
+        self._waits = 0
         self._closed = False
         self._last_yield = 0.0
-        self._thread = _SocketThread(
-            self._name, zmq.PUSH, endpoint, bind, {zmq.SNDHWM: max_queued}, self._loop, on_exit=self._box.close
-        )
-        self.endpoint = self._thread.endpoint
+        self._wait_lock = trio.Lock()
+        self._ctx = zmq.Context(io_threads=1)
+        try:
+            self._sock, self.endpoint = _open_socket(
+                self._ctx, self._name, zmq.PUSH, endpoint, bind, {zmq.SNDHWM: max_queued}
+            )
+        except TransportError:
+            self._ctx.term()
+            raise
+        self._fd = self._sock.getsockopt(zmq.FD)
 
-    def _loop(self, sock: zmq.Socket) -> None:
-        while True:
-            batch = self._box.take_all()
-            if not batch:
-                return  # closed
-            for data in batch:
-                sock.send(data)  # blocks at the high-water mark: back-pressure
-                self._sent += 1
+    def _try_send(self, data: bytes) -> bool:
+        try:
+            self._sock.send(data, zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        self._sent += 1
+        return True
 
     async def send(self, data: bytes) -> None:
-        """Queue one message; waits while the queue is full."""
+        """Hand one message to ZMQ; waits while ``max_queued`` are waiting there."""
         await trio.lowlevel.checkpoint_if_cancelled()
-        if self._box.put_nowait(data):
+        self._check_open()
+        if not self._wait_lock.locked() and self._try_send(data):
             now = time.monotonic()
             if now - self._last_yield > self._YIELD_EVERY_S:
                 self._last_yield = now
                 await trio.lowlevel.cancel_shielded_checkpoint()
             return
-        try:
-            await self._box.aput(data)  # full (or closed): wait in trio
-        except trio.ClosedResourceError:
-            if self._thread.error is not None:
-                raise TransportError(f"{type(self).__name__}({self.endpoint}) thread failed: {self._thread.error}") from None
-            raise
+        self._waits += 1
+        async with self._wait_lock:
+            while True:
+                self._check_open()  # another task may have closed the socket while we waited
+                if self._try_send(data):
+                    break
+                if not self._sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+                    await trio.lowlevel.wait_readable(self._fd)  # ClosedResourceError on close
         self._last_yield = time.monotonic()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise trio.ClosedResourceError(f"{type(self).__name__}({self.endpoint}) is closed")
 
     @property
     def stats(self) -> dict[str, int]:
-        return {"sent": self._sent, "queued": len(self._box)}
+        return {"sent": self._sent, "waits": self._waits}  # waits: sends that met back-pressure
 
     def close(self) -> None:
-        """Synchronous close (outside trio); drops queued messages."""
+        """Close (linger 0): what ZMQ still holds is dropped; waiting sends raise
+        trio.ClosedResourceError. Call it from the trio thread that sends. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        self._box.close()
-        self._thread.stop()
+        try:
+            trio.lowlevel.notify_closing(self._fd)
+        except RuntimeError:  # outside trio: nobody can be waiting
+            pass
+        self._sock.close(linger=0)
+        self._ctx.term()
 
     async def aclose(self) -> None:
-        if self._closed:
-            return
-        with trio.CancelScope(shield=True):  # never leave a socket thread behind
-            await trio.to_thread.run_sync(self.close)
+        self.close()
+        await trio.lowlevel.checkpoint()
 
     async def __aenter__(self):
         return self
@@ -542,8 +601,8 @@ class PushSocket:
 class GroupSender(PushSocket):
     """Actor side of the trajectory channel: ZMQ PUSH, usable from trio.
 
-    :meth:`send` encodes in the calling task, so a message that cannot be encoded raises
-    :class:`ProtocolError` there, then queues it like :meth:`PushSocket.send`.
+    :meth:`send` encodes in the calling task, so a group that cannot be encoded raises
+    :class:`ProtocolError` there, then hands it to ZMQ like :meth:`PushSocket.send`.
     """
 
     _name = "group-sender"
@@ -552,7 +611,7 @@ class GroupSender(PushSocket):
         super().__init__(endpoint, bind=bind, max_queued=max_queued_groups)
 
     async def send(self, group: TrajectoryGroup) -> None:  # type: ignore[override]
-        """Queue one group for the learner; waits while the queue is full."""
+        """Send one group to the learner; waits while ``max_queued_groups`` are waiting."""
         await super().send(encode(group))
 
 
@@ -644,12 +703,8 @@ class ProgressSubscriber:
 
     def _loop(self, sock: zmq.Socket) -> None:
         while True:
-            msgs = []
-            for frame in _recv_batch(sock, self._box.maxlen):
-                if frame is None:
-                    self._bad.add("multi-frame message")
-                elif (msg := _decode_as(frame, Progress, self._bad)) is not None:
-                    msgs.append(msg)
+            frames = _recv_batch(sock, self._box.maxlen)
+            msgs = [m for m in (_decode_as(f, Progress, self._bad) for f in frames) if m is not None]
             if msgs:
                 self._received += len(msgs)
                 self.latest = msgs[-1]
@@ -696,34 +751,35 @@ class InMemoryGroupChannel:
 
     ``send`` (trio) and ``get`` (any thread) behave like GroupSender/GroupReceiver: bounded,
     ``send`` waits while full, ``get`` returns None on timeout. Every group is encoded and
-    decoded on the way, so tests see exactly what the learner would.
+    decoded on the way, so tests see exactly what the learner would (read-only arrays
+    included) and metadata that cannot be sent fails in ``send``.
     """
 
     def __init__(self, max_queued_groups: int = 16) -> None:
         self._box: _Mailbox[TrajectoryGroup] = _Mailbox(max_queued_groups)
+        self._sent = 0
         self._received = 0
-        self._delivered = 0
 
     async def send(self, group: TrajectoryGroup) -> None:
         wire = decode(encode(group))
         await self._box.aput(wire)  # type: ignore[arg-type]
-        self._received += 1
+        self._sent += 1
 
     def send_nowait(self, group: TrajectoryGroup) -> None:
         """For synchronous (learner) tests: queue a group or raise TransportError when full."""
         if not self._box.put_nowait(decode(encode(group))):  # type: ignore[arg-type]
             raise TransportError("InMemoryGroupChannel is full or closed")
-        self._received += 1
+        self._sent += 1
 
     def get(self, timeout_s: float | None = None) -> TrajectoryGroup | None:
         ok, group = self._box.get(timeout_s)
         if ok:
-            self._delivered += 1
+            self._received += 1
         return group
 
     @property
     def stats(self) -> dict[str, int]:
-        return {"received": self._received, "malformed": 0, "delivered": self._delivered, "queued": len(self._box)}
+        return {"sent": self._sent, "received": self._received, "malformed": 0, "queued": len(self._box)}
 
     def close(self) -> None:
         self._box.close()

@@ -6,23 +6,31 @@ messages to a receiver in this process, three ways, interleaved ``--repeats`` ti
 * ``raw``: pyzmq PUSH/PULL moving pre-encoded bytes, ``send``/``recv`` in plain loops,
   default options (the baseline);
 * ``agentrl``: the same pre-encoded bytes through agentrl's socket layer, ``PushSocket``
-  under trio (queue + socket thread) and ``PullSocket`` (socket thread + queue + ``get``):
-  what the transport itself costs. Target: >= 0.85 of raw;
-* ``+codec``: ``GroupSender``/``GroupReceiver`` with TrajectoryGroup objects, encoding and
-  decoding every message: what an actor and the learner see end to end.
+  under trio and ``PullSocket.get``, with the same high-water mark as raw (ZMQ's default,
+  1000): what the transport itself costs. Target: >= 0.85 of raw;
+* ``defaults``: the same with agentrl's default queue bounds (16 groups at the sender, 64
+  at the learner): bounded memory, but a sender faster than its receiver then waits on
+  the socket every ~8 messages (ZMQ's low-water mark is half the high one);
+* ``+codec``: ``GroupSender``/``GroupReceiver`` with TrajectoryGroup objects and default
+  bounds, encoding and decoding every message: what an actor and the learner see.
 
-This machine is usually shared, so each mode runs ``--repeats`` times, interleaved; the
-table shows the best run of each (the capacity when the box was quietest) and, for the
-ratios, also the ratio of medians. Each message is a group of one trajectory
-(13 bytes per token). The sender runs in a spawned process, as actors do.
+Two tables: throughput (messages/s and MB/s at the receiver), and the CPU time that the
+sender and receiver processes (all their threads) spent per message. On a shared machine
+throughput swings with other people's load, so each mode runs ``--repeats`` times,
+interleaved, and the table shows the best run of each plus the ratio of medians; CPU per
+message hardly depends on the load and is the steadier measure of what the transport
+costs. Each message is a group of one trajectory (13 bytes per token). The sender runs in a
+spawned process, as actors do.
 
-    python bench/transport.py [--seconds 1.0] [--repeats 3]
+    python bench/transport.py [--seconds 1.0] [--repeats 5]
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -38,7 +46,8 @@ from agentrl.protocol import Trajectory, TrajectoryGroup, decode, encode  # noqa
 
 SIZES = {"4KB": 4 << 10, "256KB": 256 << 10}
 WARMUP = 200
-MODES = ("raw", "agentrl", "+codec")
+MODES = ("raw", "agentrl", "defaults", "+codec")
+RAW_HWM = 1000  # ZMQ's default high-water mark, which the raw baseline runs with
 
 
 def make_group(target_bytes: int) -> TrajectoryGroup:
@@ -58,21 +67,27 @@ def make_group(target_bytes: int) -> TrajectoryGroup:
 
 
 # ---------------------------------------------------------------- senders (child processes)
+#
+# Each sender reports the CPU time its whole process (all threads, ZMQ's I/O thread
+# included) spent from its first send until the receiver had everything.
 
 
-def raw_sender(endpoint: str, size: int, count: int) -> None:
+def raw_sender(endpoint: str, size: int, count: int, done, result) -> None:
     import zmq
 
     data = encode(make_group(size))
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
     sock.connect(endpoint)
+    cpu0 = time.process_time()
     for _ in range(count):
         sock.send(data)
-    time.sleep(30)  # the receiver kills this process when it has everything
+    done.wait(120)
+    result.put(time.process_time() - cpu0)
+    time.sleep(60)  # killed by the receiver
 
 
-def agentrl_sender(endpoint: str, size: int, count: int, with_codec: bool) -> None:
+def agentrl_sender(endpoint: str, size: int, count: int, done, result, mode: str) -> None:
     import trio
 
     from agentrl.transport import GroupSender, PushSocket
@@ -81,15 +96,16 @@ def agentrl_sender(endpoint: str, size: int, count: int, with_codec: bool) -> No
     data = encode(group)
 
     async def main() -> None:
-        if with_codec:
-            sender = GroupSender(endpoint)
-            for _ in range(count):
-                await sender.send(group)
+        if mode == "+codec":
+            sender, item = GroupSender(endpoint), group
         else:
-            sender = PushSocket(endpoint)
-            for _ in range(count):
-                await sender.send(data)
-        await trio.sleep(30)  # linger 0 drops what is queued at close: wait to be killed
+            sender, item = PushSocket(endpoint, max_queued=RAW_HWM if mode == "agentrl" else 16), data
+        cpu0 = time.process_time()
+        for _ in range(count):
+            await sender.send(item)
+        await trio.to_thread.run_sync(done.wait, 120)
+        result.put(time.process_time() - cpu0)
+        await trio.sleep(60)  # linger 0 would drop what is queued: wait to be killed
 
     trio.run(main)
 
@@ -97,41 +113,49 @@ def agentrl_sender(endpoint: str, size: int, count: int, with_codec: bool) -> No
 # ---------------------------------------------------------------- receivers (this process)
 
 
-def measure(mode: str, endpoint: str, size: int, count: int) -> float:
-    """Messages per second received after a warm-up."""
+def measure(mode: str, endpoint: str, size: int, count: int) -> tuple[float, float]:
+    """(messages per second after a warm-up, CPU microseconds per message of both processes)."""
+    ctx = mp.get_context("spawn")
+    done, result = ctx.Event(), ctx.Queue()
+    total = WARMUP + count
     if mode == "raw":
         import zmq
 
-        ctx = zmq.Context()
-        sock = ctx.socket(zmq.PULL)
+        zctx = zmq.Context()
+        sock = zctx.socket(zmq.PULL)
         sock.bind(endpoint)
-        proc = _start(raw_sender, sock.getsockopt_string(zmq.LAST_ENDPOINT), size, WARMUP + count)
+        args = (sock.getsockopt_string(zmq.LAST_ENDPOINT), size, total, done, result)
+        proc = ctx.Process(target=raw_sender, args=args, daemon=True)
         recv = lambda: sock.recv()  # noqa: E731
-        close = lambda: (sock.close(linger=0), ctx.term())  # noqa: E731
+        close = lambda: (sock.close(linger=0), zctx.term())  # noqa: E731
     else:
         from agentrl.transport import GroupReceiver, PullSocket
 
-        receiver = GroupReceiver(endpoint) if mode == "+codec" else PullSocket(endpoint)
-        proc = _start(agentrl_sender, receiver.endpoint, size, WARMUP + count, mode == "+codec")
+        if mode == "+codec":
+            receiver = GroupReceiver(endpoint)
+        else:
+            receiver = PullSocket(endpoint, max_queued=RAW_HWM if mode == "agentrl" else 64)
+        args = (receiver.endpoint, size, total, done, result, mode)
+        proc = ctx.Process(target=agentrl_sender, args=args, daemon=True)
         recv = lambda: receiver.get(60)  # noqa: E731
         close = receiver.close
+    proc.start()
     try:
+        cpu0 = time.process_time()
         for _ in range(WARMUP):
-            recv()
+            assert recv() is not None
         t0 = time.perf_counter()
         for _ in range(count):
             assert recv() is not None
-        return count / (time.perf_counter() - t0)
+        rate = count / (time.perf_counter() - t0)
+        cpu = time.process_time() - cpu0
+        done.set()
+        cpu += result.get(timeout=60)
+        return rate, 1e6 * cpu / total
     finally:
         proc.kill()
         proc.join(10)
         close()
-
-
-def _start(target, *args) -> mp.Process:
-    proc = mp.get_context("spawn").Process(target=target, args=args, daemon=True)
-    proc.start()
-    return proc
 
 
 def main() -> None:
@@ -139,41 +163,61 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=1.0, help="target length of one measurement")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # run atexit: the sender processes go too
 
     tmp = tempfile.mkdtemp(prefix="agentrl-bench-")
-    print("best messages/s (MB/s) of --repeats runs; ratio to raw of the best runs [and of the medians]")
-    print(
-        f"{'endpoint':8} {'size':>6} {'raw':>15} {'agentrl':>15} {'ratio':>12} "
-        f"{'+codec':>15} {'ratio':>12} {'codec us/msg':>12}"
-    )
-    best_ratios = []
+    print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the start", flush=True)
+    rows = []
     for scheme in ("ipc", "tcp"):
         for label, size in SIZES.items():
             group = make_group(size)
             nbytes = len(encode(group))
-            codec_us = 1e6 * min(timeit.repeat(lambda: decode(encode(group)), number=200, repeat=3)) / 200
+            codec = timeit.Timer(lambda: decode(encode(group)), timer=time.process_time)
+            codec_us = 1e6 * min(codec.repeat(number=200, repeat=3)) / 200  # CPU time, like the table
             probe = 300  # size the run so that one raw measurement takes about --seconds
-            count = max(500, int(args.seconds * measure("raw", _endpoint(scheme, tmp, "probe"), size, probe)))
-            rates: dict[str, list[float]] = {m: [] for m in MODES}
+            count = max(500, int(args.seconds * measure("raw", _endpoint(scheme, tmp, "probe"), size, probe)[0]))
+            rate: dict[str, list[float]] = {m: [] for m in MODES}
+            cpu: dict[str, list[float]] = {m: [] for m in MODES}
             for i in range(args.repeats):
                 for mode in MODES:
-                    rates[mode].append(measure(mode, _endpoint(scheme, tmp, f"{mode}{i}"), size, count))
-            best = {m: max(v) for m, v in rates.items()}
-            med = {m: statistics.median(v) for m, v in rates.items()}
-            best_ratios.append(best["agentrl"] / best["raw"])
+                    r, c = measure(mode, _endpoint(scheme, tmp, f"{mode}{i}"), size, count)
+                    rate[mode].append(r)
+                    cpu[mode].append(c)
+            rows.append((scheme, label, nbytes, codec_us, rate, cpu))
+            print(f"  measured {scheme} {label}", flush=True)
 
-            def cell(m: str) -> str:
-                return f"{best[m]:7.0f} ({best[m] * nbytes / 1e6:4.0f})"
-
-            def ratio(m: str) -> str:
-                return f"{best[m] / best['raw']:.2f} [{med[m] / med['raw']:.2f}]"
-
-            print(
-                f"{scheme:8} {label:>6} {cell('raw'):>15} {cell('agentrl'):>15} {ratio('agentrl'):>12} "
-                f"{cell('+codec'):>15} {ratio('+codec'):>12} {codec_us:12.1f}",
-                flush=True,
-            )
-    print(f"transport (agentrl/raw, best runs), median of the four cases: {statistics.median(best_ratios):.2f} (target >= 0.85)")
+    print("\nThroughput: best of --repeats runs, messages/s (MB/s); ratios to raw of the best [of the median] runs")
+    print(f"{'endpoint':8} {'size':>6} {'raw':>15} {'agentrl':>15} {'ratio':>12} {'defaults':>12} {'+codec':>12}")
+    best_ratios = []
+    for scheme, label, nbytes, _, rate, _ in rows:
+        best = {m: max(v) for m, v in rate.items()}
+        med = {m: statistics.median(v) for m, v in rate.items()}
+        best_ratios.append(best["agentrl"] / best["raw"])
+        cell = {m: f"{best[m]:7.0f} ({best[m] * nbytes / 1e6:4.0f})" for m in MODES}
+        ratio = {m: f"{best[m] / best['raw']:.2f} [{med[m] / med['raw']:.2f}]" for m in MODES}
+        print(
+            f"{scheme:8} {label:>6} {cell['raw']:>15} {cell['agentrl']:>15} {ratio['agentrl']:>12} "
+            f"{ratio['defaults']:>12} {ratio['+codec']:>12}"
+        )
+    print("\nCPU per message, sender + receiver processes, median of runs (us); ratio raw/agentrl")
+    print(
+        f"{'endpoint':8} {'size':>6} {'raw':>8} {'agentrl':>8} {'ratio':>6} {'defaults':>8} {'ratio':>6} "
+        f"{'+codec':>8} {'ratio':>6} {'codec only':>10}"
+    )
+    cpu_ratios = []
+    for scheme, label, _, codec_us, _, cpu in rows:
+        med = {m: statistics.median(v) for m, v in cpu.items()}
+        cpu_ratios.append(med["raw"] / med["agentrl"])
+        print(
+            f"{scheme:8} {label:>6} {med['raw']:8.1f} {med['agentrl']:8.1f} {med['raw'] / med['agentrl']:6.2f} "
+            f"{med['defaults']:8.1f} {med['raw'] / med['defaults']:6.2f} "
+            f"{med['+codec']:8.1f} {med['raw'] / med['+codec']:6.2f} {codec_us:10.1f}"
+        )
+    print(f"\nload average {os.getloadavg()[0]:.1f} at the end")
+    print(
+        f"transport/raw, median of the four cases: throughput {statistics.median(best_ratios):.2f}, "
+        f"CPU efficiency {statistics.median(cpu_ratios):.2f} (target >= 0.85)"
+    )
 
 
 def _endpoint(scheme: str, tmp: str, name: str) -> str:

@@ -155,7 +155,7 @@ def _group_alive(pgid: int) -> bool:
         return False
 
 
-def _stop_group(proc: subprocess.Popen, timeout_s: float = 3.0) -> None:
+def _stop_group(proc: subprocess.Popen, timeout_s: float = 1.0) -> None:
     """SIGTERM the server's process group, wait for every member, SIGKILL what is left."""
     if _group_alive(proc.pid):
         os.killpg(proc.pid, signal.SIGTERM)
@@ -182,7 +182,7 @@ def mlflow_server(tmp_path_factory):
              "--artifacts-destination", str(tmp / "artifacts"),
              "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
             stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp,
-            # MLflow 3's job runner adds eight huey worker processes that these tests do not use
+            # MLflow 3's job runner adds eight processes (huey workers) that these tests do not use
             env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
         )  # fmt: skip
     try:
