@@ -15,7 +15,8 @@
 Optional ``--hf-cb``: transformers' own continuous batching (``ContinuousBatchingManager``)
 on the concurrency-64 workload, the measurement behind the choice of an own scheduler.
 
-    python bench/engine.py              # about 1-2 minutes on a 2-core CPU
+    python bench/engine.py              # about 2 minutes on a (busy) 2-core CPU
+    python bench/engine.py --size 0.5b --device cuda --skip-push   # on a GPU
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -37,12 +37,13 @@ LEVELS = {1: 4, 16: 48, 64: 128}  # concurrency -> number of requests
 
 def workload(n: int, seed: int) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
-    return [([rng.randrange(3, 500) for _ in range(rng.randint(8, 120))], rng.randint(16, 128)) for _ in range(n)]
+    return [([rng.randrange(3, 500) for _ in range(rng.randint(8, 96))], rng.randint(8, 64)) for _ in range(n)]
 
 
 def bench_generate(model, reqs, batch: int) -> float:
     import torch
 
+    device = next(model.parameters()).device
     tokens, t0 = 0, time.perf_counter()
     for i in range(0, len(reqs), batch):
         chunk = reqs[i : i + batch]
@@ -54,7 +55,7 @@ def bench_generate(model, reqs, batch: int) -> float:
             mask[j, width - len(p):] = 1
         longest = max(n for _, n in chunk)
         with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest, do_sample=True,
+            model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=longest, min_new_tokens=longest, do_sample=True,
                            temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0)
         tokens += sum(n for _, n in chunk)
     return tokens / (time.perf_counter() - t0)
@@ -147,13 +148,14 @@ def bench_push(small_model: Path, engine, reps: int) -> dict:
     # raw: the same tensors, then one flat buffer of the same bytes, to a plain receiver process
     port = free_port()
     ctx = mp.get_context("spawn")
-    proc = ctx.Process(target=_raw_receiver, args=(port, [(tuple(t.shape), t.dtype) for _, t in named], reps))
+    raw_reps = 2 * reps  # cheap, and the baseline should not lose to noise
+    proc = ctx.Process(target=_raw_receiver, args=(port, [(tuple(t.shape), t.dtype) for _, t in named], raw_reps))
     proc.start()
     group = init_weight_group("gloo", "127.0.0.1", port, 2, 0, "raw_bench")
     flat = torch.empty(nbytes, dtype=torch.uint8)
     sync = torch.zeros(1)
     raw_tensors, raw_flat = [], []
-    for _ in range(reps):
+    for _ in range(raw_reps):
         dist.broadcast(sync, src=0, group=group)
         t0 = time.perf_counter()
         for w in [dist.broadcast(t, src=0, group=group, async_op=True) for _, t in named]:
@@ -177,7 +179,9 @@ def bench_push(small_model: Path, engine, reps: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="", help="model folder (default: build the tiny model in a temp dir)")
+    ap.add_argument("--model", default="", help="model folder (default: build one of --size in a temp dir)")
+    ap.add_argument("--size", default="tiny", help="size to build when --model is not given (tiny, small, 0.5b)")
+    ap.add_argument("--device", default="cpu", help="device of generate and of the engine (cpu, cuda)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for generate and for the engine")
     ap.add_argument("--reps", type=int, default=3, help="weight pushes / raw broadcasts (best is reported)")
     ap.add_argument("--skip-push", action="store_true")
@@ -193,18 +197,19 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="agentrl-bench-"))
-    model_path = Path(args.model) if args.model else init_model(tmp / "tiny", "tiny")
+    model_path = Path(args.model) if args.model else init_model(tmp / args.size, args.size)
     small_path = None if args.skip_push else init_model(tmp / "small", "small")
-    print(f"model {model_path}, {args.threads} torch thread(s) on each side", flush=True)
-    flags = ["--num-threads", str(args.threads)]
+    print(f"model {model_path} on {args.device}, {args.threads} torch thread(s) on each side", flush=True)
+    flags = ["--num-threads", str(args.threads), "--device", args.device]
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     # Both servers load at once; the idle one costs nothing while the other is measured.
     engine = None if args.skip_throughput else EngineProcess(str(model_path), free_port(), extra=flags,
                                                              log_path=tmp / "engine.log").start(wait_s=0)
-    push_engine = None if args.skip_push else EngineProcess(str(small_path), free_port(), extra=flags,
+    push_engine = None if args.skip_push else EngineProcess(str(small_path), free_port(), extra=flags[:2],
                                                             log_path=tmp / "push_engine.log").start(wait_s=0)
     rows = []
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(args.device).eval()
         for e in (engine, push_engine):
             if e is not None:
                 wait_ready(e.url, 300, process=e.process)
@@ -226,7 +231,7 @@ def main() -> None:
             if e is not None:
                 e.stop()
 
-    print("\nthroughput (useful tokens/s; ragged prompts 8-120, outputs 16-128 tokens)")
+    print("\nthroughput (useful tokens/s; ragged prompts of 8-96 tokens, outputs of 8-64 tokens)")
     print(f"{'concurrency':>11} {'requests':>8} {'generate':>10} {'engine':>10} {'engine/generate':>16}")
     for conc, n, gen, eng in rows:
         print(f"{conc:>11} {n:>8} {gen:>10.0f} {eng:>10.0f} {eng / gen:>15.2f}x")

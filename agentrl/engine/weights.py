@@ -233,6 +233,15 @@ class WeightUpdater:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(4, 2 * len(self.engine_urls)),
                                                            thread_name_prefix="weight-http")
 
+    @classmethod
+    def from_config(cls, engine, urls: list[str] | None = None, **kwargs: Any) -> "WeightUpdater":
+        """From an ``[engine]`` section: backend ``auto`` is nccl when this process sees a GPU, else gloo."""
+        backend = engine.weight_group_backend
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        return cls(list(urls if urls is not None else engine.urls), backend=backend,
+                   bucket_bytes=int(engine.weight_bucket_mb * 2**20), **kwargs)
+
     # -- HTTP helpers ---------------------------------------------------------------------
     def _post(self, url: str, path: str, body: dict | None = None) -> dict:
         resp = self._http.post(f"{url}{path}", json=body or {})
