@@ -1,6 +1,6 @@
 """WeightUpdater (trainer side) against two real embedded engine processes: gloo group on loopback.
 
-Runs after the client and server tests (module order): it changes the engines' weights.
+It changes the shared engines' weights and restores the original ones (version "0") at the end.
 """
 
 from __future__ import annotations
@@ -39,10 +39,11 @@ def _greedy(url: str, prompt: list[int]) -> dict:
 
 
 @pytest.fixture(scope="module")
-def updater(urls):
+def updater(urls, engine_model):
     u = WeightUpdater(urls, backend="gloo", bucket_bytes=1 << 20)  # small buckets: several HTTP + broadcast rounds
     u.connect()
     yield u
+    u.push_from_disk(str(engine_model), 0)  # leave the shared engines as the other tests expect them
     u.close()
 
 

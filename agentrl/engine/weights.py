@@ -295,22 +295,33 @@ class WeightUpdater:
         self.master_port = port
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:
-        """Broadcast new weights to every engine; returns timings (seconds) and sizes."""
+        """Broadcast new weights to every engine; returns timings (seconds) and sizes.
+
+        ``named_tensors`` may be a generator (e.g. one that gathers FSDP2 shards with
+        ``full_tensor()`` as it goes, on every learner rank in step): at most two buckets are
+        held at once. Names are Hugging Face parameter names; tensors must be full (not DTensor).
+        """
         if self.group is None:
             self.connect()
         t0 = time.perf_counter()
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         self._all("/pause_generation", {"mode": self.pause_mode})
         t_paused = time.perf_counter()
-        nbytes, t_bcast, items, buckets = 0, 0.0, [], []
+        nbytes, t_bcast, num_tensors, num_buckets = 0, 0.0, 0, 0
         try:
             self._all("/begin_weight_update")
             try:
-                items = list(self._prepare(named_tensors, device))
-                buckets = list(_buckets(items, self.bucket_bytes))
-                for b, bucket in enumerate(buckets):
+                # Stream: hold one bucket of look-ahead so that the last one can carry weight_version.
+                pending: list[tuple[str, torch.Tensor]] | None = None
+                for bucket in _buckets(self._prepare(named_tensors, device), self.bucket_bytes):
+                    if pending is not None:
+                        t_bcast += self._push_bucket(pending, None)
+                    pending = bucket
+                    num_buckets += 1
+                    num_tensors += len(bucket)
                     nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
-                    t_bcast += self._push_bucket(bucket, str(version) if b == len(buckets) - 1 else None)
+                if pending is not None:
+                    t_bcast += self._push_bucket(pending, str(version))
             finally:
                 self._all("/end_weight_update")
         finally:
@@ -319,7 +330,7 @@ class WeightUpdater:
         t1 = time.perf_counter()
         return {"pause_s": t_paused - t0, "broadcast_s": t_bcast, "update_s": t_updated - t_paused,
                 "continue_s": t1 - t_updated, "total_s": t1 - t0, "bytes": nbytes,
-                "num_tensors": len(items), "num_buckets": len(buckets)}
+                "num_tensors": num_tensors, "num_buckets": num_buckets}
 
     def _push_bucket(self, bucket: list[tuple[str, torch.Tensor]], version: str | None) -> float:
         """Fire the HTTP update at every engine, broadcast the bucket in order, collect the answers."""
