@@ -6,16 +6,19 @@
    output lengths (``ignore_eos``). Static batches run until their longest member is done,
    so only each request's own tokens count as useful output. Both sides use the same
    number of torch threads; the HTTP client runs in this process, so the engine pays for
-   its serving overhead.
+   its serving overhead. The machine may be shared: levels 16 and 64 run twice, alternating
+   generate and engine, and each side's best round counts.
 2. Weight push: :class:`WeightUpdater.push` (pause, begin, HTTP + broadcast per bucket, end,
-   continue) to an engine serving the ``small`` model, against a raw torch.distributed
-   broadcast of the same tensors (and of one flat buffer of the same bytes) to a plain
-   receiver process.
+   continue) to an engine serving the ``small`` model, in both wire formats (one broadcast per
+   tensor, the default, and SGLang's flattened buckets), against a raw torch.distributed
+   broadcast of the same tensors, and of one flat buffer of the same bytes, to a plain
+   receiver process; raw and push rounds alternate.
 
 Optional ``--hf-cb``: transformers' own continuous batching (``ContinuousBatchingManager``)
 on the concurrency-64 workload, the measurement behind the choice of an own scheduler.
 
-    python bench/engine.py              # about 1-2 minutes on a 2-core CPU
+    python bench/engine.py              # about 2 minutes on a (busy) 2-core CPU
+    python bench/engine.py --size 0.5b --device cuda --skip-push   # on a GPU
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -32,17 +34,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-LEVELS = {1: 4, 16: 48, 64: 128}  # concurrency -> number of requests
+LEVELS = {1: 4, 16: 32, 64: 96}  # concurrency -> number of requests (two or more waves from 16 up)
+ROUNDS = 2  # each side runs every level this many times, alternating; the best round counts
 
 
 def workload(n: int, seed: int) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
-    return [([rng.randrange(3, 500) for _ in range(rng.randint(8, 120))], rng.randint(16, 128)) for _ in range(n)]
+    return [([rng.randrange(3, 500) for _ in range(rng.randint(8, 96))], rng.randint(8, 64)) for _ in range(n)]
 
 
 def bench_generate(model, reqs, batch: int) -> float:
     import torch
 
+    device = next(model.parameters()).device
     tokens, t0 = 0, time.perf_counter()
     for i in range(0, len(reqs), batch):
         chunk = reqs[i : i + batch]
@@ -54,7 +58,7 @@ def bench_generate(model, reqs, batch: int) -> float:
             mask[j, width - len(p):] = 1
         longest = max(n for _, n in chunk)
         with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest, do_sample=True,
+            model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=longest, min_new_tokens=longest, do_sample=True,
                            temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0)
         tokens += sum(n for _, n in chunk)
     return tokens / (time.perf_counter() - t0)
@@ -133,6 +137,8 @@ def _raw_receiver(port: int, specs, reps: int) -> None:
 
 
 def bench_push(small_model: Path, engine, reps: int) -> dict:
+    """Interleaved, so that raw and push see the same machine load: per format, per repetition,
+    a raw flat broadcast, a raw broadcast of the same tensors, then one push."""
     import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -143,41 +149,46 @@ def bench_push(small_model: Path, engine, reps: int) -> dict:
     model = AutoModelForCausalLM.from_pretrained(small_model, dtype=torch.float32)
     named = [(n, p.detach()) for n, p in model.named_parameters()]
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    formats = {"default": {}, "flattened_bucket": {"load_format": "flattened_bucket"}}  # label -> options
 
-    # raw: the same tensors, then one flat buffer of the same bytes, to a plain receiver process
     port = free_port()
     ctx = mp.get_context("spawn")
-    proc = ctx.Process(target=_raw_receiver, args=(port, [(tuple(t.shape), t.dtype) for _, t in named], reps))
+    proc = ctx.Process(target=_raw_receiver,
+                       args=(port, [(tuple(t.shape), t.dtype) for _, t in named], reps * len(formats)))
     proc.start()
     group = init_weight_group("gloo", "127.0.0.1", port, 2, 0, "raw_bench")
     flat = torch.empty(nbytes, dtype=torch.uint8)
     sync = torch.zeros(1)
-    raw_tensors, raw_flat = [], []
-    for _ in range(reps):
+    raw_tensors, raw_flat, pushes = [], [], {}
+    try:
+        for i, (label, options) in enumerate(formats.items()):
+            with WeightUpdater([engine.url], backend="gloo", group_name=f"bench{i}", **options) as updater:
+                updater.connect()
+                for v in range(reps):
+                    dist.broadcast(sync, src=0, group=group)
+                    t0 = time.perf_counter()
+                    for w in [dist.broadcast(t, src=0, group=group, async_op=True) for _, t in named]:
+                        w.wait()
+                    raw_tensors.append(time.perf_counter() - t0)
+                    dist.broadcast(sync, src=0, group=group)
+                    t0 = time.perf_counter()
+                    dist.broadcast(flat, src=0, group=group)
+                    raw_flat.append(time.perf_counter() - t0)
+                    pushes.setdefault(label, []).append(updater.push(named, version=v + 1))
         dist.broadcast(sync, src=0, group=group)
-        t0 = time.perf_counter()
-        for w in [dist.broadcast(t, src=0, group=group, async_op=True) for _, t in named]:
-            w.wait()
-        raw_tensors.append(time.perf_counter() - t0)
-        dist.broadcast(sync, src=0, group=group)
-        t0 = time.perf_counter()
-        dist.broadcast(flat, src=0, group=group)
-        raw_flat.append(time.perf_counter() - t0)
-    dist.broadcast(sync, src=0, group=group)
-    proc.join(60)
-    destroy_weight_group(group)
-
-    with WeightUpdater([engine.url], backend="gloo") as updater:
-        updater.connect()
-        pushes = [updater.push(named, version=v + 1) for v in range(reps)]
-    best = min(pushes, key=lambda p: p["total_s"])
+    finally:
+        proc.join(60)
+        destroy_weight_group(group)
+    best = {k: min(v, key=lambda p: p["total_s"]) for k, v in pushes.items()}
     return {"bytes": nbytes, "tensors": len(named), "raw_tensors_s": min(raw_tensors), "raw_flat_s": min(raw_flat),
-            "push": best}
+            **best}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="", help="model folder (default: build the tiny model in a temp dir)")
+    ap.add_argument("--model", default="", help="model folder (default: build one of --size in a temp dir)")
+    ap.add_argument("--size", default="tiny", help="size to build when --model is not given (tiny, small, 0.5b)")
+    ap.add_argument("--device", default="cpu", help="device of generate and of the engine (cpu, cuda)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for generate and for the engine")
     ap.add_argument("--reps", type=int, default=3, help="weight pushes / raw broadcasts (best is reported)")
     ap.add_argument("--skip-push", action="store_true")
@@ -193,18 +204,19 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="agentrl-bench-"))
-    model_path = Path(args.model) if args.model else init_model(tmp / "tiny", "tiny")
+    model_path = Path(args.model) if args.model else init_model(tmp / args.size, args.size)
     small_path = None if args.skip_push else init_model(tmp / "small", "small")
-    print(f"model {model_path}, {args.threads} torch thread(s) on each side", flush=True)
-    flags = ["--num-threads", str(args.threads)]
+    print(f"model {model_path} on {args.device}, {args.threads} torch thread(s) on each side", flush=True)
+    flags = ["--num-threads", str(args.threads), "--device", args.device]
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     # Both servers load at once; the idle one costs nothing while the other is measured.
     engine = None if args.skip_throughput else EngineProcess(str(model_path), free_port(), extra=flags,
                                                              log_path=tmp / "engine.log").start(wait_s=0)
-    push_engine = None if args.skip_push else EngineProcess(str(small_path), free_port(), extra=flags,
+    push_engine = None if args.skip_push else EngineProcess(str(small_path), free_port(), extra=flags[:2],
                                                             log_path=tmp / "push_engine.log").start(wait_s=0)
     rows = []
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(args.device).eval()
         for e in (engine, push_engine):
             if e is not None:
                 wait_ready(e.url, 300, process=e.process)
@@ -213,8 +225,11 @@ def main() -> None:
             bench_generate(model, workload(4, seed=98), 4)
             for conc, n in LEVELS.items():
                 reqs = workload(n, seed=conc)
-                gen = bench_generate(model, reqs, conc)
-                eng = bench_engine(engine.url, reqs, conc)
+                gens, engs = [], []
+                for _ in range(ROUNDS if conc > 1 else 1):  # alternate, so both sides see the same load
+                    gens.append(bench_generate(model, reqs, conc))
+                    engs.append(bench_engine(engine.url, reqs, conc))
+                gen, eng = max(gens), max(engs)
                 rows.append((conc, n, gen, eng))
                 print(f"  concurrency {conc:>2}: generate {gen:7.0f} tok/s, engine {eng:7.0f} tok/s", flush=True)
             engine.stop()
@@ -226,7 +241,7 @@ def main() -> None:
             if e is not None:
                 e.stop()
 
-    print("\nthroughput (useful tokens/s; ragged prompts 8-120, outputs 16-128 tokens)")
+    print("\nthroughput (useful tokens/s; ragged prompts of 8-96 tokens, outputs of 8-64 tokens)")
     print(f"{'concurrency':>11} {'requests':>8} {'generate':>10} {'engine':>10} {'engine/generate':>16}")
     for conc, n, gen, eng in rows:
         print(f"{conc:>11} {n:>8} {gen:>10.0f} {eng:>10.0f} {eng / gen:>15.2f}x")
@@ -237,19 +252,19 @@ def main() -> None:
               f"(embedded engine {eng64:.0f} tok/s, {eng64 / cb:.2f}x)")
 
     if push is not None:
-        r, p = push, push["push"]
+        r = push
         mb = r["bytes"] / 2**20
         print(f"\nweight push: {mb:.0f} MiB in {r['tensors']} tensors (small model), best of {args.reps}")
-        rows_push = [
-            ("raw broadcast, one flat buffer", r["raw_flat_s"], ""),
-            ("raw broadcast, same tensors (async)", r["raw_tensors_s"], ""),
-            ("WeightUpdater.push", p["total_s"], f"  (pause {p['pause_s'] * 1e3:.1f} ms, broadcast "
-             f"{p['broadcast_s'] * 1e3:.1f} ms, continue {p['continue_s'] * 1e3:.1f} ms)"),
-        ]
-        for label, sec, note in rows_push:
-            print(f"  {label:<36} {sec * 1e3:8.1f} ms{note}")
-        print(f"  {'push / raw flat buffer':<36} {p['total_s'] / r['raw_flat_s']:8.2f}x")
-        print(f"  {'push / raw same tensors':<36} {p['total_s'] / r['raw_tensors_s']:8.2f}x")
+        print(f"  {'raw broadcast, one flat buffer':<44} {r['raw_flat_s'] * 1e3:8.1f} ms")
+        print(f"  {'raw broadcast, same tensors (async)':<44} {r['raw_tensors_s'] * 1e3:8.1f} ms")
+        for key, label in (("default", "push, one broadcast per tensor (default)"),
+                           ("flattened_bucket", "push, flattened_bucket")):
+            p = r[key]
+            print(f"  {label:<44} {p['total_s'] * 1e3:8.1f} ms  ({p['num_buckets']} buckets; pause "
+                  f"{p['pause_s'] * 1e3:.1f}, broadcast {p['broadcast_s'] * 1e3:.1f}, continue {p['continue_s'] * 1e3:.1f})")
+        p = r["default"]
+        print(f"  {'push / raw, same tensors':<44} {p['total_s'] / r['raw_tensors_s']:8.2f}x")
+        print(f"  {'push / raw, one flat buffer':<44} {p['total_s'] / r['raw_flat_s']:8.2f}x")
     print("\ntargets: engine/generate >= 1.0x at 16 and 64; push/raw <= 1.5x")
 
 

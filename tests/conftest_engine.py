@@ -1,8 +1,8 @@
 """Fixtures and helpers of the engine tests: the tiny model, two real engine processes, a teacher.
 
 The two engines are started once per session (in parallel, the first through
-``agentrl serve-engine``) and shared by the client, server and weight tests; the weight
-tests change the weights and run last (module order).
+``agentrl serve-engine``) and shared by the client, server and weight tests; every test
+leaves them as it found them (unpaused, original weights, weight_version "0").
 """
 
 from __future__ import annotations

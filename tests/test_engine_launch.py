@@ -54,3 +54,22 @@ def test_wait_ready_reports_a_dead_process_and_a_timeout():
         wait_ready(f"http://127.0.0.1:{port}", 5, process=dead)
     with pytest.raises(EngineLaunchError, match="not ready after"):
         wait_ready(f"http://127.0.0.1:{port}", 0.5)
+
+
+def test_config_helpers_read_the_engine_section():
+    from agentrl.config import load_config
+    from agentrl.engine.client import EngineClient
+    from agentrl.engine.weights import WeightUpdater
+
+    cfg = load_config(None, ["engine.urls=['http://a:1', 'http://b:2']", "engine.request_retries=2",
+                             "engine.router_url=http://r:3", "engine.weight_bucket_mb=1.5",
+                             "engine.weight_group_backend=gloo"])
+    client = EngineClient.from_config(cfg.engine)
+    assert [s.url for s in client.engines] == ["http://a:1", "http://b:2"] and client.router.url == "http://r:3"
+    assert client.max_retries == 2
+    updater = WeightUpdater.from_config(cfg.engine, urls=["http://c:4"])
+    try:
+        assert updater.engine_urls == ["http://c:4"] and updater.backend == "gloo"
+        assert updater.bucket_bytes == int(1.5 * 2**20)
+    finally:
+        updater.close()

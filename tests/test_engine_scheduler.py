@@ -228,3 +228,20 @@ def test_weight_version_spans_follow_updates(engine):
     assert [s["version"] for s in c.weight_versions] == ["0", "7"]
     assert c.weight_versions[0]["start"] == 0 and c.weight_versions[-1]["end"] == 40
     assert c.weight_versions[0]["end"] == c.weight_versions[1]["start"]
+
+
+def test_bfloat16_runner_samples_with_fp32_logprobs(engine_model, teacher):
+    """The GPU dtype path (bf16 weights, fp32 softmax), exercised on CPU."""
+    from agentrl.engine.runner import ModelRunner
+
+    runner = ModelRunner(engine_model, device="cpu", dtype="bfloat16", max_running_requests=4, max_context_tokens=128)
+    sched = Scheduler(runner)
+    sched.start()
+    try:
+        p = prompts(1, seed=11)[0]
+        c = submit(sched, p, max_new_tokens=6, temperature=0.8, ignore_eos=True).wait()
+    finally:
+        sched.stop()
+    assert runner.model.dtype == torch.bfloat16 and len(c.output_ids) == 6
+    assert all(isinstance(x, float) for x in c.output_logprobs)
+    assert max_abs_diff(c.output_logprobs, teacher.logprobs(p, c.output_ids, 0.8)) < 0.1

@@ -91,6 +91,9 @@ def test_batch_input_and_streaming(url):
                                    "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}).json()
     assert isinstance(body, list) and [b["meta_info"]["id"] for b in body] == ["b_0", "b_1"]
     assert all(b["meta_info"]["completion_tokens"] == 4 for b in body)
+    texts = post(url, "/generate", {"input_ids": [5, 6], "return_logprob": True, "return_text_in_logprobs": True,
+                                    "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}).json()
+    assert all(isinstance(t, str) for _, _, t in texts["meta_info"]["output_token_logprobs"])
 
     with httpx.stream("POST", url + "/generate", json={
             "input_ids": [5, 6, 7], "stream": True, "return_logprob": True,
@@ -183,7 +186,7 @@ def test_pause_abort_mid_generation_then_new_requests_wait_for_continue(url):
 def test_pause_retract_or_in_place_then_continue_completes(url, mode):
     async def run():
         async with httpx.AsyncClient(timeout=60) as http:
-            task = _start_long(http, url, f"p-{mode}", n=150)
+            task = _start_long(http, url, f"p-{mode}", n=300)
             await _until_running(url)
             await http.post(url + "/pause_generation", json={"mode": mode})
             n0 = (await http.get(url + "/server_info")).json()["num_generated_tokens"]
@@ -194,7 +197,7 @@ def test_pause_retract_or_in_place_then_continue_completes(url, mode):
             return (await task).json()
 
     body = asyncio.run(run())
-    assert body["meta_info"]["finish_reason"] == {"type": "length", "length": 150}
+    assert body["meta_info"]["finish_reason"] == {"type": "length", "length": 300}
 
 
 def test_bad_pause_mode_is_400(url):

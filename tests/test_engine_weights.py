@@ -1,6 +1,6 @@
 """WeightUpdater (trainer side) against two real embedded engine processes: gloo group on loopback.
 
-Runs after the client and server tests (module order): it changes the engines' weights.
+It changes the shared engines' weights and restores the original ones (version "0") at the end.
 """
 
 from __future__ import annotations
@@ -39,10 +39,11 @@ def _greedy(url: str, prompt: list[int]) -> dict:
 
 
 @pytest.fixture(scope="module")
-def updater(urls):
+def updater(urls, engine_model):
     u = WeightUpdater(urls, backend="gloo", bucket_bytes=1 << 20)  # small buckets: several HTTP + broadcast rounds
     u.connect()
     yield u
+    u.push_from_disk(str(engine_model), 0)  # leave the shared engines as the other tests expect them
     u.close()
 
 
@@ -107,3 +108,20 @@ def test_a_bad_tensor_name_is_reported_and_nothing_hangs(urls, updater):
         info = httpx.get(url + "/server_info", timeout=10).json()
         assert info["weight_version"] == "2" and not info["paused"] and not info["updating_weights"]
         assert _greedy(url, [1, 2])["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_flattened_bucket_format_updates_the_engines(urls, updater, engine_model):
+    new = _perturbed(engine_model, seed=3)
+    norm = "model.layers.0.input_layernorm.weight"
+    with torch.no_grad():  # make it exactly representable in bf16, then send it as bf16: a dtype change
+        new.get_parameter(norm).copy_(new.get_parameter(norm).to(torch.bfloat16))
+    named = [(n, p.to(torch.bfloat16) if n == norm else p) for n, p in new.named_parameters()]
+    with WeightUpdater(urls, group_name="flat", load_format="flattened_bucket", bucket_bytes=1 << 20) as flat:
+        timings = flat.push(named, version=3)
+    assert timings["num_buckets"] >= 3
+    teacher = Teacher(new)
+    for url in urls:
+        body = _greedy(url, [30, 31])
+        assert body["meta_info"]["weight_version"] == "3"
+        lps = [lp for lp, _, _ in body["meta_info"]["output_token_logprobs"]]
+        assert max_abs_diff(lps, teacher.logprobs([30, 31], body["output_ids"])) <= 1e-4

@@ -129,6 +129,13 @@ class EngineClient:
         self._last_probe = 0.0
         self._probe_lock: anyio.Lock | None = None
 
+    @classmethod
+    def from_config(cls, engine, urls: list[str] | None = None, **kwargs: Any) -> "EngineClient":
+        """From an ``[engine]`` config section; ``urls`` overrides ``engine.urls`` (e.g. engines just started)."""
+        return cls(list(urls if urls is not None else engine.urls), router_url=engine.router_url,
+                   max_retries=engine.request_retries, health_check_interval_s=engine.health_check_interval_s,
+                   **kwargs)
+
     # -- lifecycle ----------------------------------------------------------------------------
     async def __aenter__(self) -> "EngineClient":
         self._client()

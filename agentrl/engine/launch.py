@@ -162,3 +162,16 @@ def start_engines(model_path: str, num_engines: int, *, backend: str = "embedded
             p.stop()
         raise
     return procs
+
+
+def engines_from_config(cfg, *, log_dir: str | Path | None = None, wait_s: float = 300.0) -> list[EngineProcess]:
+    """Start the ``[engine]`` section's ``num_engines`` servers for ``cfg.model.path`` (what ``agentrl run``
+    does when ``engine.urls`` is empty); returns them ready, their URLs in ``.url``."""
+    e, m = cfg.engine, cfg.model
+    extra = engine_args(e.backend, device=e.device, dtype=m.dtype, max_running_requests=e.max_running_requests,
+                        max_context_tokens=e.max_context_tokens, num_threads=cfg.run.torch_num_threads,
+                        sglang_args=e.sglang_args)
+    if e.backend == "sglang":
+        require_sglang()
+    return start_engines(m.path, e.num_engines, backend=e.backend, host=e.host, base_port=e.base_port,
+                         extra=extra, log_dir=log_dir, wait_s=wait_s)

@@ -185,9 +185,8 @@ class Scheduler:
             except Exception as e:  # keep serving: fail what was running, log, continue
                 log.error("engine step failed:\n%s", traceback.format_exc())
                 self.error = f"{type(e).__name__}: {e}"
-                for req in list(self.running):
+                for req in self.running:
                     self._finish(req, finish_abort(f"internal engine error: {self.error}"))
-                self._remove_finished()
                 self.running = []
         # Shutting down: nobody will serve what is left.
         self._drain_inbox()
@@ -261,12 +260,12 @@ class Scheduler:
         if not batch:
             return
         row0 = len(self.running)
+        self.running.extend(batch)  # before the forward: if it fails, the error path finishes them
         seqs = [r.inp.input_ids + r.output_ids for r in batch]
         logits = self.runner.prefill(row0, seqs)
         for req, seq in zip(batch, seqs):
             req.kv_len = len(seq)
             req.pending = None
-        self.running.extend(batch)
         self._sample_and_check(batch, logits)
 
     def _decode(self) -> None:

@@ -281,7 +281,7 @@ def build_app(server: EngineServer) -> Starlette:
     async def update_weights_from_distributed(request: HttpRequest) -> Response:
         try:
             b = await _body(request)
-            if b.get("load_format") not in (None, "direct"):
+            if b.get("load_format") not in (None, "flattened_bucket"):
                 raise RequestError(f"load_format {b['load_format']!r} is not supported by the embedded engine")
             group = b.get("group_name")
             if group is not None and group != server.receiver.group_name:
@@ -293,7 +293,7 @@ def build_app(server: EngineServer) -> Starlette:
         def run() -> tuple[list[str], str]:
             if b.get("abort_all_requests"):
                 sched.abort(None, "aborted by a weight update")
-            problems = server.receiver.receive(spec)
+            problems = server.receiver.receive(spec, flattened=b.get("load_format") == "flattened_bucket")
             return problems, ("" if problems else _set_version(b.get("weight_version")))
 
         try:
@@ -427,7 +427,7 @@ def serve(args: argparse.Namespace) -> None:
                           seed=args.seed)
     server.start()
     config = uvicorn.Config(build_app(server), host=args.host, port=args.port, log_level=args.log_level,
-                            access_log=False, timeout_keep_alive=30, lifespan="off")
+                            access_log=False, timeout_keep_alive=30, timeout_graceful_shutdown=5, lifespan="off")
     print(f"agentrl engine serving {args.model} on http://{args.host}:{args.port} "
           f"(device {server.runner.device}, dtype {str(server.runner.dtype).removeprefix('torch.')})",
           file=sys.stderr, flush=True)

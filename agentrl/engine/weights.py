@@ -14,15 +14,23 @@ The trainer joins while its HTTP init calls are in flight (threads): both sides 
 rendezvous until everybody has arrived, so doing one after the other deadlocks.
 
 **An update** (:meth:`WeightUpdater.push`): pause generation on every engine -> ``begin`` ->
-for each bucket of at most ``bucket_bytes``: fire the HTTP ``update_weights_from_distributed``
-(names, dtypes, shapes) at every engine *without waiting*, broadcast the tensors in exactly
-that order (all posted at once as async ops on both sides, so there is no per-tensor round
-trip between the processes), then collect the HTTP answers -> ``end`` -> continue generation. Pausing first is
-what avoids the classic hang (a server that waits for its running requests while the trainer
-already blocks in the broadcast). Tensors go one broadcast each, straight from the trainer's
-memory into the engine's parameters when dtype and shape agree (no flattening copy on either
-side); ``load_format = "flattened_bucket"`` is not used. Tied embeddings: ``lm_head.weight``
-is skipped when it is the same tensor as the embedding.
+for each bucket of at most ``bucket_bytes`` (one dtype, one wire format): fire the HTTP
+``update_weights_from_distributed`` (names, dtypes, shapes) at every engine *without
+waiting*, broadcast the tensors in exactly that order (all posted at once as async ops on
+both sides, so there is no per-tensor round trip between the processes), then collect the
+HTTP answers -> ``end`` -> continue generation
+(``end`` and ``continue`` also run when a bucket fails). Pausing first is what avoids the
+classic hang (a server that waits for its running requests while the trainer already blocks
+in the broadcast).
+
+**Wire format, chosen by measurement** (``bench/engine.py``): by default one broadcast per
+tensor, straight from the trainer's memory into the engine's parameters when dtype and shape
+agree -- no copy on either side. SGLang's ``load_format = "flattened_bucket"`` (the bucket's
+bytes concatenated in ``names`` order, one uint8 broadcast; a bucket never mixes dtypes) is
+supported on both ends too, but costs a fresh allocation and a copy of every byte on each
+side, more than it saves on CPU (100 MiB: ~400-550 ms against ~100-130 ms). Sending only the
+small tensors flattened was measured as well and saved nothing, so it is not done.
+Tied embeddings: ``lm_head.weight`` is skipped when it is the same tensor as the embedding.
 
 **The engine side** (:class:`EngineWeightReceiver`) receives every declared tensor even when
 a name is unknown or a shape disagrees (into a scratch buffer), so a bad name never leaves
@@ -36,6 +44,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -131,27 +140,33 @@ class EngineWeightReceiver:
             spec.append((name, parse_dtype(dt), tuple(shape)))
         return spec
 
-    def receive(self, spec: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> list[str]:
-        """Receive one broadcast per declared tensor, in order; apply; return the problems found."""
+    def receive(self, spec: list[tuple[str, torch.dtype, tuple[int, ...]]], flattened: bool = False) -> list[str]:
+        """Receive the declared tensors (one broadcast each, or one uint8 buffer per bucket when
+        ``flattened``), in order; apply them; return the problems found."""
         import torch.distributed as dist
 
         if self.group is None:
             raise ValueError("no weight update group: call /init_weights_update_group first")
         named = self.runner.named_tensors()
         recv_device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
-        problems, staged, works = [], [], []
         with torch.no_grad():
-            for name, dtype, shape in spec:  # post every receive at once (async): no round trip per tensor
+            if flattened:
+                received = self._receive_flat(spec, recv_device)
+            else:
+                received, works = [], []
+                for name, dtype, shape in spec:  # post every receive at once (async): no round trip per tensor
+                    target = named.get(name)
+                    direct = (target is not None and target.dtype == dtype and tuple(target.shape) == shape
+                              and target.device == recv_device and target.is_contiguous())
+                    buf = target.data if direct else torch.empty(shape, dtype=dtype, device=recv_device)
+                    works.append(dist.broadcast(buf, src=0, group=self.group, async_op=True))
+                    if not direct:
+                        received.append((name, buf))
+                for w in works:
+                    w.wait()
+            problems = []
+            for name, buf in received:
                 target = named.get(name)
-                direct = (target is not None and target.dtype == dtype and tuple(target.shape) == shape
-                          and target.device == recv_device and target.is_contiguous())
-                buf = target.data if direct else torch.empty(shape, dtype=dtype, device=recv_device)
-                works.append(dist.broadcast(buf, src=0, group=self.group, async_op=True))
-                if not direct:
-                    staged.append((name, target, buf))
-            for w in works:
-                w.wait()
-            for name, target, buf in staged:
                 if target is None:
                     problems.append(f"unknown parameter {name!r}")
                 elif tuple(target.shape) != tuple(buf.shape):
@@ -159,6 +174,22 @@ class EngineWeightReceiver:
                 else:
                     target.data.copy_(buf)
         return problems
+
+    def _receive_flat(self, spec, device: torch.device) -> list[tuple[str, torch.Tensor]]:
+        """SGLang's ``flattened_bucket``: the tensors' bytes concatenated in ``names`` order."""
+        import torch.distributed as dist
+
+        sizes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in spec]
+        flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+        dist.broadcast(flat, src=0, group=self.group)
+        out, offset = [], 0
+        for (name, dtype, shape), size in zip(spec, sizes):
+            chunk = flat[offset : offset + size]
+            if offset % dtype.itemsize:
+                chunk = chunk.clone()  # a view must start at a multiple of the item size
+            out.append((name, chunk.view(dtype).view(shape)))
+            offset += size
+        return out
 
     def load_from_disk(self, model_path: str) -> dict[str, torch.Tensor]:
         """Read a checkpoint's tensors (safetensors) and check them against the model; no side effects."""
@@ -199,11 +230,13 @@ class WeightUpdateError(RuntimeError):
 
 
 def _buckets(items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive tensors up to ``bucket_bytes`` per bucket; a bucket holds one dtype (so that a
+    flattened bucket's views start at multiples of the item size)."""
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, t in items:
         nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > bucket_bytes:
+        if bucket and (size + nbytes > bucket_bytes or t.dtype != bucket[-1][1].dtype):
             yield bucket
             bucket, size = [], 0
         bucket.append((name, t))
@@ -217,21 +250,32 @@ class WeightUpdater:
 
     def __init__(self, engine_urls: list[str], *, master_address: str = "127.0.0.1", master_port: int = 0,
                  backend: str = "gloo", group_name: str = "agentrl_weights", bucket_bytes: int = 64 << 20,
-                 pause_mode: str = "abort", timeout_s: float = 600.0):
+                 pause_mode: str = "abort", timeout_s: float = 600.0, load_format: str | None = None):
         import httpx
 
         if not engine_urls:
             raise ValueError("WeightUpdater needs at least one engine URL")
         if pause_mode not in ("abort", "retract", "in_place"):
             raise ValueError(f"pause_mode must be abort, retract or in_place; got {pause_mode!r}")
+        if load_format not in (None, "flattened_bucket"):
+            raise ValueError(f"load_format must be None (one broadcast per tensor) or 'flattened_bucket'; got {load_format!r}")
         self.engine_urls = [u.rstrip("/") for u in engine_urls]
         self.master_address, self.master_port = master_address, master_port
         self.backend, self.group_name, self.bucket_bytes = backend, group_name, bucket_bytes
-        self.pause_mode, self.timeout_s = pause_mode, timeout_s
+        self.pause_mode, self.timeout_s, self.load_format = pause_mode, timeout_s, load_format
         self.group = None
         self._http = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0))
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(4, 2 * len(self.engine_urls)),
                                                            thread_name_prefix="weight-http")
+
+    @classmethod
+    def from_config(cls, engine, urls: list[str] | None = None, **kwargs: Any) -> "WeightUpdater":
+        """From an ``[engine]`` section: backend ``auto`` is nccl when this process sees a GPU, else gloo."""
+        backend = engine.weight_group_backend
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        return cls(list(urls if urls is not None else engine.urls), backend=backend,
+                   bucket_bytes=int(engine.weight_bucket_mb * 2**20), **kwargs)
 
     # -- HTTP helpers ---------------------------------------------------------------------
     def _post(self, url: str, path: str, body: dict | None = None) -> dict:
@@ -286,33 +330,46 @@ class WeightUpdater:
         self.master_port = port
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:
-        """Broadcast new weights to every engine; returns timings (seconds) and sizes."""
+        """Broadcast new weights to every engine; returns timings (seconds) and sizes.
+
+        ``named_tensors`` may be a generator (e.g. one that gathers FSDP2 shards with
+        ``full_tensor()`` as it goes, on every learner rank in step): at most two buckets are
+        held at once. Names are Hugging Face parameter names; tensors must be full (not DTensor).
+        """
         if self.group is None:
             self.connect()
         t0 = time.perf_counter()
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         self._all("/pause_generation", {"mode": self.pause_mode})
         t_paused = time.perf_counter()
-        nbytes, t_bcast, items, buckets = 0, 0.0, [], []
+        stats = {"bytes": 0, "num_tensors": 0, "num_buckets": 0, "broadcast_s": 0.0}
         try:
             self._all("/begin_weight_update")
             try:
-                items = list(self._prepare(named_tensors, device))
-                buckets = list(_buckets(items, self.bucket_bytes))
-                for b, bucket in enumerate(buckets):
-                    nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
-                    t_bcast += self._push_bucket(bucket, str(version) if b == len(buckets) - 1 else None)
+                self._send_all(named_tensors, device, str(version), stats)
             finally:
                 self._all("/end_weight_update")
         finally:
             t_updated = time.perf_counter()
             self._all("/continue_generation")
         t1 = time.perf_counter()
-        return {"pause_s": t_paused - t0, "broadcast_s": t_bcast, "update_s": t_updated - t_paused,
-                "continue_s": t1 - t_updated, "total_s": t1 - t0, "bytes": nbytes,
-                "num_tensors": len(items), "num_buckets": len(buckets)}
+        return {"pause_s": t_paused - t0, "update_s": t_updated - t_paused, "continue_s": t1 - t_updated,
+                "total_s": t1 - t0, **stats}
 
-    def _push_bucket(self, bucket: list[tuple[str, torch.Tensor]], version: str | None) -> float:
+    def _send_all(self, named_tensors: Iterable[tuple[str, torch.Tensor]], device: torch.device, version: str,
+                  stats: dict) -> None:
+        """Stream bucket by bucket; one bucket of look-ahead lets the last one carry ``weight_version``."""
+        flattened = self.load_format == "flattened_bucket"
+        pending: list[tuple[str, torch.Tensor]] | None = None
+        for bucket in _buckets(self._prepare(named_tensors, device), self.bucket_bytes):
+            if pending is not None:
+                self._push_bucket(pending, flattened, None, stats)
+            pending = bucket
+        if pending is not None:
+            self._push_bucket(pending, flattened, version, stats)
+
+    def _push_bucket(self, bucket: list[tuple[str, torch.Tensor]], flattened: bool, version: str | None,
+                     stats: dict) -> None:
         """Fire the HTTP update at every engine, broadcast the bucket in order, collect the answers."""
         import torch.distributed as dist
 
@@ -325,14 +382,22 @@ class WeightUpdater:
         }
         if version is not None:
             body["weight_version"] = version
+        if flattened:
+            body["load_format"] = "flattened_bucket"
         futures = self._fire("/update_weights_from_distributed", lambda i: body)
         t0 = time.perf_counter()
-        works = [dist.broadcast(t, src=0, group=self.group, async_op=True) for _, t in bucket]
-        for w in works:
-            w.wait()
-        elapsed = time.perf_counter() - t0
+        if flattened:
+            flat = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in bucket])
+            dist.broadcast(flat, src=0, group=self.group)
+        else:
+            works = [dist.broadcast(t, src=0, group=self.group, async_op=True) for _, t in bucket]
+            for w in works:
+                w.wait()
+        stats["broadcast_s"] += time.perf_counter() - t0
+        stats["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
+        stats["num_tensors"] += len(bucket)
+        stats["num_buckets"] += 1
         self._collect(futures)
-        return elapsed
 
     def _prepare(self, named_tensors: Iterable[tuple[str, torch.Tensor]], device: torch.device):
         seen: dict[int, str] = {}
