@@ -70,7 +70,7 @@ def test_rl_step_trains_and_reports(tiny_model, dist_info):
     "algorithm,extra",
     [
         ("grpo", dict()),
-        ("ppo", dict(num_minibatches=2, loss=PolicyLossConfig(kl_coef=0.1))),
+        ("ppo", dict(num_minibatches=2)),
     ],
 )
 def test_checkpoint_resume_reproduces_the_next_step(tiny_model, dist_info, tmp_path, algorithm, extra):
