@@ -138,9 +138,9 @@ def shard_model(
     if activation_checkpointing and trainable:
         for module in model.modules():
             if getattr(module, "supports_gradient_checkpointing", False) and hasattr(
-                module, "gradient_checkpointing_enable"
+                module, "activation_checkpointing_enable"
             ):
-                module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                module.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
                 break
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     kwargs: dict[str, Any] = {"mesh": mesh}
@@ -151,9 +151,10 @@ def shard_model(
         if type(module).__name__ in layer_classes:
             fully_shard(module, **kwargs)
     fully_shard(model, **kwargs)
+    # from_pretrained returns eval mode; transformers only checkpoints activations in train mode
+    model.train(trainable)
     if not trainable:
         model.requires_grad_(False)
-        model.eval()
     return model
 
 
