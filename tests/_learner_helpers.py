@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import sys
+import time
+from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -86,3 +88,41 @@ def fixed_samples(seed: int, groups: int = 4, policy_version: int = 0, advantage
         g = make_group(rng, version=policy_version, group_id=f"g{i}")
         out += samples_from_group(g, policy_version, advantage=advantage)
     return out
+
+
+class ListSource:
+    """An in-memory group source with GroupReceiver's methods (for loop tests on rank 0)."""
+
+    def __init__(self, groups: list[TrajectoryGroup], *, empty_polls: int = 0) -> None:
+        self.items = deque(groups)
+        self.empty_polls = empty_polls  # answer "nothing yet" this many times first
+        self.stats = {"received": 0, "malformed": 0}
+
+    def get(self, timeout_s: float | None = None) -> TrajectoryGroup | None:
+        if self.empty_polls > 0 or not self.items:
+            self.empty_polls -= 1
+            time.sleep(min(timeout_s or 0.0, 0.05))
+            return None
+        self.stats["received"] += 1
+        return self.items.popleft()
+
+    def close(self) -> None:
+        pass
+
+
+class Recorder:
+    """Records published progress and weight pushes."""
+
+    def __init__(self) -> None:
+        self.progress: list = []
+        self.pushes: list[tuple[int, list[str]]] = []
+
+    def publish(self, progress) -> None:
+        self.progress.append(progress)
+
+    def push(self, named_tensors, version: int) -> dict:
+        self.pushes.append((version, [name for name, _ in named_tensors]))
+        return {}
+
+    def close(self) -> None:
+        pass

@@ -143,10 +143,10 @@ def test_packed_logprobs_equal_unpacked(tiny_model):
             )
         )
     with torch.no_grad():
-        packed, _ = token_logprobs(model, collate(samples), temperature=0.7)
+        packed, _ = token_logprobs(model, collate(samples), temperature=0.7, all_positions=True)
         starts = np.cumsum([0] + [s.num_tokens for s in samples])
         for s, start in zip(samples, starts):
-            alone, _ = token_logprobs(model, collate([s]), temperature=0.7)
+            alone, _ = token_logprobs(model, collate([s]), temperature=0.7, all_positions=True)
             assert torch.allclose(packed[start : start + s.num_tokens - 1], alone[:-1], atol=1e-5)
         # and transformers' own sdpa forward of one sequence agrees with the varlen path
         from transformers import AutoModelForCausalLM
@@ -156,5 +156,11 @@ def test_packed_logprobs_equal_unpacked(tiny_model):
         ids = torch.from_numpy(s.tokens.astype(np.int64))[None]
         ref = torch.log_softmax(sdpa(input_ids=ids).logits[0].float() / 0.7, -1)
         ref = ref[:-1].gather(-1, ids[0, 1:, None]).squeeze(-1)
-        alone, _ = token_logprobs(model, collate([s]), temperature=0.7)
+        alone, _ = token_logprobs(model, collate([s]), temperature=0.7, all_positions=True)
         assert torch.allclose(alone[:-1], ref, atol=1e-5)
+        # scoring only the loss positions gives the same values there and 0 elsewhere
+        s.loss_mask[: s.num_tokens // 2] = 0
+        mb = collate([s])
+        only, _ = token_logprobs(model, mb, temperature=0.7)
+        assert torch.allclose(only[mb.loss_mask], alone[mb.loss_mask], atol=1e-6)
+        assert (only[~mb.loss_mask] == 0).all()

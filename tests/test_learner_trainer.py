@@ -70,7 +70,7 @@ def test_rl_step_trains_and_reports(tiny_model, dist_info):
     "algorithm,extra",
     [
         ("grpo", dict()),
-        ("ppo", dict(num_minibatches=2, loss=PolicyLossConfig(kl_coef=0.1))),
+        ("ppo", dict(num_minibatches=2)),
     ],
 )
 def test_checkpoint_resume_reproduces_the_next_step(tiny_model, dist_info, tmp_path, algorithm, extra):
@@ -99,6 +99,31 @@ def test_checkpoint_resume_reproduces_the_next_step(tiny_model, dist_info, tmp_p
         assert torch.equal(value, got_params[name]), name
     if algorithm == "ppo":
         assert got["critic/value_loss"] == expected["critic/value_loss"]
+
+
+def test_activation_checkpointing_recomputes_and_matches(tiny_model, dist_info):
+    from agentrl.learner.trainer import Trainer
+
+    results = {}
+    for ac in (False, True):
+        trainer = Trainer(_spec(tiny_model, activation_checkpointing=ac), dist_info)
+        calls = []
+        trainer.policy.model.layers[0].self_attn.q_proj.register_forward_hook(lambda *a: calls.append(1))
+        metrics = trainer.rl_step(_samples(5, groups=2))
+        results[ac] = (metrics["loss/total"], _params(trainer), len(calls))
+    (loss0, p0, calls0), (loss1, p1, calls1) = results[False], results[True]
+    assert calls1 == 2 * calls0  # every layer forward is replayed in the backward
+    assert loss1 == pytest.approx(loss0, abs=1e-7)
+    assert max((p0[n] - p1[n]).abs().max().item() for n in p0) < 1e-6
+
+
+def test_lr_schedule():
+    from agentrl.learner.trainer import lr_factor
+
+    f = lambda s, kind: lr_factor(s, warmup_steps=2, total_steps=12, schedule=kind)  # noqa: E731
+    assert [f(s, "constant") for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
+    assert f(2, "cosine") == pytest.approx(1.0) and f(7, "cosine") == pytest.approx(0.5) and f(12, "cosine") == 0.0
+    assert f(7, "linear") == pytest.approx(0.5) and f(20, "linear") == 0.0
 
 
 def test_gathered_tensors_are_the_state_dict_and_bounded_by_the_bucket(tiny_model, dist_info):
@@ -240,6 +265,65 @@ def test_sft_learns_resumes_and_exports(tiny_model, dist_info, tmp_path):
     sft(load_config(None, [*overrides, "sft.max_steps=10"]))  # resumes from step 8
     rows = [json.loads(line) for line in (run_dir / "sft_metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 11))
+
+
+class EchoEnv:
+    """A tiny environment whose demonstrations call a tool (loaded by import path)."""
+
+
+def _echo_env_class():
+    from agentrl.envs.base import Env, Task
+
+    class _EchoEnv(Env):
+        name = "echo"
+
+        def tasks(self, split="train", seed=0):
+            i = 0
+            while True:
+                yield Task(id=str(i), data={"x": i})
+                i += 1
+
+        def initial_messages(self, task):
+            return [{"role": "user", "content": f"Echo {task.data['x']}"}]
+
+        def tools(self):
+            return [{"type": "function", "function": {"name": "echo", "parameters": {"type": "object"}}}]
+
+        def demonstration(self, task):
+            if task.data["x"] % 3 == 2:
+                return None  # an env may have no demonstration for some tasks
+            call = {"type": "function", "function": {"name": "echo", "arguments": {"text": str(task.data["x"])}}}
+            return [
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": str(task.data["x"])},
+                {"role": "assistant", "content": f"It said {task.data['x']}."},
+            ]
+
+    return _EchoEnv
+
+
+EchoEnv = _echo_env_class()  # noqa: F811
+
+
+def test_sft_demonstrations_from_an_env(tiny_model):
+    from transformers import AutoTokenizer
+
+    from agentrl.config import load_config
+    from agentrl.learner.sft import env_demonstrations, load_samples
+
+    cfg = load_config(
+        None, [f'model.path="{tiny_model}"', 'env.cls="tests.test_learner_trainer:EchoEnv"', "sft.num_demonstrations=5"]
+    )
+    convs = env_demonstrations(cfg)
+    assert len(convs) == 5
+    messages, tools = convs[0]
+    assert messages[0] == {"role": "user", "content": "Echo 0"} and tools[0]["function"]["name"] == "echo"
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    samples = load_samples(cfg, tok)
+    text = tok.decode(samples[1].tokens.tolist())
+    assert "<tools>" in text and "Echo 1" in text
+    learned = tok.decode(samples[1].tokens[samples[1].loss_mask.astype(bool)].tolist())
+    assert '"arguments": {"text": "1"}' in learned and "It said 1." in learned and "Echo" not in learned
 
 
 def test_sft_reports_bad_data(tmp_path, tiny_model):

@@ -84,7 +84,7 @@ class ProgressPublisher:
         self._sock.send(encode(progress))
 
     def close(self) -> None:
-        self._sock.close(0)
+        self._sock.close(linger=1000)  # flush the last message (the final "done")
 
 
 class NullTracker:

@@ -48,7 +48,7 @@ import random
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -82,7 +82,6 @@ class LearnerIO:
     progress: Any = None  # ProgressSink
     weights: Any = None  # WeightSink (agentrl.engine.weights.WeightUpdater)
     tracker: Any = None  # agentrl.tracking.Tracker
-    owned: list[Any] = field(default_factory=list)
 
     def close(self) -> None:
         for thing in (self.source, self.progress, self.weights, self.tracker):
@@ -207,7 +206,7 @@ class Learner:
 
     def run(self) -> str:
         """Train until ``max_steps`` (or a stop); returns ``done``, ``stopped`` or ``data_timeout``."""
-        self._install_signal_handlers()
+        restore = self._install_signal_handlers()
         try:
             self._resume()
             self._log_params()
@@ -253,6 +252,7 @@ class Learner:
         finally:
             if self.io is not None:
                 self.io.close()
+            restore()
 
     # ------------------------------------------------------------------ data
 
@@ -280,6 +280,7 @@ class Learner:
         while True:
             if self._stop_requested:
                 return ("stop", "stopped")
+            self._drain()
             groups = self.buffer.take(self.lc.groups_per_step, self.version)
             if groups is not None:
                 samples = [
@@ -306,9 +307,24 @@ class Learner:
                 return ("wait",)
             group = self.io.source.get(timeout_s=min(0.5, max(0.01, deadline - now)))
             if group is not None:
-                reason = self.buffer.add(group, self.version)
-                if reason is not None:
-                    log.debug("dropped group %s: %s", group.group_id, reason)
+                self._add(group)
+
+    def _add(self, group: TrajectoryGroup) -> None:
+        assert self.buffer is not None
+        reason = self.buffer.add(group, self.version)
+        if reason is not None:
+            log.debug("dropped group %s: %s", group.group_id, reason)
+
+    def _drain(self) -> None:
+        """Move the groups the transport has already received into the buffer (no waiting), up
+        to a few steps' worth: beyond that they stay in the transport's bounded queue, which is
+        what pushes back on the actors."""
+        assert self.io is not None and self.buffer is not None
+        while len(self.buffer) < 4 * self.lc.groups_per_step:
+            group = self.io.source.get(timeout_s=0)
+            if group is None:
+                return
+            self._add(group)
 
     def _log_wait(self, waited_s: float) -> None:
         assert self.buffer is not None and self.io is not None
@@ -387,6 +403,7 @@ class Learner:
         pending = b""
         counters: dict[str, int] = {}
         if self.buffer is not None:
+            self._drain()  # groups already received are saved too, not lost on a restart
             pending = msgpack.packb([encode(g) for g in self.buffer.groups], use_bin_type=True)
             counters = dict(self.buffer.counters)
         state = {"policy_version": self.version, "steps_since_sync": self.steps_since_sync, "counters": counters}
@@ -468,9 +485,10 @@ class Learner:
             sum(v for k, v in self.buffer.counters.items() if k.startswith("dropped_")),
         )
 
-    def _install_signal_handlers(self) -> None:
+    def _install_signal_handlers(self) -> Any:
+        """SIGTERM/SIGINT request a clean stop; returns a function that restores the old handlers."""
         if threading.current_thread() is not threading.main_thread():
-            return
+            return lambda: None
 
         def handler(signum: int, frame: Any) -> None:
             if self._stop_requested:
@@ -478,8 +496,8 @@ class Learner:
             self._stop_requested = True
             log.warning("signal %d: stopping after the current step (again to abort)", signum)
 
-        signal.signal(signal.SIGTERM, handler)
-        signal.signal(signal.SIGINT, handler)
+        old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+        return lambda: [signal.signal(s, h) for s, h in old.items()]
 
 
 def learn(cfg: AgentRLConfig, *, io: LearnerIO | None = None) -> str:

@@ -138,9 +138,9 @@ def shard_model(
     if activation_checkpointing and trainable:
         for module in model.modules():
             if getattr(module, "supports_gradient_checkpointing", False) and hasattr(
-                module, "gradient_checkpointing_enable"
+                module, "activation_checkpointing_enable"
             ):
-                module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                module.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
                 break
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     kwargs: dict[str, Any] = {"mesh": mesh}
@@ -151,9 +151,10 @@ def shard_model(
         if type(module).__name__ in layer_classes:
             fully_shard(module, **kwargs)
     fully_shard(model, **kwargs)
+    # from_pretrained returns eval mode; transformers only checkpoints activations in train mode
+    model.train(trainable)
     if not trainable:
         model.requires_grad_(False)
-        model.eval()
     return model
 
 
@@ -168,23 +169,46 @@ def token_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    all_positions: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Logprob of each target token under ``log_softmax(logits / temperature)`` (the
     distribution the engines sample from and report), and optionally the entropy.
 
+    By default only the loss positions are scored: transformers' ``logits_to_keep`` applies
+    the LM head to those rows only, so prompt and tool-result tokens cost no vocabulary
+    projection or softmax (for a 150k vocabulary that is a large part of the step). Other
+    positions read 0. ``all_positions`` scores every position.
+
     Returns ``(logprobs [N], entropy [N] or None)`` in fp32.
     """
-    out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, **_attention_kwargs(mb))
-    logits = out.logits[0].float()
+    keep = None
+    if not all_positions:
+        keep = mb.loss_mask.nonzero().squeeze(-1)
+        if keep.numel() == 0:  # still run the head (FSDP expects every rank to use every weight)
+            keep = torch.zeros(1, dtype=torch.long, device=mb.loss_mask.device)
+    out = model(
+        input_ids=mb.input_ids,
+        position_ids=mb.position_ids,
+        use_cache=False,
+        logits_to_keep=0 if keep is None else keep,
+        **_attention_kwargs(mb),
+    )
+    logits = out.logits.reshape(-1, out.logits.shape[-1]).float()
     if temperature != 1.0:
         logits = logits / temperature
+    targets = mb.targets if keep is None else mb.targets[keep]
     log_z = torch.logsumexp(logits, dim=-1)
-    logprobs = logits.gather(-1, mb.targets[:, None]).squeeze(-1) - log_z
+    logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - log_z
     entropy = None
     if with_entropy:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             probs = torch.softmax(logits, dim=-1)
             entropy = log_z - (probs * logits).sum(-1)
+    if keep is not None:
+        n = mb.targets.shape[0]
+        logprobs = logprobs.new_zeros(n).index_put((keep,), logprobs)
+        if entropy is not None:
+            entropy = entropy.new_zeros(n).index_put((keep,), entropy)
     return logprobs, entropy
 
 

@@ -451,7 +451,7 @@ class Trainer:
         out: list[Tensor | None] = [None] * len(samples)
         for indices in plan:
             mb = collate([samples[i] for i in indices], pad_token_id=self.pad_token_id).to(self.device)
-            logprobs, _ = token_logprobs(self.policy, mb, temperature=self.spec.temperature)
+            logprobs, _ = token_logprobs(self.policy, mb, temperature=self.spec.temperature, all_positions=True)
             starts = mb.cu_seqlens.tolist()
             for j, i in enumerate(indices):
                 out[i] = logprobs[starts[j] : starts[j + 1] - 1].cpu()

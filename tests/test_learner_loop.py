@@ -1,0 +1,195 @@
+"""The `learn` loop: in memory, and end to end through the CLI over real ZMQ sockets."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from agentrl.protocol import Progress, decode, encode
+from tests._learner_helpers import PYTHON, ListSource, Recorder, make_group, subprocess_env, tiny_model  # noqa: F401
+
+
+def _overrides(tiny_model, run_dir, **extra) -> list[str]:
+    items = {
+        "model.path": f'"{tiny_model}"',
+        "run.run_dir": f'"{run_dir}"',
+        "learner.groups_per_step": "2",
+        "learner.max_tokens_per_microbatch": "128",
+        "learner.checkpoint_every_steps": "0",
+        "learner.device": '"cpu"',
+        "tracking.enabled": "false",
+        "actors.group_size": "4",
+    }
+    items.update({k: str(v) for k, v in extra.items()})
+    return [f"{k}={v}" for k, v in items.items()]
+
+
+def test_loop_keeps_pending_groups_and_pushes_weights(tiny_model, tmp_path):
+    from agentrl.config import load_config
+    from agentrl.learner.distributed import init_distributed
+    from agentrl.learner.loop import Learner, LearnerIO
+
+    init_distributed("cpu")
+    rng = np.random.default_rng(0)
+    rec = Recorder()
+    cfg = load_config(None, _overrides(tiny_model, tmp_path, **{"learner.max_steps": 1}))
+    groups = [make_group(rng, group_id=f"a{i}") for i in range(3)]
+    first = Learner(cfg, io=LearnerIO(source=ListSource(groups, empty_polls=2), progress=rec, weights=rec))
+    assert first.run() == "done"
+    assert first.trainer.step == 1 and first.version == 1
+    assert [v for v, _ in rec.pushes] == [1]
+    assert "model.layers.0.mlp.up_proj.weight" in rec.pushes[0][1]
+    assert rec.progress[0] == Progress(policy_version=0, accept_groups=2 * 1 * 2, step=0, max_staleness=1)
+    assert rec.progress[-1].done and rec.progress[-1].policy_version == 1
+
+    # a restart resumes at step 2 with the group that was waiting, re-pushes its weights first
+    rec2 = Recorder()
+    cfg = load_config(None, _overrides(tiny_model, tmp_path, **{"learner.max_steps": 2}))
+    stale = make_group(rng, version=0, group_id="late")
+    second = Learner(cfg, io=LearnerIO(source=ListSource([make_group(rng, version=1, group_id="b"), stale]), progress=rec2, weights=rec2))
+    assert second.run() == "done"
+    assert second.trainer.step == 2 and second.version == 2
+    assert [v for v, _ in rec2.pushes] == [1, 2]
+    rows = [json.loads(line) for line in (tmp_path / "learner_metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[-1]["data/received"] == 3 + 2  # counters survive the restart
+    # step 2 trained the group that was pending (version 0, now one behind) and "b" (current)
+    assert rows[-1]["staleness/1"] == 0.5 and rows[-1]["staleness/0"] == 0.5
+    assert len(second.buffer) == 1  # "late" waits for the next step (and is in the checkpoint)
+    for key in ("reward/mean", "advantage/std", "policy/clip_frac", "time/wait_data_s", "throughput/tokens_per_s"):
+        assert key in rows[-1]
+
+
+def _free_port() -> int:
+    from agentrl.learner.distributed import free_port
+
+    return free_port()
+
+
+def test_learn_cli_over_zmq_survives_restart(tiny_model, tmp_path):
+    """`agentrl learn` trains from groups sent over ZMQ, drops malformed and stale ones, logs to
+    MLflow and stops cleanly on SIGTERM with a checkpoint; a restart resumes from it."""
+    import zmq
+
+    traj, prog = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
+    run_dir = tmp_path / "run"
+    config = tmp_path / "learn.toml"
+    config.write_text(
+        f"""
+[run]
+run_dir = "{run_dir}"
+torch_num_threads = 1
+[model]
+path = "{tiny_model}"
+[actors]
+group_size = 4
+trajectory_endpoint = "{traj}"
+progress_endpoint = "{prog}"
+[learner]
+device = "cpu"
+groups_per_step = 2
+max_steps = 10
+max_tokens_per_microbatch = 128
+checkpoint_every_steps = 2
+wait_log_interval_s = 1.0
+[tracking]
+enabled = true
+"""
+    )
+    ctx = zmq.Context.instance()
+    rng = np.random.default_rng(1)
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 1000)
+    push.connect(traj)
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(prog)
+    proc = subprocess.Popen(
+        [PYTHON, "-m", "agentrl", "learn", "--config", str(config)],
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+    def wait_version(version: int, timeout_s: float = 150.0) -> Progress:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if sub.poll(200):
+                msg = decode(sub.recv())
+                if msg.policy_version >= version:
+                    return msg
+            assert proc.poll() is None, proc.stdout.read()[-4000:]
+        raise AssertionError(f"no progress with version {version}")
+
+    try:
+        first = wait_version(0)
+        assert first.accept_groups == 2 * 1 * 2 and not first.done
+        push.send(b"\x93not a group")  # malformed: counted by the transport, dropped
+        push.send(encode(make_group(rng, version=0)))
+        push.send(encode(make_group(rng, version=0)))
+        wait_version(1)
+        push.send(encode(make_group(rng, version=1, rewards=[1, 1, 1, 1])))  # zero variance
+        push.send(encode(make_group(rng, version=1)))
+        push.send(encode(make_group(rng, version=0)))  # staleness 1: still fine
+        wait_version(2)
+        push.send(encode(make_group(rng, version=0)))  # staleness 2 > max_staleness 1: dropped
+        push.send(encode(make_group(rng, version=2)))
+        push.send(encode(make_group(rng, version=2)))
+        assert wait_version(3).step == 3
+        time.sleep(2.5)  # let it wait for data (and say so in its log) ...
+        proc.send_signal(signal.SIGTERM)  # ... then stop it: a clean stop with a checkpoint
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, out[-4000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert "stopping after the current step" in out and "waiting for trajectory groups" in out
+    rows = [json.loads(line) for line in (run_dir / "learner_metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    last = rows[-1]
+    assert last["transport/malformed"] == 1
+    assert last["data/dropped_zero_variance"] == 1 and last["data/dropped_stale"] == 1
+    assert rows[1]["staleness/1"] == 0.5 and rows[1]["staleness/0"] == 0.5
+    assert (run_dir / "checkpoints" / "learn" / "latest").read_text() == "step_00000003"
+    with sqlite3.connect(run_dir / "mlflow.db") as db:
+        keys = {k for (k,) in db.execute("select distinct key from metrics")}
+        steps = {s for (s,) in db.execute("select distinct step from metrics where key = 'loss/total'")}
+    assert {"loss/total", "policy/clip_frac", "policy/iw_max", "grad_norm", "staleness/0", "time/weight_push_s"} <= keys
+    assert steps == {1, 2, 3}
+
+    # Restart (in this process, same sockets and code path as the command): it resumes at step 4
+    # with policy version 3 and trains on the groups that are already queued for it.
+    from agentrl.config import load_config
+    from agentrl.learner.loop import Learner
+
+    push.send(encode(make_group(rng, version=3)))
+    push.send(encode(make_group(rng, version=3)))
+    cfg = load_config(config, ["learner.max_steps=4", "tracking.enabled=false"])
+    learner = Learner(cfg)
+    assert learner.run() == "done"
+    assert learner.trainer.step == 4 and learner.version == 4
+    rows = [json.loads(line) for line in (run_dir / "learner_metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[-1]["data/received"] == 8 + 2  # counters carried over by the checkpoint
+    assert (run_dir / "checkpoints" / "learn" / "latest").read_text() == "step_00000004"
+    push.close(0)
+    sub.close(0)
+
+
+def test_learn_config_errors_are_clear(tmp_path):
+    from typer.testing import CliRunner
+
+    from agentrl.cli import app
+
+    result = CliRunner().invoke(app, ["learn", "--set", "learner.tis=token"])
+    assert result.exit_code == 2 and "learner.decoupled = false" in result.output
