@@ -41,7 +41,6 @@ step; the loop then writes a checkpoint. A second signal aborts.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import random
@@ -93,27 +92,16 @@ class LearnerIO:
                 log.warning("closing %s failed: %s", type(thing).__name__, e)
 
 
-def _module_exists(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ModuleNotFoundError:
-        return False
-
-
 def open_tracker(cfg: AgentRLConfig, run_dir: Path) -> Any:
-    if _module_exists("agentrl.tracking"):
-        from agentrl.tracking import open_tracker as _open
-    else:  # the tracking module is not on this branch yet
-        from agentrl.learner._standins import open_tracker as _open
+    from agentrl.tracking import open_tracker as _open
+
     return _open(cfg.tracking, run_dir, resume_run_id=cfg.tracking.run_id or None)
 
 
 def open_io(cfg: AgentRLConfig, run_dir: Path) -> LearnerIO:
     """The real transport (bind), weight updater (when ``engine.urls`` is set) and tracker."""
-    if _module_exists("agentrl.transport"):
-        from agentrl.transport import GroupReceiver, ProgressPublisher
-    else:  # the transport module is not on this branch yet
-        from agentrl.learner._standins import GroupReceiver, ProgressPublisher
+    from agentrl.transport import GroupReceiver, ProgressPublisher
+
     lc = cfg.learner
     source = GroupReceiver(cfg.actors.trajectory_endpoint, bind=True, max_queued_groups=max(64, 2 * lc.groups_per_step))
     progress = ProgressPublisher(cfg.actors.progress_endpoint, bind=True)
