@@ -74,6 +74,8 @@ def run_cmd(
     from agentrl.supervisor import ChildFailed
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    for noisy in ("httpx", "httpcore", "mlflow"):  # one line per request otherwise
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     folder = resolve_run_dir(cfg, run_dir)
     typer.echo(f"run folder: {folder}")
     try:
