@@ -83,6 +83,7 @@ class EnvSection(Section):
     max_total_tokens: int = Field(default=1024, ge=16)
     tool_timeout_s: float = Field(default=10.0, gt=0)
     tool_max_output_chars: int = Field(default=2000, ge=16)
+    search_corpus: str = ""  # JSONL corpus `agentrl run` serves when env.kwargs.search_url = "auto"
 
 
 class SandboxSection(Section):

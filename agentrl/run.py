@@ -7,7 +7,8 @@ Stages, in order, all under one trio nursery (:class:`agentrl.supervisor.Supervi
    ``<run_dir>/sft/model``, which becomes the policy for every later stage. Skipped when that
    folder already exists (a restarted run does not redo it).
 3. **Engines.** ``engine.num_engines`` embedded (or SGLang) servers on free ports, unless
-   ``engine.urls`` points at servers that already run. A retrieval server when the env needs one.
+   ``engine.urls`` points at servers that already run. A retrieval server (``agentrl
+   serve-search``) when ``env.kwargs.search_url = "auto"``, restarted if it dies.
 4. **Evaluation before** RL: greedy episodes on ``eval.num_tasks`` held-out tasks, played by
    this process through the same engines.
 5. **RL.** ``agentrl learn`` (critical: its failure ends the run) and
@@ -87,6 +88,8 @@ def plan_config(cfg: AgentRLConfig, run_dir: Path, policy_path: str) -> AgentRLC
     data["model"]["path"] = policy_path
     if not cfg.engine.urls:
         data["engine"]["urls"] = [f"http://{cfg.engine.host}:{_free_port()}" for _ in range(cfg.engine.num_engines)]
+    if cfg.env.kwargs.get("search_url") == "auto":  # this run starts the retrieval server
+        data["env"]["kwargs"]["search_url"] = f"http://127.0.0.1:{_free_port()}"
     data["actors"]["trajectory_endpoint"] = f"tcp://127.0.0.1:{_free_port()}"
     data["actors"]["progress_endpoint"] = f"tcp://127.0.0.1:{_free_port()}"
     return AgentRLConfig.model_validate(data)
@@ -146,6 +149,30 @@ async def start_engines(sup: Supervisor, nursery: trio.Nursery, cfg: AgentRLConf
                                                critical=True, max_restarts=0))
     for url in cfg.engine.urls:
         await trio.to_thread.run_sync(lambda u=url: wait_ready(u, 300.0))
+
+
+def search_corpus(cfg: AgentRLConfig) -> str:
+    """``env.search_corpus``, or the corpus the env's module ships (``corpus_path()``)."""
+    if cfg.env.search_corpus:
+        return cfg.env.search_corpus
+    from agentrl.envs.base import _import_module_or_file
+
+    module = _import_module_or_file(cfg.env.cls.rsplit(":", 1)[0])
+    if not hasattr(module, "corpus_path"):
+        raise ValueError("env.kwargs.search_url = 'auto' needs env.search_corpus (a JSONL corpus) "
+                         f"or a corpus_path() in the env's module {cfg.env.cls!r}")
+    return str(module.corpus_path())
+
+
+async def start_search(sup: Supervisor, nursery: trio.Nursery, cfg: AgentRLConfig, run_dir: Path) -> None:
+    """The retrieval server of ``env.kwargs.search_url``: stateless, so restarted on failure."""
+    from agentrl.engine.launch import wait_ready
+
+    url = cfg.env.kwargs["search_url"]
+    host, port = url.rsplit("//", 1)[1].rsplit(":", 1)
+    argv = _agentrl("serve-search", "--corpus", search_corpus(cfg), "--host", host, "--port", port)
+    await sup.start(nursery, ChildSpec("search", argv, run_dir / "logs" / "search.log", max_restarts=3))
+    await trio.to_thread.run_sync(lambda: wait_ready(url, 120.0))
 
 
 async def evaluate_policy(cfg: AgentRLConfig, num_tasks: int | None = None) -> dict[str, Any]:
@@ -340,8 +367,11 @@ async def run_async(cfg: AgentRLConfig, run_dir: Path, *, live_display: bool = T
         async with trio.open_nursery() as outer:
             outer.start_soon(sup.wait_for_failure)
             policy = await warm_start(sup, outer, cfg, run_dir, state)
+            starts_search = cfg.env.kwargs.get("search_url") == "auto"
             cfg = plan_config(cfg, run_dir, policy)
             write_config(cfg, run_dir / "config.toml")
+            if starts_search:
+                await start_search(sup, outer, cfg, run_dir)
             await start_engines(sup, outer, cfg, run_dir, own_engines)
             state.event("engines", f"ready at {', '.join(cfg.engine.urls)}")
             state.eval_before = await evaluate_policy(cfg)

@@ -30,18 +30,19 @@ __all__ = ["Env", "Message", "Task", "demonstrations", "episode_limits", "load_e
            "run_cleanup", "score_episode", "total_reward"]
 
 
+from agentrl.envs.base import _import_module_or_file  # noqa: E402
+
+
 def make_env(cfg: "AgentRLConfig") -> Env:
     """Instantiate the configured env, passing the sandbox settings to envs that take them."""
     kwargs = dict(cfg.env.kwargs)
     if isinstance(kwargs.get("sandbox"), dict):  # env.kwargs.sandbox refines the [sandbox] section
         kwargs["sandbox"] = {**cfg.sandbox.model_dump(), **kwargs["sandbox"]}
     elif "sandbox" not in kwargs and ":" in cfg.env.cls:
-        module_name, cls_name = cfg.env.cls.split(":", 1)
+        module_name, cls_name = cfg.env.cls.rsplit(":", 1)
         try:
-            import importlib
-
-            cls = getattr(importlib.import_module(module_name), cls_name, None)
-        except ImportError:
+            cls = getattr(_import_module_or_file(module_name), cls_name, None)
+        except ValueError:
             cls = None  # load_env reports it with a clear message
         if isinstance(cls, type) and "sandbox" in inspect.signature(cls.__init__).parameters:
             kwargs["sandbox"] = cfg.sandbox.model_dump()

@@ -22,6 +22,7 @@ Environments are loaded by import path, ``env.cls = "my_pkg.my_env:MyEnv"`` with
 from __future__ import annotations
 
 import importlib
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -90,15 +91,36 @@ class Env:
         """Release process-wide resources (a sandbox pool); called once when the actor stops."""
 
 
+def _import_module_or_file(name: str) -> Any:
+    """``pkg.module`` by import, or ``path/to/file.py`` from that file (relative to the cwd)."""
+    if name.endswith(".py"):
+        import importlib.util
+        from pathlib import Path
+
+        path = Path(name).resolve()
+        if not path.is_file():
+            raise ValueError(f"env file {name!r} does not exist (paths are relative to {Path.cwd()})")
+        spec = importlib.util.spec_from_file_location(f"agentrl_user_env_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception as e:
+            raise ValueError(f"cannot load env file {name!r}: {type(e).__name__}: {e}") from e
+        return module
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        raise ValueError(f"cannot import env module {name!r}: {e}") from e
+
+
 def load_env(import_path: str, kwargs: dict[str, Any] | None = None) -> Env:
-    """Instantiate ``"module.path:ClassName"`` with ``kwargs``; errors name what was wrong."""
+    """Instantiate ``"module.path:ClassName"`` (or ``"path/to/file.py:ClassName"``) with
+    ``kwargs``; errors name what was wrong."""
     if ":" not in import_path:
         raise ValueError(f"env class must be given as 'module:Class', got {import_path!r}")
-    module_name, cls_name = import_path.split(":", 1)
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"cannot import env module {module_name!r}: {e}") from e
+    module_name, cls_name = import_path.rsplit(":", 1)
+    module = _import_module_or_file(module_name)
     cls = getattr(module, cls_name, None)
     if cls is None:
         raise ValueError(f"module {module_name!r} has no attribute {cls_name!r}")

@@ -1,0 +1,123 @@
+"""`agentrl run` end to end with real processes: warm start, engine, learner, actors, MLflow.
+
+The short run checks the mechanics (every stage ran, off-policy data from several policy
+versions was consumed, the summary and MLflow hold the evaluations, nothing is left
+running); the learning target itself is checked by the quickstart run, not by a test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agentrl.config import load_config
+from agentrl.run import run
+from agentrl.supervisor import ChildFailed
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "calculator" / "config.toml"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from agentrl.model_builder import init_model
+
+    return init_model(tmp_path_factory.mktemp("run_model") / "tiny", "tiny")
+
+
+def _short(model: Path, *extra: str):
+    return load_config(EXAMPLE, [
+        f"model.path={model}", "sft.num_demonstrations=160", "sft.epochs=1.0", "sft.batch_tokens=4096",
+        "learner.max_steps=4", "learner.groups_per_step=4", "actors.group_size=4",
+        "actors.num_concurrent_episodes=32", "learner.dynamic_sampling=false", "learner.max_staleness=1",
+        "actors.max_staleness=1", "eval.num_tasks=16", "actors.max_new_tokens_per_turn=32", *extra,
+    ])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_short_run_end_to_end(tiny_model: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    summary = run(_short(tiny_model), run_dir, live_display=False)
+
+    on_disk = json.loads((run_dir / "summary.json").read_text())
+    assert on_disk["learner_steps"] == summary["learner_steps"] == 4
+    for name in ("eval_before", "eval_after"):
+        assert on_disk[name]["n"] + on_disk[name]["n_failed"] == 16
+        assert 0.0 <= on_disk[name]["success_rate"] <= 1.0
+    assert on_disk["warm_start"]["enabled"] and "demonstrations" in on_disk["warm_start"]["data"]
+    assert (run_dir / "sft" / "model" / "config.json").exists()
+    for child in ("sft", "engine0", "learner", "actor0"):
+        assert (run_dir / "logs" / f"{child}.log").stat().st_size > 0
+    # the engines served several policy versions, and the learner consumed off-policy data
+    assert len(on_disk["policy_versions_seen"]) >= 3
+    rows = [json.loads(line) for line in (run_dir / "learner_metrics.jsonl").read_text().splitlines()]
+    versions_consumed = {int(r["policy_version"]) - lag for r in rows
+                         for lag in range(0, 3) if r.get(f"staleness/{lag}", 0) > 0}
+    assert len(versions_consumed) >= 2
+    assert on_disk["groups_produced"]["groups_delivered"] >= 16
+    # one MLflow run holds the learner's metrics and the supervisor's evaluations
+    from mlflow import MlflowClient
+
+    cfg = load_config(run_dir / "config.toml")
+    client = MlflowClient(tracking_uri=cfg.tracking.uri)
+    mlrun = client.get_run(cfg.tracking.run_id)
+    assert "eval_before/success_rate" in mlrun.data.metrics and "eval_after/success_rate" in mlrun.data.metrics
+    assert "loss/total" in mlrun.data.metrics
+    assert mlrun.info.status == "FINISHED"
+
+
+def test_failing_learner_stops_the_run_and_is_named(tiny_model: Path, tmp_path: Path) -> None:
+    events: list[str] = []
+    cfg = _short(tiny_model, "sft.enabled=false", "learner.device=cuda:7", "tracking.enabled=false")
+    with pytest.raises(ChildFailed) as info:
+        run(cfg, tmp_path / "run", live_display=False)
+    err = info.value
+    assert err.name == "learner" and err.returncode != 0
+    assert err.log_tail.strip()  # the end of its log is quoted
+    events = json.loads((tmp_path / "run" / "summary.json").read_text())["events"]
+    assert any("learner: failed" in e for e in events)
+    pids = [int(line.split("pid ")[1].rstrip(")")) for line in events if "started (pid" in line]
+    assert pids and not any(_alive(p) for p in pids)
+
+
+def test_cli_run_reports_a_failing_child_with_exit_1(tiny_model: Path, tmp_path: Path) -> None:
+    res = subprocess.run(
+        [sys.executable, "-m", "agentrl", "run", str(EXAMPLE), "--no-live", "--run-dir", str(tmp_path / "run"),
+         "-s", f"model.path={tiny_model}", "-s", "sft.enabled=false", "-s", "learner.device=cuda:7",
+         "-s", "tracking.enabled=false", "-s", "eval.num_tasks=4"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert res.returncode == 1, res.stderr[-2000:]
+    assert "learner exited with status" in res.stderr and "end of its log" in res.stderr
+
+
+@pytest.mark.parametrize("example", ["search_qa", "code", "custom_env"])
+def test_cpu_examples_run_a_few_steps(example: str, tiny_model: Path, tmp_path: Path) -> None:
+    cfg = load_config(ROOT / "examples" / example / "config.toml", [
+        f"model.path={tiny_model}", "sft.enabled=false", "learner.max_steps=2", "learner.groups_per_step=2",
+        "actors.group_size=2", "actors.num_concurrent_episodes=8", "learner.dynamic_sampling=false",
+        "actors.max_new_tokens_per_turn=24", "eval.num_tasks=4", "tracking.enabled=false",
+        "learner.checkpoint_every_steps=0",
+    ])
+    cwd = os.getcwd()
+    os.chdir(ROOT)  # example paths are relative to the repository root
+    try:
+        summary = run(cfg, tmp_path / "run", live_display=False)
+    finally:
+        os.chdir(cwd)
+    assert summary["learner_steps"] == 2
+    assert summary["eval_after"]["n"] + summary["eval_after"]["n_failed"] == 4
+    assert summary["groups_produced"]["groups_delivered"] >= 4
+    if example == "search_qa":  # the run started the retrieval server and the episodes searched through it
+        assert (tmp_path / "run" / "logs" / "search.log").exists()
