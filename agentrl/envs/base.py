@@ -94,14 +94,14 @@ class Env:
 def _import_module_or_file(name: str) -> Any:
     """``pkg.module`` by import, or ``path/to/file.py`` from that file (relative to the cwd)."""
     if name.endswith(".py"):
-        import importlib.util
+        from importlib.util import module_from_spec, spec_from_file_location
         from pathlib import Path
 
         path = Path(name).resolve()
         if not path.is_file():
             raise ValueError(f"env file {name!r} does not exist (paths are relative to {Path.cwd()})")
-        spec = importlib.util.spec_from_file_location(f"agentrl_user_env_{path.stem}", path)
-        module = importlib.util.module_from_spec(spec)
+        spec = spec_from_file_location(f"agentrl_user_env_{path.stem}", path)
+        module = module_from_spec(spec)
         sys.modules[spec.name] = module
         try:
             spec.loader.exec_module(module)
