@@ -335,3 +335,40 @@ def test_sft_reports_bad_data(tmp_path, tiny_model):
     with pytest.raises(ValueError, match="bad.jsonl:2"):
         load_jsonl(bad)
     assert load_config(None, [f'sft.data="{bad}"']).sft.data == str(bad)
+
+
+def test_weight_broadcast_makes_a_real_engine_match_the_learner(tiny_model, dist_info, tmp_path):
+    """Train a step, push through WeightUpdater into a real embedded engine process: the engine's
+    logprobs are then the learner's (teacher-forced recompute of the engine's own output)."""
+    import httpx
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.engine.weights import WeightUpdater
+    from agentrl.learner.trainer import Trainer
+    from agentrl.learner.weights_gather import iter_full_tensors, push_weights
+    from tests.conftest_engine import Teacher, max_abs_diff, start_engines
+
+    trainer = Trainer(_spec(tiny_model, lr=5e-2), dist_info)
+    trainer.rl_step(_samples(11))  # a large step: the weights differ clearly from the engine's
+    (engine,) = start_engines(tiny_model, 1, tmp_path / "logs")
+    updater = WeightUpdater([engine.url], backend="gloo", bucket_bytes=256 << 10)
+    try:
+        updater.connect()
+        prompt = [5, 17, 42, 99, 7]
+        body = {"input_ids": prompt, "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}}
+        before = httpx.post(engine.url + "/generate", json=body, timeout=60).json()
+        push_weights(trainer.policy, updater, 1, bucket_bytes=256 << 10, dtype=torch.float32)
+        after = httpx.post(engine.url + "/generate", json=body, timeout=60).json()
+    finally:
+        updater.close()
+        engine.stop()
+    assert before["meta_info"]["weight_version"] == "0" and after["meta_info"]["weight_version"] == "1"
+    learner_model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    learner_model.load_state_dict({n: t for n, t in iter_full_tensors(trainer.policy)}, strict=False)
+    learner = Teacher(learner_model)
+    out = after["output_ids"]
+    engine_lp = [lp for lp, _, _ in after["meta_info"]["output_token_logprobs"]]
+    assert max_abs_diff(engine_lp, learner.logprobs(prompt, out)) <= 1e-4
+    old_lp = [lp for lp, _, _ in before["meta_info"]["output_token_logprobs"]]
+    assert max_abs_diff(old_lp, learner.logprobs(prompt, before["output_ids"])) > 1e-3  # it did change
