@@ -67,6 +67,20 @@ def test_loop_keeps_pending_groups_and_pushes_weights(tiny_model, tmp_path):
         assert key in rows[-1]
 
 
+def test_loop_waits_for_data_then_gives_up_cleanly(tiny_model, tmp_path):
+    from agentrl.config import load_config
+    from agentrl.learner.distributed import init_distributed
+    from agentrl.learner.loop import Learner, LearnerIO
+
+    init_distributed("cpu")
+    rec = Recorder()
+    cfg = load_config(None, _overrides(tiny_model, tmp_path, **{"learner.max_wait_for_data_s": 1.0}))
+    learner = Learner(cfg, io=LearnerIO(source=ListSource([]), progress=rec, weights=rec))
+    assert learner.run() == "data_timeout"
+    assert learner.trainer.step == 0 and rec.progress and not rec.progress[-1].done
+    assert (tmp_path / "checkpoints" / "learn" / "latest").exists()
+
+
 def _free_port() -> int:
     from agentrl.learner.distributed import free_port
 
