@@ -10,7 +10,6 @@ import subprocess
 import time
 
 import numpy as np
-import pytest
 
 from agentrl.protocol import Progress, decode, encode
 from tests._learner_helpers import PYTHON, ListSource, Recorder, make_group, subprocess_env, tiny_model  # noqa: F401
