@@ -14,7 +14,8 @@ Both sides train the same model from the same weights on the same packed micro-b
   learner's machinery, not that saving.
 
 Steps alternate between the two (so load from other processes hits both alike) and the
-median of each is reported. The printed ratio is learner tokens/s over bare tokens/s; the
+median of each is reported, by wall clock and, on CPU, by the process's CPU time (steadier
+on a shared machine with one torch thread). The printed ratio is learner tokens/s over bare tokens/s; the
 target is >= 0.90 (overhead <= 10%). On GPU, MFU uses 6 x (non-embedding parameters + LM
 head) + 6 x layers x heads x head_dim x mean sequence length FLOPs per token against
 ``--peak-tflops`` (989 for an H100/H200 in dense bf16).
@@ -136,32 +137,37 @@ def main() -> None:
         bare_opt.step()
         bare_opt.zero_grad(set_to_none=True)
 
-    def timed(fn) -> float:
+    def timed(fn) -> tuple[float, float]:
+        """(wall seconds, CPU seconds of this process)."""
         if device.type == "cuda":
             torch.cuda.synchronize()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu_start
 
     for _ in range(args.warmup):
         timed(lambda: trainer.rl_step(samples))
         timed(bare_step)
-    learner_s, bare_s = [], []
+    learner_t, bare_t = [], []
     for _ in range(args.steps):
-        learner_s.append(timed(lambda: trainer.rl_step(samples)))
-        bare_s.append(timed(bare_step))
-    learner_tps = tokens / statistics.median(learner_s)
-    bare_tps = tokens / statistics.median(bare_s)
-    print(f"model {args.size} ({sum(p.numel() for p in bare_model.parameters()):,} parameters) on {device}")
+        learner_t.append(timed(lambda: trainer.rl_step(samples)))
+        bare_t.append(timed(bare_step))
+    print(f"model {Path(model_path).name} ({sum(p.numel() for p in bare_model.parameters()):,} parameters) on {device}")
     print(
         f"batch: {len(samples)} sequences, {tokens} tokens (mean length {mean_len:.0f}), "
         f"{len(micro_batches)} micro-batches of <= {args.microbatch_tokens} tokens"
     )
-    print(f"learner  {learner_tps:12,.0f} tokens/s   (median of {args.steps} steps)")
-    print(f"bare     {bare_tps:12,.0f} tokens/s")
-    print(f"ratio learner/bare = {learner_tps / bare_tps:.3f}  (overhead {100 * (1 - learner_tps / bare_tps):+.1f}%, target <= 10%)")
+    clocks = [("wall", 0)] + ([("cpu", 1)] if device.type == "cpu" else [])
+    for clock, i in clocks:
+        learner_tps = tokens / statistics.median(t[i] for t in learner_t)
+        bare_tps = tokens / statistics.median(t[i] for t in bare_t)
+        print(f"[{clock:4s}] learner {learner_tps:10,.0f} tokens/s | bare {bare_tps:10,.0f} tokens/s | "
+              f"ratio learner/bare = {learner_tps / bare_tps:.3f} (overhead {100 * (1 - learner_tps / bare_tps):+.1f}%, "
+              f"target <= 10%; median of {args.steps} steps)")
+    learner_tps = tokens / statistics.median(t[0] for t in learner_t)
+    bare_tps = tokens / statistics.median(t[0] for t in bare_t)
     if device.type == "cuda":
         fpt = flops_per_token(trainer.hf_config, mean_len)
         for name, tps in (("learner", learner_tps), ("bare", bare_tps)):

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def run(out: Path, model_path: str, *, world_tag: str) -> dict:
-    """One step of each recipe; returns (and on rank 0 saves) metrics and full parameters."""
+    """Two steps of each recipe; returns (and on rank 0 saves) metrics and full parameters."""
     from agentrl.learner.checkpoint import save_checkpoint
     from agentrl.learner.distributed import init_distributed
     from agentrl.learner.loss import PolicyLossConfig
@@ -50,7 +50,10 @@ def run(out: Path, model_path: str, *, world_tag: str) -> dict:
     }
     for name, (spec, advantage) in recipes.items():
         trainer = Trainer(spec, dist_info)
-        metrics = trainer.rl_step(fixed_samples(11, groups=3, advantage=advantage))
+        # two steps: Adam's first update is nearly sign(g), the second one depends on magnitudes
+        first = trainer.rl_step(fixed_samples(11, groups=3, advantage=advantage))
+        metrics = trainer.rl_step(fixed_samples(12, groups=3, advantage=advantage))
+        metrics.update({f"first/{k}": v for k, v in first.items()})
         params = {n: t.clone() for n, t in iter_full_tensors(trainer.policy, bucket_bytes=64 << 10)}
         results[name] = {"metrics": metrics, "params": params}
         if name == "grpo":

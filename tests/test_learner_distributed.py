@@ -30,7 +30,7 @@ def test_two_ranks_match_one_rank(two_rank_results, tiny_model):
     one = run(out, str(tiny_model), world_tag="world1")  # in this process: a single-rank group
     for recipe in ("grpo", "ppo"):
         m1, m2 = one[recipe]["metrics"], two[recipe]["metrics"]
-        for key in ("loss/total", "grad_norm", "policy/clip_frac", "policy/entropy", "policy/iw_max"):
+        for key in ("loss/total", "grad_norm", "policy/clip_frac", "policy/entropy", "policy/iw_max", "first/grad_norm"):
             if key in m1:
                 assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), (recipe, key)
         if recipe == "ppo":
@@ -60,7 +60,7 @@ def test_checkpoint_from_two_ranks_loads_on_one(two_rank_results, tiny_model):
     )
     trainer = Trainer(spec, init_distributed("cpu"))
     state = load_checkpoint(latest_checkpoint(out / "ckpt-world2"), trainer)
-    assert state["policy_version"] == 1 and trainer.step == 1
+    assert state["policy_version"] == 1 and trainer.step == 2
     for name, tensor in iter_full_tensors(trainer.policy):
         assert torch.equal(tensor, two["grpo"]["params"][name]), name
 

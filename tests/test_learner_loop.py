@@ -10,7 +10,6 @@ import subprocess
 import time
 
 import numpy as np
-import pytest
 
 from agentrl.protocol import Progress, decode, encode
 from tests._learner_helpers import PYTHON, ListSource, Recorder, make_group, subprocess_env, tiny_model  # noqa: F401
@@ -65,6 +64,20 @@ def test_loop_keeps_pending_groups_and_pushes_weights(tiny_model, tmp_path):
     assert len(second.buffer) == 1  # "late" waits for the next step (and is in the checkpoint)
     for key in ("reward/mean", "advantage/std", "policy/clip_frac", "time/wait_data_s", "throughput/tokens_per_s"):
         assert key in rows[-1]
+
+
+def test_loop_waits_for_data_then_gives_up_cleanly(tiny_model, tmp_path):
+    from agentrl.config import load_config
+    from agentrl.learner.distributed import init_distributed
+    from agentrl.learner.loop import Learner, LearnerIO
+
+    init_distributed("cpu")
+    rec = Recorder()
+    cfg = load_config(None, _overrides(tiny_model, tmp_path, **{"learner.max_wait_for_data_s": 1.0}))
+    learner = Learner(cfg, io=LearnerIO(source=ListSource([]), progress=rec, weights=rec))
+    assert learner.run() == "data_timeout"
+    assert learner.trainer.step == 0 and rec.progress and not rec.progress[-1].done
+    assert (tmp_path / "checkpoints" / "learn" / "latest").exists()
 
 
 def _free_port() -> int:

@@ -109,7 +109,10 @@ def open_io(cfg: AgentRLConfig, run_dir: Path) -> LearnerIO:
     if cfg.engine.urls:
         import torch
 
-        from agentrl.engine.weights import WeightUpdater
+        try:
+            from agentrl.engine.weights import WeightUpdater
+        except ImportError as e:
+            raise ValueError(f"engine.urls is set but the weight updater cannot be imported: {e}") from e
 
         backend = cfg.engine.weight_group_backend
         if backend == "auto":
