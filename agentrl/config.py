@@ -202,6 +202,12 @@ class AgentRLConfig(Section):
             raise ValueError("learner.advantage = 'gae' needs a critic: set learner.algorithm = 'ppo'")
         if self.learner.algorithm == "grpo" and self.actors.group_size < 2:
             raise ValueError("GRPO needs actors.group_size >= 2 (several samples of one task)")
+        if self.actors.max_staleness != self.learner.max_staleness:
+            raise ValueError(
+                f"actors.max_staleness ({self.actors.max_staleness}) and learner.max_staleness "
+                f"({self.learner.max_staleness}) must be equal: it is one knob (0 = synchronous), "
+                "set in both sections so that each process can be started on its own"
+            )
         if self.env.max_total_tokens > self.engine.max_context_tokens:
             raise ValueError(
                 f"env.max_total_tokens ({self.env.max_total_tokens}) exceeds "

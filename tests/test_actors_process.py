@@ -105,6 +105,8 @@ max_staleness = 0
 max_new_tokens_per_turn = 64
 trajectory_endpoint = "{learner.groups_endpoint}"
 progress_endpoint = "{learner.progress_endpoint}"
+[learner]
+max_staleness = 0
 [env]
 cls = "tests._actors_user_env:AddEnv"
 kwargs = {{ num_tasks = 50 }}

@@ -164,3 +164,9 @@ def test_dump_toml_round_trips(tmp_path) -> None:
     tomllib.loads(text)  # valid TOML
     again = load_config(write(tmp_path, text))
     assert again == cfg
+
+
+def test_the_two_staleness_settings_must_agree() -> None:
+    with pytest.raises(ConfigError, match=r"actors.max_staleness \(0\) and learner.max_staleness \(1\)"):
+        load_config(None, ["actors.max_staleness=0"])
+    assert load_config(None, ["actors.max_staleness=0", "learner.max_staleness=0"]).learner.max_staleness == 0
