@@ -155,7 +155,7 @@ def test_reward_that_raises_scores_zero(tokenizer):
     assert len(group.trajectories) == 3
     for traj in group.trajectories:
         assert traj.reward == 0.0
-        assert traj.metadata["reward_error"] == "RuntimeError: the scorer crashed"
+        assert traj.metadata["reward_error"].endswith("RuntimeError: the scorer crashed")
     assert env.cleaned_up == 3
 
 

@@ -202,7 +202,7 @@ def test_reward_errors_do_not_stop_the_actor(tokenizer):
 
         report = trio.run(main)
     assert report["groups_delivered"] == 3 and report["reward_errors"] == 6 and report["reward_mean"] == 0.0
-    assert all(t.metadata["reward_error"] == "RuntimeError: the scorer crashed"
+    assert all(t.metadata["reward_error"].endswith("RuntimeError: the scorer crashed")
                for g in sender.groups for t in g.trajectories)
 
 

@@ -35,7 +35,6 @@ silently.
 from __future__ import annotations
 
 import logging
-import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ from typing import Any, Protocol
 import trio
 
 from agentrl.actors.chat import ChatCodec, Message, TokenChat, codec_for
-from agentrl.envs.base import Env, Task, total_reward
+from agentrl.envs.base import Env, Task, run_cleanup, score_episode
 from agentrl.protocol import Trajectory, TrajectoryGroup
 from agentrl.tools.base import ToolBox, ToolCall, ToolResult
 from agentrl.tools.parsing import HermesToolCallParser, ParsedTurn, ToolCallParser
@@ -271,18 +270,6 @@ def _unpack(result: GenerateResultLike) -> tuple[list[int], list[float], list[in
     return ids, logprobs, versions, kind
 
 
-async def _score(env: Env, task: Task, state: dict[str, Any], messages: list[Message]) -> tuple[float, dict, str]:
-    """The env's reward; a reward that raises or is not finite scores 0 with the error returned."""
-    try:
-        value = await env.reward(task, state, messages)
-        reward, components = total_reward(value)
-    except Exception as e:
-        return 0.0, {}, f"{type(e).__name__}: {e}"
-    if not math.isfinite(reward) or not all(math.isfinite(v) for v in components.values()):
-        return 0.0, {}, f"reward is not finite: {value!r}"
-    return reward, components, ""
-
-
 async def run_episode(client: EngineClientLike, tokenizer: Any, env: Env, toolbox: ToolBox, task: Task,
                       sampling: dict[str, Any], limits: EpisodeLimits, *, episode_id: str | None = None,
                       extra_metadata: dict[str, Any] | None = None) -> Trajectory:
@@ -294,7 +281,6 @@ async def run_episode(client: EngineClientLike, tokenizer: Any, env: Env, toolbo
         ep.state = await env.setup(task)
     except Exception as e:
         raise EpisodeFailed(f"{type(env).__name__}.setup raised {type(e).__name__}: {e}") from e
-    cleanup_error = ""
     try:
         try:
             ep.chat = TokenChat.start(codec, env.initial_messages(task), toolbox.schemas())
@@ -304,14 +290,11 @@ async def run_episode(client: EngineClientLike, tokenizer: Any, env: Env, toolbo
         except Exception as e:  # an env or template bug ends this episode, not the actor
             log.warning("episode %s crashed", ep.id, exc_info=True)
             raise EpisodeFailed(f"episode crashed: {type(e).__name__}: {e}") from e
-        reward, components, reward_error = await _score(env, task, ep.state, ep.chat.messages)
+        reward, components, reward_error = await score_episode(env, task, ep.state, ep.chat.messages)
     finally:
-        with trio.CancelScope(shield=True), trio.move_on_after(CLEANUP_TIMEOUT_S):
-            try:
-                await env.cleanup(task, ep.state)
-            except Exception as e:  # a leaking env is logged, the episode still counts
-                cleanup_error = f"{type(e).__name__}: {e}"
-                log.warning("%s.cleanup raised %s", type(env).__name__, cleanup_error)
+        cleanup_error = await run_cleanup(env, task, ep.state, CLEANUP_TIMEOUT_S) or ""
+        if cleanup_error:  # a leaking env is logged, the episode still counts
+            log.warning("%s", cleanup_error)
     chat, c = ep.chat, ep.counters
     metadata: dict[str, Any] = {
         "env": env.name, "task_id": task.id, "episode_id": ep.id, "finish_reason": finish,
