@@ -7,7 +7,7 @@ number of groups per step; the only difference is ``max_staleness``:
 
 * sync  (``max_staleness = 0``): actors start one step's groups per policy version and the
   learner waits for all of them -- the slowest episode of every batch holds everyone up;
-* async (``max_staleness = 2``): actors keep generating up to two versions ahead, the
+* async (``max_staleness = 4``): actors keep generating up to four versions ahead, the
   learner takes the first full batch that is fresh enough.
 
 Printed per mode: wall time of the RL phase, trajectories/s consumed, learner idle
@@ -40,7 +40,7 @@ def run_mode(name: str, staleness: int, args: argparse.Namespace, model: str, wo
         "env.cls=latency_env:LatencyEnv", "env.max_turns=13", "env.max_total_tokens=1024",
         "engine.max_context_tokens=1024", "engine.max_running_requests=256",
         f"actors.group_size={args.group_size}", f"actors.num_concurrent_episodes={args.concurrency}",
-        f"actors.max_staleness={staleness}", "actors.max_new_tokens_per_turn=16",
+        f"actors.max_staleness={staleness}", "actors.max_new_tokens_per_turn=8",
         f"learner.max_staleness={staleness}", f"learner.max_steps={args.steps}",
         f"learner.groups_per_step={args.groups_per_step}", "learner.dynamic_sampling=false",
         "learner.checkpoint_every_steps=0", "learner.lr=3e-4",
@@ -80,7 +80,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="agentrl-async-bench-") as tmp:
         work = Path(tmp)
         model = args.model or str(ensure_model(work / "model", "tiny"))
-        results = [run_mode("sync", 0, args, model, work), run_mode("async", 2, args, model, work)]
+        results = [run_mode("sync", 0, args, model, work), run_mode("async", 4, args, model, work)]
     print(f"\n{'mode':<6} {'RL wall s':>10} {'traj/s':>8} {'idle':>6} {'final reward':>13} {'staleness':>10}")
     for r in results:
         print(f"{r['mode']:<6} {r['rl_wall_s']:>10.1f} {r['trajectories_per_s']:>8.2f} "

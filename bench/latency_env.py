@@ -21,8 +21,8 @@ from agentrl.envs.base import Env, Message, Task
 class LatencyEnv(Env):
     name = "latency"
 
-    def __init__(self, pareto_alpha: float = 1.2, max_turns: int = 12, latency_median_s: float = 0.15,
-                 latency_sigma: float = 1.0, max_latency_s: float = 3.0, max_chars: int = 120):
+    def __init__(self, pareto_alpha: float = 1.1, max_turns: int = 12, latency_median_s: float = 0.5,
+                 latency_sigma: float = 1.2, max_latency_s: float = 6.0, max_chars: int = 120):
         self.alpha, self.turn_cap = pareto_alpha, max_turns
         self.median, self.sigma, self.max_latency = latency_median_s, latency_sigma, max_latency_s
         self.max_chars = max_chars
