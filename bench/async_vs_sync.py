@@ -70,7 +70,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--groups-per-step", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--concurrency", type=int, default=128)
+    parser.add_argument("--concurrency", type=int, default=256)
     parser.add_argument("--model", default="", help="model folder (default: a fresh tiny model)")
     args = parser.parse_args()
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "bench"), str(ROOT), os.environ.get("PYTHONPATH", "")])
