@@ -14,6 +14,8 @@ JSON, so limits and reports read the same everywhere; each backend adds its own 
 
 from __future__ import annotations
 
+import abc
+
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -142,17 +144,19 @@ def runner_source() -> str:
     return RUNNER_PATH.read_text()
 
 
-class Sandbox:
-    """One sandbox; used by one episode at a time."""
+class Sandbox(abc.ABC):
+    """One sandbox; used by one episode at a time. Backends implement all three methods."""
 
     settings: SandboxSettings
 
+    @abc.abstractmethod
     async def run(self, code: str, *, files: dict[str, str] | None = None, stdin: str = "") -> ExecResult:
-        raise NotImplementedError
+        """Run ``code`` with Python inside the sandbox, within the settings' limits."""
 
+    @abc.abstractmethod
     async def reset(self) -> None:
         """Empty the work directory and end leftover processes (between episodes)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def close(self) -> None:
-        raise NotImplementedError
+        """Destroy the sandbox and everything it started."""
