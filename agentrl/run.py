@@ -428,6 +428,8 @@ def run(cfg: AgentRLConfig, run_dir: Path, *, live_display: bool = True) -> dict
         failed = group.subgroup(ChildFailed)
         if failed is not None:
             raise _first(failed) from None
+        if group.subgroup(KeyboardInterrupt) is not None:  # Ctrl-C: the children are already stopped
+            raise KeyboardInterrupt from None
         raise
 
 
