@@ -228,6 +228,20 @@ class _Mailbox(Generic[T]):
 # ---------------------------------------------------------------------------- socket thread
 
 
+def _own_socket(
+    name: str, socket_type: int, endpoint: str, bind: bool, options: dict[int, Any]
+) -> tuple[zmq.Context, zmq.Socket, str]:
+    """A private one-I/O-thread context and its socket (see :func:`_open_socket`); the context
+    is terminated again when the socket cannot be opened."""
+    ctx = zmq.Context(io_threads=1)
+    try:
+        sock, address = _open_socket(ctx, name, socket_type, endpoint, bind, options)
+    except TransportError:
+        ctx.term()
+        raise
+    return ctx, sock, address
+
+
 def _open_socket(
     ctx: zmq.Context, name: str, socket_type: int, endpoint: str, bind: bool, options: dict[int, Any]
 ) -> tuple[zmq.Socket, str]:
@@ -387,14 +401,9 @@ class PullSocket:
         self._timeout_ms = -1  # the socket's current RCVTIMEO
         self._lock = threading.Lock()  # held by the get() that is using the socket
         self._close_lock = threading.Lock()
-        self._ctx = zmq.Context(io_threads=1)
-        try:
-            self._sock, self.endpoint = _open_socket(
-                self._ctx, self._name, zmq.PULL, endpoint, bind, {zmq.RCVHWM: max_queued}
-            )
-        except TransportError:
-            self._ctx.term()
-            raise
+        self._ctx, self._sock, self.endpoint = _own_socket(
+            self._name, zmq.PULL, endpoint, bind, {zmq.RCVHWM: max_queued}
+        )
 
     def _convert(self, frame: bytes) -> Any | None:
         """What get() returns for one message; None drops it (counted as malformed)."""
@@ -528,14 +537,9 @@ class PushSocket:
         self._closed = False
         self._last_yield = 0.0
         self._wait_lock = trio.Lock()
-        self._ctx = zmq.Context(io_threads=1)
-        try:
-            self._sock, self.endpoint = _open_socket(
-                self._ctx, self._name, zmq.PUSH, endpoint, bind, {zmq.SNDHWM: max_queued}
-            )
-        except TransportError:
-            self._ctx.term()
-            raise
+        self._ctx, self._sock, self.endpoint = _own_socket(
+            self._name, zmq.PUSH, endpoint, bind, {zmq.SNDHWM: max_queued}
+        )
         self._fd = self._sock.getsockopt(zmq.FD)
 
     def _try_send(self, data: bytes) -> bool:
