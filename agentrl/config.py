@@ -161,6 +161,8 @@ class SftSection(Section):
     lr: float = Field(default=1e-3, gt=0)
     batch_tokens: int = Field(default=8192, ge=16)
     max_steps: int = Field(default=0, ge=0)  # 0: derived from epochs
+    warmup_steps: int = Field(default=0, ge=0)
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
     output_dir: str = ""  # Hugging Face folder written at the end; empty: <run_dir>/sft/model
 
 

@@ -34,9 +34,16 @@ CHAT_TEMPLATE = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n' }}"
     "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
-    "{{- '# Tools\\n<tools>' }}"
-    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
-    "{{- '\\n</tools>\\nTo call a tool, answer with <tool_call>\\n{\"name\": <name>, \"arguments\": <json>}\\n</tool_call><|im_end|>\\n' }}"
+    "{{- '# Tools' }}"
+    "{%- for tool in tools %}"
+    "{%- set f = tool.function if tool.function is defined else tool %}"
+    "{{- '\\n' + f.name + '(' }}"
+    "{%- for name, spec in (f.parameters.properties if f.parameters is defined and f.parameters.properties is defined else {}).items() %}"
+    "{%- if not loop.first %}{{- ', ' }}{%- endif %}{{- name + ': ' + (spec.type if spec.type is defined else 'any') }}"
+    "{%- endfor %}"
+    "{{- ')' }}{%- if f.description %}{{- ': ' + f.description }}{%- endif %}"
+    "{%- endfor %}"
+    "{{- '\\nCall a tool with <tool_call>\\n{\"name\": ..., \"arguments\": {...}}\\n</tool_call><|im_end|>\\n' }}"
     "{%- elif messages[0].role == 'system' %}"
     "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
     "{%- endif %}"
@@ -65,9 +72,12 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-SIZES: dict[str, dict[str, int]] = {
+SIZES: dict[str, dict[str, float]] = {
+    # initializer_range: the transformers default (0.02) is sized for wide models; at hidden 128
+    # it left the quickstart's SFT on a plateau for ~400 steps, 0.06 (about 0.7/sqrt(hidden))
+    # learned to copy numbers by step 200 (measured; see docs/architecture.md)
     "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=32, vocab_target=1024),
+                 num_key_value_heads=2, head_dim=32, vocab_target=1024, initializer_range=0.06),
     "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                   num_key_value_heads=4, head_dim=64, vocab_target=2048),
     "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -110,20 +120,33 @@ _PARAM_NAMES = ["expression", "query", "code", "top_k", "text", "city", "languag
 
 
 def _tool_preamble(rng: random.Random) -> str:
-    """A system turn with tool schemas, as the chat template renders it (JSON of OpenAI tools),
-    so that the BPE merges cover the schema boilerplate every agent prompt starts with."""
-    tools = []
-    for _ in range(rng.randint(1, 2)):
-        param = rng.choice(_PARAM_NAMES)
-        kind = "integer" if param == "top_k" else "string"
-        tools.append(json.dumps({"type": "function", "function": {
-            "name": rng.choice(_TOOL_NAMES),
-            "description": " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 8))).capitalize() + ".",
-            "parameters": {"type": "object", "properties": {param: {"type": kind, "description": "for example "
-                           + json.dumps(" ".join(rng.choice(_WORDS) for _ in range(2))) + "."}},
-                           "required": [param]}}}))
-    return ("<|im_start|>system\n# Tools\n<tools>\n" + "\n".join(tools) + "\n</tools>\nTo call a tool, answer with "
-            "<tool_call>\n{\"name\": <name>, \"arguments\": <json>}\n</tool_call><|im_end|>\n")
+    """A system turn with tool schemas as the chat template renders them, so that the BPE merges
+    cover the words every agent prompt starts with; half use the built-in tools' own schemas."""
+    from jinja2 import Template
+
+    if rng.random() < 0.5:
+        tools = [rng.choice(_builtin_tool_schemas())]
+    else:
+        tools = []
+        for _ in range(rng.randint(1, 2)):
+            param = rng.choice(_PARAM_NAMES)
+            tools.append({"type": "function", "function": {
+                "name": rng.choice(_TOOL_NAMES),
+                "description": " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 8))).capitalize() + ".",
+                "parameters": {"type": "object", "properties": {
+                    param: {"type": "integer" if param == "top_k" else "string"}}}}})
+    system = {"role": "system", "content": " ".join(rng.choice(_WORDS) for _ in range(6)).capitalize() + "."}
+    return Template(CHAT_TEMPLATE).render(messages=[system], tools=tools, add_generation_prompt=False)
+
+
+def _builtin_tool_schemas() -> list[dict]:
+    from agentrl.tools.calculator import CalculatorTool
+    from agentrl.tools.python_sandbox import PythonTool
+    from agentrl.tools.search import SearchTool
+
+    return [{"type": "function", "function": {"name": cls.name, "description": cls.description,
+                                              "parameters": cls.parameters}}
+            for cls in (CalculatorTool, SearchTool, PythonTool)]
 
 
 def build_tokenizer(vocab_target: int, seed: int = 0):
@@ -133,7 +156,12 @@ def build_tokenizer(vocab_target: int, seed: int = 0):
 
     rng = random.Random(seed)
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    # one token per digit (as Qwen and Llama do): a number reads the same in the question, the
+    # tool call and the answer, so copying it is the same lesson everywhere
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_target,
@@ -158,7 +186,7 @@ def build_tokenizer(vocab_target: int, seed: int = 0):
 def build_model_config(size: str, vocab_size: int):
     from transformers import Qwen3Config
 
-    spec = dict(SIZES[size])
+    spec: dict = dict(SIZES[size])
     spec.pop("vocab_target")
     padded = spec.pop("vocab_size", None) or (vocab_size + 63) // 64 * 64
     return Qwen3Config(
@@ -179,7 +207,7 @@ def init_model(out_dir: str | Path, size: str = "tiny", seed: int = 0) -> Path:
         raise ValueError(f"unknown model size {size!r}; choose one of {', '.join(SIZES)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(SIZES[size]["vocab_target"], seed=seed)
+    tokenizer = build_tokenizer(int(SIZES[size]["vocab_target"]), seed=seed)
     config = build_model_config(size, len(tokenizer))
     config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     config.pad_token_id = tokenizer.pad_token_id

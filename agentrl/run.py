@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import statistics
 import sys
 import time
@@ -121,6 +122,7 @@ async def warm_start(sup: Supervisor, nursery: trio.Nursery, cfg: AgentRLConfig,
         return str(out)
     data = cfg.model_dump()
     data["run"]["run_dir"] = str(run_dir)
+    data["run"]["torch_num_threads"] = max(cfg.run.torch_num_threads, os.cpu_count() or 1)  # SFT runs alone
     data["sft"]["output_dir"] = str(out)
     sft_cfg = write_config(AgentRLConfig.model_validate(data), run_dir / "sft_config.toml")
     spec = ChildSpec("sft", _agentrl("sft", "--config", str(sft_cfg)), run_dir / "logs" / "sft.log",

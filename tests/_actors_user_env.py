@@ -58,6 +58,9 @@ class AddEnv(Env):
     def tools(self) -> list[Tool]:
         return [add, wait]
 
+    def eval_group(self, task: Task) -> str:
+        return "even" if task.data["a"] % 2 == 0 else "odd"
+
     async def cleanup(self, task: Task, state: dict[str, Any]) -> None:
         self.cleaned_up += 1
 

@@ -242,6 +242,7 @@ def test_user_env_loaded_by_import_path_and_evaluate(tokenizer):
     assert result["n"] == 6 and result["n_failed"] == 0
     assert result["success_rate"] == pytest.approx(even / 6)
     assert result["reward_mean"] == pytest.approx(even / 6)
+    assert result["success_by_group"] == {"even": 1.0, "odd": 0.0}  # Env.eval_group labels
 
 
 def builtin_envs() -> list[str]:

@@ -156,14 +156,37 @@ def test_demonstrations_are_correct_and_only_cover_easy_questions():
     assert seen > 50
 
 
+def test_sloppy_demonstrator_sends_only_the_first_operation():
+    env = CalculatorEnv(min_ops=1, max_ops=3, demo_max_ops=3, demo_shortcut_rate=0.7)
+    box = ToolBox(env.tools())
+    sloppy = multi = 0
+    for task in itertools.islice(env.tasks("train"), 400):
+        demo = env.demonstration(task)
+        sent = demo[2]["tool_calls"][0]["function"]["arguments"]["expression"]
+        real = trio.run(box.execute, ToolCall("calculator", {"expression": sent}))
+        assert demo[3]["content"] == real.content and demo[4]["content"] == f"The answer is {real.content}."
+        assert env.demonstration(task) == demo  # the same question always gets the same demonstration
+        if task.data["num_ops"] == 1:
+            assert sent == task.data["expression"]
+            continue
+        multi += 1
+        if sent != task.data["expression"]:
+            sloppy += 1
+            assert sent.split() == task.data["expression"].split()[:3]  # only the first operation
+    assert 0.6 < sloppy / multi < 0.8
+    assert env.eval_group(task) == f"{task.data['num_ops']} ops"
+    with pytest.raises(ValueError, match="demo_shortcut_rate"):
+        CalculatorEnv(demo_shortcut_rate=1.5)
+
+
 def test_episode_fits_a_tiny_context():
     """The whole correct episode, rendered with the tiny model's tokenizer, stays short."""
     from agentrl.model_builder import SIZES, build_tokenizer
 
-    tokenizer = build_tokenizer(SIZES["tiny"]["vocab_target"])
+    tokenizer = build_tokenizer(int(SIZES["tiny"]["vocab_target"]))
     env = CalculatorEnv(max_ops=2)
     task = next(t for t in env.tasks("train") if env.demonstration(t))
     schemas = [t.schema() for t in env.tools()]
     ids = tokenizer.apply_chat_template(env.demonstration(task), tools=schemas, tokenize=True)
     ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-    assert len(ids) < 400
+    assert len(ids) < 160  # compact tool signatures and one token per digit

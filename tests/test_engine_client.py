@@ -64,6 +64,28 @@ def test_least_outstanding_balancing_and_episode_affinity(urls):
     assert r.weight_version == "0" and r.prompt_tokens == 3
 
 
+def test_many_calls_in_flight_are_spread_over_small_http_pools(urls):
+    from agentrl.engine.client import SHARD_REQUESTS
+
+    async def main():
+        async with EngineClient(urls) as client:
+            peak = [0]
+
+            async def one(i):
+                r = await client.generate([5, 6, i % 50], {"max_new_tokens": 6, "ignore_eos": True})
+                peak[0] = max(peak[0], max(s.in_flight for s in client._shards))
+                assert len(r.output_ids) == 6
+
+            async with trio.open_nursery() as n:
+                for i in range(3 * SHARD_REQUESTS + 5):
+                    n.start_soon(one, i)
+            return len(client._shards), peak[0], [s.in_flight for s in client._shards]
+
+    shards, peak, left = trio.run(main)
+    assert shards == 4  # 53 calls at once need four pools of at most 16
+    assert peak <= SHARD_REQUESTS and left == [0, 0, 0, 0]
+
+
 def test_a_dead_server_is_dropped_and_calls_go_elsewhere(urls):
     dead = f"http://127.0.0.1:{free_port()}"
 

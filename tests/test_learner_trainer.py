@@ -321,7 +321,7 @@ def test_sft_demonstrations_from_an_env(tiny_model):
     tok = AutoTokenizer.from_pretrained(tiny_model)
     samples = load_samples(cfg, tok)
     text = tok.decode(samples[1].tokens.tolist())
-    assert "<tools>" in text and "Echo 1" in text
+    assert "# Tools\necho(" in text and "Echo 1" in text
     learned = tok.decode(samples[1].tokens[samples[1].loss_mask.astype(bool)].tolist())
     assert '"arguments": {"text": "1"}' in learned and "It said 1." in learned and "Echo" not in learned
 

@@ -62,6 +62,7 @@ print(json.dumps({
     "ids": ids,
     "decoded": tok.decode(ids),
     "reencoded": tok(text, add_special_tokens=False)["input_ids"],
+    "digits": [tok.decode([i]) for i in tok("x = 1234 + 56", add_special_tokens=False)["input_ids"]],
     "tool_tokens": {t: tok.convert_tokens_to_ids(t) for t in ("<tool_call>", "</tool_call>", "<tool_response>")},
     "im_end": tok.convert_tokens_to_ids("<|im_end|>"),
     "eos_token_id": model.config.eos_token_id,
@@ -106,8 +107,9 @@ def test_chat_template_with_tools_round_trips(built) -> None:
     assert report["decoded"] == report["text"]  # decode(ids) is exactly the rendered text
     assert report["reencoded"] == report["ids"]  # and tokenizing the text gives the same ids
     text = report["text"]
-    assert text.startswith("<|im_start|>system\nYou are careful.\n\n# Tools\n<tools>\n")
-    assert '"name": "calculator"' in text
+    # tools are rendered as compact signatures, so the tiny model's prompts stay short
+    assert text.startswith("<|im_start|>system\nYou are careful.\n\n# Tools\n"
+                           "calculator(expression: string): Evaluate arithmetic.\nCall a tool with <tool_call>")
     assert '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * (3 + 4)"}}\n</tool_call>' in text
     assert "<|im_start|>user\n<tool_response>\n84\n</tool_response><|im_end|>\n" in text
     assert text.endswith("<|im_start|>assistant\nThe answer is 84.<|im_end|>\n")
@@ -116,3 +118,5 @@ def test_chat_template_with_tools_round_trips(built) -> None:
     assert all(tid in report["ids"] for tid in report["tool_tokens"].values())
     assert report["eos_token_id"] == report["tokenizer_eos"] == report["im_end"]
     assert report["ids"].count(report["im_end"]) == 5
+    # one token per digit, so a number reads the same wherever it appears
+    assert report["digits"][-8:] == ["1", "2", "3", "4", " +", " ", "5", "6"]

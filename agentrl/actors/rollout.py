@@ -363,6 +363,7 @@ async def evaluate(client: EngineClientLike, tokenizer: Any, env: Env, tasks: li
     successes: list[bool] = []
     finish: dict[str, int] = {}
     errors: list[str] = []
+    by_group: dict[str, list[bool]] = {}
 
     async def one(task: Task) -> None:
         async with limiter:
@@ -373,6 +374,9 @@ async def evaluate(client: EngineClientLike, tokenizer: Any, env: Env, tasks: li
                 return
         rewards.append(traj.reward)
         successes.append(bool(env.is_success(task, traj.reward)))
+        group = env.eval_group(task)
+        if group is not None:
+            by_group.setdefault(group, []).append(successes[-1])
         reason = traj.metadata["finish_reason"]
         finish[reason] = finish.get(reason, 0) + 1
 
@@ -384,6 +388,7 @@ async def evaluate(client: EngineClientLike, tokenizer: Any, env: Env, tasks: li
         "n": n, "n_failed": len(errors),
         "success_rate": sum(successes) / n if n else 0.0,
         "reward_mean": sum(rewards) / n if n else 0.0,
+        "success_by_group": {g: sum(v) / len(v) for g, v in sorted(by_group.items())},
         "finish_reasons": finish,
         "errors": errors[:5],
     }

@@ -83,6 +83,10 @@ class Env:
         """Whether an episode with this reward counts as solved (for success rates)."""
         return reward >= 1.0
 
+    def eval_group(self, task: Task) -> str | None:
+        """A label for reporting success per kind of task in evaluations (e.g. "3 ops"), or None."""
+        return None
+
     def demonstration(self, task: Task) -> list[Message] | None:
         """A correct episode for supervised warm-start (with the right tool calls), or None."""
         return None

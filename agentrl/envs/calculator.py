@@ -57,6 +57,7 @@ class CalculatorEnv(Env):
         max_operand: int = 50,
         demo_max_ops: int = 2,
         ops: str = "+-*",
+        demo_shortcut_rate: float = 0.0,
         word_problem_rate: float = 0.0,
         num_test_tasks: int = 200,
         test_fraction: float = 0.1,
@@ -77,6 +78,9 @@ class CalculatorEnv(Env):
         self.min_ops, self.max_ops, self.max_operand = min_ops, max_ops, max_operand
         self.demo_max_ops = demo_max_ops
         self.ops = ops
+        if not 0.0 <= demo_shortcut_rate <= 1.0:
+            raise ValueError(f"demo_shortcut_rate must be in [0, 1], got {demo_shortcut_rate}")
+        self.demo_shortcut_rate = demo_shortcut_rate
         self.word_problem_rate = word_problem_rate
         self.num_test_tasks = num_test_tasks
         self.test_fraction = test_fraction
@@ -179,15 +183,27 @@ class CalculatorEnv(Env):
     def is_success(self, task: Task, reward: float) -> bool:
         return reward >= 1.0
 
+    def eval_group(self, task: Task) -> str:
+        return f"{task.data['num_ops']} ops"
+
     def demonstration(self, task: Task) -> list[Message] | None:
-        """The correct episode; None for questions harder than ``demo_max_ops``."""
+        """The demonstrator's episode; None for questions with more than ``demo_max_ops`` operators.
+
+        The demonstrator is sloppy on a fixed ``demo_shortcut_rate`` fraction of multi-operator
+        questions: it sends only the first operation ("37 + 48" of "37 + 48 * 2") to the
+        calculator and answers with that result, which is wrong. Imitation learns the sloppiness
+        as it is; only the reward tells the policy that the whole expression is needed.
+        """
         if task.data["num_ops"] > self.demo_max_ops:
             return None
-        call = {"type": "function",
-                "function": {"name": "calculator", "arguments": {"expression": task.data["expression"]}}}
+        expression = task.data["expression"]
+        if task.data["num_ops"] > 1 and _bucket("shortcut " + task.id) < self.demo_shortcut_rate:
+            expression = " ".join(expression.split()[:3])
+        result = format_number(evaluate(expression))
+        call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
         return [
             *self.initial_messages(task),
             {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "name": "calculator", "content": task.data["answer"]},
-            {"role": "assistant", "content": f"The answer is {task.data['answer']}."},
+            {"role": "tool", "name": "calculator", "content": result},
+            {"role": "assistant", "content": f"The answer is {result}."},
         ]

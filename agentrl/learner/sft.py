@@ -18,7 +18,7 @@ consistently is reported as an error rather than silently mis-masked.
 **Training** uses the learner's :class:`Trainer` (same FSDP2 layout, step, checkpoint
 format): steps of about ``sft.batch_tokens`` tokens, micro-batches of
 ``learner.max_tokens_per_microbatch``, token-mean NLL of assistant tokens, LR ``sft.lr``
-with ``learner.warmup_steps``/``learner.lr_schedule``. The order of examples is a fixed
+with ``sft.warmup_steps``/``sft.lr_schedule``. The order of examples is a fixed
 function of ``run.seed`` and the epoch, so a resumed run skips exactly the batches it has
 already trained on. At the end the policy is exported as a Hugging Face folder
 (``sft.output_dir``), ready to be ``model.path`` of an RL run.
@@ -226,8 +226,8 @@ def sft(cfg: AgentRLConfig) -> Path:
         lr=cfg.sft.lr,
         algorithm="sft",
         weight_decay=lc.weight_decay,
-        warmup_steps=lc.warmup_steps,
-        lr_schedule=lc.lr_schedule,
+        warmup_steps=cfg.sft.warmup_steps,
+        lr_schedule=cfg.sft.lr_schedule,
         total_steps=steps,
         grad_clip=lc.grad_clip,
         max_tokens_per_microbatch=lc.max_tokens_per_microbatch,
