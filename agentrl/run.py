@@ -114,7 +114,8 @@ async def warm_start(sup: Supervisor, nursery: trio.Nursery, cfg: AgentRLConfig,
     """Run ``agentrl sft`` unless its exported model exists; return the policy path."""
     out = run_dir / "sft" / "model"
     state.warm_start = {"enabled": cfg.sft.enabled, "data": cfg.sft.data or f"demonstrations of {cfg.env.cls}",
-                        "env_kwargs": dict(cfg.env.kwargs), "num_demonstrations": cfg.sft.num_demonstrations}
+                        "env_kwargs": dict(cfg.env.kwargs), "num_demonstrations": cfg.sft.num_demonstrations,
+                        "max_steps": cfg.sft.max_steps, "epochs": cfg.sft.epochs}
     if not cfg.sft.enabled:
         return cfg.model.path
     if (out / "config.json").exists():
