@@ -328,6 +328,8 @@ def log_to_mlflow(cfg: AgentRLConfig, run_dir: Path, summary: dict[str, Any]) ->
             if summary.get(name):
                 metrics[f"{name}/success_rate"] = summary[name]["success_rate"]
                 metrics[f"{name}/reward_mean"] = summary[name]["reward_mean"]
+                for group, rate in (summary[name].get("success_by_group") or {}).items():
+                    metrics[f"{name}/success/{group}"] = rate
         if summary.get("success_rise") is not None:
             metrics["eval/success_rise"] = summary["success_rise"]
         tracker.log_metrics(metrics, step=summary.get("learner_steps", 0))

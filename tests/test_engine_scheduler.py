@@ -93,6 +93,35 @@ def test_logprobs_match_teacher_forced_recompute_in_ragged_batches(engine, teach
     assert worst <= 1e-4, worst
 
 
+def test_next_turns_reuse_the_cached_prefix_and_match_the_teacher(engine, teacher):
+    """Turns 2 and 3 send prompt + output + new tokens: the prefix comes from the cache, only the
+    new tokens are prefilled, and the logprobs still match a full recompute."""
+    from agentrl.engine.weights import EngineWeightReceiver
+
+    cache = engine.runner.prefix_cache
+    engine.call(cache.clear).result()  # no entries from other tests
+    episodes = prompts(6, seed=11)
+    temps = [0.0, 1.0, 0.7, 0.0, 1.3, 1.0]
+    worst, hit_before, expected = 0.0, cache.hit_tokens, 0
+    for turn in range(3):
+        waiters = [submit(engine, p, max_new_tokens=5 + i, temperature=temps[i], ignore_eos=True)
+                   for i, p in enumerate(episodes)]
+        nxt = []
+        for i, (p, w) in enumerate(zip(episodes, waiters)):
+            c = w.wait()
+            worst = max(worst, max_abs_diff(c.output_logprobs, teacher.logprobs(p, c.output_ids, temps[i])))
+            if turn < 2:  # the next turn finds everything this one fed (all but its last token)
+                expected += len(p) + len(c.output_ids) - 1
+            nxt.append(p + c.output_ids + [7, 8, 9 + turn])  # a "tool result" appended
+        episodes = nxt
+    assert worst <= 1e-4, worst
+    assert cache.hit_tokens - hit_before == expected
+    # a weight change empties the cache: K/V computed under old weights must not be reused
+    assert cache.tokens > 0
+    engine.call(lambda: EngineWeightReceiver(engine.runner).apply({})).result()
+    assert cache.tokens == 0 and not cache.entries
+
+
 def test_greedy_matches_argmax_and_top_k_1(engine, teacher):
     p = prompts(1, seed=3)[0]
     a = submit(engine, p, max_new_tokens=12, temperature=0.0, ignore_eos=True).wait()

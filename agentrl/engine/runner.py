@@ -19,6 +19,12 @@ Design (measured against transformers' own continuous batching; see docs/archite
   sliding-window layers are not supported.
 * **Prefill** runs new (or retracted) requests as one right-padded batch, written straight
   into their slots; **decode** advances every running row by one token.
+* **Prefix cache** (SGLang's radix cache, reduced to what multi-turn agents need): when a
+  request finishes, the K/V of the tokens it fed is kept (LRU, ``prefix_cache_tokens`` in
+  all), keyed by those tokens. The next turn of the same episode sends prompt + output +
+  tool result, so its longest stored prefix is copied into its slot and only the new tokens
+  are prefilled. Entries are exact token matches, and every weight change clears the cache
+  (K/V computed under old weights must not be reused).
 * **Sampling** follows SGLang: logprobs are ``log_softmax(logits / temperature)`` over the
   full vocabulary, before top-k/top-p/min-p truncation (greedy rows: plain
   ``log_softmax(logits)``); the token is drawn from the truncated distribution by an
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -95,6 +102,17 @@ class SlotKVCache:
         """Free the buffers (they are re-allocated on demand)."""
         self.k, self.v, self.capacity = [], [], 0
 
+    def read_row(self, row: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of one row's first ``length`` positions, per layer ([kv_heads, length, head_dim])."""
+        return ([k[row, :, :length].clone() for k in self.k], [v[row, :, :length].clone() for v in self.v])
+
+    def write_row(self, row: int, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> None:
+        length = ks[0].shape[1]
+        self.ensure_capacity(length + 1)
+        for layer in range(self.num_layers):
+            self.k[layer][row, :, :length] = ks[layer]
+            self.v[layer][row, :, :length] = vs[layer]
+
     def move(self, src: int, dst: int, length: int) -> None:
         for layer in range(self.num_layers):
             self.k[layer][dst, :, :length] = self.k[layer][src, :, :length]
@@ -106,15 +124,66 @@ class SlotKVCache:
         rows = key_states.shape[0]
         if self._prefill:
             r0, length = self._row0, key_states.shape[2]
-            k_buf[r0 : r0 + rows, :, :length] = key_states
-            v_buf[r0 : r0 + rows, :, :length] = value_states
-            return k_buf[r0 : r0 + rows, :, :length], v_buf[r0 : r0 + rows, :, :length]
+            if self._write_pos is None:  # every row starts at position 0
+                k_buf[r0 : r0 + rows, :, :length] = key_states
+                v_buf[r0 : r0 + rows, :, :length] = value_states
+                return k_buf[r0 : r0 + rows, :, :length], v_buf[r0 : r0 + rows, :, :length]
+            # rows continue after a cached prefix: token j of row i goes to position start_i + j
+            k_buf[self._rows, :, self._write_pos] = key_states.transpose(1, 2)
+            v_buf[self._rows, :, self._write_pos] = value_states.transpose(1, 2)
+            return k_buf[r0 : r0 + rows, :, : self._kv_len], v_buf[r0 : r0 + rows, :, : self._kv_len]
         k_buf[self._rows, :, self._write_pos] = key_states[:, :, 0]
         v_buf[self._rows, :, self._write_pos] = value_states[:, :, 0]
         return k_buf[:rows, :, : self._kv_len], v_buf[:rows, :, : self._kv_len]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:  # unused: position_ids are always given
         return 0
+
+
+class PrefixCache:
+    """K/V of finished requests, keyed by the exact tokens they cover; LRU within ``max_tokens``."""
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens = max_tokens
+        self.entries: OrderedDict[tuple[int, ...], tuple[list[torch.Tensor], list[torch.Tensor]]] = OrderedDict()
+        self.lengths: Counter[int] = Counter()  # how many entries have each length
+        self.tokens = 0
+        self.hit_tokens = 0  # prefill tokens saved so far
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.lengths.clear()
+        self.tokens = 0
+
+    def put(self, key: tuple[int, ...], ks: list[torch.Tensor], vs: list[torch.Tensor]) -> None:
+        if not key or len(key) > self.max_tokens:
+            return
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return
+        self.entries[key] = (ks, vs)
+        self.lengths[len(key)] += 1
+        self.tokens += len(key)
+        while self.tokens > self.max_tokens:
+            old, _ = self.entries.popitem(last=False)
+            self._forget(len(old))
+
+    def _forget(self, length: int) -> None:
+        self.tokens -= length
+        self.lengths[length] -= 1
+        if not self.lengths[length]:
+            del self.lengths[length]
+
+    def longest_prefix(self, tokens: Sequence[int]) -> tuple[int, tuple[list[torch.Tensor], list[torch.Tensor]] | None]:
+        """The longest stored prefix of ``tokens`` that leaves at least one token to prefill."""
+        for length in sorted((n for n in self.lengths if n < len(tokens)), reverse=True):
+            key = tuple(tokens[:length])
+            entry = self.entries.get(key)
+            if entry is not None:
+                self.entries.move_to_end(key)
+                self.hit_tokens += length
+                return length, entry
+        return 0, None
 
 
 @dataclass
@@ -135,7 +204,8 @@ class ModelRunner:
     """Owns the model weights, the KV cache and the forward/sampling code. Single-threaded."""
 
     def __init__(self, model_path: str | Path, *, device: str = "auto", dtype: str = "auto",
-                 max_running_requests: int = 64, max_context_tokens: int = 2048, seed: int = 0):
+                 max_running_requests: int = 64, max_context_tokens: int = 2048, seed: int = 0,
+                 prefix_cache_tokens: int = 65536):
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         self.model_path = str(model_path)
@@ -166,6 +236,7 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self._arange = torch.arange(self.max_context_tokens, device=self.device)
+        self.prefix_cache = PrefixCache(prefix_cache_tokens)
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -199,23 +270,49 @@ class ModelRunner:
         return out.last_hidden_state
 
     @torch.inference_mode()
-    def prefill(self, row0: int, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Run ``sequences`` (rows ``row0..``) from position 0; return last-token logits [N, V] (fp32)."""
-        lengths = [len(s) for s in sequences]
-        width = max(lengths)
-        self.cache.ensure_capacity(width + 1)
+    def prefill(self, row0: int, sequences: Sequence[Sequence[int]], starts: Sequence[int] | None = None) -> torch.Tensor:
+        """Run ``sequences`` (rows ``row0..``) and return last-token logits [N, V] (fp32).
+
+        ``starts[i]`` positions of row ``row0 + i`` already hold K/V (a cached prefix, see
+        :meth:`load_prefix`); only ``sequences[i][starts[i]:]`` is computed."""
+        starts = list(starts) if starts is not None else [0] * len(sequences)
+        news = [len(s) - c for s, c in zip(sequences, starts)]
+        width = max(news)
+        kv_len = max(c + width for c in starts)
+        self.cache.ensure_capacity(kv_len + 1)
         ids = torch.zeros((len(sequences), width), dtype=torch.long)
-        for i, s in enumerate(sequences):
-            ids[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+        for i, (s, c) in enumerate(zip(sequences, starts)):
+            ids[i, : len(s) - c] = torch.as_tensor(s[c:], dtype=torch.long)
         ids = ids.to(self.device)
-        lens = torch.as_tensor(lengths, device=self.device)
-        pos = self._arange[:width]
-        # Causal and inside the row's own length: [N, 1, width, width].
-        mask = (pos[None, :] <= pos[:, None])[None, None] & (pos[None, None, None, :] < lens[:, None, None, None])
+        lens = torch.as_tensor(news, device=self.device)
+        first = torch.as_tensor(starts, device=self.device)
+        pos = first[:, None] + self._arange[None, :width]  # [N, width]: each token's position
+        keys = self._arange[:kv_len]
+        # Causal and inside the row's own tokens: [N, 1, width, kv_len].
+        mask = (keys[None, None, :] <= pos[:, :, None]) & (keys[None, None, :] < (first + lens)[:, None, None])
         self.cache._prefill, self.cache._row0 = True, row0
-        hidden = self._forward(ids, pos[None, :].expand(len(sequences), -1), mask)
+        if any(starts):
+            self.cache._rows = (row0 + self._arange[: len(sequences)])[:, None].expand(-1, width)
+            self.cache._write_pos, self.cache._kv_len = pos, kv_len
+        else:
+            self.cache._write_pos = None
+        hidden = self._forward(ids, pos, mask[:, None])
         last = hidden[torch.arange(len(sequences), device=self.device), lens - 1]
         return self.lm_head(last).float()
+
+    def load_prefix(self, row: int, tokens: Sequence[int]) -> int:
+        """Copy the longest cached prefix of ``tokens`` into ``row``; return its length (0: none)."""
+        if not self.prefix_cache.max_tokens:
+            return 0
+        length, entry = self.prefix_cache.longest_prefix(tokens)
+        if entry is not None:
+            self.cache.write_row(row, *entry)
+        return length
+
+    def save_prefix(self, row: int, tokens: Sequence[int]) -> None:
+        """Keep the K/V of ``tokens`` (the tokens ``row`` has fed) for later turns."""
+        if self.prefix_cache.max_tokens and tokens and len(tokens) <= self.cache.capacity:
+            self.prefix_cache.put(tuple(tokens), *self.cache.read_row(row, len(tokens)))
 
     @torch.inference_mode()
     def decode(self, tokens: Sequence[int], kv_lens: Sequence[int]) -> torch.Tensor:

@@ -162,6 +162,7 @@ class Scheduler:
         if self.running or self.waiting or not self._inbox.empty():
             return False
         self.runner.cache.release()
+        self.runner.prefix_cache.clear()
         if self.runner.device.type == "cuda":
             torch.cuda.empty_cache()
         return True
@@ -262,7 +263,8 @@ class Scheduler:
         row0 = len(self.running)
         self.running.extend(batch)  # before the forward: if it fails, the error path finishes them
         seqs = [r.inp.input_ids + r.output_ids for r in batch]
-        logits = self.runner.prefill(row0, seqs)
+        starts = [self.runner.load_prefix(row0 + i, seq) for i, seq in enumerate(seqs)]
+        logits = self.runner.prefill(row0, seqs, starts)
         for req, seq in zip(batch, seqs):
             req.kv_len = len(seq)
             req.pending = None
@@ -329,6 +331,9 @@ class Scheduler:
             if rows[i].finish_reason is None:
                 i += 1
                 continue
+            done = rows[i]
+            if done.kv_len:  # its K/V serves the episode's next turn (prefix cache)
+                self.runner.save_prefix(i, (done.inp.input_ids + done.output_ids)[: done.kv_len])
             last = len(rows) - 1
             if i != last:
                 self.runner.cache.move(last, i, rows[last].kv_len)

@@ -43,14 +43,15 @@ class EngineServer:
 
     def __init__(self, model_path: str, *, device: str = "auto", dtype: str = "auto", max_running_requests: int = 64,
                  max_context_tokens: int = 2048, max_prefill_tokens: int = 8192, weight_version: str = "0",
-                 seed: int = 0):
+                 seed: int = 0, prefix_cache_tokens: int = 65536):
         from agentrl.engine.runner import ModelRunner
         from agentrl.engine.scheduler import Scheduler
         from agentrl.engine.weights import EngineWeightReceiver
 
         self.model_path = model_path
         self.runner = ModelRunner(model_path, device=device, dtype=dtype, max_running_requests=max_running_requests,
-                                  max_context_tokens=max_context_tokens, seed=seed)
+                                  max_context_tokens=max_context_tokens, seed=seed,
+                                  prefix_cache_tokens=prefix_cache_tokens)
         self.scheduler = Scheduler(self.runner, weight_version=weight_version, max_prefill_tokens=max_prefill_tokens)
         self.receiver = EngineWeightReceiver(self.runner)
         self.tokenizer = self.runner.tokenizer
@@ -115,6 +116,8 @@ class EngineServer:
             "weight_group": self.receiver.group_name,
             "num_steps": self.scheduler.num_steps,
             "num_generated_tokens": self.scheduler.num_generated,
+            "prefix_cache_tokens": self.runner.prefix_cache.tokens,
+            "prefix_cache_hit_tokens": self.runner.prefix_cache.hit_tokens,
             "uptime_s": time.time() - self.started,
             "last_error": self.scheduler.error,
             **self.scheduler.load(),
@@ -410,6 +413,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--weight-version", default="0")
     ap.add_argument("--num-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prefix-cache-tokens", type=int, default=65536,
+                    help="K/V of finished requests kept for the next turn of their episode (tokens; 0: off)")
     ap.add_argument("--log-level", default="warning")
     return ap.parse_args(argv)
 
@@ -424,7 +429,7 @@ def serve(args: argparse.Namespace) -> None:
     server = EngineServer(args.model, device=args.device, dtype=args.dtype,
                           max_running_requests=args.max_running_requests, max_context_tokens=args.max_context_tokens,
                           max_prefill_tokens=args.max_prefill_tokens, weight_version=str(args.weight_version),
-                          seed=args.seed)
+                          seed=args.seed, prefix_cache_tokens=args.prefix_cache_tokens)
     server.start()
     config = uvicorn.Config(build_app(server), host=args.host, port=args.port, log_level=args.log_level,
                             access_log=False, timeout_keep_alive=30, timeout_graceful_shutdown=5, lifespan="off")

@@ -148,6 +148,7 @@ class EngineWeightReceiver:
         if self.group is None:
             raise ValueError("no weight update group: call /init_weights_update_group first")
         named = self.runner.named_tensors()
+        self.runner.prefix_cache.clear()  # K/V computed under the old weights
         recv_device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         with torch.no_grad():
             if flattened:
@@ -217,6 +218,7 @@ class EngineWeightReceiver:
 
     def apply(self, tensors: dict[str, torch.Tensor]) -> None:
         named = self.runner.named_tensors()
+        self.runner.prefix_cache.clear()  # K/V computed under the old weights
         with torch.no_grad():
             for n, t in tensors.items():
                 named[n].data.copy_(t)
