@@ -3,12 +3,16 @@
 Designed so that a ~1M-parameter model learns it from scratch in minutes on a CPU:
 
 * Short prompts: system "Use the calculator, then answer with the number." and user
-  "What is 37 + 48 * 2?". The whole correct episode is about a hundred tokens.
+  "What is 37 + 48 * 2?". The whole correct episode is about 120 tokens with the tiny model.
 * One obvious policy: copy the expression into ``calculator(expression=...)``, read the
   result, answer "The answer is 133.". Nothing needs to be computed by the model.
 * Difficulty knobs: ``min_ops``/``max_ops`` operators per question, operands in
-  ``0..max_operand``. Demonstrations (for the supervised warm start) only cover questions
-  with at most ``demo_max_ops`` operators, so RL has harder questions left to learn.
+  ``0..max_operand``. Demonstrations (for the supervised warm start) cover questions with at
+  most ``demo_max_ops`` operators, and come from a sloppy demonstrator on a fixed
+  ``demo_shortcut_rate`` fraction of the multi-operator ones (it sends only the first
+  operation), so RL has something left to learn that imitation cannot give. (Leaving the
+  hard questions out of the demonstrations does not work for a tiny model: it then never
+  samples a longer expression, and a binary reward has nothing to reinforce.)
 * Division is off by default (``ops="+-*"``); with ``"/"`` in ``ops`` only questions whose
   value is a whole number are generated.
 * ``word_problem_rate``: the fraction of questions wrapped in a one-sentence story with a
