@@ -61,6 +61,7 @@ class RunState:
     last_metrics: dict[str, Any] = field(default_factory=dict)
     actor_restarts: int = 0
     warm_start: dict[str, Any] = field(default_factory=dict)
+    rl_started: float | None = None  # when the learner and actors were started
 
     def event(self, name: str, what: str) -> None:
         line = f"{time.strftime('%H:%M:%S')} {name}: {what}"
@@ -259,6 +260,7 @@ def _table(state: RunState, cfg: AgentRLConfig) -> Any:
         ("reward (batch mean)", f"{m.get('reward/mean', float('nan')):.3f}"),
         ("staleness (mean)", f"{m.get('staleness/mean', float('nan')):.2f}"),
         ("train tokens/s", f"{m.get('throughput/train_tokens_per_s', 0.0):,.0f}"),
+        ("episodes/s (received)", f"{_episodes_per_s(state, cfg):.1f}"),
         ("groups consumed / dropped",
          f"{int(m.get('data/accepted', 0))} / {int(sum(v for k, v in m.items() if k.startswith('data/dropped_')))}"),
         ("eval before", _fmt_eval(state.eval_before)),
@@ -268,6 +270,14 @@ def _table(state: RunState, cfg: AgentRLConfig) -> Any:
     for key, value in rows:
         table.add_row(key, value)
     return table
+
+
+def _episodes_per_s(state: RunState, cfg: AgentRLConfig) -> float:
+    """Episodes the learner has received (in groups) per second of RL so far."""
+    if state.rl_started is None:
+        return 0.0
+    received = state.last_metrics.get("data/received", 0) * cfg.actors.group_size
+    return received / max(1e-9, time.monotonic() - state.rl_started)
 
 
 def _fmt_eval(result: dict[str, Any] | None) -> str:
@@ -405,6 +415,7 @@ async def _train(sup: Supervisor, outer: trio.Nursery, cfg: AgentRLConfig, run_d
     live = Live(_table(state, cfg), refresh_per_second=2, transient=False) if live_display else None
     with live if live is not None else nullcontext():
         async with trio.open_nursery() as inner:
+            state.rl_started = time.monotonic()
             await sup.start(inner, learn)
             for i in range(cfg.actors.num_processes):
                 argv = _agentrl("serve-actors", "--config", config_path, "--index", str(i),

@@ -131,3 +131,22 @@ def test_cpu_examples_run_a_few_steps(example: str, tiny_model: Path, tmp_path: 
     assert summary["groups_produced"]["groups_delivered"] >= 4
     if example == "search_qa":  # the run started the retrieval server and the episodes searched through it
         assert (tmp_path / "run" / "logs" / "search.log").exists()
+
+
+def test_live_table_shows_rl_rates(tmp_path: Path) -> None:
+    import time
+
+    from rich.console import Console
+
+    from agentrl.run import RunState, _table
+
+    cfg = load_config(EXAMPLE)
+    state = RunState(tmp_path)
+    state.last_metrics = {"step": 3, "data/received": 20, "staleness/mean": 0.5, "reward/mean": 0.25}
+    state.rl_started = time.monotonic() - 10.0  # 20 groups x 8 episodes in 10 s
+    console = Console(record=True, width=100)
+    console.print(_table(state, cfg))
+    text = console.export_text()
+    assert "3 / 20" in text and "0.250" in text and "0.50" in text
+    rate = float(text.split("episodes/s (received)")[1].split("│")[1])
+    assert 15.0 < rate <= 16.0
