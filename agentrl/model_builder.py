@@ -1,13 +1,18 @@
 """Build a small Qwen3-architecture model and byte-level BPE tokenizer offline.
 
+Digits are always single tokens (as in Qwen and Llama), so a number reads the same in a
+question, a tool call and an answer.
+
 ``agentrl init-model OUT --size tiny`` needs no network and no hub: the tokenizer is
 trained on a synthetic corpus that covers what agentrl's environments say (chat turns,
 arithmetic, JSON tool calls, Python), the model is randomly initialised, and both are
 saved with ``save_pretrained`` so that ``AutoTokenizer``/``AutoModelForCausalLM`` load them
 with ``HF_HUB_OFFLINE=1`` like any hub model.
 
-The chat template follows Qwen's tool format: tool schemas inside ``<tools></tools>`` in
-the system turn, calls as ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` in the
+The chat template follows Qwen's tool format, except that tools are listed as one-line
+signatures (``calculator(expression: string): Evaluate ...``) instead of JSON schemas, which
+halves the calculator episode; calls go as
+``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` in the
 assistant turn, results as ``<tool_response>`` blocks in a user turn (consecutive tool
 messages share one turn). ``<|im_end|>`` is the end-of-turn and end-of-sequence token;
 the tool tags are single added tokens (not "special", so they survive
@@ -15,7 +20,8 @@ the tool tags are single added tokens (not "special", so they survive
 
 Sizes:
 
-* ``tiny``: hidden 128 x 4 layers, 1,024-token vocabulary, ~0.92M parameters; the CPU default.
+* ``tiny``: hidden 128 x 4 layers, a BPE of up to 1,024 tokens (941 today, padded to 960), ~0.9M
+  parameters, initialisation std 0.06; the CPU default.
 * ``small``: hidden 512 x 8 layers, ~25M parameters.
 * ``0.5b``: Qwen2.5-0.5B's shape (hidden 896 x 24 layers, 151,936-row embedding) for GPU
   benchmarks; the tokenizer is still the small local one, the embedding rows past it unused.
@@ -144,9 +150,7 @@ def _builtin_tool_schemas() -> list[dict]:
     from agentrl.tools.python_sandbox import PythonTool
     from agentrl.tools.search import SearchTool
 
-    return [{"type": "function", "function": {"name": cls.name, "description": cls.description,
-                                              "parameters": cls.parameters}}
-            for cls in (CalculatorTool, SearchTool, PythonTool)]
+    return [CalculatorTool().schema(), SearchTool("http://127.0.0.1:1").schema(), PythonTool().schema()]
 
 
 def build_tokenizer(vocab_target: int, seed: int = 0):
