@@ -60,6 +60,10 @@ class EngineSection(Section):
     weight_group_backend: Literal["auto", "gloo", "nccl"] = "auto"
     weight_bucket_mb: float = Field(default=64.0, gt=0)
     sglang_args: list[str] = []  # extra flags for `python -m sglang.launch_server`
+    # Bearer tokens, SGLang's --api-key / --admin-api-key: the NAMES of environment variables that
+    # hold them (or <NAME>_FILE pointing at a file), never the keys themselves (agentrl/secrets.py)
+    api_key_env: str = "AGENTRL_ENGINE_API_KEY"
+    admin_api_key_env: str = "AGENTRL_ENGINE_ADMIN_API_KEY"
 
 
 class ActorsSection(Section):

@@ -1,0 +1,39 @@
+"""Secrets (API keys, tokens, key files) come from the environment, never from a config file
+or the run folder.
+
+``read_secret("AGENTRL_ENGINE_API_KEY")`` returns the variable's value, or, when only
+``AGENTRL_ENGINE_API_KEY_FILE`` is set, the content of that file (stripped), the convention
+Docker and Kubernetes secrets use. An empty string means "no secret". The config names the
+*variables* (``engine.api_key_env`` ...), so a resolved config can be written to the run
+folder and shown in logs without leaking anything.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+class SecretError(ValueError):
+    """A secret's file is named but cannot be read."""
+
+
+def read_secret(env_var: str) -> str:
+    """The secret named by ``env_var`` (or the file named by ``<env_var>_FILE``); "" when unset."""
+    if not env_var:
+        return ""
+    value = os.environ.get(env_var, "")
+    if value:
+        return value.strip()
+    file_name = os.environ.get(f"{env_var}_FILE", "")
+    if not file_name:
+        return ""
+    try:
+        return Path(file_name).read_text().strip()
+    except OSError as e:
+        raise SecretError(f"{env_var}_FILE names {file_name!r}, which cannot be read: {e}") from None
+
+
+def bearer(token: str) -> dict[str, str]:
+    """The HTTP header that carries ``token`` (none when the token is empty)."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
