@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import enum
 import time
-from typing import Literal, Optional
+from fractions import Fraction
+from typing import Any, Literal, Optional
 
 import pytest
 import trio
 
-from agentrl.tools.base import Tool, ToolBox, ToolCall, check_arguments, tool
+from agentrl.tools.base import Tool, ToolBox, ToolCall, ToolSchemaError, check_arguments, tool
 from agentrl.tools.parsing import HermesToolCallParser, get_parser
 
 # ----------------------------------------------------------------------------- schemas
@@ -79,13 +81,51 @@ def test_class_tool_schema_is_derived():
     assert out.content == "Oslo sunny for 2 day(s)"
 
 
-def test_unresolvable_annotations_do_not_break_a_class():
-    class Odd(Tool):
-        async def run(self, thing: "NotDefinedAnywhere", count: int = 1) -> str:  # noqa: F821
-            return "ok"
+def test_unresolvable_annotations_are_an_error_naming_the_tool():
+    with pytest.raises(ToolSchemaError, match=r"Odd\.run.*do not resolve"):
+        class Odd(Tool):
+            async def run(self, thing: "NotDefinedAnywhere", count: int = 1) -> str:  # noqa: F821
+                return "ok"
 
-    assert Odd.name == "odd"
-    assert Odd.parameters["properties"] == {"thing": {}, "count": {}} and Odd.parameters["required"] == ["thing"]
+
+def test_a_parameter_without_a_type_hint_is_an_error_naming_it():
+    with pytest.raises(ToolSchemaError, match=r"lookup_factor.*'to_unit' has no type hint"):
+        @tool
+        def lookup_factor(from_unit: str, to_unit) -> str:
+            return "1"
+
+    with pytest.raises(ToolSchemaError, match=r"Convert\.run.*'value' has no type hint"):
+        class Convert(Tool):
+            async def run(self, value) -> str:
+                return "1"
+
+
+def test_an_unsupported_type_hint_is_an_error_naming_it():
+    with pytest.raises(ToolSchemaError, match=r"scale.*'factor': Fraction has no JSON-schema type"):
+        @tool
+        def scale(x: float, factor: Fraction) -> str:
+            return "1"
+
+
+class Unit(enum.Enum):
+    METRE = "m"
+    FOOT = "ft"
+
+
+def test_any_unions_enums_and_tuples_have_schemas():
+    @tool
+    def convert(value: int | float, unit: Unit, extra: Any = None, pair: tuple[int, int] = (0, 0),
+                note: str | None = None) -> str:
+        return "ok"
+
+    props = convert.parameters["properties"]
+    assert props["value"] == {"anyOf": [{"type": "integer"}, {"type": "number"}]}
+    assert props["unit"] == {"type": "string", "enum": ["m", "ft"]}
+    assert props["extra"] == {} and props["note"] == {"type": "string"}
+    assert props["pair"] == {"type": "array", "items": {"type": "integer"}}
+    assert convert.parameters["required"] == ["value", "unit"]
+    assert check_arguments(convert, {"value": 2.5, "unit": "m", "extra": [1]}) is None
+    assert "must be of type integer or number, got str" in check_arguments(convert, {"value": "2", "unit": "m"})
 
 
 def test_explicit_class_schema_is_kept():

@@ -24,6 +24,7 @@ into a :class:`ToolResult` with ``is_error=True`` and a message the model can re
 
 from __future__ import annotations
 
+import enum
 import inspect
 import re
 import time
@@ -146,35 +147,61 @@ def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
     return description, args
 
 
+class ToolSchemaError(ValueError):
+    """A tool's parameter has no type hint, or one that has no JSON-schema type; the message
+    names the tool and the parameter. Raised when the tool is defined, i.e. when its env loads."""
+
+
+SUPPORTED_HINTS = "str, int, float, bool, list[...], tuple[...], dict, Literal[...], an Enum, X | None, X | Y, or Any"
+
+
 def _json_type(annotation: Any) -> dict[str, Any]:
+    """The JSON schema of one type hint; raises ``TypeError`` for a hint without one."""
+    if annotation is Any:
+        return {}
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
-        options = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return _json_type(options[0]) if len(options) == 1 else {}
+        options = [_json_type(a) for a in typing.get_args(annotation) if a is not type(None)]
+        return options[0] if len(options) == 1 else {"anyOf": options}
     if origin is typing.Literal:
         values = list(typing.get_args(annotation))
         return {"type": _JSON_TYPES.get(type(values[0]), "string"), "enum": values}
     if origin in (list, tuple):
-        args = typing.get_args(annotation)
-        return {"type": "array", **({"items": _json_type(args[0])} if args else {})}
+        args = [a for a in typing.get_args(annotation) if a is not Ellipsis]
+        return {"type": "array", **({"items": _json_type(args[0])} if len(set(args)) == 1 else {})}
     if origin is dict:
         return {"type": "object"}
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        values = [m.value for m in annotation]
+        return {"type": _JSON_TYPES.get(type(values[0]), "string"), "enum": values}
     if annotation in _JSON_TYPES:
         return {"type": _JSON_TYPES[annotation]}
-    return {}
+    raise TypeError(f"{getattr(annotation, '__name__', annotation)!s} has no JSON-schema type")
+
+
+def _tool_name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", getattr(fn, "__name__", repr(fn)))
 
 
 def _schema_from_signature(fn: Callable[..., Any], arg_docs: dict[str, str]) -> dict[str, Any]:
+    """The parameters' schema from type hints (strict: see :class:`ToolSchemaError`)."""
     try:
         hints = typing.get_type_hints(fn)
-    except Exception:  # an annotation that does not resolve (a forward reference): leave it untyped
-        hints = {name: Any for name in inspect.signature(fn).parameters}
+    except Exception as e:  # a forward reference that does not resolve
+        raise ToolSchemaError(f"tool {_tool_name(fn)}: its type hints do not resolve ({e})") from None
     props: dict[str, Any] = {}
     required: list[str] = []
     for pname, param in inspect.signature(fn).parameters.items():
         if pname in ("self", "state") or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             continue
-        prop = _json_type(hints.get(pname, str))
+        if pname not in hints:
+            raise ToolSchemaError(f"tool {_tool_name(fn)}: parameter {pname!r} has no type hint; "
+                                  f"annotate it with {SUPPORTED_HINTS}")
+        try:
+            prop = _json_type(hints[pname])
+        except TypeError as e:
+            raise ToolSchemaError(f"tool {_tool_name(fn)}: parameter {pname!r}: {e}; "
+                                  f"use {SUPPORTED_HINTS}") from None
         if pname in arg_docs:
             prop["description"] = arg_docs[pname]
         props[pname] = prop
@@ -195,10 +222,23 @@ def check_arguments(tool_: Tool, arguments: Any) -> str | None:
     if unknown:
         return f"{tool_.name} got unknown argument(s): {', '.join(unknown)}; it takes {', '.join(props)}"
     for key, value in arguments.items():
-        expected = props.get(key, {}).get("type")
-        if expected and not _matches(value, expected):
+        schema = props.get(key, {})
+        if not _fits(value, schema):
+            expected = " or ".join(_type_names(schema))
             return f"argument {key!r} of {tool_.name} must be of type {expected}, got {type(value).__name__}"
     return None
+
+
+def _type_names(schema: dict[str, Any]) -> list[str]:
+    if "anyOf" in schema:
+        return [name for option in schema["anyOf"] for name in _type_names(option)]
+    return [schema["type"]] if "type" in schema else ["anything"]
+
+
+def _fits(value: Any, schema: dict[str, Any]) -> bool:
+    if "anyOf" in schema:
+        return any(_fits(value, option) for option in schema["anyOf"])
+    return "type" not in schema or _matches(value, schema["type"])
 
 
 def _matches(value: Any, json_type: str) -> bool:
