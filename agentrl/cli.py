@@ -291,6 +291,10 @@ def eval_cmd(
         typer.secho(f"eval error: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
     typer.echo(json.dumps(result, indent=2))
+    from agentrl.actors.rollout import describe_problems
+
+    for line in describe_problems(result):
+        typer.secho(f"warning: {line}", fg=typer.colors.YELLOW, err=True)
 
 
 def main() -> None:

@@ -6,6 +6,11 @@ limits) through the engines in ``engine.urls``, or through one embedded engine s
 the evaluation and stopped afterwards. Greedy by default (temperature 0); ``--sampled``
 uses ``actors.temperature``. The result is printed and, when tracking is enabled, logged as
 ``eval/*`` metrics to a new MLflow run (or ``tracking.run_id``).
+
+An evaluation also counts what went wrong without failing an episode -- episodes the engine
+aborted, rewards that raised, tool calls that crashed or timed out -- with the first messages
+of each (``problems``), and the command says them in words on stderr: such failures lower the
+success rate exactly like a bad policy would, so they must never pass unseen.
 """
 
 from __future__ import annotations
@@ -66,7 +71,17 @@ def _log(cfg: AgentRLConfig, result: dict[str, Any]) -> None:
                            resume_run_id=cfg.tracking.run_id or None)
     try:
         tracker.log_params({"eval.policy": result["policy"], "eval.greedy": result["greedy"]})
-        tracker.log_metrics({"eval/success_rate": result["success_rate"], "eval/reward_mean": result["reward_mean"],
-                             "eval/n": float(result["n"])}, step=0)
+        tracker.log_metrics(eval_metrics(result, "eval"), step=0)
     finally:
         tracker.close()
+
+
+def eval_metrics(result: dict[str, Any], prefix: str) -> dict[str, float]:
+    """An evaluation's numbers as MLflow metrics under ``prefix/``: rates, counts of problems and
+    success per eval group."""
+    metrics = {f"{prefix}/success_rate": result["success_rate"], f"{prefix}/reward_mean": result["reward_mean"]}
+    for key in ("n", "n_failed", "n_aborted", "n_reward_errors", "n_tool_faults"):
+        metrics[f"{prefix}/{key}"] = float(result.get(key, 0))
+    for group, rate in (result.get("success_by_group") or {}).items():
+        metrics[f"{prefix}/success/{group}"] = rate
+    return metrics

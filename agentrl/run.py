@@ -63,10 +63,18 @@ class RunState:
     warm_start: dict[str, Any] = field(default_factory=dict)
     rl_started: float | None = None  # when the learner and actors were started
 
-    def event(self, name: str, what: str) -> None:
+    def event(self, name: str, what: str, level: int = logging.INFO) -> None:
         line = f"{time.strftime('%H:%M:%S')} {name}: {what}"
         self.events.append(line)
-        log.info("%s: %s", name, what)
+        log.log(level, "%s: %s", name, what)
+
+    def eval_event(self, when: str, result: dict[str, Any]) -> None:
+        """The evaluation's success, and in words every problem it met (aborts, reward errors...)."""
+        from agentrl.actors.rollout import describe_problems
+
+        self.event("eval", f"{when}: success {result['success_rate']:.3f}")
+        for line in describe_problems(result):
+            self.event("eval", f"{when}: {line}", logging.WARNING)
 
 
 def resolve_run_dir(cfg: AgentRLConfig, run_dir: str | Path | None) -> Path:
@@ -230,7 +238,7 @@ async def watch_progress(cfg: AgentRLConfig, state: RunState, run_dir: Path, liv
                     result = await evaluate_policy(cfg)
                 result["policy_version"] = version
                 state.evals.append(result)
-                state.event("eval", f"v{version}: success {result['success_rate']:.3f}")
+                state.eval_event(f"v{version}", result)
     finally:
         with trio.CancelScope(shield=True):
             await sub.aclose()
@@ -329,6 +337,7 @@ def _actor_totals(run_dir: Path) -> dict[str, int]:
 
 
 def log_to_mlflow(cfg: AgentRLConfig, run_dir: Path, summary: dict[str, Any]) -> None:
+    from agentrl.evaluate import eval_metrics
     from agentrl.tracking import open_tracker
 
     tracker = open_tracker(cfg.tracking, run_dir, run_name=cfg.run.name, resume_run_id=cfg.tracking.run_id or None)
@@ -336,10 +345,7 @@ def log_to_mlflow(cfg: AgentRLConfig, run_dir: Path, summary: dict[str, Any]) ->
         metrics = {}
         for name in ("eval_before", "eval_after"):
             if summary.get(name):
-                metrics[f"{name}/success_rate"] = summary[name]["success_rate"]
-                metrics[f"{name}/reward_mean"] = summary[name]["reward_mean"]
-                for group, rate in (summary[name].get("success_by_group") or {}).items():
-                    metrics[f"{name}/success/{group}"] = rate
+                metrics.update(eval_metrics(summary[name], name))
         if summary.get("success_rise") is not None:
             metrics["eval/success_rise"] = summary["success_rise"]
         tracker.log_metrics(metrics, step=summary.get("learner_steps", 0))
@@ -390,11 +396,11 @@ async def run_async(cfg: AgentRLConfig, run_dir: Path, *, live_display: bool = T
             await start_engines(sup, outer, cfg, run_dir, own_engines)
             state.event("engines", f"ready at {', '.join(cfg.engine.urls)}")
             state.eval_before = await evaluate_policy(cfg)
-            state.event("eval", f"before RL: success {state.eval_before['success_rate']:.3f}")
+            state.eval_event("before RL", state.eval_before)
             await _train(sup, outer, cfg, run_dir, state, live_display, eval_lock)
             async with eval_lock:
                 state.eval_after = await evaluate_policy(cfg)
-            state.event("eval", f"after RL: success {state.eval_after['success_rate']:.3f}")
+            state.eval_event("after RL", state.eval_after)
             outer.cancel_scope.cancel()
     finally:
         summary = summarize(state, cfg, run_dir)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import trio
@@ -114,6 +114,8 @@ class _Counters:
     tool_wall_s: float = 0.0  # wall time spent waiting for tools (calls of a turn overlap)
     generation_latency_s: float = 0.0  # wall time spent in /generate calls
     num_generate_calls: int = 0
+    tool_faults: list[str] = field(default_factory=list)  # crashed or timed-out tool calls (their messages)
+    abort_message: str = ""  # the engine's message of the last abort
 
 
 class _Episode:
@@ -204,6 +206,7 @@ class _Episode:
                 return "length"
             # abort: keep the partial output and continue the same turn (likely under new weights)
             self.counters.num_aborts += 1
+            self.counters.abort_message = str((result.finish_reason or {}).get("message", ""))
             if ids and self.codec.end_of_turn_id is not None and ids[-1] == self.codec.end_of_turn_id:
                 return "stop"
             if remaining <= 0:
@@ -235,6 +238,8 @@ class _Episode:
             assert r is not None
             self.counters.num_tool_calls += 1
             self.counters.num_tool_errors += int(r.is_error)
+            if r.tool_fault:
+                self.counters.tool_faults.append(r.content)
             self.counters.tool_latency_s += r.latency_s
             messages.append({"role": "tool", "name": r.name, "content": r.content})
         for err in parsed.errors:
@@ -306,6 +311,11 @@ async def run_episode(client: EngineClientLike, tokenizer: Any, env: Env, toolbo
     }
     if reward_error:
         metadata["reward_error"] = reward_error
+    if c.tool_faults:
+        metadata["num_tool_faults"] = len(c.tool_faults)
+        metadata["tool_fault_messages"] = c.tool_faults[:3]
+    if finish == "aborted":
+        metadata["abort_message"] = c.abort_message
     if cleanup_error:
         metadata["cleanup_error"] = cleanup_error
     metadata.update(extra_metadata or {})
@@ -352,7 +362,13 @@ async def evaluate(client: EngineClientLike, tokenizer: Any, env: Env, tasks: li
                    sampling: dict[str, Any] | None = None) -> dict[str, Any]:
     """Play one episode per task and report ``success_rate`` and ``reward_mean`` over the episodes
     that completed (``n``); episodes that failed (engine unreachable...) are counted in ``n_failed``
-    and left out of the rates, so an outage does not read as a bad policy."""
+    and left out of the rates, so an outage does not read as a bad policy.
+
+    What went wrong without failing an episode is counted too, because it silently lowers the
+    rates: episodes the engine ``aborted`` (they score like a wrong answer), episodes whose
+    reward raised (scored 0) and tool calls that crashed or timed out. ``problems`` holds each
+    kind's count and first messages; :func:`describe_problems` says it in words.
+    """
     toolbox = toolbox or toolbox_for(env)
     limits = limits or EpisodeLimits()
     sampling = dict(sampling or {})
@@ -362,7 +378,7 @@ async def evaluate(client: EngineClientLike, tokenizer: Any, env: Env, tasks: li
     rewards: list[float] = []
     successes: list[bool] = []
     finish: dict[str, int] = {}
-    errors: list[str] = []
+    problems = {kind: _Problem() for kind in PROBLEM_KINDS}
     by_group: dict[str, list[bool]] = {}
 
     async def one(task: Task) -> None:
@@ -370,25 +386,70 @@ async def evaluate(client: EngineClientLike, tokenizer: Any, env: Env, tasks: li
             try:
                 traj = await run_episode(client, tokenizer, env, toolbox, task, sampling, limits)
             except EpisodeFailed as e:
-                errors.append(str(e))
+                problems["failed"].add(str(e))
                 return
         rewards.append(traj.reward)
         successes.append(bool(env.is_success(task, traj.reward)))
         group = env.eval_group(task)
         if group is not None:
             by_group.setdefault(group, []).append(successes[-1])
-        reason = traj.metadata["finish_reason"]
-        finish[reason] = finish.get(reason, 0) + 1
+        meta = traj.metadata
+        finish[meta["finish_reason"]] = finish.get(meta["finish_reason"], 0) + 1
+        if meta["finish_reason"] == "aborted":
+            problems["aborted"].add(meta.get("abort_message") or "aborted by the engine")
+        if meta.get("reward_error"):
+            problems["reward_errors"].add(meta["reward_error"])
+        for message in meta.get("tool_fault_messages", []):
+            problems["tool_faults"].add(message)
+        problems["tool_faults"].count += max(0, meta.get("num_tool_faults", 0) - len(meta.get("tool_fault_messages", [])))
 
     async with trio.open_nursery() as nursery:
         for task in tasks:
             nursery.start_soon(one, task)
     n = len(rewards)
     return {
-        "n": n, "n_failed": len(errors),
+        "n": n, "n_failed": problems["failed"].count,
+        "n_aborted": problems["aborted"].count, "n_reward_errors": problems["reward_errors"].count,
+        "n_tool_faults": problems["tool_faults"].count,
         "success_rate": sum(successes) / n if n else 0.0,
         "reward_mean": sum(rewards) / n if n else 0.0,
         "success_by_group": {g: sum(v) / len(v) for g, v in sorted(by_group.items())},
         "finish_reasons": finish,
-        "errors": errors[:5],
+        "errors": problems["failed"].first,
+        "problems": {kind: p.as_dict() for kind, p in problems.items() if p.count},
     }
+
+
+# what an evaluation counts besides success, and how it is said in words
+PROBLEM_KINDS = {
+    "failed": "episodes failed (no trajectory; left out of the rates)",
+    "aborted": "episodes were aborted by the engine (scored as played)",
+    "reward_errors": "episodes' rewards raised (scored 0)",
+    "tool_faults": "tool calls crashed or timed out",
+}
+
+
+@dataclass
+class _Problem:
+    count: int = 0
+    first: list[str] = field(default_factory=list)
+
+    def add(self, message: str) -> None:
+        self.count += 1
+        if len(self.first) < 3 and message not in self.first:
+            self.first.append(message)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"count": self.count, "first": self.first}
+
+
+def describe_problems(result: dict[str, Any]) -> list[str]:
+    """One plain line per kind of problem an evaluation met (none when it met none)."""
+    total = result.get("n", 0) + result.get("n_failed", 0)
+    lines = []
+    for kind, words in PROBLEM_KINDS.items():
+        problem = (result.get("problems") or {}).get(kind)
+        if problem:
+            of = f" of {total}" if kind != "tool_faults" else ""
+            lines.append(f"{problem['count']}{of} {words}; first: {' | '.join(problem['first'])}")
+    return lines

@@ -52,6 +52,13 @@ class ToolResult:
     is_error: bool = False
     latency_s: float = 0.0
     name: str = ""
+    # why it failed: "unknown_tool" / "bad_arguments" (the model's mistake), "crash" / "timeout"
+    # (the tool's fault: an evaluation reports these); "" when it did not fail
+    error_kind: str = ""
+
+    @property
+    def tool_fault(self) -> bool:
+        return self.error_kind in ("crash", "timeout")
 
 
 class Tool:
@@ -282,10 +289,11 @@ class ToolBox:
         tool_ = self._by_name.get(call.name)
         if tool_ is None:
             known = ", ".join(self._by_name) or "none"
-            return ToolResult(f"Error: unknown tool {call.name!r}; available tools: {known}", is_error=True)
+            return ToolResult(f"Error: unknown tool {call.name!r}; available tools: {known}", is_error=True,
+                              error_kind="unknown_tool")
         problem = check_arguments(tool_, call.arguments)
         if problem:
-            return ToolResult(f"Error: {problem}", is_error=True)
+            return ToolResult(f"Error: {problem}", is_error=True, error_kind="bad_arguments")
         kwargs = dict(call.arguments)
         if tool_.wants_state:
             kwargs["state"] = state
@@ -296,9 +304,9 @@ class ToolBox:
         except trio.Cancelled:
             raise
         except Exception as e:  # a crashed tool is an observation, not a crashed episode
-            return ToolResult(f"Error: {call.name} failed: {type(e).__name__}: {e}", is_error=True)
+            return ToolResult(f"Error: {call.name} failed: {type(e).__name__}: {e}", is_error=True, error_kind="crash")
         if scope.cancelled_caught:
-            return ToolResult(f"Error: {call.name} timed out after {limit:g} s", is_error=True)
+            return ToolResult(f"Error: {call.name} timed out after {limit:g} s", is_error=True, error_kind="timeout")
         out = out if isinstance(out, str) else str(out)
         if len(out) > self.max_output_chars:
             out = out[: self.max_output_chars] + f"\n[output truncated to {self.max_output_chars} characters]"
