@@ -70,7 +70,7 @@ def run_cmd(
     import json
     import logging
 
-    from agentrl.run import resolve_run_dir, run
+    from agentrl.run import StopSignal, resolve_run_dir, run
     from agentrl.supervisor import ChildFailed
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -86,6 +86,10 @@ def run_cmd(
     except KeyboardInterrupt:
         typer.secho("interrupted: every process was stopped", fg=typer.colors.YELLOW, err=True)
         raise typer.Exit(130) from None
+    except StopSignal as e:
+        typer.secho(f"{e}: every process was stopped; summary: {folder / 'summary.json'}",
+                    fg=typer.colors.YELLOW, err=True)
+        raise typer.Exit(128 + e.signum) from None
     keys = ("eval_before", "eval_after", "success_rise", "learner_steps", "policy_versions_seen", "wall_time_s")
     typer.echo(json.dumps({k: summary.get(k) for k in keys}, indent=2, default=str))
     typer.echo(f"summary: {folder / 'summary.json'}")

@@ -32,6 +32,7 @@ import functools
 import json
 import logging
 import os
+import signal
 import statistics
 import sys
 import time
@@ -160,7 +161,7 @@ async def start_engines(sup: Supervisor, nursery: trio.Nursery, cfg: AgentRLConf
             await sup.start(nursery, ChildSpec(f"engine{i}", argv, run_dir / "logs" / f"engine{i}.log",
                                                critical=True, max_restarts=0))
     for url in cfg.engine.urls:
-        await trio.to_thread.run_sync(lambda u=url: wait_ready(u, 300.0))
+        await trio.to_thread.run_sync(lambda u=url: wait_ready(u, 300.0), abandon_on_cancel=True)
 
 
 def search_corpus(cfg: AgentRLConfig) -> str:
@@ -184,7 +185,7 @@ async def start_search(sup: Supervisor, nursery: trio.Nursery, cfg: AgentRLConfi
     host, port = url.rsplit("//", 1)[1].rsplit(":", 1)
     argv = _agentrl("serve-search", "--corpus", search_corpus(cfg), "--host", host, "--port", port)
     await sup.start(nursery, ChildSpec("search", argv, run_dir / "logs" / "search.log", max_restarts=3))
-    await trio.to_thread.run_sync(lambda: wait_ready(url, 120.0))
+    await trio.to_thread.run_sync(lambda: wait_ready(url, 120.0), abandon_on_cancel=True)
 
 
 async def evaluate_policy(cfg: AgentRLConfig, num_tasks: int | None = None) -> dict[str, Any]:
@@ -336,7 +337,7 @@ def _actor_totals(run_dir: Path) -> dict[str, int]:
     return totals
 
 
-def log_to_mlflow(cfg: AgentRLConfig, run_dir: Path, summary: dict[str, Any]) -> None:
+def log_to_mlflow(cfg: AgentRLConfig, run_dir: Path, summary: dict[str, Any], status: str = "FINISHED") -> None:
     from agentrl.evaluate import eval_metrics
     from agentrl.tracking import open_tracker
 
@@ -350,9 +351,10 @@ def log_to_mlflow(cfg: AgentRLConfig, run_dir: Path, summary: dict[str, Any]) ->
             metrics["eval/success_rise"] = summary["success_rise"]
         tracker.log_metrics(metrics, step=summary.get("learner_steps", 0))
         tracker.log_artifact(run_dir / "summary.json")
-        tracker.log_artifact(run_dir / "config.toml")
+        if (run_dir / "config.toml").exists():
+            tracker.log_artifact(run_dir / "config.toml")
     finally:
-        tracker.close()
+        tracker.close(status)
 
 
 def create_mlflow_run(cfg: AgentRLConfig, run_dir: Path) -> str:
@@ -384,9 +386,11 @@ async def run_async(cfg: AgentRLConfig, run_dir: Path, *, live_display: bool = T
     await trio.to_thread.run_sync(lambda: ensure_model(cfg.model.path, cfg.model.init_size, seed=cfg.run.seed))
     own_engines = not cfg.engine.urls
     eval_lock = trio.Lock()
+    status = "FAILED"
     try:
         async with trio.open_nursery() as outer:
             outer.start_soon(sup.wait_for_failure)
+            outer.start_soon(_stop_on_signal, state)
             policy = await warm_start(sup, outer, cfg, run_dir, state)
             starts_search = cfg.env.kwargs.get("search_url") == "auto"
             cfg = plan_config(cfg, run_dir, policy)
@@ -402,11 +406,32 @@ async def run_async(cfg: AgentRLConfig, run_dir: Path, *, live_display: bool = T
                 state.eval_after = await evaluate_policy(cfg)
             state.eval_event("after RL", state.eval_after)
             outer.cancel_scope.cancel()
+        status = "FINISHED"
+    except* (StopSignal, KeyboardInterrupt):
+        status = "KILLED"
+        raise
     finally:
         summary = summarize(state, cfg, run_dir)
-    if cfg.tracking.enabled:
-        await trio.to_thread.run_sync(log_to_mlflow, cfg, run_dir, summary)
+        if cfg.tracking.enabled:  # a stopped or failed run is closed in MLflow with what it saw
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(log_to_mlflow, cfg, run_dir, summary, status)
     return summary
+
+
+class StopSignal(Exception):
+    """SIGTERM or SIGHUP (how SLURM, Kubernetes and systemd stop a job): the run stops exactly as
+    on Ctrl-C -- every child stopped, ``summary.json`` written."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+
+
+async def _stop_on_signal(state: RunState) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGHUP) as signals:
+        async for signum in signals:
+            state.event("run", f"{signal.Signals(signum).name} received: stopping every process")
+            raise StopSignal(signum)
 
 
 async def _train(sup: Supervisor, outer: trio.Nursery, cfg: AgentRLConfig, run_dir: Path, state: RunState,
@@ -450,6 +475,9 @@ def run(cfg: AgentRLConfig, run_dir: Path, *, live_display: bool = True) -> dict
         failed = group.subgroup(ChildFailed)
         if failed is not None:
             raise _first(failed) from None
+        stopped = group.subgroup(StopSignal)
+        if stopped is not None:  # SIGTERM/SIGHUP: the children are already stopped
+            raise _first(stopped) from None
         if group.subgroup(KeyboardInterrupt) is not None:  # Ctrl-C: the children are already stopped
             raise KeyboardInterrupt from None
         raise

@@ -150,3 +150,38 @@ def test_live_table_shows_rl_rates(tmp_path: Path) -> None:
     assert "3 / 20" in text and "0.250" in text and "0.50" in text
     rate = float(text.split("episodes/s (received)")[1].split("│")[1])
     assert 15.0 < rate <= 16.0
+
+
+@pytest.mark.parametrize("signum, wait_for", [(15, "learner.log"), (1, "engine0.log")])
+def test_sigterm_and_sighup_stop_a_real_run_like_ctrl_c(signum: int, wait_for: str, tiny_model: Path,
+                                                         tmp_path: Path) -> None:
+    """SLURM, Kubernetes and systemd stop jobs with SIGTERM (terminals hang up with SIGHUP): every
+    child is stopped, summary.json is written, the exit status is 128 + the signal."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agentrl", "run", str(EXAMPLE), "--no-live", "--run-dir", str(run_dir),
+         "-s", f"model.path={tiny_model}", "-s", "sft.enabled=false", "-s", "tracking.enabled=false",
+         "-s", "eval.num_tasks=4", "-s", "learner.max_steps=1000"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not (run_dir / "logs" / wait_for).exists():  # the stage to interrupt has started
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
+            time.sleep(0.2)
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    name = signal.Signals(signum).name
+    assert proc.returncode == 128 + signum, err[-2000:]
+    assert f"stopped by {name}: every process was stopped" in err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert any(f"{name} received" in e for e in summary["events"])
+    pids = [int(line.split("pid ")[1].rstrip(")")) for line in summary["events"] if "started (pid" in line]
+    assert pids and not any(_alive(p) for p in pids)
