@@ -56,7 +56,8 @@ def init_model_cmd(
 def run_cmd(
     config: ConfigArg,
     overrides: OverrideOpt = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and print the resolved config, then exit.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the resolved config and check the env "
+                                                         "(tools, a task, its prompt), then exit.")] = False,
     run_dir: Annotated[Optional[Path], typer.Option("--run-dir", help="Run folder (default: runs/<name>-<time>).")] = None,
     live: Annotated[bool, typer.Option("--live/--no-live", help="Show the live progress table.")] = True,
 ) -> None:
@@ -65,7 +66,13 @@ def run_cmd(
 
     cfg = _load(config, overrides)
     if dry_run:
+        from agentrl.envs.check import check_env, summary_lines
+
         typer.echo(dump_toml(cfg))
+        report = check_env(cfg)
+        typer.echo("\n".join(summary_lines(report)))
+        if not report.ok:
+            raise typer.Exit(2)
         return
     import json
     import logging

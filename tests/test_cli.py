@@ -43,16 +43,19 @@ def test_help_lists_commands_and_imports_nothing_heavy() -> None:
 
 def test_dry_run_prints_the_resolved_config(tmp_path: Path) -> None:
     config = tmp_path / "run.toml"
-    config.write_text("[learner]\nlr = 1e-3\n[env.kwargs]\nlevel = 2\n")
-    rc, text, heavy, _ = run_cli("run", str(config), "--dry-run", "--set", "learner.max_steps=7", "-s", "run.name=dry")
-    assert rc == 0 and heavy == []
+    config.write_text("[learner]\nlr = 1e-3\n")
+    rc, text, heavy, _ = run_cli("run", str(config), "--dry-run", "--set", "learner.max_steps=7", "-s", "run.name=dry",
+                                 "-s", f"model.path={tmp_path / 'no-model-yet'}", "-s", "env.kwargs.min_ops=1")
+    assert rc == 0 and "torch" not in heavy and "mlflow" not in heavy  # no model to load: the check stays light
+    assert "# env check: ok" in text and "tools: calculator" in text and "prompt not rendered" in text
     printed = tomllib.loads(text)
     assert printed["learner"]["lr"] == 1e-3 and printed["learner"]["max_steps"] == 7
-    assert printed["env"]["kwargs"] == {"level": 2} and printed["run"]["name"] == "dry"
+    assert printed["env"]["kwargs"] == {"min_ops": 1} and printed["run"]["name"] == "dry"
     assert set(printed) == {"run", "model", "engine", "actors", "env", "sandbox", "learner", "sft", "eval", "tracking"}
     dumped = tmp_path / "printed.toml"
     dumped.write_text(text)
-    assert load_config(dumped) == load_config(config, ["learner.max_steps=7", "run.name=dry"])
+    assert load_config(dumped) == load_config(config, ["learner.max_steps=7", "run.name=dry", "env.kwargs.min_ops=1",
+                                                       f"model.path={tmp_path / 'no-model-yet'}"])
 
 
 def test_agentrl_module_entry_point_and_config_errors(tmp_path: Path) -> None:
@@ -69,3 +72,72 @@ def test_init_model_rejects_unknown_size(tmp_path: Path) -> None:
     rc, _, heavy, err = run_cli("init-model", str(tmp_path / "m"), "--size", "huge")
     assert rc == 2 and heavy == [] and "unknown size 'huge'" in err
     assert not (tmp_path / "m").exists()
+
+
+BROKEN_ENV = """
+from agentrl.envs.base import Env, Task
+from agentrl.tools.base import tool
+
+
+class NoDemos(Env):
+    def tasks(self, split="train", seed=0):
+        yield Task(id="t0", data={})
+
+    def initial_messages(self, task):
+        return [{"role": "user", "content": "hello " * 300}]
+
+    async def reward(self, task, state, messages):
+        return 0.0
+
+
+class RaisingTasks(NoDemos):
+    def tasks(self, split="train", seed=0):
+        raise KeyError("no such split file")
+        yield
+"""
+
+UNTYPED_TOOL_ENV = """
+from agentrl.envs.base import Env
+from agentrl.tools.base import tool
+
+
+@tool
+def lookup_factor(from_unit: str, to_unit) -> str:
+    return "1"
+
+
+class Units(Env):
+    def tools(self):
+        return [lookup_factor]
+"""
+
+
+def test_dry_run_checks_the_env_and_reports_every_problem(tmp_path: Path) -> None:
+    """A wrong env.cls, a tool without a type hint, tasks() that raise, a prompt longer than
+    env.max_total_tokens, a warm start without demonstrations: each is named, exit status 2."""
+    from agentrl.model_builder import init_model
+
+    model = init_model(tmp_path / "tiny", "tiny")
+    (tmp_path / "broken_env.py").write_text(BROKEN_ENV)
+    (tmp_path / "units_env.py").write_text(UNTYPED_TOOL_ENV)
+    base = ["-s", f"model.path={model}"]
+    plain = tmp_path / "plain.toml"  # the defaults, with no env kwargs
+    plain.write_text("[run]\nname = 'dry'\n")
+
+    def dry(*extra: str, config: Path = plain) -> tuple[int, str]:
+        rc, text, _, _ = run_cli("run", str(config), "--dry-run", *base, *extra)
+        return rc, text
+
+    rc, text = dry("-s", "env.cls=agentrl.envs.calculator:Calculator")
+    assert rc == 2 and "PROBLEM: env.cls = 'agentrl.envs.calculator:Calculator'" in text and "has no attribute" in text
+    rc, text = dry("-s", f"env.cls={tmp_path / 'units_env.py'}:Units")
+    assert rc == 2 and "lookup_factor: parameter 'to_unit' has no type hint" in text
+    rc, text = dry("-s", f"env.cls={tmp_path / 'broken_env.py'}:RaisingTasks", "-s", "sft.enabled=false")
+    assert rc == 2 and "PROBLEM: tasks('train'): KeyError" in text and "PROBLEM: tasks('test'): KeyError" in text
+    rc, text = dry("-s", f"env.cls={tmp_path / 'broken_env.py'}:NoDemos", "-s", "sft.enabled=true",
+                   "-s", "env.max_total_tokens=512")
+    assert rc == 2
+    assert "leaves no room for the model within env.max_total_tokens = 512" in text
+    assert "sft.enabled = true but the env demonstrates no task" in text
+    rc, text = dry(config=Path("examples/calculator/config.toml"))  # the quickstart is fine; its prompt is rendered
+    assert rc == 0 and "# env check: ok" in text and "first prompt:" in text
