@@ -67,6 +67,7 @@ class Request:
     versions: list[dict] = field(default_factory=list)
     stop_window: int = 0  # tokens to decode when checking stop strings
     last_streamed: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at the first prefill
 
     @property
     def rid(self) -> str:
@@ -265,7 +266,9 @@ class Scheduler:
         seqs = [r.inp.input_ids + r.output_ids for r in batch]
         starts = [self.runner.load_prefix(row0 + i, seq) for i, seq in enumerate(seqs)]
         logits = self.runner.prefill(row0, seqs, starts)
-        for req, seq in zip(batch, seqs):
+        for req, seq, start in zip(batch, seqs, starts):
+            if not req.output_ids:  # a retracted request's re-prefill does not count again
+                req.cached_tokens = start
             req.kv_len = len(seq)
             req.pending = None
         self._sample_and_check(batch, logits)
@@ -351,6 +354,7 @@ class Scheduler:
             weight_version=self.weight_version,
             weight_versions=[dict(v) for v in req.versions],
             e2e_latency=time.perf_counter() - req.created,
+            cached_tokens=req.cached_tokens,
         )
 
 
