@@ -91,3 +91,43 @@ def test_a_continuation_batched_with_fresh_prompts_fits_the_context(url, engine_
         assert max_abs_diff(logprobs(ans), engine_teacher.logprobs(prompt, ans["output_ids"])) <= 1e-4
     assert answers[0]["meta_info"]["cached_tokens"] == len(first) + len(a["output_ids"]) - 1
     assert [ans["meta_info"]["cached_tokens"] for ans in answers[1:]] == [0, 0, 0]
+
+
+def _stale_teacher(old_model, new_model, prefix: list[int], rest: list[int], output: list[int]) -> list[float]:
+    """Logprobs of ``output`` when the K/V of ``prefix`` come from the old weights and everything
+    after it is computed with the new ones: what an engine that kept its cache computes."""
+    with torch.no_grad():
+        cache = old_model(torch.tensor([prefix]), use_cache=True).past_key_values
+        logits = new_model(torch.tensor([rest + output]), past_key_values=cache, use_cache=True).logits[0].float()
+    lp = torch.log_softmax(logits[len(rest) - 1 : -1], dim=-1)
+    return lp.gather(1, torch.tensor(output)[:, None])[:, 0].tolist()
+
+
+@pytest.mark.parametrize("flush", [False, True])
+def test_cached_kv_survives_a_weight_update_only_without_flush(url, engine_model, engine_teacher, new_weights, flush):
+    new_path, new_model = new_weights
+    prompt = tokens(20 + flush, 60)
+    first = generate(url, {"input_ids": prompt, "sampling_params": GREEDY})
+    cached = prompt + first["output_ids"][:-1]  # what the finished request left in the cache
+    fields = {} if flush else {"flush_cache": False}  # SGLang's default is to flush
+    r = update_from_disk(url, new_path, "1", **fields)
+    try:
+        assert r.status_code == 200 and r.json()["success"], r.text
+        follow = prompt + first["output_ids"] + tokens(30, 5)
+        nxt = generate(url, {"input_ids": follow, "sampling_params": GREEDY})
+        fresh = Teacher(new_model).logprobs(follow, nxt["output_ids"])
+        if flush:
+            assert nxt["meta_info"]["cached_tokens"] == 0
+            assert max_abs_diff(logprobs(nxt), fresh) <= 1e-4
+        else:  # the old weights' K/V of the cached prefix were used: not what the new weights compute
+            assert nxt["meta_info"]["cached_tokens"] == len(cached)
+            assert max_abs_diff(logprobs(nxt), fresh) > 1e-3
+            stale = _stale_teacher(engine_teacher.model, new_model, cached, follow[len(cached):], nxt["output_ids"])
+            assert max_abs_diff(logprobs(nxt), stale) <= 1e-4
+            assert httpx.post(url + "/flush_cache", timeout=30).status_code == 200  # and /flush_cache drops them
+            again = generate(url, {"input_ids": follow, "sampling_params": GREEDY})
+            assert again["meta_info"]["cached_tokens"] == 0
+            assert max_abs_diff(logprobs(again), Teacher(new_model).logprobs(follow, again["output_ids"])) <= 1e-4
+    finally:
+        restored = update_from_disk(url, engine_model, "0")  # flushes: the next test starts clean
+        assert restored.status_code == 200, restored.text

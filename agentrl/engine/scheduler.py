@@ -81,7 +81,7 @@ class Request:
 class Scheduler:
     """Runs requests on a :class:`ModelRunner` in a background thread."""
 
-    def __init__(self, runner: ModelRunner, *, weight_version: str = "0", max_prefill_tokens: int = 8192):
+    def __init__(self, runner: ModelRunner, *, weight_version: str = "default", max_prefill_tokens: int = 8192):
         self.runner = runner
         self.tokenizer = runner.tokenizer
         self.weight_version = weight_version
@@ -160,7 +160,10 @@ class Scheduler:
         return len(victims)
 
     def flush_cache(self) -> bool:
-        if self.running or self.waiting or not self._inbox.empty():
+        """Drop the prefix cache and the K/V buffers. SGLang's rule: refused while requests run, or
+        wait in an engine that is not paused (a paused engine's queue holds no K/V)."""
+        self._drain_inbox()
+        if self.running or (self.waiting and not self.paused):
             return False
         self.runner.cache.release()
         self.runner.prefix_cache.clear()
