@@ -241,6 +241,13 @@ def check_context(num_input: int, max_new: int | None, context_len: int) -> None
         )
 
 
+# The top-level /generate fields parse_generate reads (fields of SGLang's GenerateReqInput; others are
+# ignored, as SGLang ignores keys it does not know). tests/test_engine_conformance.py checks them.
+GENERATE_FIELDS = ("text", "input_ids", "input_embeds", "image_data", "audio_data", "video_data", "lora_path",
+                   "top_logprobs_num", "logprob_start_len", "stream", "rid", "sampling_params", "return_logprob",
+                   "return_text_in_logprobs")
+
+
 def parse_generate(body: Any, *, vocab_size: int, context_len: int, encode=None) -> GenerateCall:
     """Validate a ``/generate`` body. ``encode(text) -> ids`` serves the ``text`` field."""
     if not isinstance(body, dict):
