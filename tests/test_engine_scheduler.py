@@ -265,6 +265,16 @@ def test_abort_by_rid_and_flush_cache(engine):
     assert submit(engine, [4, 5], max_new_tokens=3).wait().finish_reason["type"] == "length"
 
 
+def test_abort_by_rid_takes_the_requests_it_prefixes_as_sglang_does(engine):
+    _call(engine, lambda: setattr(engine, "updating", True))  # hold them in the queue
+    ws = {rid: submit(engine, [6, 7], rid=rid, max_new_tokens=3) for rid in ("ep1", "ep1-0", "ep10", "ep2")}
+    assert _call(engine, lambda: engine.abort("ep1-")) == 0  # no live request has exactly this rid
+    assert _call(engine, lambda: engine.abort("ep1")) == 3
+    _call(engine, lambda: setattr(engine, "updating", False))
+    assert {rid: w.wait().finish_reason["type"] for rid, w in ws.items()} == {
+        "ep1": "abort", "ep1-0": "abort", "ep10": "abort", "ep2": "length"}
+
+
 def test_flush_cache_ignores_the_queue_only_of_a_paused_engine(engine):
     """SGLang's rule: waiting requests block a flush unless generation is paused (no K/V is held)."""
     _call(engine, lambda: setattr(engine, "updating", True))  # holds requests without pausing

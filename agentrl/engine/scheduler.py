@@ -151,9 +151,13 @@ class Scheduler:
         self.paused = False
 
     def abort(self, rid: str | None, message: str = "aborted by /abort_request") -> int:
-        """Finish the request(s) with ``rid`` (all when None) with their partial output."""
+        """Finish the request(s) of ``rid`` (all when None) with their partial output. As in SGLang,
+        when a request ``rid`` is live, every request whose rid starts with it goes too."""
         self._drain_inbox()
-        victims = [r for r in list(self.running) + list(self.waiting) if rid is None or r.rid == rid]
+        live = list(self.running) + list(self.waiting)
+        if rid is not None and not any(r.rid == rid for r in live):
+            return 0
+        victims = [r for r in live if rid is None or r.rid.startswith(rid)]
         for req in victims:
             self._finish(req, finish_abort(message))
         self._remove_finished()

@@ -94,8 +94,7 @@ GROUP = "weight_update_group"
 # Request bodies of the control routes: SGLang's fields (managers/io_struct.py) with SGLang's
 # defaults. tests/test_engine_conformance.py checks this table against SGLang's source.
 CONTROL_BODIES: dict[str, dict[str, BodyField]] = {
-    "/abort_request": {"rid": _f((str, NONE), None), "abort_all": _f(bool, False),
-                       "abort_message": _f((str, NONE), None)},
+    "/abort_request": {"rid": _f((str, NONE), None), "abort_all": _f(bool, False)},
     "/pause_generation": {"mode": _f(str, "abort", ("abort", "retract", "in_place"))},
     "/continue_generation": {"torch_empty_cache": _f(bool, True)},
     "/init_weights_update_group": {
@@ -364,11 +363,10 @@ def build_app(server: EngineServer, *, api_key: str = "", admin_api_key: str = "
             b = await _control(request)
         except RequestError as e:
             return bad_request(str(e))
-        message = b["abort_message"] or "aborted by /abort_request"
         if b["abort_all"]:
-            await server.call(lambda: sched.abort(None, message))
-        elif b["rid"]:
-            await server.call(lambda: sched.abort(b["rid"], message))
+            await server.call(lambda: sched.abort(None))
+        elif b["rid"]:  # SGLang ignores an empty rid without abort_all
+            await server.call(lambda: sched.abort(b["rid"]))
         return Response(status_code=200)
 
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
