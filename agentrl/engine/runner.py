@@ -23,8 +23,10 @@ Design (measured against transformers' own continuous batching; see docs/archite
   request finishes, the K/V of the tokens it fed is kept (LRU, ``prefix_cache_tokens`` in
   all), keyed by those tokens. The next turn of the same episode sends prompt + output +
   tool result, so its longest stored prefix is copied into its slot and only the new tokens
-  are prefilled. Entries are exact token matches, and every weight change clears the cache
-  (K/V computed under old weights must not be reused).
+  are prefilled (a batch's padding tokens are parked on each row's next free position, so the
+  batch needs no more K/V positions than its longest row). Entries are exact token matches.
+  Whether a weight change drops them is the update request's ``flush_cache`` (the server's
+  call, as in SGLang): K/V computed under old weights are otherwise reused.
 * **Sampling** follows SGLang: logprobs are ``log_softmax(logits / temperature)`` over the
   full vocabulary, before top-k/top-p/min-p truncation (greedy rows: plain
   ``log_softmax(logits)``); the token is drawn from the truncated distribution by an

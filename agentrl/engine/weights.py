@@ -34,7 +34,10 @@ Tied embeddings: ``lm_head.weight`` is skipped when it is the same tensor as the
 
 **The engine side** (:class:`EngineWeightReceiver`) receives every declared tensor even when
 a name is unknown or a shape disagrees (into a scratch buffer), so a bad name never leaves
-the trainer blocked in a broadcast; it reports the problem in the HTTP answer instead.
+the trainer blocked in a broadcast; it reports the problem in the HTTP answer instead. It
+leaves the prefix cache alone (the request's ``flush_cache`` decides, in the server). An engine
+started with ``--tp-size N`` joins as N ranks, as SGLang does (one per TP rank): the N-1
+:class:`ShadowRank` s receive every broadcast into scratch and drop it.
 
 :meth:`WeightUpdater.push_from_disk` is the fallback: pause, ``/update_weights_from_disk``
 on every engine, continue.
