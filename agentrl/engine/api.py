@@ -132,7 +132,7 @@ def parse_sampling_params(raw: Any, vocab_size: int) -> SamplingParams:
     # null means "use the default", as in SGLang's __post_init__.
     p = {k: (SAMPLING_DEFAULTS[k] if raw.get(k) is None else raw[k]) for k in SAMPLING_DEFAULTS}
     for key in UNSUPPORTED_SAMPLING:
-        if p[key] != SAMPLING_DEFAULTS[key] and p[key] not in ({}, []):  # SGLang's contract writes some defaults as {} / []
+        if p[key] != SAMPLING_DEFAULTS[key] and p[key] not in ({}, []):  # some SGLang defaults are {} / []
             raise RequestError(
                 f"sampling_params.{key} = {p[key]!r} is not supported by the embedded engine "
                 f"(only the default {SAMPLING_DEFAULTS[key]!r})"
