@@ -97,8 +97,8 @@ def _stale_teacher(old_model, new_model, prefix: list[int], rest: list[int], out
     """Logprobs of ``output`` when the K/V of ``prefix`` come from the old weights and everything
     after it is computed with the new ones: what an engine that kept its cache computes."""
     with torch.no_grad():
-        cache = old_model(torch.tensor([prefix]), use_cache=True).past_key_values
-        logits = new_model(torch.tensor([rest + output]), past_key_values=cache, use_cache=True).logits[0].float()
+        cache = old_model(torch.tensor([prefix]), use_cache=True).cache
+        logits = new_model(torch.tensor([rest + output]), cache=cache, use_cache=True).logits[0].float()
     lp = torch.log_softmax(logits[len(rest) - 1 : -1], dim=-1)
     return lp.gather(1, torch.tensor(output)[:, None])[:, 0].tolist()
 
