@@ -154,13 +154,16 @@ def serve_search_cmd(
     corpus: Annotated[Path, typer.Option("--corpus", help="JSONL corpus: one {\"id\", \"text\"} object per line.")],
     host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port (0: a free one, printed at start-up).")] = 8001,
+    token_env: Annotated[str, typer.Option(help="Environment variable (or <NAME>_FILE) holding a bearer token "
+                                                "that /retrieve then requires.")] = "AGENTRL_SEARCH_TOKEN",
 ) -> None:
     """Serve BM25 retrieval over a local corpus: POST /retrieve {"queries": [...], "top_k": k}."""
+    from agentrl.secrets import SecretError
     from agentrl.tools.search_server import serve
 
     try:
-        serve(corpus, host=host, port=port)
-    except (ValueError, OSError) as e:
+        serve(corpus, host=host, port=port, token_env=token_env)
+    except (ValueError, OSError, SecretError) as e:
         typer.secho(f"serve-search: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
 

@@ -88,6 +88,9 @@ class EnvSection(Section):
     tool_timeout_s: float = Field(default=10.0, gt=0)
     tool_max_output_chars: int = Field(default=2000, ge=16)
     search_corpus: str = ""  # JSONL corpus `agentrl run` serves when env.kwargs.search_url = "auto"
+    # NAME of the environment variable (or <NAME>_FILE) holding the bearer token of the search server
+    # `agentrl run` starts; the search tool reads env.kwargs.search_token_env (same default)
+    search_token_env: str = "AGENTRL_SEARCH_TOKEN"
 
 
 class SandboxSection(Section):

@@ -183,7 +183,8 @@ async def start_search(sup: Supervisor, nursery: trio.Nursery, cfg: AgentRLConfi
 
     url = cfg.env.kwargs["search_url"]
     host, port = url.rsplit("//", 1)[1].rsplit(":", 1)
-    argv = _agentrl("serve-search", "--corpus", search_corpus(cfg), "--host", host, "--port", port)
+    argv = _agentrl("serve-search", "--corpus", search_corpus(cfg), "--host", host, "--port", port,
+                    "--token-env", cfg.env.search_token_env)
     await sup.start(nursery, ChildSpec("search", argv, run_dir / "logs" / "search.log", max_restarts=3))
     await trio.to_thread.run_sync(lambda: wait_ready(url, 120.0), abandon_on_cancel=True)
 

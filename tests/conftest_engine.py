@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-ENGINE_FLAGS = ["--num-threads", "1", "--max-running-requests", "64", "--max-context-tokens", "1024"]
+ENGINE_FLAGS = ["--num-threads", "1", "--max-running-requests", "64", "--max-context-tokens", "1024",
+                "--weight-version", "0"]
 
 
 @pytest.fixture(scope="session")
@@ -40,7 +41,8 @@ def engine_teacher(engine_model):
     return Teacher(engine_model)
 
 
-def start_engines(model: Path, n: int, log_dir: Path, *, via_cli: bool = False):
+def start_engines(model: Path, n: int, log_dir: Path, *, via_cli: bool = False, flags: list[str] = ENGINE_FLAGS,
+                  env: dict | None = None):
     """Start ``n`` embedded engines on free ports (optionally the first through ``agentrl serve-engine``)."""
     from agentrl.engine.launch import EngineProcess, free_port, wait_ready
 
@@ -48,10 +50,10 @@ def start_engines(model: Path, n: int, log_dir: Path, *, via_cli: bool = False):
     try:
         for i in range(n):
             port = free_port()
-            p = EngineProcess(str(model), port, extra=ENGINE_FLAGS, log_path=log_dir / f"engine{i}.log")
+            p = EngineProcess(str(model), port, extra=flags, log_path=log_dir / f"engine{i}.log", env=env)
             if via_cli and i == 0:
                 p.argv = [sys.executable, "-m", "agentrl", "serve-engine", "--model", str(model),
-                          "--port", str(port), *ENGINE_FLAGS]
+                          "--port", str(port), *flags]
             procs.append(p.start(wait_s=0))
         for p in procs:
             wait_ready(p.url, 240, process=p.process)

@@ -39,7 +39,7 @@ def engine(engine_model):
 
     torch.set_num_threads(1)
     runner = ModelRunner(engine_model, device="cpu", dtype="float32", max_running_requests=16, max_context_tokens=512)
-    sched = Scheduler(runner, max_prefill_tokens=1024)
+    sched = Scheduler(runner, weight_version="0", max_prefill_tokens=1024)
     sched.start()
     yield sched
     sched.stop()
@@ -103,6 +103,7 @@ def test_next_turns_reuse_the_cached_prefix_and_match_the_teacher(engine, teache
     episodes = prompts(6, seed=11)
     temps = [0.0, 1.0, 0.7, 0.0, 1.3, 1.0]
     worst, hit_before, expected = 0.0, cache.hit_tokens, 0
+    fed = [0] * len(episodes)  # what each episode's previous turn left in the cache
     for turn in range(3):
         waiters = [submit(engine, p, max_new_tokens=5 + i, temperature=temps[i], ignore_eos=True)
                    for i, p in enumerate(episodes)]
@@ -110,15 +111,19 @@ def test_next_turns_reuse_the_cached_prefix_and_match_the_teacher(engine, teache
         for i, (p, w) in enumerate(zip(episodes, waiters)):
             c = w.wait()
             worst = max(worst, max_abs_diff(c.output_logprobs, teacher.logprobs(p, c.output_ids, temps[i])))
-            if turn < 2:  # the next turn finds everything this one fed (all but its last token)
-                expected += len(p) + len(c.output_ids) - 1
+            assert c.cached_tokens == fed[i]  # meta_info.cached_tokens
+            fed[i] = len(p) + len(c.output_ids) - 1  # the next turn finds everything this one fed
+            if turn < 2:
+                expected += fed[i]
             nxt.append(p + c.output_ids + [7, 8, 9 + turn])  # a "tool result" appended
         episodes = nxt
     assert worst <= 1e-4, worst
     assert cache.hit_tokens - hit_before == expected
-    # a weight change empties the cache: K/V computed under old weights must not be reused
+    # Receiving weights leaves the cache alone (the update request's flush_cache decides); a flush empties it.
     assert cache.tokens > 0
     engine.call(lambda: EngineWeightReceiver(engine.runner).apply({})).result()
+    assert cache.tokens > 0
+    assert engine.call(engine.flush_cache).result()
     assert cache.tokens == 0 and not cache.entries
 
 
@@ -258,6 +263,28 @@ def test_abort_by_rid_and_flush_cache(engine):
     assert w.wait().finish_reason["type"] == "abort"
     assert _call(engine, engine.flush_cache) is True
     assert submit(engine, [4, 5], max_new_tokens=3).wait().finish_reason["type"] == "length"
+
+
+def test_abort_by_rid_takes_the_requests_it_prefixes_as_sglang_does(engine):
+    _call(engine, lambda: setattr(engine, "updating", True))  # hold them in the queue
+    ws = {rid: submit(engine, [6, 7], rid=rid, max_new_tokens=3) for rid in ("ep1", "ep1-0", "ep10", "ep2")}
+    assert _call(engine, lambda: engine.abort("ep1-")) == 0  # no live request has exactly this rid
+    assert _call(engine, lambda: engine.abort("ep1")) == 3
+    _call(engine, lambda: setattr(engine, "updating", False))
+    assert {rid: w.wait().finish_reason["type"] for rid, w in ws.items()} == {
+        "ep1": "abort", "ep1-0": "abort", "ep10": "abort", "ep2": "length"}
+
+
+def test_flush_cache_ignores_the_queue_only_of_a_paused_engine(engine):
+    """SGLang's rule: waiting requests block a flush unless generation is paused (no K/V is held)."""
+    _call(engine, lambda: setattr(engine, "updating", True))  # holds requests without pausing
+    w = submit(engine, [6, 7], max_new_tokens=3, ignore_eos=True)
+    assert _call(engine, engine.flush_cache) is False
+    _call(engine, lambda: engine.pause("retract"))
+    assert _call(engine, engine.flush_cache) is True and engine.waiting
+    _call(engine, engine.resume)
+    _call(engine, lambda: setattr(engine, "updating", False))
+    assert w.wait().finish_reason == {"type": "length", "length": 3}
 
 
 def test_weight_version_spans_follow_updates(engine):

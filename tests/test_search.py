@@ -22,11 +22,12 @@ from agentrl.tools.search import SearchTool
 from agentrl.tools.search_server import BM25Index, load_corpus, parse_request
 
 
-def start_server(corpus) -> tuple[subprocess.Popen, str]:
-    """Start ``agentrl serve-search --port 0`` and return (process, base url)."""
+def start_server(corpus, *args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """Start ``agentrl serve-search --port 0`` (with ``env`` added to a token-free environment)."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("AGENTRL_SEARCH_TOKEN")}, **(env or {})}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agentrl", "serve-search", "--corpus", str(corpus), "--port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        [sys.executable, "-m", "agentrl", "serve-search", "--corpus", str(corpus), "--port", "0", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env,
     )
     deadline = time.monotonic() + 60
     seen = ""
@@ -140,6 +141,35 @@ class socket_port:
 
     def __exit__(self, *exc) -> None:
         self.sock.close()
+
+
+def test_a_guarded_server_refuses_requests_without_its_token(tmp_path, monkeypatch):
+    token = "t-" + os.urandom(8).hex()
+    (tmp_path / "token").write_text(token + "\n")
+    proc, url = start_server(corpus_path(), "--token-env", "MY_SEARCH_TOKEN",
+                             env={"MY_SEARCH_TOKEN_FILE": str(tmp_path / "token")})
+    query = load_corpus(corpus_path())[0]["text"]
+    try:
+        body = {"queries": [query], "top_k": 1}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": token},
+                        {"Authorization": f"Basic {token}"}, {"Authorization": f"Bearer {token}x"}):
+            r = httpx.post(url + "/retrieve", json=body, headers=headers, timeout=10)
+            assert (r.status_code, r.json()) == (401, {"error": "Unauthorized"}), headers
+        assert httpx.get(url + "/health", timeout=10).status_code == 200  # probes need no token
+        ok = httpx.post(url + "/retrieve", json=body, headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        assert ok.status_code == 200 and ok.json()["results"][0]
+
+        monkeypatch.delenv("MY_SEARCH_TOKEN", raising=False)
+        monkeypatch.delenv("MY_SEARCH_TOKEN_FILE", raising=False)
+        without = ToolBox([SearchTool(url, token_env="MY_SEARCH_TOKEN")])
+        result = trio.run(without.execute, ToolCall("search", {"query": query}))
+        assert result.is_error and "401" in result.content
+        monkeypatch.setenv("MY_SEARCH_TOKEN", token)  # the tool sends the token it finds
+        env = SearchQAEnv(search_url=url, search_token_env="MY_SEARCH_TOKEN")
+        result = trio.run(ToolBox(env.tools()).execute, ToolCall("search", {"query": query}))
+        assert not result.is_error and result.content.startswith("[1]")
+    finally:
+        stop(proc)
 
 
 def test_search_tool_needs_exactly_one_backend():

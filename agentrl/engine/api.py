@@ -67,12 +67,16 @@ SAMPLING_DEFAULTS: dict[str, Any] = {
     "stream_interval": None,
     "logit_bias": None,
     "sampling_seed": None,
+    "beam_width": None,
+    "watermark": None,
+    "choice": None,
 }
 
 # Accepted by SGLang but not implemented by the embedded engine: only the default is allowed.
 UNSUPPORTED_SAMPLING = (
     "stop_regex", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens",
-    "n", "json_schema", "regex", "ebnf", "structural_tag", "custom_params", "logit_bias",
+    "n", "json_schema", "regex", "ebnf", "structural_tag", "custom_params", "logit_bias", "beam_width",
+    "watermark", "choice",
 )
 
 
@@ -128,7 +132,7 @@ def parse_sampling_params(raw: Any, vocab_size: int) -> SamplingParams:
     # null means "use the default", as in SGLang's __post_init__.
     p = {k: (SAMPLING_DEFAULTS[k] if raw.get(k) is None else raw[k]) for k in SAMPLING_DEFAULTS}
     for key in UNSUPPORTED_SAMPLING:
-        if p[key] != SAMPLING_DEFAULTS[key]:
+        if p[key] != SAMPLING_DEFAULTS[key] and p[key] not in ({}, []):  # some SGLang defaults are {} / []
             raise RequestError(
                 f"sampling_params.{key} = {p[key]!r} is not supported by the embedded engine "
                 f"(only the default {SAMPLING_DEFAULTS[key]!r})"
@@ -237,6 +241,13 @@ def check_context(num_input: int, max_new: int | None, context_len: int) -> None
         )
 
 
+# The top-level /generate fields parse_generate reads (fields of SGLang's GenerateReqInput; others are
+# ignored, as SGLang ignores keys it does not know). tests/test_engine_conformance.py checks them.
+GENERATE_FIELDS = ("text", "input_ids", "input_embeds", "image_data", "audio_data", "video_data", "lora_path",
+                   "top_logprobs_num", "logprob_start_len", "stream", "rid", "sampling_params", "return_logprob",
+                   "return_text_in_logprobs")
+
+
 def parse_generate(body: Any, *, vocab_size: int, context_len: int, encode=None) -> GenerateCall:
     """Validate a ``/generate`` body. ``encode(text) -> ids`` serves the ``text`` field."""
     if not isinstance(body, dict):
@@ -333,6 +344,7 @@ class Completion:
     weight_version: str
     weight_versions: list[dict] = field(default_factory=list)
     e2e_latency: float = 0.0
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
 def output_text_ids(c: Completion, params: SamplingParams) -> list[int]:
@@ -360,7 +372,7 @@ def build_response(c: Completion, inp: GenerateInput, text: str, token_texts: li
         "finish_reason": c.finish_reason,
         "prompt_tokens": c.prompt_tokens,
         "completion_tokens": len(c.output_ids),
-        "cached_tokens": 0,
+        "cached_tokens": c.cached_tokens,
         "weight_version": c.weight_version,
         "weight_versions": c.weight_versions,
         "e2e_latency": c.e2e_latency,

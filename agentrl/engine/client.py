@@ -71,6 +71,10 @@ class GenerateResult:
     def aborted(self) -> bool:
         return self.finish_reason.get("type") == "abort"
 
+    # The /generate response fields read below (tests/test_engine_conformance.py: SGLang writes them).
+    FIELDS_READ = ("meta_info", "output_ids", "text")
+    META_INFO_FIELDS_READ = ("output_token_logprobs", "finish_reason", "weight_version", "prompt_tokens")
+
     @classmethod
     def from_response(cls, body: dict, url: str = "") -> "GenerateResult":
         meta = body.get("meta_info") or {}
@@ -365,6 +369,8 @@ class EngineClient:
     async def abort(self, rid: str | None = None) -> None:
         """Abort ``rid`` (or everything when None) on every engine."""
         await self._broadcast("/abort_request", {"rid": rid or "", "abort_all": rid is None})
+
+    MODEL_INFO_FIELDS_READ = ("weight_version",)  # read by weight_versions() (checked like the above)
 
     async def weight_versions(self) -> list[str]:
         http = self._client()

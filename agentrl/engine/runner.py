@@ -23,8 +23,10 @@ Design (measured against transformers' own continuous batching; see docs/archite
   request finishes, the K/V of the tokens it fed is kept (LRU, ``prefix_cache_tokens`` in
   all), keyed by those tokens. The next turn of the same episode sends prompt + output +
   tool result, so its longest stored prefix is copied into its slot and only the new tokens
-  are prefilled. Entries are exact token matches, and every weight change clears the cache
-  (K/V computed under old weights must not be reused).
+  are prefilled (a batch's padding tokens are parked on each row's next free position, so the
+  batch needs no more K/V positions than its longest row). Entries are exact token matches.
+  Whether a weight change drops them is the update request's ``flush_cache`` (the server's
+  call, as in SGLang): K/V computed under old weights are otherwise reused.
 * **Sampling** follows SGLang: logprobs are ``log_softmax(logits / temperature)`` over the
   full vocabulary, before top-k/top-p/min-p truncation (greedy rows: plain
   ``log_softmax(logits)``); the token is drawn from the truncated distribution by an
@@ -278,7 +280,7 @@ class ModelRunner:
         starts = list(starts) if starts is not None else [0] * len(sequences)
         news = [len(s) - c for s, c in zip(sequences, starts)]
         width = max(news)
-        kv_len = max(c + width for c in starts)
+        kv_len = max(len(s) for s in sequences)  # each row needs its own tokens only
         self.cache.ensure_capacity(kv_len + 1)
         ids = torch.zeros((len(sequences), width), dtype=torch.long)
         for i, (s, c) in enumerate(zip(sequences, starts)):
@@ -286,7 +288,11 @@ class ModelRunner:
         ids = ids.to(self.device)
         lens = torch.as_tensor(news, device=self.device)
         first = torch.as_tensor(starts, device=self.device)
-        pos = first[:, None] + self._arange[None, :width]  # [N, width]: each token's position
+        # Token j of row i sits at position start_i + j. A padding token (j >= new_i) is parked on
+        # the row's next free position, start_i + new_i, which its first decode step overwrites:
+        # so a row never needs more than its own length + 1 positions, whatever the other rows'
+        # cached parts (sizing by longest cached part + longest new part overflowed the context).
+        pos = first[:, None] + torch.minimum(self._arange[None, :width], lens[:, None])  # [N, width]
         keys = self._arange[:kv_len]
         # Causal and inside the row's own tokens: [N, 1, width, kv_len].
         mask = (keys[None, None, :] <= pos[:, :, None]) & (keys[None, None, :] < (first + lens)[:, None, None])

@@ -67,6 +67,7 @@ class Request:
     versions: list[dict] = field(default_factory=list)
     stop_window: int = 0  # tokens to decode when checking stop strings
     last_streamed: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at the first prefill
 
     @property
     def rid(self) -> str:
@@ -80,7 +81,7 @@ class Request:
 class Scheduler:
     """Runs requests on a :class:`ModelRunner` in a background thread."""
 
-    def __init__(self, runner: ModelRunner, *, weight_version: str = "0", max_prefill_tokens: int = 8192):
+    def __init__(self, runner: ModelRunner, *, weight_version: str = "default", max_prefill_tokens: int = 8192):
         self.runner = runner
         self.tokenizer = runner.tokenizer
         self.weight_version = weight_version
@@ -150,16 +151,23 @@ class Scheduler:
         self.paused = False
 
     def abort(self, rid: str | None, message: str = "aborted by /abort_request") -> int:
-        """Finish the request(s) with ``rid`` (all when None) with their partial output."""
+        """Finish the request(s) of ``rid`` (all when None) with their partial output. As in SGLang,
+        when a request ``rid`` is live, every request whose rid starts with it goes too."""
         self._drain_inbox()
-        victims = [r for r in list(self.running) + list(self.waiting) if rid is None or r.rid == rid]
+        live = list(self.running) + list(self.waiting)
+        if rid is not None and not any(r.rid == rid for r in live):
+            return 0
+        victims = [r for r in live if rid is None or r.rid.startswith(rid)]
         for req in victims:
             self._finish(req, finish_abort(message))
         self._remove_finished()
         return len(victims)
 
     def flush_cache(self) -> bool:
-        if self.running or self.waiting or not self._inbox.empty():
+        """Drop the prefix cache and the K/V buffers. SGLang's rule: refused while requests run, or
+        wait in an engine that is not paused (a paused engine's queue holds no K/V)."""
+        self._drain_inbox()
+        if self.running or (self.waiting and not self.paused):
             return False
         self.runner.cache.release()
         self.runner.prefix_cache.clear()
@@ -265,7 +273,9 @@ class Scheduler:
         seqs = [r.inp.input_ids + r.output_ids for r in batch]
         starts = [self.runner.load_prefix(row0 + i, seq) for i, seq in enumerate(seqs)]
         logits = self.runner.prefill(row0, seqs, starts)
-        for req, seq in zip(batch, seqs):
+        for req, seq, start in zip(batch, seqs, starts):
+            if not req.output_ids:  # a retracted request's re-prefill does not count again
+                req.cached_tokens = start
             req.kv_len = len(seq)
             req.pending = None
         self._sample_and_check(batch, logits)
@@ -351,6 +361,7 @@ class Scheduler:
             weight_version=self.weight_version,
             weight_versions=[dict(v) for v in req.versions],
             e2e_latency=time.perf_counter() - req.created,
+            cached_tokens=req.cached_tokens,
         )
 
 

@@ -11,6 +11,22 @@ The weight group's rendezvous runs in a worker thread (it blocks until the train
 while generation continues; checkpoint files are read off the scheduler thread too, and only
 the copy into the parameters happens between steps.
 
+Strict where SGLang 0.5.23 is (``sglang/srt/entrypoints/http_server.py``, ``managers/``):
+
+* control bodies are SGLang's request structs (:data:`CONTROL_BODIES`): required fields, types
+  and defaults as there, a 400 in SGLang's ``ErrorResponse`` shape otherwise; a field SGLang
+  knows but this engine does not implement is accepted at its default only; keys SGLang does
+  not know are ignored, as SGLang ignores them;
+* a weight update keeps the prefix cache unless its ``flush_cache`` (default true) asks, and a
+  flush refused because requests still run fails the update with SGLang's message;
+* ``update_weights_from_distributed`` must run between ``/begin_weight_update`` and
+  ``/end_weight_update``; ``--disable-weight-update-bracket`` serves an SGLang build without
+  them instead (404, and updates need no bracket);
+* ``--tp-size N`` joins the weight group as N ranks (shadows receive and drop, see
+  ``weights.ShadowRank``); ``--dp-size`` > 1 refuses the weight group as SGLang does;
+* ``--api-key`` / ``--admin-api-key`` (else the environment, ``agentrl.secrets.read_secret``)
+  with SGLang's bearer rules (``agentrl.http_auth``); each route declares its level below.
+
 A client that disconnects aborts its requests (as SGLang does), so abandoned generations do
 not hold batch slots.
 """
@@ -23,9 +39,11 @@ import json
 import logging
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -34,26 +52,133 @@ from agentrl.engine.api import (
     Completion, GenerateCall, GenerateInput, RequestError, build_response, error_body, output_text_ids,
     parse_generate, trim_stop_str,
 )
+from agentrl.http_auth import AuthLevel, BearerAuthMiddleware, auth_level
 
 log = logging.getLogger("agentrl.engine")
+
+API_KEY_ENV = "AGENTRL_ENGINE_API_KEY"  # the defaults of engine.api_key_env / engine.admin_api_key_env
+ADMIN_API_KEY_ENV = "AGENTRL_ENGINE_ADMIN_API_KEY"
+
+# SGLang's messages (managers/tokenizer_control_mixin.py, scheduler_components/weight_updater.py).
+DP_REFUSAL = "data-parallel replicas are not supported for update weights from distributed"
+DP_REFUSAL_DESTROY = "data-parallel replicas are not supported for destroy parameter update group"
+NOT_FLUSHED = ("Weights were updated, but the cache was not flushed because requests are still running or "
+               "queued. Retract or finish them, then call /flush_cache.")
+NO_SESSION = "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
+SESSION_OPEN = "a weight-update session is already open; call end_weight_update() first"
+SESSION_CLOSED = "no weight-update session is open; call begin_weight_update() first"
+FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
+           "requests, the operation will not be performed.)\n")
+
+
+# ------------------------------------------------------------------------- control bodies
+
+REQUIRED: Any = type("Required", (), {"__repr__": lambda self: "REQUIRED"})()
+NONE = type(None)
+
+
+@dataclass(frozen=True)
+class BodyField:
+    """One field of an SGLang request struct, as the embedded engine reads it."""
+
+    kinds: tuple[type, ...]  # JSON types allowed (int excludes bool; float accepts int)
+    default: Any = REQUIRED
+    supported: tuple | None = None  # the values this engine implements (None: any value of the kinds)
+
+
+def _f(kinds: type | tuple[type, ...], default: Any = REQUIRED, supported: tuple | None = None) -> BodyField:
+    return BodyField(kinds if isinstance(kinds, tuple) else (kinds,), default, supported)
+
+
+GROUP = "weight_update_group"
+# Request bodies of the control routes: SGLang's fields (managers/io_struct.py) with SGLang's
+# defaults. tests/test_engine_conformance.py checks this table against SGLang's source.
+CONTROL_BODIES: dict[str, dict[str, BodyField]] = {
+    "/abort_request": {"rid": _f((str, NONE), None), "abort_all": _f(bool, False)},
+    "/pause_generation": {"mode": _f(str, "abort", ("abort", "retract", "in_place"))},
+    "/continue_generation": {"torch_empty_cache": _f(bool, True)},
+    "/init_weights_update_group": {
+        "master_address": _f(str), "master_port": _f(int), "rank_offset": _f(int), "world_size": _f(int),
+        "group_name": _f(str, GROUP), "backend": _f(str, "nccl", ("nccl", "gloo"))},
+    "/destroy_weights_update_group": {"group_name": _f(str, GROUP)},
+    "/begin_weight_update": {"selector": _f(str, "all", ("all", "target"))},  # no draft model here
+    "/end_weight_update": {},
+    "/update_weights_from_distributed": {
+        "names": _f(list), "dtypes": _f(list), "shapes": _f(list), "group_name": _f(str, GROUP),
+        "flush_cache": _f(bool, True), "abort_all_requests": _f(bool, False),
+        "weight_version": _f((str, NONE), None), "load_format": _f((str, NONE), None, (None, "flattened_bucket")),
+        "selector": _f(str, "all", ("all", "target")), "torch_empty_cache": _f(bool, False)},
+    "/update_weights_from_disk": {
+        "model_path": _f(str), "load_format": _f((str, NONE), None, (None, "auto", "safetensors")),
+        "abort_all_requests": _f(bool, False), "weight_version": _f((str, NONE), None),
+        "is_async": _f(bool, False, (False,)), "torch_empty_cache": _f(bool, False),
+        "keep_pause": _f(bool, False, (False,)), "recapture_cuda_graph": _f(bool, False),
+        "token_step": _f(int, 0), "flush_cache": _f(bool, True), "manifest": _f((dict, NONE), None, (None,))},
+    "/update_weight_version": {"new_version": _f(str), "abort_all_requests": _f(bool, True)},
+}
+
+_KIND_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false", list: "a list",
+               dict: "an object", NONE: "null"}
+
+
+def _is_kind(value: Any, kind: type) -> bool:
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def parse_control(path: str, body: dict) -> dict[str, Any]:
+    """The fields of ``path``'s body with SGLang's defaults filled in; RequestError names a bad one."""
+    out = {}
+    for name, spec in CONTROL_BODIES[path].items():
+        if name not in body:
+            if spec.default is REQUIRED:
+                raise RequestError(f"{path}: field {name!r} is required")
+            out[name] = spec.default
+            continue
+        value = body[name]
+        if not any(_is_kind(value, k) for k in spec.kinds):
+            wanted = " or ".join(_KIND_NAMES[k] for k in spec.kinds)
+            raise RequestError(f"{path}: {name} must be {wanted}, got {value!r}")
+        if spec.supported is not None and value not in spec.supported:
+            raise RequestError(f"{path}: {name} = {value!r} is not supported by the embedded engine "
+                               f"(supported: {', '.join(repr(v) for v in spec.supported)})")
+        out[name] = value
+    return out
+
+
+def bad_request(message: str) -> JSONResponse:
+    """SGLang's answer to a body that fails its request struct (``ErrorResponse``, HTTP 400)."""
+    return JSONResponse({"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400},
+                        status_code=400)
+
+
+# --------------------------------------------------------------------------------- server
 
 
 class EngineServer:
     """Holds the runner, scheduler and weight receiver behind the HTTP routes."""
 
     def __init__(self, model_path: str, *, device: str = "auto", dtype: str = "auto", max_running_requests: int = 64,
-                 max_context_tokens: int = 2048, max_prefill_tokens: int = 8192, weight_version: str = "0",
-                 seed: int = 0, prefix_cache_tokens: int = 65536):
+                 max_context_tokens: int = 2048, max_prefill_tokens: int = 8192, weight_version: str = "default",
+                 seed: int = 0, prefix_cache_tokens: int = 65536, tp_size: int = 1, dp_size: int = 1,
+                 weight_update_bracket: bool = True):
         from agentrl.engine.runner import ModelRunner
         from agentrl.engine.scheduler import Scheduler
         from agentrl.engine.weights import EngineWeightReceiver
 
+        if tp_size < 1 or dp_size < 1:
+            raise ValueError(f"tp_size and dp_size must be at least 1, got {tp_size} and {dp_size}")
         self.model_path = model_path
+        self.tp_size, self.dp_size = tp_size, dp_size
+        self.weight_update_bracket = weight_update_bracket
         self.runner = ModelRunner(model_path, device=device, dtype=dtype, max_running_requests=max_running_requests,
                                   max_context_tokens=max_context_tokens, seed=seed,
                                   prefix_cache_tokens=prefix_cache_tokens)
         self.scheduler = Scheduler(self.runner, weight_version=weight_version, max_prefill_tokens=max_prefill_tokens)
-        self.receiver = EngineWeightReceiver(self.runner)
+        self.receiver = EngineWeightReceiver(self.runner, tp_size=tp_size)
         self.tokenizer = self.runner.tokenizer
         self.started = time.time()
 
@@ -91,6 +216,15 @@ class EngineServer:
         for rid in rids:
             self.scheduler.call(lambda rid=rid: self.scheduler.abort(rid, "client disconnected"))
 
+    # -- weight updates (run in the scheduler thread) ---------------------------------------
+    def after_update(self, weight_version: str | None, flush_cache: bool) -> tuple[bool, str]:
+        """SGLang's order: record the new version, then flush if asked; a refused flush fails the call."""
+        if weight_version is not None:
+            self.scheduler.weight_version = weight_version
+        if flush_cache and not self.scheduler.flush_cache():
+            return False, NOT_FLUSHED
+        return True, ""
+
     def model_info(self) -> dict:
         return {
             "model_path": self.model_path,
@@ -109,6 +243,9 @@ class EngineServer:
             **self.model_info(),
             "device": str(self.runner.device),
             "dtype": str(self.runner.dtype).removeprefix("torch."),
+            "tp_size": self.tp_size,
+            "dp_size": self.dp_size,
+            "pp_size": 1,
             "max_running_requests": self.runner.max_running_requests,
             "context_length": self.runner.max_context_tokens,
             "paused": self.scheduler.paused,
@@ -145,6 +282,10 @@ async def _body(request: HttpRequest) -> dict:
     return body
 
 
+async def _control(request: HttpRequest) -> dict[str, Any]:
+    return parse_control(request.url.path, await _body(request))
+
+
 async def _wait_disconnect(request: HttpRequest) -> None:
     while True:
         message = await request.receive()
@@ -152,7 +293,7 @@ async def _wait_disconnect(request: HttpRequest) -> None:
             return
 
 
-def build_app(server: EngineServer) -> Starlette:
+def build_app(server: EngineServer, *, api_key: str = "", admin_api_key: str = "") -> Starlette:
     sched = server.scheduler
 
     async def generate(request: HttpRequest) -> Response:
@@ -211,164 +352,207 @@ def build_app(server: EngineServer) -> Starlette:
     async def server_info(request: HttpRequest) -> Response:
         return JSONResponse(server.server_info())
 
-    async def weight_version(request: HttpRequest) -> Response:
-        return JSONResponse({"weight_version": sched.weight_version})
-
+    @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def flush_cache(request: HttpRequest) -> Response:
         ok = await server.call(sched.flush_cache)
-        return PlainTextResponse(
-            "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
-            "requests, the operation will not be performed.)\n", status_code=200 if ok else 400)
+        return PlainTextResponse(FLUSHED if ok else "Flush cache failed.\n", status_code=200 if ok else 400)
 
+    @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def abort_request(request: HttpRequest) -> Response:
         try:
-            body = await _body(request)
+            b = await _control(request)
         except RequestError as e:
-            return _error(str(e))
-        rid, abort_all = body.get("rid") or "", bool(body.get("abort_all", False))
-        if abort_all:
-            await server.call(lambda: sched.abort(None, "aborted by /abort_request"))
-        elif rid:
-            await server.call(lambda: sched.abort(rid, "aborted by /abort_request"))
+            return bad_request(str(e))
+        if b["abort_all"]:
+            await server.call(lambda: sched.abort(None))
+        elif b["rid"]:  # SGLang ignores an empty rid without abort_all
+            await server.call(lambda: sched.abort(b["rid"]))
         return Response(status_code=200)
 
+    @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def pause_generation(request: HttpRequest) -> Response:
         try:
-            mode = (await _body(request)).get("mode", "abort")
-            if mode not in ("abort", "retract", "in_place"):
-                raise RequestError(f"Invalid mode: {mode!r}. Expected one of ['abort', 'retract', 'in_place'].")
+            mode = (await _control(request))["mode"]
         except RequestError as e:
-            return _error(str(e))
+            return bad_request(str(e))
         await server.call(lambda: sched.pause(mode))
         return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
 
+    @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def continue_generation(request: HttpRequest) -> Response:
-        await server.call(sched.resume)
+        try:
+            b = await _control(request)
+        except RequestError as e:
+            return bad_request(str(e))
+
+        def run() -> None:
+            sched.resume()
+            if b["torch_empty_cache"] and server.runner.device.type == "cuda":
+                import torch
+
+                torch.cuda.empty_cache()
+
+        await server.call(run)
         return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
 
     # -- weights ----------------------------------------------------------------------------
+    @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def init_weights_update_group(request: HttpRequest) -> Response:
+        if server.dp_size > 1:  # SGLang asserts dp_size == 1: an internal server error
+            return JSONResponse({"success": False, "message": DP_REFUSAL}, status_code=500)
         try:
-            b = await _body(request)
-            default_backend = "nccl" if server.runner.device.type == "cuda" else "gloo"
-            args = dict(master_address=str(b["master_address"]), master_port=int(b["master_port"]),
-                        rank_offset=int(b["rank_offset"]), world_size=int(b["world_size"]),
-                        group_name=str(b.get("group_name", "weight_update_group")),
-                        backend=str(b.get("backend") or default_backend))
-        except (RequestError, KeyError, TypeError, ValueError) as e:
-            return _result(False, f"bad /init_weights_update_group request: {e!r}")
+            raw = await _body(request)
+            b = parse_control(request.url.path, raw)
+        except RequestError as e:
+            return bad_request(str(e))
+        # Deliberately not SGLang's default: nccl needs a GPU, so a CPU engine defaults to gloo.
+        backend = b["backend"] if "backend" in raw or server.runner.device.type == "cuda" else "gloo"
         try:
-            await asyncio.to_thread(server.receiver.init_group, **args)
+            await asyncio.to_thread(server.receiver.init_group, master_address=b["master_address"],
+                                    master_port=b["master_port"], rank_offset=b["rank_offset"],
+                                    world_size=b["world_size"], group_name=b["group_name"], backend=backend)
         except Exception as e:
             return _result(False, f"Failed to init parameter update group: {e}")
         return _result(True, "Succeeded to initialize custom process group.")
 
+    @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def destroy_weights_update_group(request: HttpRequest) -> Response:
+        if server.dp_size > 1:
+            return JSONResponse({"success": False, "message": DP_REFUSAL_DESTROY}, status_code=500)
+        try:
+            b = await _control(request)
+        except RequestError as e:
+            return bad_request(str(e))
+        if b["group_name"] != server.receiver.group_name:
+            return _result(False, f"Failed to destroy parameter update group: no group named {b['group_name']!r}")
         await server.call(server.receiver.destroy_group)
         return _result(True, "Succeeded to destroy custom process group.")
 
+    @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def begin_weight_update(request: HttpRequest) -> Response:
-        await server.call(lambda: setattr(sched, "updating", True))
-        return _result(True, "Weight update started: generation holds until /end_weight_update.")
+        try:
+            await _control(request)
+        except RequestError as e:
+            return bad_request(str(e))
 
+        def run() -> bool:
+            if sched.updating:
+                return False
+            sched.updating = True  # generation holds until /end_weight_update (SGLang relies on the pause)
+            return True
+
+        return _result(True, "Success") if await server.call(run) else _result(False, SESSION_OPEN)
+
+    @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def end_weight_update(request: HttpRequest) -> Response:
-        await server.call(lambda: setattr(sched, "updating", False))
-        return _result(True, "Weight update ended.")
+        def run() -> bool:
+            if not sched.updating:
+                return False
+            sched.updating = False
+            return True
 
-    def _set_version(version: Any) -> str:
-        if version is not None:
-            sched.weight_version = str(version)
-            return f" Weight version updated to {version}."
-        return ""
+        return _result(True, "Success") if await server.call(run) else _result(False, SESSION_CLOSED)
 
+    @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def update_weights_from_distributed(request: HttpRequest) -> Response:
+        if server.dp_size > 1:
+            return JSONResponse({"success": False, "message": DP_REFUSAL}, status_code=500)
         try:
-            b = await _body(request)
-            if b.get("load_format") not in (None, "flattened_bucket"):
-                raise RequestError(f"load_format {b['load_format']!r} is not supported by the embedded engine")
-            group = b.get("group_name")
-            if group is not None and group != server.receiver.group_name:
-                raise RequestError(f"unknown weight update group {group!r} (this engine has {server.receiver.group_name!r})")
-            spec = server.receiver.check_spec(b.get("names"), b.get("dtypes"), b.get("shapes"))
-        except (RequestError, ValueError) as e:
-            return _result(False, str(e))
+            b = await _control(request)
+        except RequestError as e:
+            return bad_request(str(e))
+        try:
+            spec = server.receiver.check_spec(b["names"], b["dtypes"], b["shapes"])
+        except ValueError as e:
+            return _result(False, f"Failed to receive weights: {e}")
 
-        def run() -> tuple[list[str], str]:
-            if b.get("abort_all_requests"):
+        def run() -> tuple[bool, str]:
+            if server.weight_update_bracket and not sched.updating:
+                return False, NO_SESSION
+            if b["group_name"] != server.receiver.group_name:
+                return False, f"Failed to receive weights: no weight update group {b['group_name']!r}"
+            if b["abort_all_requests"]:
                 sched.abort(None, "aborted by a weight update")
-            problems = server.receiver.receive(spec, flattened=b.get("load_format") == "flattened_bucket")
-            return problems, ("" if problems else _set_version(b.get("weight_version")))
+            problems = server.receiver.receive(spec, flattened=b["load_format"] == "flattened_bucket")
+            if problems:
+                return False, "Failed to update weights: " + "; ".join(problems)
+            ok, message = server.after_update(b["weight_version"], b["flush_cache"])
+            return ok, message or "Succeeded to update parameter online."
 
         try:
-            problems, note = await server.call(run)
+            ok, message = await server.call(run)
         except Exception as e:
-            return _result(False, f"Failed to update weights: {e}")
-        if problems:
-            return _result(False, "Failed to update weights: " + "; ".join(problems))
-        return _result(True, "Succeeded to update parameter online." + note)
+            return _result(False, f"Failed to receive weights: {e}")
+        return _result(ok, message)
 
+    @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def update_weights_from_disk(request: HttpRequest) -> Response:
         try:
-            b = await _body(request)
-            path = b.get("model_path")
-            if not isinstance(path, str) or not path:
-                raise RequestError("model_path is required")
-            if b.get("load_format") not in (None, "auto", "safetensors"):
-                raise RequestError(f"load_format {b['load_format']!r} is not supported by the embedded engine")
-            tensors = await asyncio.to_thread(server.receiver.load_from_disk, path)
-        except (RequestError, ValueError, OSError) as e:
+            b = await _control(request)
+        except RequestError as e:
+            return bad_request(str(e))
+        try:
+            tensors = await asyncio.to_thread(server.receiver.load_from_disk, b["model_path"])
+        except (ValueError, OSError) as e:
             return _result(False, f"Failed to update weights from disk: {e}", num_paused_requests=0)
 
-        def run() -> str:
-            if b.get("abort_all_requests"):
+        def run() -> tuple[bool, str]:
+            if b["abort_all_requests"]:
                 sched.abort(None, "aborted by a weight update")
             server.receiver.apply(tensors)
-            return _set_version(b.get("weight_version"))
+            ok, message = server.after_update(b["weight_version"], b["flush_cache"])
+            return ok, message or "Succeeded to update model weights."
 
-        note = await server.call(run)
-        return _result(True, f"Succeeded to update model weights from {path}." + note, num_paused_requests=0)
+        ok, message = await server.call(run)
+        return _result(ok, message, num_paused_requests=0)
 
+    @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def update_weight_version(request: HttpRequest) -> Response:
         try:
-            b = await _body(request)
+            b = await _control(request)
         except RequestError as e:
-            return _error(str(e))
-        version = b.get("new_version")
-        if version is None:
-            return _result(False, "new_version is required")
+            return bad_request(str(e))
+        version = b["new_version"]
 
         def run() -> None:
-            if b.get("abort_all_requests"):
+            if b["abort_all_requests"]:
                 sched.abort(None, "aborted by /update_weight_version")
-            _set_version(version)
+            sched.weight_version = version
 
         await server.call(run)
         return JSONResponse({"success": True, "message": f"Weight version updated to {version}",
-                             "new_version": str(version)})
+                             "new_version": version})
 
-    any_method = ["GET", "POST"]
     routes = [
         Route("/generate", generate, methods=["POST", "PUT"]),
-        Route("/health", health, methods=any_method),
-        Route("/health_generate", health_generate, methods=any_method),
+        Route("/health", health, methods=["GET"]),
+        Route("/health_generate", health_generate, methods=["GET"]),
         Route("/model_info", model_info, methods=["GET"]),
-        Route("/get_model_info", model_info, methods=["GET"]),
+        Route("/get_model_info", model_info, methods=["GET"]),  # deprecated in SGLang
         Route("/server_info", server_info, methods=["GET"]),
-        Route("/get_server_info", server_info, methods=["GET"]),
-        Route("/get_weight_version", weight_version, methods=["GET"]),
-        Route("/flush_cache", flush_cache, methods=any_method),
+        Route("/get_server_info", server_info, methods=["GET"]),  # deprecated in SGLang
+        Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
         Route("/abort_request", abort_request, methods=["POST"]),
         Route("/pause_generation", pause_generation, methods=["POST"]),
         Route("/continue_generation", continue_generation, methods=["POST"]),
         Route("/init_weights_update_group", init_weights_update_group, methods=["POST"]),
         Route("/destroy_weights_update_group", destroy_weights_update_group, methods=["POST"]),
-        Route("/begin_weight_update", begin_weight_update, methods=["POST"]),
-        Route("/end_weight_update", end_weight_update, methods=["POST"]),
         Route("/update_weights_from_distributed", update_weights_from_distributed, methods=["POST"]),
         Route("/update_weights_from_disk", update_weights_from_disk, methods=["POST"]),
         Route("/update_weight_version", update_weight_version, methods=["POST"]),
     ]
-    return Starlette(routes=routes)
+    if server.weight_update_bracket:
+        routes += [Route("/begin_weight_update", begin_weight_update, methods=["POST"]),
+                   Route("/end_weight_update", end_weight_update, methods=["POST"])]
+
+    async def not_found(request: HttpRequest, exc: Exception) -> Response:  # FastAPI's bodies, as SGLang sends
+        return JSONResponse({"detail": "Not Found"}, status_code=404)
+
+    async def not_allowed(request: HttpRequest, exc: Exception) -> Response:
+        return JSONResponse({"detail": "Method Not Allowed"}, status_code=405)
+
+    auth = Middleware(BearerAuthMiddleware, routes=routes, api_key=api_key, admin_api_key=admin_api_key)
+    return Starlette(routes=routes, middleware=[auth], exception_handlers={404: not_found, 405: not_allowed})
 
 
 def _resolve(fut: asyncio.Future, value: Any) -> None:
@@ -410,11 +594,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-running-requests", type=int, default=64)
     ap.add_argument("--max-context-tokens", type=int, default=2048)
     ap.add_argument("--max-prefill-tokens", type=int, default=8192)
-    ap.add_argument("--weight-version", default="0")
+    ap.add_argument("--weight-version", default="default", help="reported until the first update (SGLang's default)")
     ap.add_argument("--num-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prefix-cache-tokens", type=int, default=65536,
                     help="K/V of finished requests kept for the next turn of their episode (tokens; 0: off)")
+    ap.add_argument("--api-key", default=None,
+                    help=f"bearer key of the normal routes (default: ${API_KEY_ENV}, see --api-key-env)")
+    ap.add_argument("--admin-api-key", default=None,
+                    help=f"bearer key of the admin routes (default: ${ADMIN_API_KEY_ENV}, see --admin-api-key-env)")
+    ap.add_argument("--api-key-env", default=API_KEY_ENV,
+                    help="environment variable (or <NAME>_FILE) holding the api key when --api-key is not given")
+    ap.add_argument("--admin-api-key-env", default=ADMIN_API_KEY_ENV,
+                    help="environment variable (or <NAME>_FILE) holding the admin key when --admin-api-key is not given")
+    ap.add_argument("--tp-size", type=int, default=1,
+                    help="report this TP size and join the weight group as this many ranks (extra ones receive and drop)")
+    ap.add_argument("--dp-size", type=int, default=1,
+                    help="report this DP size; > 1 refuses the weight group, as SGLang does")
+    ap.add_argument("--disable-weight-update-bracket", action="store_true",
+                    help="serve no /begin_weight_update and /end_weight_update (404), like SGLang builds without "
+                         "them; weight updates then need no bracket")
     ap.add_argument("--log-level", default="warning")
     return ap.parse_args(argv)
 
@@ -423,18 +622,29 @@ def serve(args: argparse.Namespace) -> None:
     import torch
     import uvicorn
 
+    from agentrl.secrets import SecretError, read_secret
+
+    try:
+        api_key = args.api_key if args.api_key is not None else read_secret(args.api_key_env)
+        admin_api_key = args.admin_api_key if args.admin_api_key is not None else read_secret(args.admin_api_key_env)
+    except SecretError as e:
+        sys.exit(f"agentrl engine: {e}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
     server = EngineServer(args.model, device=args.device, dtype=args.dtype,
                           max_running_requests=args.max_running_requests, max_context_tokens=args.max_context_tokens,
                           max_prefill_tokens=args.max_prefill_tokens, weight_version=str(args.weight_version),
-                          seed=args.seed, prefix_cache_tokens=args.prefix_cache_tokens)
+                          seed=args.seed, prefix_cache_tokens=args.prefix_cache_tokens, tp_size=args.tp_size,
+                          dp_size=args.dp_size, weight_update_bracket=not args.disable_weight_update_bracket)
     server.start()
-    config = uvicorn.Config(build_app(server), host=args.host, port=args.port, log_level=args.log_level,
+    app = build_app(server, api_key=api_key, admin_api_key=admin_api_key)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=False, timeout_keep_alive=30, timeout_graceful_shutdown=5, lifespan="off")
+    auth = "admin and api keys" if api_key and admin_api_key else "admin key" if admin_api_key else \
+        "api key" if api_key else "no key"
     print(f"agentrl engine serving {args.model} on http://{args.host}:{args.port} "
-          f"(device {server.runner.device}, dtype {str(server.runner.dtype).removeprefix('torch.')})",
+          f"(device {server.runner.device}, dtype {str(server.runner.dtype).removeprefix('torch.')}, {auth})",
           file=sys.stderr, flush=True)
     try:
         uvicorn.Server(config).run()

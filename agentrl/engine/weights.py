@@ -34,7 +34,10 @@ Tied embeddings: ``lm_head.weight`` is skipped when it is the same tensor as the
 
 **The engine side** (:class:`EngineWeightReceiver`) receives every declared tensor even when
 a name is unknown or a shape disagrees (into a scratch buffer), so a bad name never leaves
-the trainer blocked in a broadcast; it reports the problem in the HTTP answer instead.
+the trainer blocked in a broadcast; it reports the problem in the HTTP answer instead. It
+leaves the prefix cache alone (the request's ``flush_cache`` decides, in the server). An engine
+started with ``--tp-size N`` joins as N ranks, as SGLang does (one per TP rank): the N-1
+:class:`ShadowRank` s receive every broadcast into scratch and drop it.
 
 :meth:`WeightUpdater.push_from_disk` is the fallback: pause, ``/update_weights_from_disk``
 on every engine, continue.
@@ -101,28 +104,105 @@ def parse_dtype(name: Any) -> torch.dtype:
 # --------------------------------------------------------------------------- engine side
 
 
-class EngineWeightReceiver:
-    """Engine end: owns the group; receives and applies updates (called in the scheduler thread)."""
+class ShadowRank:
+    """A weight-group member that receives every broadcast into scratch and drops it.
 
-    def __init__(self, runner):
+    SGLang joins the weight group with one rank per TP rank of an engine (``rank_offset +
+    tp_rank``), so an engine started with ``--tp-size N`` joins as N ranks: this one, plus N-1
+    shadows. A shadow builds its gloo backend directly (``ProcessGroupGloo`` over the same store
+    prefixes ``_new_process_group_helper`` uses), because torch refuses a second process group
+    with the same name in one process. A trainer that miscounts the world size then hangs or
+    fails exactly as it would against real SGLang."""
+
+    def __init__(self, master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
+                 timeout_s: float):
+        import torch.distributed as dist
+
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore(master_address, master_port, world_size, is_master=False, timeout=timeout)
+        # The prefixes of init_weight_group + _new_process_group_helper for a gloo group ("cpu/").
+        store = dist.PrefixStore("cpu/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store)))
+        self.rank = rank
+        self.backend = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+
+    def receive(self, spec: list[tuple[str, torch.dtype, tuple[int, ...]]], flattened: bool) -> None:
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        if flattened:
+            bufs = [torch.empty(sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in spec), dtype=torch.uint8)]
+        else:
+            bufs = [torch.empty(shape, dtype=dtype) for _, dtype, shape in spec]
+        works = [self.backend.broadcast([b], opts) for b in bufs]  # posted at once, as the main rank does
+        for w in works:
+            w.wait()
+
+
+class EngineWeightReceiver:
+    """Engine end: owns the group; receives and applies updates (called in the scheduler thread).
+
+    It never touches the prefix cache: whether K/V computed under the old weights are dropped
+    is the update request's ``flush_cache`` (the server's job, as in SGLang)."""
+
+    def __init__(self, runner, *, tp_size: int = 1):
         self.runner = runner
+        self.tp_size = tp_size
         self.group = None
         self.group_name: str | None = None
         self.backend = "gloo"
+        self.shadows: list[ShadowRank] = []
+        self._shadow_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                    group_name: str, backend: str, timeout_s: float = 600.0) -> None:
+        """Join as ranks ``rank_offset .. rank_offset + tp_size - 1`` (SGLang: one rank per TP rank)."""
         if self.group is not None:
             self.destroy_group()
         if backend == "nccl" and self.runner.device.type != "cuda":
             raise ValueError("backend 'nccl' needs the engine on a CUDA device; use 'gloo' on CPU")
-        self.group = init_weight_group(backend, master_address, master_port, world_size, rank_offset,
-                                       group_name, timeout_s)
+        if self.tp_size == 1:
+            self.group = init_weight_group(backend, master_address, master_port, world_size, rank_offset,
+                                           group_name, timeout_s)
+        else:
+            if backend != "gloo":
+                raise ValueError(f"--tp-size {self.tp_size} joins extra ranks as gloo shadows; use backend 'gloo'")
+            self._join_with_shadows(master_address, master_port, rank_offset, world_size, group_name, timeout_s)
         self.group_name, self.backend = group_name, backend
+
+    def _join_with_shadows(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                           group_name: str, timeout_s: float) -> None:
+        """Every rank blocks in the rendezvous until all have arrived, so they join concurrently."""
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=self.tp_size - 1, thread_name_prefix="weight-shadow")
+        joins = [pool.submit(ShadowRank, master_address, master_port, rank_offset + k, world_size, group_name,
+                             timeout_s) for k in range(1, self.tp_size)]
+        try:
+            group = init_weight_group("gloo", master_address, master_port, world_size, rank_offset, group_name,
+                                      timeout_s)
+        except BaseException:
+            for f in joins:
+                f.cancel()
+            pool.shutdown(wait=False)
+            raise
+        try:
+            shadows = [f.result() for f in joins]
+        except BaseException:
+            destroy_weight_group(group)
+            pool.shutdown(wait=False)
+            raise
+        # One worker per shadow keeps its broadcasts in the order they were declared.
+        pool.shutdown(wait=True)
+        self.group, self.shadows = group, shadows
+        self._shadow_pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(shadows),
+                                                                  thread_name_prefix="weight-shadow")
 
     def destroy_group(self) -> None:
         destroy_weight_group(self.group)
         self.group, self.group_name = None, None
+        self.shadows = []  # their gloo backends close with them
+        if self._shadow_pool is not None:
+            self._shadow_pool.shutdown(wait=False)
+            self._shadow_pool = None
 
     @staticmethod
     def check_spec(names: Any, dtypes: Any, shapes: Any) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
@@ -142,13 +222,13 @@ class EngineWeightReceiver:
 
     def receive(self, spec: list[tuple[str, torch.dtype, tuple[int, ...]]], flattened: bool = False) -> list[str]:
         """Receive the declared tensors (one broadcast each, or one uint8 buffer per bucket when
-        ``flattened``), in order; apply them; return the problems found."""
+        ``flattened``), in order, on this rank and every shadow; apply them; return the problems."""
         import torch.distributed as dist
 
         if self.group is None:
             raise ValueError("no weight update group: call /init_weights_update_group first")
+        shadows = [self._shadow_pool.submit(s.receive, spec, flattened) for s in self.shadows] if self.shadows else []
         named = self.runner.named_tensors()
-        self.runner.prefix_cache.clear()  # K/V computed under the old weights
         recv_device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         with torch.no_grad():
             if flattened:
@@ -165,6 +245,8 @@ class EngineWeightReceiver:
                         received.append((name, buf))
                 for w in works:
                     w.wait()
+            for f in shadows:  # SGLang answers once every TP rank has its tensors
+                f.result()
             problems = []
             for name, buf in received:
                 target = named.get(name)
@@ -218,7 +300,6 @@ class EngineWeightReceiver:
 
     def apply(self, tensors: dict[str, torch.Tensor]) -> None:
         named = self.runner.named_tensors()
-        self.runner.prefix_cache.clear()  # K/V computed under the old weights
         with torch.no_grad():
             for n, t in tensors.items():
                 named[n].data.copy_(t)

@@ -41,6 +41,7 @@ from agentrl.envs.base import Env, Message, Task
 from agentrl.envs.rewards import exact_match, final_assistant_text
 from agentrl.tools.base import Tool
 from agentrl.tools.search import SearchTool, format_passages
+from agentrl.tools.search_server import SEARCH_TOKEN_ENV
 
 SYSTEM_PROMPT = "Use the search tool to look up facts, then give a short answer."
 KINDS = ("writer", "birthplace", "author_country")
@@ -133,6 +134,7 @@ class SearchQAEnv(Env):
         num_books: int = 300,
         test_fraction: float = 0.1,
         system_prompt: str = SYSTEM_PROMPT,
+        search_token_env: str = SEARCH_TOKEN_ENV,
     ):
         unknown = [k for k in kinds if k not in KINDS]
         if unknown or not kinds:
@@ -140,6 +142,7 @@ class SearchQAEnv(Env):
         if not 0.0 < test_fraction < 1.0:
             raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
         self.search_url = search_url
+        self.search_token_env = search_token_env
         self.top_k = top_k
         self.kinds = tuple(kinds)
         self.num_authors, self.num_books = num_authors, num_books
@@ -189,7 +192,7 @@ class SearchQAEnv(Env):
 
     def tools(self) -> list[Tool]:
         if self.search_url:
-            return [SearchTool(self.search_url, top_k=self.top_k)]
+            return [SearchTool(self.search_url, top_k=self.top_k, token_env=self.search_token_env)]
         return [SearchTool(index=_local_index(self.num_authors, self.num_books), top_k=self.top_k)]
 
     async def reward(self, task: Task, state: dict[str, Any], messages: list[Message]) -> dict[str, float]:

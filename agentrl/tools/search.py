@@ -9,7 +9,8 @@ this process (in a worker thread). The model sees numbered passages::
     [2] ...
 
 or ``No results.``. HTTP failures raise, and the :class:`~agentrl.tools.base.ToolBox` turns
-them into error observations.
+them into error observations. When the environment variable ``token_env`` (default
+``AGENTRL_SEARCH_TOKEN``, or its ``_FILE``) holds a token, each request carries it as a bearer token.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from typing import Any
 
 import trio
 
+from agentrl.secrets import bearer, read_secret
 from agentrl.tools.base import Tool
+from agentrl.tools.search_server import SEARCH_TOKEN_ENV
 
 
 class SearchTool(Tool):
@@ -30,10 +33,12 @@ class SearchTool(Tool):
 
     name = "search"
 
-    def __init__(self, url: str = "", *, index: Any = None, top_k: int = 3, request_timeout_s: float = 10.0):
+    def __init__(self, url: str = "", *, index: Any = None, top_k: int = 3, request_timeout_s: float = 10.0,
+                 token_env: str = SEARCH_TOKEN_ENV):
         if bool(url) == (index is not None):
             raise ValueError("SearchTool needs exactly one of url (a search server) or index (a BM25Index)")
         self.url = url.rstrip("/")
+        self._headers = bearer(read_secret(token_env)) if url else {}
         self.index = index
         self.top_k = top_k
         self.request_timeout_s = request_timeout_s
@@ -50,7 +55,7 @@ class SearchTool(Tool):
     async def _remote(self, queries: list[str]) -> list[list[dict[str, Any]]]:
         import httpx
 
-        async with httpx.AsyncClient(timeout=self.request_timeout_s) as client:
+        async with httpx.AsyncClient(timeout=self.request_timeout_s, headers=self._headers) as client:
             response = await client.post(f"{self.url}/retrieve", json={"queries": queries, "top_k": self.top_k})
         if response.status_code != 200:
             raise RuntimeError(f"search server answered HTTP {response.status_code}: {response.text[:200]}")

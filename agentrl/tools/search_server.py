@@ -14,6 +14,11 @@ HTTP API (starlette + uvicorn):
 
 Bad requests get HTTP 400 with ``{"error": "..."}`` naming the problem.
 
+A bearer token guards ``/retrieve`` when one is configured: the environment variable named by
+``--token-env`` (``env.search_token_env``; default ``AGENTRL_SEARCH_TOKEN``, or its ``_FILE``),
+read with ``agentrl.secrets.read_secret``. Requests without it get 401 ``{"error":
+"Unauthorized"}``; ``/health`` stays open. The rules are the engine's (``agentrl.http_auth``).
+
 The server binds its socket before start-up and prints ``serving search on http://HOST:PORT``
 so that ``--port 0`` (a free port chosen by the kernel) can be used by scripts and tests.
 """
@@ -28,6 +33,7 @@ from typing import Any
 
 MAX_TOP_K = 100
 MAX_QUERIES = 256
+SEARCH_TOKEN_ENV = "AGENTRL_SEARCH_TOKEN"  # the default of env.search_token_env
 
 
 class BM25Index:
@@ -106,12 +112,16 @@ def parse_request(body: Any) -> tuple[list[str], int]:
     return queries, top_k
 
 
-def create_app(index: BM25Index):
+def create_app(index: BM25Index, token: str = ""):
+    """The HTTP app; with ``token``, ``/retrieve`` needs ``Authorization: Bearer <token>``."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
+    from starlette.middleware import Middleware
     from starlette.requests import Request
     from starlette.responses import JSONResponse
     from starlette.routing import Route
+
+    from agentrl.http_auth import BearerAuthMiddleware
 
     async def retrieve(request: Request) -> JSONResponse:
         try:
@@ -126,20 +136,26 @@ def create_app(index: BM25Index):
     async def health(request: Request) -> JSONResponse:
         return JSONResponse({"status": "ok", "num_passages": len(index)})
 
-    return Starlette(routes=[Route("/retrieve", retrieve, methods=["POST"]), Route("/health", health)])
+    routes = [Route("/retrieve", retrieve, methods=["POST"]), Route("/health", health)]
+    return Starlette(routes=routes, middleware=[Middleware(BearerAuthMiddleware, routes=routes, api_key=token)])
 
 
-def serve(corpus: str | Path, host: str = "127.0.0.1", port: int = 8001, log_level: str = "warning") -> None:
-    """Index ``corpus`` and serve it until interrupted."""
+def serve(corpus: str | Path, host: str = "127.0.0.1", port: int = 8001, log_level: str = "warning",
+          token_env: str = SEARCH_TOKEN_ENV) -> None:
+    """Index ``corpus`` and serve it until interrupted (guarded by the token in ``token_env``, if set)."""
     import uvicorn
 
+    from agentrl.secrets import read_secret
+
+    token = read_secret(token_env)
     index = BM25Index.from_jsonl(corpus)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(128)  # connections made before uvicorn's loop starts wait in the backlog
     actual_port = sock.getsockname()[1]
-    config = uvicorn.Config(create_app(index), log_level=log_level, access_log=False)
+    config = uvicorn.Config(create_app(index, token), log_level=log_level, access_log=False)
     server = uvicorn.Server(config)
-    print(f"serving search on http://{host}:{actual_port} ({len(index)} passages)", flush=True)
+    guard = f"bearer token from ${token_env}" if token else "no token"
+    print(f"serving search on http://{host}:{actual_port} ({len(index)} passages, {guard})", flush=True)
     server.run(sockets=[sock])

@@ -1,0 +1,374 @@
+"""SGLang's HTTP contract, read from the pinned wheel's own source with ``ast`` (sglang is never imported).
+
+:func:`fetch_wheel` downloads ``sglang==SGLANG_VERSION`` once into ``~/.cache/agentrl/sglang-wheels/``
+(``pip download --no-deps``, a fixed wheel tag so that every host gets the same file) and
+:func:`load_spec` parses, from the zip:
+
+* ``entrypoints/http_server.py``: the route table -- path -> methods, handler, the request struct of
+  the handler's annotation (``obj: Annotated[X, Body()]`` or ``obj: X``), the ``@auth_level``;
+* ``managers/io_struct.py``: every request struct's fields (annotation, required or default),
+  base classes included (``BaseReq``'s ``rid``);
+* ``api/v1/api_types.py``: the ``/generate`` contract's ``SamplingParams`` (the gate that rejects
+  unknown ``sampling_params`` keys);
+* the keys SGLang writes into responses (dict literals and ``x["key"] = ...``) in
+  ``http_server.py``, ``managers/tokenizer_manager.py`` and ``utils/weight_versions.py``.
+
+:func:`conformance_error` checks a JSON value against an annotation (``Optional``, ``Union``,
+``List``, ``Dict``, ``Literal``, ``Annotated``, module-level aliases; types it cannot judge pass).
+
+``python -m tests.sglang_spec --write`` rewrites the committed snapshot (``tests/data/sglang_spec.json``)
+after a new pin has been reviewed.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SGLANG_VERSION = "0.5.23"
+WHEEL_TAGS = ["--only-binary=:all:", "--python-version", "3.11", "--platform", "manylinux_2_34_x86_64"]
+SOURCES = {
+    "http_server": "sglang/srt/entrypoints/http_server.py",
+    "io_struct": "sglang/srt/managers/io_struct.py",
+    "api_types": "sglang/api/v1/api_types.py",
+    "tokenizer_manager": "sglang/srt/managers/tokenizer_manager.py",
+    "weight_versions": "sglang/srt/utils/weight_versions.py",
+}
+SNAPSHOT = Path(__file__).parent / "data" / "sglang_spec.json"
+METHODS = {"get": ["GET"], "post": ["POST"], "put": ["PUT"], "delete": ["DELETE"], "patch": ["PATCH"]}
+
+
+def wheel_cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "agentrl" / "sglang-wheels"
+
+
+def fetch_wheel(version: str = SGLANG_VERSION) -> Path:
+    """The cached wheel, downloaded from PyPI the first time; RuntimeError says why it failed."""
+    cache = wheel_cache()
+    found = sorted(cache.glob(f"sglang-{version}-*.whl"))
+    if found:
+        return found[0]
+    cache.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", f"sglang=={version}", "--no-deps", *WHEEL_TAGS,
+           "--dest", str(cache), "--quiet", "--disable-pip-version-check"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"`{' '.join(cmd)}` did not finish in 600 s") from None
+    found = sorted(cache.glob(f"sglang-{version}-*.whl"))
+    if done.returncode != 0 or not found:
+        raise RuntimeError(f"could not download the SGLang {version} wheel, which the conformance tests read "
+                           f"(needs access to PyPI, or the wheel in {cache}):\n$ {' '.join(cmd)}\n"
+                           f"{(done.stderr or done.stdout).strip()[-2000:]}")
+    return found[0]
+
+
+def read_sources(wheel: Path) -> dict[str, str]:
+    with zipfile.ZipFile(wheel) as z:
+        return {name: z.read(path).decode() for name, path in SOURCES.items()}
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+@dataclass
+class FieldSpec:
+    annotation: str
+    required: bool
+    default: str | None  # the default's source text
+
+
+@dataclass
+class RouteSpec:
+    methods: list[str]
+    handler: str
+    request: str | None  # the request struct of the handler's body parameter
+    auth: str  # normal | admin_optional | admin_force
+
+
+@dataclass
+class Spec:
+    version: str
+    routes: dict[str, RouteSpec]
+    structs: dict[str, dict[str, FieldSpec]]  # io_struct classes (and api_types' SamplingParams)
+    sampling_params: dict[str, FieldSpec]
+    written_keys: set[str]
+    annotations: dict[str, ast.expr] = field(repr=False, default_factory=dict)  # "Class.field" -> node
+    aliases: dict[str, ast.expr] = field(repr=False, default_factory=dict)  # module-level type aliases
+    classes: set[str] = field(repr=False, default_factory=set)
+
+
+def _str(node: ast.expr | None) -> str | None:
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+
+def _route_of(dec: ast.expr) -> tuple[str, list[str]] | None:
+    """``@app.get("/p")``, ``@app.post("/p")``, ``@app.api_route("/p", methods=[...])``."""
+    if not (isinstance(dec, ast.Call) and isinstance(dec.func, ast.Attribute)
+            and isinstance(dec.func.value, ast.Name) and dec.func.value.id == "app"):
+        return None
+    path = _str(dec.args[0]) if dec.args else None
+    if path is None:  # a path from the environment (ollama, vertex ...): not a fixed route
+        return None
+    if dec.func.attr in METHODS:
+        return path, METHODS[dec.func.attr]
+    if dec.func.attr == "api_route":
+        kw = {k.arg: k.value for k in dec.keywords}
+        methods = kw.get("methods")
+        return path, sorted(_str(m) for m in methods.elts) if isinstance(methods, ast.List) else ["GET"]
+    return None
+
+
+def _auth_of(dec: ast.expr) -> str | None:
+    if isinstance(dec, ast.Call) and isinstance(dec.func, ast.Name) and dec.func.id == "auth_level" and dec.args:
+        arg = dec.args[0]
+        if isinstance(arg, ast.Attribute):
+            return arg.attr.lower()
+    return None
+
+
+def _request_of(fn: ast.FunctionDef | ast.AsyncFunctionDef, classes: set[str]) -> str | None:
+    for arg in fn.args.args + fn.args.kwonlyargs:
+        ann = arg.annotation
+        if isinstance(ann, ast.Subscript) and isinstance(ann.value, ast.Name) and ann.value.id == "Annotated":
+            ann = ann.slice.elts[0] if isinstance(ann.slice, ast.Tuple) else ann.slice
+        if isinstance(ann, ast.Name) and ann.id in classes:
+            return ann.id
+    return None
+
+
+def parse_routes(source: str, classes: set[str]) -> dict[str, RouteSpec]:
+    routes: dict[str, RouteSpec] = {}
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        auth = next((a for a in map(_auth_of, node.decorator_list) if a), "normal")
+        for dec in node.decorator_list:
+            route = _route_of(dec)
+            if route is None:
+                continue
+            path, methods = route
+            spec = routes.setdefault(path, RouteSpec([], node.name, _request_of(node, classes), auth))
+            spec.methods = sorted(set(spec.methods) | set(methods))
+    return routes
+
+
+def _default_of(value: ast.expr | None) -> tuple[bool, str | None]:
+    """(required, default source) of a class-body field; ``field(default=...)`` understood."""
+    if value is None:
+        return True, None
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "field":
+        kw = {k.arg: k.value for k in value.keywords}
+        if "default" in kw:
+            return False, ast.unparse(kw["default"])
+        if "default_factory" in kw:
+            return False, f"{ast.unparse(kw['default_factory'])}()"
+        return True, None
+    return False, ast.unparse(value)
+
+
+def parse_structs(source: str, annotations: dict[str, ast.expr]) -> dict[str, dict[str, FieldSpec]]:
+    tree = ast.parse(source)
+    own: dict[str, dict[str, FieldSpec]] = {}
+    bases: dict[str, list[str]] = {}
+    for node in tree.body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        bases[node.name] = [b.id for b in node.bases if isinstance(b, ast.Name)]
+        fields: dict[str, FieldSpec] = {}
+        for item in node.body:
+            if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                if "ClassVar" in ast.unparse(item.annotation):
+                    continue
+                required, default = _default_of(item.value)
+                fields[item.target.id] = FieldSpec(ast.unparse(item.annotation), required, default)
+                annotations[f"{node.name}.{item.target.id}"] = item.annotation
+        own[node.name] = fields
+
+    def resolved(name: str) -> dict[str, FieldSpec]:
+        out: dict[str, FieldSpec] = {}
+        for base in bases.get(name, []):
+            if base in own:
+                out.update(resolved(base))
+                for f in own[base]:
+                    annotations.setdefault(f"{name}.{f}", annotations[f"{base}.{f}"])
+        out.update(own[name])
+        return out
+
+    return {name: resolved(name) for name in own}
+
+
+def parse_aliases(source: str) -> dict[str, ast.expr]:
+    out = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            out[node.targets[0].id] = node.value
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None \
+                and "TypeAlias" in ast.unparse(node.annotation):
+            out[node.target.id] = node.value
+    return out
+
+
+def written_keys(*sources: str) -> set[str]:
+    """String keys of dict literals and of ``x["key"] = ...`` targets: what a response can carry."""
+    keys: set[str] = set()
+    for source in sources:
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Dict):
+                keys.update(k.value for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str))
+            elif isinstance(node, (ast.Assign, ast.AugAssign)):
+                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    if isinstance(target, ast.Subscript) and _str(target.slice) is not None:
+                        keys.add(_str(target.slice))
+    return keys
+
+
+def load_spec(sources: dict[str, str]) -> Spec:
+    annotations: dict[str, ast.expr] = {}
+    structs = parse_structs(sources["io_struct"], annotations)
+    contract: dict[str, ast.expr] = {}
+    sampling = parse_structs(sources["api_types"], contract)["SamplingParams"]
+    annotations.update({k: v for k, v in contract.items() if k.startswith("SamplingParams.")})
+    aliases = {**parse_aliases(sources["api_types"]), **parse_aliases(sources["io_struct"])}
+    return Spec(
+        version=SGLANG_VERSION,
+        routes=parse_routes(sources["http_server"], set(structs)),
+        structs=structs,
+        sampling_params=sampling,
+        written_keys=written_keys(sources["http_server"], sources["tokenizer_manager"], sources["weight_versions"]),
+        annotations=annotations,
+        aliases=aliases,
+        classes=set(structs),
+    )
+
+
+# ------------------------------------------------------------------ values vs annotations
+
+_SCALARS = {"str": str, "int": int, "float": float, "bool": bool}
+_ARRAYS = {"List", "list", "Set", "set", "Tuple", "tuple", "Sequence", "FrozenSet"}
+_MAPS = {"Dict", "dict", "Mapping"}
+
+
+def conformance_error(value: Any, node: ast.expr, spec: Spec, where: str, depth: int = 0) -> str | None:
+    """None when ``value`` (parsed JSON) fits the annotation ``node``, else what is wrong."""
+    if depth > 20:
+        return None
+    if isinstance(node, ast.Constant) and node.value is None:
+        return None if value is None else f"{where} must be null, got {value!r}"
+    if isinstance(node, ast.Name):
+        if node.id in ("Any", "object"):
+            return None
+        if node.id in _SCALARS:
+            kind = _SCALARS[node.id]
+            ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+            if kind is float:
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            return None if ok else f"{where} must be {node.id}, got {value!r}"
+        if node.id in _ARRAYS:
+            return None if isinstance(value, list) else f"{where} must be a list, got {value!r}"
+        if node.id in _MAPS:
+            return None if isinstance(value, dict) else f"{where} must be an object, got {value!r}"
+        if node.id in spec.aliases:
+            return conformance_error(value, spec.aliases[node.id], spec, where, depth + 1)
+        if node.id in spec.classes:
+            return None if isinstance(value, dict) else f"{where} must be an object ({node.id}), got {value!r}"
+        return None  # a type this check cannot judge (enums, tensors ...)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):  # X | Y
+        return _first_fit(value, [node.left, node.right], spec, where, depth)
+    if isinstance(node, ast.Subscript) and isinstance(node.value, (ast.Name, ast.Attribute)):
+        head = node.value.id if isinstance(node.value, ast.Name) else node.value.attr
+        args = list(node.slice.elts) if isinstance(node.slice, ast.Tuple) else [node.slice]
+        if head == "Optional":
+            return None if value is None else conformance_error(value, args[0], spec, where, depth + 1)
+        if head == "Union":
+            return _first_fit(value, args, spec, where, depth)
+        if head == "Annotated":
+            return conformance_error(value, args[0], spec, where, depth + 1)
+        if head == "Literal":
+            allowed = [a.value for a in args if isinstance(a, ast.Constant)]
+            return None if value in allowed else f"{where} must be one of {allowed}, got {value!r}"
+        if head in _ARRAYS:
+            if not isinstance(value, list):
+                return f"{where} must be a list, got {value!r}"
+            if head in ("Tuple", "tuple") and not (len(args) == 2 and isinstance(args[1], ast.Constant)):
+                return None  # fixed-shape tuples: not judged
+            for i, item in enumerate(value):
+                err = conformance_error(item, args[0], spec, f"{where}[{i}]", depth + 1)
+                if err:
+                    return err
+            return None
+        if head in _MAPS:
+            if not isinstance(value, dict):
+                return f"{where} must be an object, got {value!r}"
+            for k, item in value.items():
+                err = conformance_error(item, args[-1], spec, f"{where}.{k}", depth + 1)
+                if err:
+                    return err
+            return None
+    return None
+
+
+def _first_fit(value: Any, options: list[ast.expr], spec: Spec, where: str, depth: int) -> str | None:
+    errors = [conformance_error(value, o, spec, where, depth + 1) for o in options]
+    return None if any(e is None for e in errors) else "; or ".join(e for e in errors if e)
+
+
+# --------------------------------------------------------------------------- snapshot
+
+
+def _field_text(f: FieldSpec) -> str:
+    return f"{f.annotation}, required" if f.required else f"{f.annotation} = {f.default}"
+
+
+def relied_on(spec: Spec, fields_read: dict[str, set[str]], response_keys: list[str]) -> dict:
+    """The part of the spec agentrl relies on, as JSON: for each route (path -> the request fields
+    agentrl reads or sends), its methods, handler, auth level and those fields plus every required
+    one (``"annotation = default"`` or ``"annotation, required"``); the sampling_params contract;
+    whether SGLang writes each response key agentrl reads."""
+    routes: dict[str, Any] = {}
+    for path in sorted(fields_read):
+        r = spec.routes.get(path)
+        if r is None:
+            routes[path] = None
+            continue
+        fields = spec.structs.get(r.request, {}) if r.request else {}
+        kept = {k: _field_text(f) for k, f in fields.items() if k in fields_read[path] or f.required}
+        kept.update({k: None for k in fields_read[path] if k not in fields})  # read, but not SGLang's
+        routes[path] = {"methods": ",".join(r.methods), "handler": r.handler, "request": r.request,
+                        "auth": r.auth, "fields": dict(sorted(kept.items()))}
+    return {"version": spec.version, "routes": routes,
+            "sampling_params": {k: _field_text(f) for k, f in sorted(spec.sampling_params.items())},
+            "response_keys_written": {k: k in spec.written_keys for k in sorted(response_keys)}}
+
+
+def diff(old: Any, new: Any, where: str = "") -> list[str]:
+    """Readable differences between two JSON values, one line each."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        lines = []
+        for k in sorted(set(old) | set(new)):
+            here = f"{where}.{k}" if where else k
+            if k not in new:
+                lines.append(f"- {here}: {json.dumps(old[k])} (gone)")
+            elif k not in old:
+                lines.append(f"+ {here}: {json.dumps(new[k])} (new)")
+            else:
+                lines += diff(old[k], new[k], here)
+        return lines
+    return [] if old == new else [f"~ {where}: {json.dumps(old)} -> {json.dumps(new)}"]
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--write"]:
+        sys.exit("usage: python -m tests.sglang_spec --write   (rewrites the snapshot from the pinned wheel)")
+    from tests.test_engine_conformance import relied_on_now
+
+    SNAPSHOT.parent.mkdir(exist_ok=True)
+    SNAPSHOT.write_text(json.dumps(relied_on_now(load_spec(read_sources(fetch_wheel()))), indent=1) + "\n")
+    print(f"wrote {SNAPSHOT}")

@@ -1,0 +1,261 @@
+"""agentrl against SGLang's own source (the pinned wheel, parsed with ``ast``; see tests/sglang_spec.py).
+
+* What agentrl sends: the real ``EngineClient`` (inside real episodes) and the real weight updater
+  drive an embedded engine behind a recording middleware; every recorded request must use a route
+  and method in SGLang's table, and its JSON fields must be fields of that route's request struct
+  with compatible types, required ones present (``sampling_params`` against SGLang's contract).
+* What agentrl reads: the response fields the client declares it reads must be keys SGLang writes.
+* The embedded engine: each of its routes exists in SGLang with the same methods and auth level,
+  its control bodies (``CONTROL_BODIES``) are SGLang's fields with SGLang's defaults, and it answers
+  every recorded request.
+* The snapshot: the parsed parts agentrl relies on must equal ``tests/data/sglang_spec.json``;
+  when a newer SGLang is pinned the failure lists what changed.
+
+The wheel is downloaded once (``~/.cache/agentrl/sglang-wheels``); without it these tests fail.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+
+from agentrl.engine.api import GENERATE_FIELDS
+from agentrl.engine.client import EngineClient, GenerateResult
+from agentrl.engine.launch import EngineProcess, free_port, wait_ready
+from agentrl.engine.server import CONTROL_BODIES, REQUIRED, build_app
+from agentrl.http_auth import level_of
+from tests import sglang_spec
+from tests.conftest_engine import ENGINE_FLAGS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def spec() -> sglang_spec.Spec:
+    try:
+        wheel = sglang_spec.fetch_wheel()
+    except RuntimeError as e:
+        pytest.fail(str(e))
+    return sglang_spec.load_spec(sglang_spec.read_sources(wheel))
+
+
+def embedded_routes() -> list:
+    """The embedded engine's route table (build_app reads only these attributes before serving)."""
+    return build_app(types.SimpleNamespace(scheduler=None, weight_update_bracket=True)).routes
+
+
+def response_fields_read() -> dict[str, tuple[str, ...]]:
+    return {"/generate": GenerateResult.FIELDS_READ, "/generate meta_info": GenerateResult.META_INFO_FIELDS_READ,
+            "/model_info": EngineClient.MODEL_INFO_FIELDS_READ}
+
+
+def relied_on_now(spec: sglang_spec.Spec) -> dict:
+    """The snapshot's content: every route the embedded engine serves, with the request fields the
+    engine reads (and therefore agentrl may send), and the response keys agentrl reads."""
+    fields = {r.path: set(CONTROL_BODIES.get(r.path, {})) for r in embedded_routes()}
+    fields["/generate"] = set(GENERATE_FIELDS)
+    keys = sorted({k for read in response_fields_read().values() for k in read})
+    return sglang_spec.relied_on(spec, fields, keys)
+
+
+# ------------------------------------------------------------------ capturing what agentrl sends
+
+
+def drive_weight_updater(urls: list[str], model_path: Path) -> None:
+    """Everything the trainer side of the weight push sends, through its public API.
+    (Re-point this when the trainer side moves; the checks below do not depend on it.)"""
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.engine.weights import WeightUpdater
+
+    named = list(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).named_parameters())
+    with WeightUpdater(urls, backend="gloo", bucket_bytes=1 << 20) as updater:
+        updater.connect()
+        updater.push(named, version=1)
+        updater.push_from_disk(str(model_path), 2)
+    with WeightUpdater(urls, backend="gloo", group_name="flat", load_format="flattened_bucket") as updater:
+        updater.push(named, version=3)
+
+
+async def drive_client(urls: list[str], model_path: Path) -> None:
+    """Real episodes (the calculator env, the actors' sampling params) plus every control call."""
+    from transformers import AutoTokenizer
+
+    from agentrl.actors.rollout import EpisodeLimits, run_episode, sampling_from_config, toolbox_for
+    from agentrl.config import AgentRLConfig
+    from agentrl.envs.calculator import CalculatorEnv
+
+    cfg = AgentRLConfig()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    env = CalculatorEnv()
+    limits = EpisodeLimits(max_turns=2, max_total_tokens=512, max_new_tokens_per_turn=16)
+    tasks = env.tasks("train", seed=0)
+    async with EngineClient(urls, health_check_interval_s=0.2) as client:
+        for sampling in (sampling_from_config(cfg), sampling_from_config(cfg, greedy=True)):
+            await run_episode(client, tokenizer, env, toolbox_for(env, cfg), next(tasks), sampling, limits)
+        await client.pause("retract")
+        await client.continue_generation()
+        await client.abort("no-such-request")
+        await client.abort()
+        await client.model_info()
+        await client.weight_versions()
+
+
+@pytest.fixture(scope="module")
+def recorded(engine_model, tmp_path_factory) -> list[dict]:
+    logs = tmp_path_factory.mktemp("conformance")
+    record = logs / "requests.jsonl"
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = EngineProcess(str(engine_model), port, log_path=logs / "engine.log", env=env)
+    proc.argv = [sys.executable, "-m", "tests._engine_recorder", str(record), "--model", str(engine_model),
+                 "--port", str(port), *ENGINE_FLAGS]
+    proc.start(wait_s=0)
+    try:
+        wait_ready(proc.url, 240, process=proc.process)
+        trio.run(drive_client, [proc.url], engine_model)
+        drive_weight_updater([proc.url], engine_model)
+    finally:
+        proc.stop()
+    return [json.loads(line) for line in record.read_text().splitlines()]
+
+
+# -------------------------------------------------------------------------------- checks
+
+
+def request_errors(req: dict, spec: sglang_spec.Spec) -> list[str]:
+    """Why ``req`` (one recorded request) would not be understood by SGLang as it is meant."""
+    what = f"{req['method']} {req['path']}"
+    route = spec.routes.get(req["path"])
+    if route is None:
+        return [f"{what}: SGLang {spec.version} has no route {req['path']}"]
+    if req["method"] not in route.methods:
+        return [f"{what}: SGLang serves {req['path']} with {route.methods} only"]
+    body = req["body"]
+    if body is None or route.request is None:
+        return []
+    if not isinstance(body, dict):
+        return [f"{what}: the body is not a JSON object"]
+    fields = spec.structs[route.request]
+    errors = [f"{what}: {route.request} has no field {k!r}" for k in body if k not in fields]
+    errors += [f"{what}: required field {k!r} of {route.request} is missing"
+               for k, f in fields.items() if f.required and k not in body]
+    for k, v in body.items():
+        if k in fields:
+            err = sglang_spec.conformance_error(v, spec.annotations[f"{route.request}.{k}"], spec, f"{what}: {k}")
+            errors += [err] if err else []
+    if req["path"] == "/generate":
+        params = body.get("sampling_params") or {}
+        for one in params if isinstance(params, list) else [params]:
+            for k, v in one.items():
+                if k not in spec.sampling_params:
+                    errors.append(f"{what}: sampling_params.{k} is not in SGLang's contract")
+                    continue
+                err = sglang_spec.conformance_error(v, spec.annotations[f"SamplingParams.{k}"], spec,
+                                                    f"{what}: sampling_params.{k}")
+                errors += [err] if err else []
+    return errors
+
+
+def test_every_request_agentrl_sends_is_one_sglang_understands(recorded, spec):
+    sent = {(r["method"], r["path"]) for r in recorded}
+    # The capture really covers the client and the weight push (a broken driver must not pass quietly).
+    assert {("POST", "/generate"), ("GET", "/health"), ("POST", "/pause_generation"), ("POST", "/abort_request"),
+            ("POST", "/init_weights_update_group"), ("POST", "/update_weights_from_distributed"),
+            ("POST", "/update_weights_from_disk"), ("POST", "/destroy_weights_update_group")} <= sent, sent
+    errors = sorted({e for r in recorded for e in request_errors(r, spec)})
+    assert not errors, "\n".join(errors)
+
+
+def test_the_embedded_engine_answered_every_request(recorded):
+    refused = [f"{r['method']} {r['path']} -> {r['status']}" for r in recorded if r["status"] >= 400]
+    assert not refused, "\n".join(refused)
+
+
+def test_what_the_checks_reject(spec):
+    """The checker itself: wrong routes, methods, fields, types, values and missing fields fail."""
+    bad = [
+        ({"method": "GET", "path": "/get_weight_version", "body": None}, "no route"),
+        ({"method": "GET", "path": "/generate", "body": None}, "with ['POST', 'PUT'] only"),
+        ({"method": "POST", "path": "/pause_generation", "body": {"mode": "sideways"}}, "must be one of"),
+        ({"method": "POST", "path": "/update_weight_version", "body": {"new_version": 3}}, "must be str"),
+        ({"method": "POST", "path": "/update_weight_version", "body": {}}, "'new_version' of"),
+        ({"method": "POST", "path": "/abort_request", "body": {"abort": True}}, "no field 'abort'"),
+        ({"method": "POST", "path": "/update_weights_from_distributed",
+          "body": {"names": ["a"], "dtypes": ["float32"], "shapes": [["1"]]}}, "shapes[0][0] must be int"),
+        ({"method": "POST", "path": "/generate", "body": {"input_ids": [1], "sampling_params": {"max_tokens": 3}}},
+         "sampling_params.max_tokens"),
+        ({"method": "POST", "path": "/generate", "body": {"input_ids": [1], "sampling_params": {"top_k": "5"}}},
+         "sampling_params.top_k"),
+    ]
+    for req, needle in bad:
+        errors = request_errors(req, spec)
+        assert any(needle in e for e in errors), (req, errors)
+    good = {"method": "POST", "path": "/generate", "body": {"input_ids": [[1, 2], [3]], "rid": ["a", "b"],
+            "return_logprob": [True, False], "sampling_params": {"stop": ["x"], "stop_token_ids": [2]}}}
+    assert request_errors(good, spec) == []
+
+
+def test_response_fields_agentrl_reads_are_written_by_sglang(spec):
+    for where, fields in response_fields_read().items():
+        missing = [f for f in fields if f not in spec.written_keys]
+        assert not missing, f"{where}: agentrl reads {missing}, which SGLang {spec.version} never writes"
+
+
+def test_embedded_routes_are_sglang_routes_with_its_methods_auth_and_fields(spec):
+    problems = []
+    for route in embedded_routes():
+        theirs = spec.routes.get(route.path)
+        if theirs is None:
+            problems.append(f"{route.path}: not an SGLang {spec.version} route")
+            continue
+        if sorted(route.methods - {"HEAD"}) != theirs.methods:
+            problems.append(f"{route.path}: methods {sorted(route.methods - {'HEAD'})}, SGLang {theirs.methods}")
+        if level_of(route.endpoint).value != theirs.auth:
+            problems.append(f"{route.path}: auth {level_of(route.endpoint).value}, SGLang {theirs.auth}")
+        if route.path == "/generate":
+            problems += [f"/generate: {k} is not a field of {theirs.request}" for k in GENERATE_FIELDS
+                         if k not in spec.structs[theirs.request]]
+        ours = CONTROL_BODIES.get(route.path)
+        if ours is None:
+            continue
+        fields = spec.structs[theirs.request]
+        for name, f in ours.items():
+            if name not in fields:
+                problems.append(f"{route.path}: {name} is not a field of {theirs.request}")
+                continue
+            sg = fields[name]
+            if (f.default is REQUIRED) != sg.required:
+                problems.append(f"{route.path}: {name} required={f.default is REQUIRED}, SGLang {sg.required}")
+            elif not sg.required and _literal(sg.default) != f.default:
+                problems.append(f"{route.path}: {name} defaults to {f.default!r}, SGLang to {sg.default}")
+            node = spec.annotations[f"{theirs.request}.{name}"]
+            for value in f.supported or ([] if f.default is REQUIRED else [f.default]):
+                err = sglang_spec.conformance_error(value, node, spec, f"{route.path}: {name}")
+                problems += [err] if err else []
+    assert not problems, "\n".join(problems)
+
+
+def _literal(source: str | None):
+    try:
+        return ast.literal_eval(source)
+    except (ValueError, SyntaxError):
+        return f"<{source}>"
+
+
+def test_sglang_spec_matches_the_snapshot(spec):
+    now = relied_on_now(spec)
+    before = json.loads(sglang_spec.SNAPSHOT.read_text())
+    changes = sglang_spec.diff(before, now)
+    assert not changes, (
+        f"SGLang's contract as parsed from the {spec.version} wheel differs from {sglang_spec.SNAPSHOT.name} "
+        f"(- before, + now, ~ changed):\n" + "\n".join(changes) +
+        "\nReview the changes (client, weight push, embedded engine), then: python -m tests.sglang_spec --write")
