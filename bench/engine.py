@@ -118,7 +118,7 @@ def bench_hf_cb(model, reqs) -> float:
 def _raw_receiver(port: int, specs, reps: int) -> None:
     import torch
 
-    from agentrl.engine.weights import init_weight_group
+    from agentrl.weight_group import init_weight_group
 
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -144,7 +144,8 @@ def bench_push(small_model: Path, engine, reps: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     from agentrl.engine.launch import free_port
-    from agentrl.engine.weights import WeightUpdater, destroy_weight_group, init_weight_group
+    from agentrl.learner.weight_push import WeightUpdater
+    from agentrl.weight_group import destroy_weight_group, init_weight_group
 
     model = AutoModelForCausalLM.from_pretrained(small_model, dtype=torch.float32)
     named = [(n, p.detach()) for n, p in model.named_parameters()]

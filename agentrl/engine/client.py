@@ -21,7 +21,7 @@ Usable from trio and asyncio (httpx + anyio). One :class:`EngineClient` spreads
 * **Router**: with ``router_url`` (sglang-router), generation goes through the router,
   which balances by itself; control calls (``pause``, ``abort`` ...) still go to each engine
   in ``urls`` because the router does not fan them out. Weight updates are
-  :class:`agentrl.engine.weights.WeightUpdater`'s job, also engine by engine.
+  :class:`agentrl.learner.weight_push.WeightUpdater`'s job, also engine by engine.
 """
 
 from __future__ import annotations
