@@ -130,7 +130,7 @@ class EngineClient:
     def __init__(self, urls: list[str], *, router_url: str = "", max_retries: int = 5,
                  health_check_interval_s: float = 2.0, timeout_s: float = 600.0, health_timeout_s: float = 5.0,
                  backoff_s: float = 0.2, max_backoff_s: float = 5.0, max_affinity_keys: int = 100_000,
-                 api_key: str = "", admin_api_key: str = "", key_hint: str = "pass api_key / admin_api_key"):
+                 api_key: str = "", admin_api_key: str = "", key_hints: tuple[str, str] = ("pass api_key", "pass admin_api_key")):
         if not urls and not router_url:
             raise ValueError("EngineClient needs engine urls, a router_url, or both")
         self.engines = [_Server(u.rstrip("/")) for u in urls]
@@ -148,7 +148,7 @@ class EngineClient:
         self._probe_lock: anyio.Lock | None = None
         self._api_headers = bearer(api_key)
         self._admin_headers = bearer(admin_api_key or api_key)
-        self._key_hint = key_hint
+        self._key_hints = key_hints  # what to set when /generate, or a control call, is refused
 
     @classmethod
     def from_config(cls, engine, urls: list[str] | None = None, **kwargs: Any) -> "EngineClient":
@@ -156,12 +156,13 @@ class EngineClient:
         started); keys from the variables ``engine.api_key_env`` / ``engine.admin_api_key_env`` name."""
         from agentrl.secrets import read_secret
 
-        hint = (f"set {engine.api_key_env} (engine.api_key_env) to the engines' --api-key; control calls use "
-                f"{engine.admin_api_key_env} (engine.admin_api_key_env) when the engines have an --admin-api-key")
+        hints = (f"set {engine.api_key_env} (engine.api_key_env) to the engines' --api-key",
+                 f"set {engine.admin_api_key_env} (engine.admin_api_key_env) to the engines' --admin-api-key, "
+                 f"or {engine.api_key_env} to their --api-key when they have no admin key")
         return cls(list(urls if urls is not None else engine.urls), router_url=engine.router_url,
                    max_retries=engine.request_retries, health_check_interval_s=engine.health_check_interval_s,
                    api_key=read_secret(engine.api_key_env), admin_api_key=read_secret(engine.admin_api_key_env),
-                   key_hint=hint, **kwargs)
+                   key_hints=hints, **kwargs)
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def __aenter__(self) -> "EngineClient":
@@ -339,10 +340,10 @@ class EngineClient:
             log.info("retrying %s in %.2f s (attempt %d): %s", path, delay, attempt, why)
             await anyio.sleep(delay)
 
-    def _refusal(self, resp: httpx.Response, where: str) -> EngineRequestError:
+    def _refusal(self, resp: httpx.Response, where: str, admin: bool = False) -> EngineRequestError:
         message = _error_message(resp)
         if resp.status_code in (401, 403):
-            message = f"{message or 'Unauthorized'}: the engine wants an API key ({self._key_hint})"
+            message = f"{message or 'Unauthorized'}: the engine wants an API key ({self._key_hints[admin]})"
         return EngineRequestError(resp.status_code, message, where)
 
     async def model_info(self) -> dict:
@@ -369,16 +370,22 @@ class EngineClient:
         http = self._client()
         targets = self.engines or self._pool
         results: list[Any] = [None] * len(targets)
+        refusals: list[EngineRequestError] = []
 
         async def one(i: int, s: _Server) -> None:
             r = await http.post(s.url + path, json=body or {}, headers=self._admin_headers, timeout=self.timeout_s)
-            if r.status_code >= 400:
-                raise self._refusal(r, s.url + path)
+            if r.status_code >= 400:  # collected, so that the caller gets the error, not an exception group
+                refusals.append(self._refusal(r, s.url + path, admin=True))
+                return
             results[i] = r.json() if r.content and r.headers.get("content-type", "").startswith("application/json") else None
 
         async with anyio.create_task_group() as tg:
             for i, s in enumerate(targets):
                 tg.start_soon(one, i, s)
+        if len(refusals) == 1:
+            raise refusals[0]
+        if refusals:
+            raise EngineError("; ".join(str(e) for e in refusals))
         return results
 
     async def pause(self, mode: str = "abort") -> None:
