@@ -36,8 +36,9 @@ ADMIN_OPTIONAL = {"/pause_generation", "/continue_generation", "/abort_request",
                   "/end_weight_update", "/update_weights_from_distributed", "/update_weight_version"}
 
 
-def allowed(path: str, authorization: str | None, api_key: str, admin_api_key: str) -> bool:
-    """SGLang's ``decide_request_auth`` for the routes served here."""
+def allowed(path: str, authorization: str | None, api_key: str, admin_api_key: str, admin_routes: set[str]) -> bool:
+    """SGLang's ``decide_request_auth``; a path without a route is a NORMAL one (SGLang's
+    ``_get_auth_level_from_app_and_scope``), so it wants the api key before it can answer 404."""
     if path.startswith(("/health", "/_fake/")):
         return True
 
@@ -45,7 +46,7 @@ def allowed(path: str, authorization: str | None, api_key: str, admin_api_key: s
         scheme, _, token = (authorization or "").partition(" ")
         return scheme.lower() == "bearer" and secrets.compare_digest(token, expected)
 
-    if path in ADMIN_OPTIONAL:
+    if path in admin_routes:
         key = admin_api_key or api_key
         return matches(key) if key else True
     return matches(api_key) if api_key else True
@@ -291,13 +292,14 @@ def build_app(args: argparse.Namespace):
         ranks.close()
 
     app = Starlette(routes=routes, lifespan=lifespan)
+    admin_routes = {r.path for r in routes} & ADMIN_OPTIONAL
 
     async def with_auth(scope, receive, send):
         if scope["type"] == "http":
             headers = dict(scope["headers"])
             auth = headers.get(b"authorization", b"").decode() or None
             state["calls"].append([scope["path"], auth is not None])
-            if not allowed(scope["path"], auth, args.api_key, args.admin_api_key):
+            if not allowed(scope["path"], auth, args.api_key, args.admin_api_key, admin_routes):
                 await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
                 return
         await app(scope, receive, send)

@@ -260,11 +260,14 @@ def test_an_engine_with_data_parallel_replicas_is_refused_before_any_group():
 
 
 def test_keys_go_where_sglang_wants_them_and_never_into_logs(monkeypatch, caplog):
+    """The second engine is an older build: for SGLang's auth its missing begin/end are NORMAL
+    paths, which refuse the admin key (401) before they can answer 404."""
     api, admin = "api-key-0123456789", "admin-key-9876543210"
-    (fake,) = fakes(("--api-key", api, "--admin-api-key", admin))
+    keys = ("--api-key", api, "--admin-api-key", admin)
+    fake, old_build = fakes(keys, (*keys, "--no-begin-end"))
     from agentrl.config import load_config
 
-    cfg = load_config(None, [f"engine.urls=['{fake.url}']", "engine.weight_group_backend=gloo"])
+    cfg = load_config(None, [f"engine.urls=['{fake.url}', '{old_build.url}']", "engine.weight_group_backend=gloo"])
     caplog.set_level(logging.DEBUG)
     try:
         # right keys: /server_info and /model_info with the api key, every admin route with the admin key
@@ -274,7 +277,9 @@ def test_keys_go_where_sglang_wants_them_and_never_into_logs(monkeypatch, caplog
             updater.connect()
             assert updater.align_versions(0) is False
             updater.push(tensors(), 1)
-        assert fake.state()["weight_version"] == "1"
+            updater.push(tensors(), 2)
+        assert fake.state()["weight_version"] == old_build.state()["weight_version"] == "2"
+        assert len([r for r in caplog.records if "has no /begin_weight_update" in r.getMessage()]) == 1
 
         # only the api key: the server has an admin key, so admin routes refuse it -- at once,
         # not after the rendezvous times out
@@ -287,4 +292,5 @@ def test_keys_go_where_sglang_wants_them_and_never_into_logs(monkeypatch, caplog
         assert api not in str(refused.value) and admin not in str(refused.value)
     finally:
         fake.stop()
+        old_build.stop()
     assert api not in caplog.text and admin not in caplog.text

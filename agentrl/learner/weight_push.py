@@ -193,6 +193,10 @@ def push_weights(model: "nn.Module", updater: "WeightUpdater | None", version: i
 class WeightUpdateError(RuntimeError):
     """An engine refused or failed a weight update; the message names the engine."""
 
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status  # the HTTP status, when there was an answer
+
 
 def rank_layout(tp_sizes: Sequence[int]) -> tuple[list[int], int]:
     """Rank offsets of the engines (1 + the TP ranks before each) and the group's world size."""
@@ -293,11 +297,11 @@ class WeightUpdater:
             data = {"message": str(data)}
         if resp.status_code in (401, 403):
             raise WeightUpdateError(f"{url}{path} answered {resp.status_code}: the engine wants an API key "
-                                    f"({self._key_hint})")
+                                    f"({self._key_hint})", resp.status_code)
         if resp.status_code != 200 or data.get("success") is False:
             err = data.get("error")
             msg = data.get("message") or (err.get("message") if isinstance(err, dict) else err) or resp.text
-            raise WeightUpdateError(f"{url}{path} answered {resp.status_code}: {msg}")
+            raise WeightUpdateError(f"{url}{path} answered {resp.status_code}: {msg}", resp.status_code)
         return data
 
     def _post(self, url: str, path: str, body: dict | None = None) -> dict:
@@ -332,9 +336,24 @@ class WeightUpdater:
 
     def _session(self, path: str) -> None:
         """``/begin_weight_update`` or ``/end_weight_update`` where the engine has it (SGLang 0.5.23
-        requires them around an update; older builds answer 404: skipped, warned once per engine)."""
+        requires them around an update; older builds answer 404: skipped, warned once per engine).
+
+        SGLang's auth treats a path it has no route for as a NORMAL route, so with both keys set
+        an older build refuses the admin key there (401) before it can answer 404: a refusal is
+        asked again with the api key, and a 404 then means "no such route"."""
         def call(url: str) -> None:
-            if self._request("POST", url, path, {}, missing_ok=True) is None:
+            try:
+                missing = self._request("POST", url, path, {}, missing_ok=True) is None
+            except WeightUpdateError as refused:
+                if refused.status not in (401, 403) or self._admin_headers == self._api_headers:
+                    raise
+                try:
+                    missing = self._request("POST", url, path, {}, admin=False, missing_ok=True) is None
+                except WeightUpdateError:
+                    raise refused from None
+                if not missing:
+                    raise refused from None
+            if missing:
                 self._no_begin_end.add(url)
                 log.warning("%s has no %s (SGLang before 0.5.23?): updating without a begin/end session", url, path)
 
