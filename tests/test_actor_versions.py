@@ -76,7 +76,7 @@ def test_a_version_that_is_not_a_number_fails_at_once_naming_the_engine(tokenize
 
         with pytest.raises(GroupLost, match=r"reports weight_version 'step-12'.*--weight-version 0") as e:
             trio.run(main)
-        assert engine.url in str(e.value) and len(engine.requests) == 2  # no retry: it cannot get better
+        assert engine.url in str(e.value) and len(engine.requests) <= 2  # one per episode at most: no retry
 
 
 def test_evaluation_takes_any_version(tokenizer):

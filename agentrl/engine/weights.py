@@ -3,7 +3,8 @@
 
 The protocol is SGLang's (``/init_weights_update_group``, ``/update_weights_from_distributed``,
 ``/update_weights_from_disk``), so the learner drives real SGLang servers and the embedded
-engine alike. The engine joins the trainer's group as rank ``rank_offset`` (it has one TP rank).
+engine alike. The engine joins the trainer's group at ``rank_offset`` (SGLang joins one rank
+per TP rank: ``rank_offset + tp_rank``).
 
 **Wire formats** (the trainer chooses, ``bench/engine.py`` measured them): by default one
 broadcast per tensor, received straight into the engine's parameters when dtype and shape
