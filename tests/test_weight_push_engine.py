@@ -152,6 +152,45 @@ def test_an_actor_waits_for_the_learner_to_set_the_engines_version(engine, engin
     assert set(traj.weight_versions[traj.loss_mask == 1].tolist()) == {0}
 
 
+def test_the_learner_sets_the_version_before_its_first_progress_message(engine, engine_model, tmp_path):
+    """What deadlocked a run against SGLang without --weight-version: the engine said "default",
+    every episode failed, no group reached the learner, so it never pushed. Now the engine
+    reports the learner's version before any actor is let in."""
+    import numpy as np
+
+    from agentrl.config import load_config
+    from agentrl.learner.distributed import init_distributed
+    from agentrl.learner.loop import Learner, LearnerIO
+    from tests._learner_helpers import ListSource, make_group
+
+    url = engine.url
+    assert httpx.post(url + "/update_weight_version", json={"new_version": "default"}).status_code == 200
+    seen: list[tuple[int, str]] = []
+
+    class Progress:
+        def publish(self, progress) -> None:  # what an actor would see when this message arrives
+            seen.append((progress.policy_version, httpx.get(url + "/model_info", timeout=10).json()["weight_version"]))
+
+        def close(self) -> None:
+            pass
+
+    init_distributed("cpu")
+    cfg = load_config(None, [f'model.path="{engine_model}"', f'run.run_dir="{tmp_path}"', "learner.max_steps=1",
+                             "learner.groups_per_step=1", "learner.max_tokens_per_microbatch=128",
+                             "learner.checkpoint_every_steps=0", 'learner.device="cpu"', "tracking.enabled=false",
+                             "actors.group_size=4", f"engine.urls=['{url}']", "engine.weight_group_backend=gloo"])
+    weights = WeightUpdater.from_config(cfg.engine)
+    weights.connect()
+    io = LearnerIO(source=ListSource([make_group(np.random.default_rng(0))]), progress=Progress(), weights=weights)
+    try:
+        assert Learner(cfg, io=io).run() == "done"
+    finally:
+        with WeightUpdater([url]) as restore:
+            restore.push_from_disk(str(engine_model), 0)
+    assert seen[0] == (0, "0")  # set before the first message, without a push (the engine serves model.path)
+    assert seen[-1] == (1, "1")
+
+
 @pytest.mark.xfail(strict=True, reason="needs the engine-strict branch's embedded engine (--tp-size, --api-key, "
                                        "--admin-api-key, --disable-weight-update-bracket); remove this mark "
                                        "once both branches are merged")
