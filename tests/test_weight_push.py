@@ -125,6 +125,8 @@ def test_the_tied_head_rule():
     untied = [("model.embed_tokens.weight", emb), ("lm_head.weight", head)]
     assert [n for n, _ in without_tied_head(untied)] == ["model.embed_tokens.weight", "lm_head.weight"]
     assert [n for n, _ in without_tied_head(untied, tied=True)] == ["model.embed_tokens.weight"]
+    shared = [("model.embed_tokens.weight", emb.detach()), ("lm_head.weight", emb.detach())]  # a state_dict's way
+    assert [n for n, _ in without_tied_head(shared)] == ["model.embed_tokens.weight"]
 
 
 def test_one_bucketing_pass_bounds_size_and_keeps_one_dtype():

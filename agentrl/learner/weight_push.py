@@ -93,16 +93,27 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 
 def without_tied_head(named: Iterable[tuple[str, T]], tied: bool = False) -> list[tuple[str, T]]:
     """The one tied-embedding rule: ``lm_head.weight`` is not sent when the embeddings are tied
-    (``tied``, the model's ``tie_word_embeddings``) or when it is the very tensor already listed
-    under another name; engines tie it themselves, as SGLang does."""
+    (``tied``, the model's ``tie_word_embeddings``) or when it is the same tensor as one already
+    listed under another name (the same object, or for a plain tensor the same memory, as in a
+    ``state_dict()``); engines tie it themselves, as SGLang does."""
     out: list[tuple[str, T]] = []
-    seen: set[int] = set()
+    seen: set[tuple] = set()
     for name, t in named:
-        if name == "lm_head.weight" and (tied or id(t) in seen):
+        keys = _identity(t)
+        if name == "lm_head.weight" and (tied or keys & seen):
             continue
-        seen.add(id(t))
+        seen |= keys
         out.append((name, t))
     return out
+
+
+def _identity(t: Any) -> set[tuple]:
+    from torch.distributed.tensor import DTensor
+
+    keys = {("object", id(t))}
+    if not isinstance(t, DTensor):  # a DTensor's memory is its local shard: identity only
+        keys.add(("memory", t.data_ptr(), tuple(t.shape), t.dtype))
+    return keys
 
 
 def tensors_to_push(model: "nn.Module") -> list[tuple[str, "nn.Parameter"]]:
