@@ -8,11 +8,14 @@
    number of torch threads; the HTTP client runs in this process, so the engine pays for
    its serving overhead. The machine may be shared: levels 16 and 64 run twice, alternating
    generate and engine, and each side's best round counts.
-2. Weight push: :class:`WeightUpdater.push` (pause, begin, HTTP + broadcast per bucket, end,
-   continue) to an engine serving the ``small`` model, in both wire formats (one broadcast per
-   tensor, the default, and SGLang's flattened buckets), against a raw torch.distributed
-   broadcast of the same tensors, and of one flat buffer of the same bytes, to a plain
-   receiver process; raw and push rounds alternate.
+2. Weight push: :class:`agentrl.learner.weight_push.WeightUpdater.push` (pause, begin, HTTP +
+   broadcast per bucket, end, continue) to an engine serving the ``small`` model, in both wire
+   formats (one broadcast per tensor, the default, and SGLang's flattened buckets), against a
+   raw torch.distributed broadcast of the same tensors, and of one flat buffer of the same
+   bytes, to a plain receiver process; raw and push rounds alternate. The cache flush is
+   measured both ways: ``flush_cache: true`` on the last bucket (the default) against
+   ``flush_cache: false`` everywhere plus one ``/flush_cache`` call per engine before ``end``;
+   the engine's prefix cache is filled before every push.
 
 Optional ``--hf-cb``: transformers' own continuous batching (``ContinuousBatchingManager``)
 on the concurrency-64 workload, the measurement behind the choice of an own scheduler.
@@ -118,7 +121,7 @@ def bench_hf_cb(model, reqs) -> float:
 def _raw_receiver(port: int, specs, reps: int) -> None:
     import torch
 
-    from agentrl.engine.weights import init_weight_group
+    from agentrl.weight_group import init_weight_group
 
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -136,6 +139,31 @@ def _raw_receiver(port: int, specs, reps: int) -> None:
     dist.broadcast(sync, src=0, group=group)
 
 
+def _separate_flush_updater():
+    from agentrl.learner.weight_push import WeightUpdater
+
+    class SeparateFlush(WeightUpdater):
+        """The alternative to a flush on the last bucket: no bucket flushes, then one
+        ``/flush_cache`` call per engine after the last bucket (before end and continue)."""
+
+        def _send_bucket(self, bucket, version, flush_cache, stats):
+            super()._send_bucket(bucket, version, False, stats)
+            if version is not None:  # the last bucket
+                t0 = time.perf_counter()
+                self._all("/flush_cache")
+                stats["flush_call_s"] = time.perf_counter() - t0
+
+    return SeparateFlush
+
+
+def _fill_prefix_cache(url: str) -> None:
+    import httpx
+
+    for i in range(4):
+        httpx.post(url + "/generate", timeout=60, json={"input_ids": [3 + i] * 64, "sampling_params": {
+            "max_new_tokens": 1, "temperature": 0.0}}).raise_for_status()
+
+
 def bench_push(small_model: Path, engine, reps: int) -> dict:
     """Interleaved, so that raw and push see the same machine load: per format, per repetition,
     a raw flat broadcast, a raw broadcast of the same tensors, then one push."""
@@ -144,12 +172,18 @@ def bench_push(small_model: Path, engine, reps: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     from agentrl.engine.launch import free_port
-    from agentrl.engine.weights import WeightUpdater, destroy_weight_group, init_weight_group
+    from agentrl.learner.weight_push import WeightUpdater
+    from agentrl.weight_group import destroy_weight_group, init_weight_group
 
     model = AutoModelForCausalLM.from_pretrained(small_model, dtype=torch.float32)
     named = [(n, p.detach()) for n, p in model.named_parameters()]
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
-    formats = {"default": {}, "flattened_bucket": {"load_format": "flattened_bucket"}}  # label -> options
+    separate_flush = _separate_flush_updater()
+    formats = {  # label -> (updater class, options)
+        "default": (WeightUpdater, {}),
+        "flattened_bucket": (WeightUpdater, {"load_format": "flattened_bucket"}),
+        "separate_flush": (separate_flush, {}),
+    }
 
     port = free_port()
     ctx = mp.get_context("spawn")
@@ -161,8 +195,8 @@ def bench_push(small_model: Path, engine, reps: int) -> dict:
     sync = torch.zeros(1)
     raw_tensors, raw_flat, pushes = [], [], {}
     try:
-        for i, (label, options) in enumerate(formats.items()):
-            with WeightUpdater([engine.url], backend="gloo", group_name=f"bench{i}", **options) as updater:
+        for i, (label, (cls, options)) in enumerate(formats.items()):
+            with cls([engine.url], backend="gloo", group_name=f"bench{i}", **options) as updater:
                 updater.connect()
                 for v in range(reps):
                     dist.broadcast(sync, src=0, group=group)
@@ -174,6 +208,7 @@ def bench_push(small_model: Path, engine, reps: int) -> dict:
                     t0 = time.perf_counter()
                     dist.broadcast(flat, src=0, group=group)
                     raw_flat.append(time.perf_counter() - t0)
+                    _fill_prefix_cache(engine.url)
                     pushes.setdefault(label, []).append(updater.push(named, version=v + 1))
         dist.broadcast(sync, src=0, group=group)
     finally:
@@ -265,6 +300,12 @@ def main() -> None:
         p = r["default"]
         print(f"  {'push / raw, same tensors':<44} {p['total_s'] / r['raw_tensors_s']:8.2f}x")
         print(f"  {'push / raw, one flat buffer':<44} {p['total_s'] / r['raw_flat_s']:8.2f}x")
+        q = r["separate_flush"]
+        print(f"\ncache flush (prefix cache filled before each push), best of {args.reps}")
+        print(f"  {'flush_cache on the last bucket (default)':<44} {p['total_s'] * 1e3:8.1f} ms")
+        print(f"  {'separate /flush_cache call':<44} {q['total_s'] * 1e3:8.1f} ms  "
+              f"(the call itself {q['flush_call_s'] * 1e3:.1f} ms)")
+        print(f"  {'separate / last bucket':<44} {q['total_s'] / p['total_s']:8.2f}x")
     print("\ntargets: engine/generate >= 1.0x at 16 and 64; push/raw <= 1.5x")
 
 

@@ -27,7 +27,7 @@ def join(url: str, world: int, group: str):
     import httpx
 
     from agentrl.engine.launch import free_port
-    from agentrl.engine.weights import init_weight_group
+    from agentrl.weight_group import init_weight_group
 
     port = free_port()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -43,7 +43,7 @@ def push(url: str, pg, named, group: str, version: int) -> float:
     import httpx
     import torch.distributed as dist
 
-    from agentrl.engine.weights import dtype_name
+    from agentrl.weight_group import dtype_name
 
     t0 = time.perf_counter()
     assert httpx.post(url + "/begin_weight_update", json={}, timeout=60).json()["success"]
@@ -82,7 +82,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from agentrl.engine.launch import EngineProcess, free_port, wait_ready
-    from agentrl.engine.weights import destroy_weight_group
+    from agentrl.weight_group import destroy_weight_group
     from agentrl.model_builder import init_model
 
     torch.set_num_threads(1)

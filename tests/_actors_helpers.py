@@ -252,6 +252,7 @@ class GenerateResult:
     weight_version: str
     prompt_tokens: int
     meta_info: dict
+    url: str = ""
 
 
 class HttpEngineClient:
@@ -291,7 +292,7 @@ class HttpEngineClient:
         d = r.json()
         mi = d["meta_info"]
         return GenerateResult(d["output_ids"], [e[0] for e in mi["output_token_logprobs"]], d.get("text", ""),
-                              mi["finish_reason"], str(mi["weight_version"]), mi["prompt_tokens"], mi)
+                              mi["finish_reason"], str(mi["weight_version"]), mi["prompt_tokens"], mi, url)
 
 
 # ----------------------------------------------------------------------------- transport doubles

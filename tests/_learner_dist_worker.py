@@ -20,7 +20,7 @@ def run(out: Path, model_path: str, *, world_tag: str) -> dict:
     from agentrl.learner.distributed import init_distributed
     from agentrl.learner.loss import PolicyLossConfig
     from agentrl.learner.trainer import Trainer, TrainerSpec
-    from agentrl.learner.weights_gather import iter_full_tensors
+    from agentrl.learner.weight_push import iter_full_tensors
     from tests._learner_helpers import fixed_samples
 
     torch.set_num_threads(1)

@@ -120,8 +120,13 @@ class Recorder:
     def publish(self, progress) -> None:
         self.progress.append(progress)
 
-    def push(self, named_tensors, version: int) -> dict:
-        self.pushes.append((version, [name for name, _ in named_tensors]))
+    device = "cpu"  # WeightUpdater's interface, as push_weights and the loop use it
+
+    def align_versions(self, version: int) -> bool:
+        return version > 0
+
+    def push_plan(self, plan, version: int, materialize) -> dict:
+        self.pushes.append((version, [name for bucket in plan for name, _ in materialize(bucket)]))
         return {}
 
     def close(self) -> None:

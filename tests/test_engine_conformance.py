@@ -74,11 +74,12 @@ def drive_weight_updater(urls: list[str], model_path: Path) -> None:
     (Re-point this when the trainer side moves; the checks below do not depend on it.)"""
     from transformers import AutoModelForCausalLM
 
-    from agentrl.engine.weights import WeightUpdater
+    from agentrl.learner.weight_push import WeightUpdater
 
     named = list(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).named_parameters())
     with WeightUpdater(urls, backend="gloo", bucket_bytes=1 << 20) as updater:
         updater.connect()
+        assert not updater.align_versions(0)  # the engine reports "default": set to "0", no push needed
         updater.push(named, version=1)
         updater.push_from_disk(str(model_path), 2)
     with WeightUpdater(urls, backend="gloo", group_name="flat", load_format="flattened_bucket") as updater:
@@ -116,13 +117,15 @@ def recorded(engine_model, tmp_path_factory) -> list[dict]:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = EngineProcess(str(engine_model), port, log_path=logs / "engine.log", env=env)
+    i = ENGINE_FLAGS.index("--weight-version")
+    flags = ENGINE_FLAGS[:i] + ENGINE_FLAGS[i + 2:]  # the engine reports SGLang's "default"
     proc.argv = [sys.executable, "-m", "tests._engine_recorder", str(record), "--model", str(engine_model),
-                 "--port", str(port), *ENGINE_FLAGS]
+                 "--port", str(port), *flags]
     proc.start(wait_s=0)
     try:
         wait_ready(proc.url, 240, process=proc.process)
+        drive_weight_updater([proc.url], engine_model)  # first: it sets the version the episodes need
         trio.run(drive_client, [proc.url], engine_model)
-        drive_weight_updater([proc.url], engine_model)
     finally:
         proc.stop()
     return [json.loads(line) for line in record.read_text().splitlines()]

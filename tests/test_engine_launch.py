@@ -59,7 +59,7 @@ def test_wait_ready_reports_a_dead_process_and_a_timeout():
 def test_config_helpers_read_the_engine_section():
     from agentrl.config import load_config
     from agentrl.engine.client import EngineClient
-    from agentrl.engine.weights import WeightUpdater
+    from agentrl.learner.weight_push import WeightUpdater
 
     cfg = load_config(None, ["engine.urls=['http://a:1', 'http://b:2']", "engine.request_retries=2",
                              "engine.router_url=http://r:3", "engine.weight_bucket_mb=1.5",

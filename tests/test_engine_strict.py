@@ -182,7 +182,7 @@ def test_dp_size_above_one_refuses_the_weight_group(engines):
 
 def _join(url: str, world: int, group: str) -> tuple[object, dict]:
     """Trainer rank 0 of a gloo weight group with the engine at rank_offset 1."""
-    from agentrl.engine.weights import init_weight_group
+    from agentrl.weight_group import init_weight_group
 
     port = free_port()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -199,7 +199,7 @@ def test_tp_size_two_joins_as_two_ranks(engines, engine_model):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from agentrl.engine.weights import destroy_weight_group, dtype_name
+    from agentrl.weight_group import destroy_weight_group, dtype_name
 
     url = engines["tp2"]
     assert httpx.get(url + "/server_info", timeout=10).json()["tp_size"] == 2

@@ -11,7 +11,7 @@ import torch
 import trio
 
 from agentrl.engine.client import EngineClient, GenerateResult
-from agentrl.engine.weights import WeightUpdateError, WeightUpdater
+from agentrl.learner.weight_push import WeightUpdateError, WeightUpdater
 from tests.conftest_engine import Teacher, max_abs_diff
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}

@@ -34,7 +34,7 @@ def _spec(path, **kw):
 
 
 def _params(trainer) -> dict[str, torch.Tensor]:
-    from agentrl.learner.weights_gather import iter_full_tensors
+    from agentrl.learner.weight_push import iter_full_tensors
 
     return {n: t.clone() for n, t in iter_full_tensors(trainer.policy)}
 
@@ -130,12 +130,12 @@ def test_gathered_tensors_are_the_state_dict_and_bounded_by_the_bucket(tiny_mode
     from transformers import AutoModelForCausalLM
 
     from agentrl.learner.trainer import Trainer
-    from agentrl.learner.weights_gather import iter_full_tensors, named_parameters_for_push
+    from agentrl.learner.weight_push import iter_full_tensors, tensors_to_push
 
     trainer = Trainer(_spec(tiny_model), dist_info)
     reference = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
     bucket = 64 << 10
-    largest = max(p.numel() * 4 for _, p in named_parameters_for_push(trainer.policy))
+    largest = max(p.numel() * 4 for _, p in tensors_to_push(trainer.policy))
     alive: list[tuple[weakref.ref, int]] = []
     names = []
     peak = 0
@@ -154,18 +154,22 @@ def test_gathered_tensors_are_the_state_dict_and_bounded_by_the_bucket(tiny_mode
 
 def test_push_weights_into_a_sink(tiny_model, dist_info):
     from agentrl.learner.trainer import Trainer
-    from agentrl.learner.weights_gather import push_weights
+    from agentrl.learner.weight_push import push_weights
 
-    class Sink:
-        def push(self, named_tensors, version):
+    class Sink:  # WeightUpdater's interface, as push_weights uses it
+        device = torch.device("cpu")
+
+        def push_plan(self, plan, version, materialize):
             self.version = version
-            self.names = [n for n, _ in named_tensors]
+            self.tensors = [t for bucket in plan for t in materialize(bucket)]
             return {"seconds": 0.0}
 
     trainer = Trainer(_spec(tiny_model), dist_info)
     sink = Sink()
     assert push_weights(trainer.policy, sink, 3, bucket_bytes=1 << 20, dtype=torch.bfloat16) == {"seconds": 0.0}
-    assert sink.version == 3 and "model.embed_tokens.weight" in sink.names
+    names = [n for n, _ in sink.tensors]
+    assert sink.version == 3 and "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+    assert all(t.dtype == torch.bfloat16 for _, t in sink.tensors)
 
 
 def test_export_loads_in_transformers_with_the_learners_logits(tiny_model, dist_info, tmp_path):
@@ -343,9 +347,9 @@ def test_weight_broadcast_makes_a_real_engine_match_the_learner(tiny_model, dist
     import httpx
     from transformers import AutoModelForCausalLM
 
-    from agentrl.engine.weights import WeightUpdater
+    from agentrl.learner.weight_push import WeightUpdater
     from agentrl.learner.trainer import Trainer
-    from agentrl.learner.weights_gather import iter_full_tensors, push_weights
+    from agentrl.learner.weight_push import iter_full_tensors, push_weights
     from tests.conftest_engine import Teacher, max_abs_diff, start_engines
 
     trainer = Trainer(_spec(tiny_model, lr=5e-2), dist_info)

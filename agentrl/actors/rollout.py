@@ -5,7 +5,7 @@ An episode alternates model turns and observations until it finishes:
 1. **Model turn.** Ask the engine for at most ``min(max_new_tokens_per_turn, room left)``
    tokens, where the room left keeps space for the template to close the turn, so an episode
    never exceeds ``max_total_tokens``. The returned ids are appended exactly as generated, with
-   their logprobs and ``int(weight_version)`` (see :mod:`agentrl.actors.chat`).
+   their logprobs and the policy version the engine reports (see :mod:`agentrl.actors.chat`).
 2. **Interruptions.** When a weight update pauses the engine with ``mode="abort"``, the request
    returns ``finish_reason.type == "abort"`` with its partial output. The loop keeps those tokens
    (with their logprobs and the old version) and asks again with the prompt extended by them,
@@ -19,6 +19,14 @@ An episode alternates model turns and observations until it finishes:
    only malformed calls gets the parse errors as ``tool`` messages so the model sees them; a
    turn without tool activity goes to ``env.on_text_turn`` (None ends the episode, a string is
    the next user message).
+
+**Versions** (:func:`parse_weight_version`). An engine's ``weight_version`` is the learner's policy
+version as a decimal string. SGLang started without ``--weight-version`` reports ``"default"``
+until the learner sets a version (it does when it connects, before its first progress message).
+A reply under ``"default"`` is not kept (no policy version produced it): the turn waits (logged
+once per engine) and asks again, for at most ``EpisodeLimits.max_version_wait_s``, then the
+episode fails with what to do. Any other version that is not an integer fails the episode at
+once, naming the engine. Evaluation (``evaluate``) does not need versions and takes any.
 
 Finish reasons: ``answer`` (the env accepted a text turn), ``max_turns``, ``context_full``
 (no room for another turn or its observation; also a turn cut by the room left),
@@ -60,6 +68,7 @@ class GenerateResultLike(Protocol):
     finish_reason: dict
     weight_version: str
     meta_info: dict
+    url: str  # the server that answered (named in errors)
 
 
 class EngineClientLike(Protocol):
@@ -73,12 +82,39 @@ class EpisodeFailed(Exception):
     """The episode produced no usable trajectory (engine unreachable, protocol error, env bug)."""
 
 
+UNSET_VERSION = "default"  # what SGLang reports before anybody set a weight version
+_waiting_logged: set[str] = set()  # engines whose unset version was logged (once per process)
+
+
+class VersionNotSet(Exception):
+    """The engine reports ``"default"``: its weights have no policy version yet."""
+
+    def __init__(self, url: str):
+        super().__init__(url)
+        self.url = url
+
+
+def parse_weight_version(version: Any, url: str) -> int:
+    """The policy version an engine reported; :class:`VersionNotSet` for SGLang's ``"default"``,
+    :class:`EpisodeFailed` (naming the engine and the fix) for anything else that is not an integer."""
+    try:
+        return int(version)
+    except (TypeError, ValueError):
+        pass
+    if version == UNSET_VERSION:
+        raise VersionNotSet(url)
+    raise EpisodeFailed(f"engine {url or '(unknown url)'} reports weight_version {version!r}, which is not a "
+                        "policy version (an integer): start it with --weight-version 0, or without --weight-version "
+                        "and let the learner set the version when it connects")
+
+
 @dataclass(frozen=True)
 class EpisodeLimits:
     max_turns: int = 4
     max_total_tokens: int = 1024
     max_new_tokens_per_turn: int = 128
     max_empty_aborts: int = 20  # aborts in a row that return no token before the episode gives up
+    max_version_wait_s: float = 600.0  # how long a turn waits for an engine to leave weight_version "default"
 
     @classmethod
     def from_config(cls, cfg: Any, env: Env | None = None) -> "EpisodeLimits":
@@ -122,8 +158,9 @@ class _Episode:
     """The mutable state of one running episode."""
 
     def __init__(self, client: EngineClientLike, codec: ChatCodec, env: Env, toolbox: ToolBox, task: Task,
-                 sampling: dict[str, Any], limits: EpisodeLimits, episode_id: str):
+                 sampling: dict[str, Any], limits: EpisodeLimits, episode_id: str, versioned: bool = True):
         self.client, self.codec, self.env, self.toolbox, self.task = client, codec, env, toolbox, task
+        self.versioned = versioned  # False (evaluation): any reported version is taken
         self.sampling = {k: v for k, v in sampling.items() if k != "max_new_tokens"}
         if codec.end_of_turn_id is not None:
             self.sampling.setdefault("stop_token_ids", [codec.end_of_turn_id])
@@ -184,6 +221,7 @@ class _Episode:
         chat = self.chat
         assert chat is not None
         remaining, empty_aborts, part = budget, 0, 0
+        version_wait_started: float | None = None
         while True:
             params = {**self.sampling, "max_new_tokens": remaining}
             rid = f"{self.id}-{self.counters.num_turns}-{part}"
@@ -195,7 +233,14 @@ class _Episode:
                 raise EpisodeFailed(f"generate failed: {type(e).__name__}: {e}") from e
             self.counters.generation_latency_s += time.monotonic() - start
             self.counters.num_generate_calls += 1
-            ids, logprobs, versions, kind = _unpack(result)
+            try:
+                ids, logprobs, versions, kind = _unpack(result, self.versioned)
+            except VersionNotSet as e:  # the reply is dropped: no policy version produced it
+                if version_wait_started is None:
+                    version_wait_started = time.monotonic()
+                await self._wait_for_version(e.url, time.monotonic() - version_wait_started)
+                continue
+            version_wait_started = None
             if len(ids) > remaining:
                 raise EpisodeFailed(f"engine returned {len(ids)} tokens, {remaining} were asked for")
             chat.append_model(ids, logprobs, versions)
@@ -218,6 +263,18 @@ class _Episode:
             if empty_aborts > self.limits.max_empty_aborts:
                 return "aborted"
             await trio.sleep(min(1.0, 0.05 * empty_aborts))
+
+    async def _wait_for_version(self, url: str, waited_s: float) -> None:
+        if waited_s >= self.limits.max_version_wait_s:
+            raise EpisodeFailed(f"engine {url} still reports weight_version {UNSET_VERSION!r} after {waited_s:.0f} s: no "
+                                "learner has set a policy version. Start the learner (it sets the version when it "
+                                "connects), or start the engine with --weight-version 0")
+        if url not in _waiting_logged:
+            _waiting_logged.add(url)
+            log.warning("engine %s reports weight_version %r (no policy version yet): episodes wait for the learner "
+                        "to set it (it does when it connects); without a learner, start the engine with "
+                        "--weight-version 0", url, UNSET_VERSION)
+        await trio.sleep(min(2.0, 0.1 + 0.25 * waited_s))
 
     async def _run_tools(self, parsed: ParsedTurn) -> list[Message]:
         results: list[ToolResult | None] = [None] * len(parsed.calls)
@@ -248,8 +305,9 @@ class _Episode:
         return messages
 
 
-def _unpack(result: GenerateResultLike) -> tuple[list[int], list[float], list[int], str]:
-    """Validate an engine reply; return (ids, logprobs, versions per token, finish type)."""
+def _unpack(result: GenerateResultLike, versioned: bool = True) -> tuple[list[int], list[float], list[int], str]:
+    """Validate an engine reply; return (ids, logprobs, versions per token, finish type).
+    Unversioned (evaluation): any version is taken (-1 for tokens under one that is not a number)."""
     ids = [int(i) for i in result.output_ids]
     logprobs = [0.0 if lp is None else float(lp) for lp in (result.output_logprobs or [])]
     if len(logprobs) != len(ids):
@@ -257,30 +315,34 @@ def _unpack(result: GenerateResultLike) -> tuple[list[int], list[float], list[in
     kind = (result.finish_reason or {}).get("type")
     if kind not in ("stop", "length", "abort"):
         raise EpisodeFailed(f"engine returned an unknown finish_reason {result.finish_reason!r}")
-    try:
-        version = int(result.weight_version)
-    except (TypeError, ValueError):
-        raise EpisodeFailed(f"engine weight_version {result.weight_version!r} is not an integer") from None
-    versions = [version] * len(ids)
+    if not versioned:
+        try:
+            version = int(result.weight_version)
+        except (TypeError, ValueError):
+            version = -1
+        return ids, logprobs, [version] * len(ids), kind
+    versions = [parse_weight_version(result.weight_version, result.url)] * len(ids)
     # SGLang reports spans when the weights changed during one request (pause mode in_place).
     spans = (result.meta_info or {}).get("weight_versions")
     if isinstance(spans, list) and len(spans) > 1:
         try:
             for span in spans:
-                v = int(span["version"])
+                v = parse_weight_version(span["version"], result.url)
                 for i in range(max(0, int(span["start"])), min(len(ids), int(span["end"]))):
                     versions[i] = v
         except (KeyError, TypeError, ValueError):
-            raise EpisodeFailed(f"engine returned malformed weight_versions spans {spans!r}") from None
+            raise EpisodeFailed(f"engine {result.url} returned malformed weight_versions spans {spans!r}") from None
     return ids, logprobs, versions, kind
 
 
 async def run_episode(client: EngineClientLike, tokenizer: Any, env: Env, toolbox: ToolBox, task: Task,
                       sampling: dict[str, Any], limits: EpisodeLimits, *, episode_id: str | None = None,
-                      extra_metadata: dict[str, Any] | None = None) -> Trajectory:
-    """Play one episode of ``task`` and score it; raises :class:`EpisodeFailed` when it cannot."""
+                      extra_metadata: dict[str, Any] | None = None, versioned: bool = True) -> Trajectory:
+    """Play one episode of ``task`` and score it; raises :class:`EpisodeFailed` when it cannot.
+    ``versioned=False`` (evaluation) takes any weight_version (``"default"`` included)."""
     codec = codec_for(tokenizer)
-    ep = _Episode(client, codec, env, toolbox, task, sampling, limits, episode_id or uuid.uuid4().hex[:12])
+    ep = _Episode(client, codec, env, toolbox, task, sampling, limits, episode_id or uuid.uuid4().hex[:12],
+                  versioned)
     start = time.monotonic()
     try:
         ep.state = await env.setup(task)
@@ -384,7 +446,7 @@ async def evaluate(client: EngineClientLike, tokenizer: Any, env: Env, tasks: li
     async def one(task: Task) -> None:
         async with limiter:
             try:
-                traj = await run_episode(client, tokenizer, env, toolbox, task, sampling, limits)
+                traj = await run_episode(client, tokenizer, env, toolbox, task, sampling, limits, versioned=False)
             except EpisodeFailed as e:
                 problems["failed"].add(str(e))
                 return

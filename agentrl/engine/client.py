@@ -21,7 +21,12 @@ Usable from trio and asyncio (httpx + anyio). One :class:`EngineClient` spreads
 * **Router**: with ``router_url`` (sglang-router), generation goes through the router,
   which balances by itself; control calls (``pause``, ``abort`` ...) still go to each engine
   in ``urls`` because the router does not fan them out. Weight updates are
-  :class:`agentrl.engine.weights.WeightUpdater`'s job, also engine by engine.
+  :class:`agentrl.learner.weight_push.WeightUpdater`'s job, also engine by engine.
+* **Keys** (SGLang's ``--api-key`` / ``--admin-api-key``, bearer tokens): ``/generate`` and
+  ``/model_info`` carry the api key; the control calls (pause, continue, abort) the admin key,
+  or the api key when there is no admin key -- SGLang's rules (``sglang/srt/utils/auth.py``).
+  ``/health`` is open. A refusal (401/403) is an :class:`EngineRequestError` at once that
+  says which variable to set; keys never appear in messages or logs.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ from typing import Any
 
 import anyio
 import httpx
+
+from agentrl.secrets import bearer
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +133,8 @@ def _error_message(resp: httpx.Response) -> str:
 class EngineClient:
     def __init__(self, urls: list[str], *, router_url: str = "", max_retries: int = 5,
                  health_check_interval_s: float = 2.0, timeout_s: float = 600.0, health_timeout_s: float = 5.0,
-                 backoff_s: float = 0.2, max_backoff_s: float = 5.0, max_affinity_keys: int = 100_000):
+                 backoff_s: float = 0.2, max_backoff_s: float = 5.0, max_affinity_keys: int = 100_000,
+                 api_key: str = "", admin_api_key: str = "", key_hints: tuple[str, str] = ("pass api_key", "pass admin_api_key")):
         if not urls and not router_url:
             raise ValueError("EngineClient needs engine urls, a router_url, or both")
         self.engines = [_Server(u.rstrip("/")) for u in urls]
@@ -142,13 +150,23 @@ class EngineClient:
         self._tg: Any = None
         self._last_probe = 0.0
         self._probe_lock: anyio.Lock | None = None
+        self._api_headers = bearer(api_key)
+        self._admin_headers = bearer(admin_api_key or api_key)
+        self._key_hints = key_hints  # what to set when /generate, or a control call, is refused
 
     @classmethod
     def from_config(cls, engine, urls: list[str] | None = None, **kwargs: Any) -> "EngineClient":
-        """From an ``[engine]`` config section; ``urls`` overrides ``engine.urls`` (e.g. engines just started)."""
+        """From an ``[engine]`` config section; ``urls`` overrides ``engine.urls`` (e.g. engines just
+        started); keys from the variables ``engine.api_key_env`` / ``engine.admin_api_key_env`` name."""
+        from agentrl.secrets import read_secret
+
+        hints = (f"set {engine.api_key_env} (engine.api_key_env) to the engines' --api-key",
+                 f"set {engine.admin_api_key_env} (engine.admin_api_key_env) to the engines' --admin-api-key, "
+                 f"or {engine.api_key_env} to their --api-key when they have no admin key")
         return cls(list(urls if urls is not None else engine.urls), router_url=engine.router_url,
                    max_retries=engine.request_retries, health_check_interval_s=engine.health_check_interval_s,
-                   **kwargs)
+                   api_key=read_secret(engine.api_key_env), admin_api_key=read_secret(engine.admin_api_key_env),
+                   key_hints=hints, **kwargs)
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def __aenter__(self) -> "EngineClient":
@@ -296,8 +314,8 @@ class EngineClient:
             shard = self._shard()
             shard.in_flight += 1
             try:
-                resp = await shard.http.post(server.url + path, json=payload,
-                                       timeout=max(1.0, deadline - time.monotonic()))
+                resp = await shard.http.post(server.url + path, json=payload, headers=self._api_headers,
+                                             timeout=max(1.0, deadline - time.monotonic()))
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:
                 self._mark_down(server, f"{type(e).__name__}: {e}")
                 why = f"{server.url}: cannot connect ({type(e).__name__})"
@@ -311,7 +329,7 @@ class EngineClient:
                     server.served += 1
                     return resp.json(), server.url
                 if resp.status_code < 500:
-                    raise EngineRequestError(resp.status_code, _error_message(resp), server.url + path)
+                    raise self._refusal(resp, server.url + path)
                 why = f"{server.url}: HTTP {resp.status_code}: {_error_message(resp)}"
             finally:
                 server.outstanding -= 1
@@ -326,6 +344,12 @@ class EngineClient:
             log.info("retrying %s in %.2f s (attempt %d): %s", path, delay, attempt, why)
             await anyio.sleep(delay)
 
+    def _refusal(self, resp: httpx.Response, where: str, admin: bool = False) -> EngineRequestError:
+        message = _error_message(resp)
+        if resp.status_code in (401, 403):
+            message = f"{message or 'Unauthorized'}: the engine wants an API key ({self._key_hints[admin]})"
+        return EngineRequestError(resp.status_code, message, where)
+
     async def model_info(self) -> dict:
         """``/model_info`` of an engine (``/get_model_info`` on older SGLang)."""
         http = self._client()
@@ -334,12 +358,14 @@ class EngineClient:
         for s in servers:
             for path in ("/model_info", "/get_model_info"):
                 try:
-                    r = await http.get(s.url + path, timeout=self.health_timeout_s)
+                    r = await http.get(s.url + path, headers=self._api_headers, timeout=self.health_timeout_s)
                 except httpx.HTTPError as e:
                     last = f"{s.url}: {type(e).__name__}"
                     break
                 if r.status_code == 200:
                     return r.json()
+                if r.status_code in (401, 403):
+                    raise self._refusal(r, s.url + path)
                 last = f"{s.url}{path}: HTTP {r.status_code}"
         raise EngineUnavailableError(f"no engine answered /model_info ({last})")
 
@@ -348,16 +374,22 @@ class EngineClient:
         http = self._client()
         targets = self.engines or self._pool
         results: list[Any] = [None] * len(targets)
+        refusals: list[EngineRequestError] = []
 
         async def one(i: int, s: _Server) -> None:
-            r = await http.post(s.url + path, json=body or {}, timeout=self.timeout_s)
-            if r.status_code >= 400:
-                raise EngineRequestError(r.status_code, _error_message(r), s.url + path)
+            r = await http.post(s.url + path, json=body or {}, headers=self._admin_headers, timeout=self.timeout_s)
+            if r.status_code >= 400:  # collected, so that the caller gets the error, not an exception group
+                refusals.append(self._refusal(r, s.url + path, admin=True))
+                return
             results[i] = r.json() if r.content and r.headers.get("content-type", "").startswith("application/json") else None
 
         async with anyio.create_task_group() as tg:
             for i, s in enumerate(targets):
                 tg.start_soon(one, i, s)
+        if len(refusals) == 1:
+            raise refusals[0]
+        if refusals:
+            raise EngineError("; ".join(str(e) for e in refusals))
         return results
 
     async def pause(self, mode: str = "abort") -> None:
@@ -376,6 +408,8 @@ class EngineClient:
         http = self._client()
         out = []
         for s in self.engines or self._pool:
-            r = await http.get(s.url + "/model_info", timeout=self.health_timeout_s)
+            r = await http.get(s.url + "/model_info", headers=self._api_headers, timeout=self.health_timeout_s)
+            if r.status_code >= 400:
+                raise self._refusal(r, s.url + "/model_info")
             out.append(str(r.json().get("weight_version")))
         return out

@@ -31,9 +31,11 @@ worth of groups: a synchronous system. Dropped groups count as received, so they
 replaced.
 
 **Weights.** Every ``sync_every_steps`` steps the version is bumped and the weights are
-pushed (``weights_gather.push_weights``) into ``WeightUpdater`` (``agentrl.engine.weights``)
-when ``engine.urls`` is set. After a resume the weights are pushed once straight away, so
-that engines which kept running with newer weights than the checkpoint are brought back.
+pushed (``agentrl.learner.weight_push``) when ``engine.urls`` is set. At start, before the
+first progress message, the engines are brought to the learner's policy
+(``WeightUpdater.align_versions``): an engine that reports ``"default"`` is told version 0, and
+after a resume (or when an engine reports another policy's number) the weights are pushed,
+so actors never see a version the learner did not set.
 
 **Stopping.** SIGTERM/SIGINT ask rank 0 to stop at the next poll or after the current
 step; the loop then writes a checkpoint. A second signal aborts.
@@ -79,7 +81,7 @@ class LearnerIO:
 
     source: Any  # GroupSource
     progress: Any = None  # ProgressSink
-    weights: Any = None  # WeightSink (agentrl.engine.weights.WeightUpdater)
+    weights: Any = None  # agentrl.learner.weight_push.WeightUpdater
     tracker: Any = None  # agentrl.tracking.Tracker
 
     def close(self) -> None:
@@ -107,23 +109,10 @@ def open_io(cfg: AgentRLConfig, run_dir: Path) -> LearnerIO:
     progress = ProgressPublisher(cfg.actors.progress_endpoint, bind=True)
     weights = None
     if cfg.engine.urls:
-        import torch
+        from agentrl.learner.weight_push import WeightUpdater
 
-        try:
-            from agentrl.engine.weights import WeightUpdater
-        except ImportError as e:
-            raise ValueError(f"engine.urls is set but the weight updater cannot be imported: {e}") from e
-
-        backend = cfg.engine.weight_group_backend
-        if backend == "auto":
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-        weights = WeightUpdater(
-            list(cfg.engine.urls),
-            master_address=lc.weight_sync_address,
-            master_port=lc.weight_sync_port,
-            backend=backend,
-            bucket_bytes=int(cfg.engine.weight_bucket_mb * (1 << 20)),
-        )
+        weights = WeightUpdater.from_config(cfg.engine, master_address=lc.weight_sync_address,
+                                            master_port=lc.weight_sync_port)
         weights.connect()
     else:
         log.warning("engine.urls is empty: weights are not pushed to any engine (the version still advances)")
@@ -200,6 +189,7 @@ class Learner:
         restore = self._install_signal_handlers()
         try:
             self._resume()
+            self._align_engines()
             self._log_params()
             self._publish()
             last_checkpoint_step = self.trainer.step
@@ -365,7 +355,7 @@ class Learner:
     def _push(self) -> float:
         import torch
 
-        from agentrl.learner.weights_gather import push_weights
+        from agentrl.learner.weight_push import push_weights
 
         if not self.push_enabled:
             return 0.0
@@ -381,6 +371,18 @@ class Learner:
         if self.dist.is_main:
             log.info("pushed weights of policy version %d in %.2f s", self.version, seconds)
         return seconds
+
+    def _align_engines(self) -> None:
+        """Before the first progress message: the engines report this learner's policy version
+        and hold its weights (pushed when needed: after a resume, or when an engine reports
+        another policy's number)."""
+        from agentrl.learner.distributed import broadcast_object
+
+        if not self.push_enabled:
+            return
+        needs_push = self.io.weights.align_versions(self.version) if self.io is not None else None
+        if broadcast_object(needs_push):
+            self._push()
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -438,8 +440,6 @@ class Learner:
                 self.version,
                 len(self.buffer),
             )
-        if self.version > 0:
-            self._push()  # engines may hold other weights than this checkpoint
 
     # ------------------------------------------------------------------ logging and signals
 

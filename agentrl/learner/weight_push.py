@@ -1,0 +1,574 @@
+"""The weight push, learner side, in one place: from FSDP2 shards to the engines' parameters.
+
+The learner reaches the engines over HTTP (SGLang's native API) and the broadcast group
+(``agentrl.weight_group``) only; the engine's end is ``agentrl.engine.weights``.
+
+**What is sent.** The model's parameters in ``named_parameters()`` order, under their Hugging
+Face names, in the engines' dtype (``model.dtype``). With tied embeddings ``lm_head.weight`` is
+not sent (:func:`without_tied_head`, the one rule; engines tie it themselves, as SGLang does).
+
+**Buckets** (:func:`plan_buckets`, the one bucketing pass): consecutive tensors up to
+``bucket_bytes`` per bucket (a larger tensor is a bucket of its own), one dtype per bucket.
+The plan is made from metadata only (shapes, dtypes: nothing is gathered), so the last
+bucket is known in advance; it carries ``weight_version`` and ``flush_cache``. A bucket is
+one unit of everything: one gather step over the FSDP2 shards (:func:`full_tensors`, every
+learner rank in lockstep, since ``full_tensor()`` is a collective), one HTTP
+``/update_weights_from_distributed`` per engine, and its broadcasts. Rank 0 holds one
+gathered bucket at a time, never the model.
+
+**The group.** The trainer is rank 0. SGLang joins an engine with one rank per TP rank
+(``rank = rank_offset + tp_rank``), so engine ``i``'s offset is 1 + the ``tp_size`` of the
+engines before it and the world is 1 + all of them, read from each engine's ``/server_info``
+(:func:`rank_layout`). An engine with ``dp_size`` > 1 is refused: SGLang asserts
+``dp_size == 1`` for distributed updates; DP replicas run as separate engines behind
+sglang-router. The trainer joins while its ``/init_weights_update_group`` calls are in
+flight (both sides block in the rendezvous); an engine that refuses the call (a wrong key, a
+bad backend) fails the connect at once instead of leaving the trainer in the rendezvous.
+
+**An update** (:meth:`WeightUpdater.push_plan`): pause every engine (``pause_mode``) ->
+``/begin_weight_update`` -> per bucket: fire the HTTP update at every engine *without
+waiting*, broadcast the tensors in exactly that order (all posted at once as async ops, so
+there is no per-tensor round trip), collect the answers -> ``/end_weight_update`` ->
+continue. End and continue also run when a bucket fails, and the remaining buckets are still
+gathered (the other learner ranks are in those collectives). Pausing first is what avoids
+the classic hang (a server that waits for its running requests while the trainer already
+blocks in a broadcast). SGLang 0.5.23 refuses updates outside begin/end; older builds answer
+404 there, which is skipped with one warning per engine.
+
+**The cache.** SGLang keeps the radix cache across an update unless asked to flush it, and
+``flush_cache`` defaults to true on *every* bucket. K/V computed under the old weights must
+not serve a turn after the update, so the last bucket carries ``flush_cache: true`` (the
+others false): the engine flushes once, in the call that completes the update, before
+generation continues (one fewer round trip than a separate ``/flush_cache``; ``bench/engine.py``
+measures both). With pause mode ``in_place`` running requests keep their old K/V by design
+and SGLang refuses to flush while requests run (it would fail the update), so nothing is
+flushed then (warned once).
+
+**Versions.** The last bucket carries ``weight_version`` (the policy version as a string).
+At start :meth:`WeightUpdater.align_versions` makes every engine report the learner's
+version: an engine that reports ``"default"`` (SGLang without ``--weight-version``) or
+another non-number at version 0 is told the version (``/update_weight_version``: it serves
+the model the learner starts from); any other disagreement, and every resume, is a push.
+
+**Keys.** Admin routes (pause, continue, begin/end, weights, flush, version) carry the admin
+key (``engine.admin_api_key_env``, else the ``engine.api_key_env`` key); ``/server_info`` and
+``/model_info`` carry the api key -- SGLang's rules (``sglang/srt/utils/auth.py``). Keys are
+read from the environment (``agentrl.secrets``) and never logged.
+
+**Wire format, chosen by measurement** (``bench/engine.py``): by default one broadcast per
+tensor, straight from the trainer's memory into the engine's parameters when dtype and shape
+agree -- no copy on either side. SGLang's ``load_format = "flattened_bucket"`` (the bucket's
+bytes concatenated in ``names`` order, one uint8 broadcast) is supported too, but costs a
+fresh allocation and a copy of every byte on each side, more than it saves on CPU (100 MiB:
+~400-550 ms against ~100-130 ms).
+
+:meth:`WeightUpdater.push_from_disk` is the fallback: pause, ``/update_weights_from_disk`` on
+every engine, continue.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence, TypeVar
+
+from agentrl.secrets import bearer
+from agentrl.weight_group import bind_store_socket, destroy_weight_group, dtype_name, init_weight_group
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Bucket = list  # list[tuple[str, tensor]]: names and tensors (parameters, DTensors or full tensors)
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+# ----------------------------------------------------------------------- what is sent, in buckets
+
+
+def without_tied_head(named: Iterable[tuple[str, T]], tied: bool = False) -> list[tuple[str, T]]:
+    """The one tied-embedding rule: ``lm_head.weight`` is not sent when the embeddings are tied
+    (``tied``, the model's ``tie_word_embeddings``) or when it is the same tensor as one already
+    listed under another name (the same object, or for a plain tensor the same memory, as in a
+    ``state_dict()``); engines tie it themselves, as SGLang does."""
+    out: list[tuple[str, T]] = []
+    seen: set[tuple] = set()
+    for name, t in named:
+        keys = _identity(t)
+        if name == "lm_head.weight" and (tied or keys & seen):
+            continue
+        seen |= keys
+        out.append((name, t))
+    return out
+
+
+def _identity(t: Any) -> set[tuple]:
+    from torch.distributed.tensor import DTensor
+
+    keys = {("object", id(t))}
+    if not isinstance(t, DTensor):  # a DTensor's memory is its local shard: identity only
+        keys.add(("memory", t.data_ptr(), tuple(t.shape), t.dtype))
+    return keys
+
+
+def tensors_to_push(model: "nn.Module") -> list[tuple[str, "nn.Parameter"]]:
+    """The model's parameters to send, in a fixed order (the same on every learner rank)."""
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    return without_tied_head(model.named_parameters(), tied)
+
+
+def plan_buckets(named: Sequence[tuple[str, T]], bucket_bytes: int,
+                 dtype: "torch.dtype | None" = None) -> list[list[tuple[str, T]]]:
+    """The one bucketing pass: consecutive tensors up to ``bucket_bytes`` per bucket, counted in
+    the dtype they are sent in (``dtype``, else their own); a bucket holds one dtype (so that a
+    flattened bucket's views start at multiples of the item size). Metadata only: a DTensor's
+    ``numel()`` is its global size, nothing is gathered."""
+    buckets: list[list[tuple[str, T]]] = []
+    bucket: list[tuple[str, T]] = []
+    size, bucket_dtype = 0, None
+    for name, t in named:
+        send_dtype = dtype or t.dtype  # type: ignore[attr-defined]
+        nbytes = t.numel() * send_dtype.itemsize  # type: ignore[attr-defined]
+        if bucket and (size + nbytes > bucket_bytes or send_dtype != bucket_dtype):
+            buckets.append(bucket)
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+        bucket_dtype = send_dtype
+    if bucket:
+        buckets.append(bucket)
+    return buckets
+
+
+def full_tensors(bucket: Sequence[tuple[str, Any]], dtype: "torch.dtype | None" = None,
+                 device: "torch.device | None" = None) -> list[tuple[str, "torch.Tensor"]]:
+    """The bucket's full tensors: DTensor shards are all-gathered (a collective: every learner
+    rank must call this for the same bucket), then cast to ``dtype`` and moved to ``device``."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    with torch.no_grad():
+        for name, t in bucket:
+            data = t.data if isinstance(t, torch.nn.Parameter) else t
+            if isinstance(data, DTensor):
+                data = data.full_tensor()
+            data = data.detach()
+            if dtype is not None and data.dtype != dtype:
+                data = data.to(dtype)
+            if device is not None and data.device != device:
+                data = data.to(device)
+            out.append((name, data.contiguous()))
+    return out
+
+
+def iter_full_tensors(model: "nn.Module", *, bucket_bytes: int = 64 << 20,
+                      dtype: "torch.dtype | None" = None) -> Iterator[tuple[str, "torch.Tensor"]]:
+    """``(name, full tensor)`` of everything :func:`push_weights` sends, yielded on rank 0 (other
+    ranks yield nothing), gathering one bucket at a time. Must be iterated to the end on every rank."""
+    import torch.distributed as dist
+
+    is_main = not dist.is_initialized() or dist.get_rank() == 0
+    for bucket in plan_buckets(tensors_to_push(model), bucket_bytes, dtype):
+        gathered = full_tensors(bucket, dtype)
+        while gathered:
+            item = gathered.pop(0)
+            if is_main:
+                yield item
+            del item
+
+
+def push_weights(model: "nn.Module", updater: "WeightUpdater | None", version: int, *, bucket_bytes: int,
+                 dtype: "torch.dtype | None") -> dict:
+    """Push the model's weights to the engines: call on every learner rank (they take part in
+    the gathers); rank 0 sends through ``updater``. Returns rank 0's timings (``{}`` elsewhere)."""
+    import torch.distributed as dist
+
+    plan = plan_buckets(tensors_to_push(model), bucket_bytes, dtype)
+    is_main = not dist.is_initialized() or dist.get_rank() == 0
+    if is_main and updater is not None:
+        return updater.push_plan(plan, version, lambda b: full_tensors(b, dtype, updater.device))
+    for bucket in plan:
+        full_tensors(bucket, dtype)
+    return {}
+
+
+# ----------------------------------------------------------------------------- the updater
+
+
+class WeightUpdateError(RuntimeError):
+    """An engine refused or failed a weight update; the message names the engine."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status  # the HTTP status, when there was an answer
+
+
+def rank_layout(tp_sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Rank offsets of the engines (1 + the TP ranks before each) and the group's world size."""
+    offsets, next_rank = [], 1
+    for tp in tp_sizes:
+        offsets.append(next_rank)
+        next_rank += tp
+    return offsets, next_rank
+
+
+def _is_version_number(version: str) -> bool:
+    try:
+        int(version)
+    except ValueError:
+        return False
+    return True
+
+
+class WeightUpdater:
+    """Trainer (rank 0) end of the weight-update protocol. Synchronous; not thread-safe."""
+
+    def __init__(self, engine_urls: list[str], *, master_address: str = "127.0.0.1", master_port: int = 0,
+                 backend: str = "gloo", group_name: str = "agentrl_weights", bucket_bytes: int = 64 << 20,
+                 pause_mode: str = "abort", timeout_s: float = 600.0, load_format: str | None = None,
+                 api_key: str = "", admin_api_key: str = "", key_hint: str = "pass api_key / admin_api_key"):
+        import httpx
+
+        if not engine_urls:
+            raise ValueError("WeightUpdater needs at least one engine URL")
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode must be abort, retract or in_place; got {pause_mode!r}")
+        if load_format not in (None, "flattened_bucket"):
+            raise ValueError(f"load_format must be None (one broadcast per tensor) or 'flattened_bucket'; got {load_format!r}")
+        self.engine_urls = [u.rstrip("/") for u in engine_urls]
+        self.master_address, self.master_port = master_address, master_port
+        self.backend, self.group_name, self.bucket_bytes = backend, group_name, bucket_bytes
+        self.pause_mode, self.timeout_s, self.load_format = pause_mode, timeout_s, load_format
+        # in_place keeps running requests (and their K/V) across the update: SGLang cannot flush then
+        self.flush_cache = pause_mode != "in_place"
+        if not self.flush_cache:
+            log.warning("pause_mode in_place: running requests keep K/V computed under the old weights, and the "
+                        "engines' prefix caches are not flushed (SGLang refuses to flush while requests run)")
+        self._api_headers = bearer(api_key)
+        self._admin_headers = bearer(admin_api_key or api_key)
+        self._key_hint = key_hint
+        self.group = None
+        self.rank_offsets: list[int] = []
+        self.world_size = 0
+        self._no_begin_end: set[str] = set()  # engines that answered 404 (SGLang before 0.5.23)
+        self._http = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0))
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(4, 2 * len(self.engine_urls)),
+                                                           thread_name_prefix="weight-http")
+
+    @classmethod
+    def from_config(cls, engine: Any, urls: list[str] | None = None, **kwargs: Any) -> "WeightUpdater":
+        """From an ``[engine]`` section: backend ``auto`` is nccl when this process sees a GPU, else
+        gloo; keys from the variables ``engine.api_key_env`` / ``engine.admin_api_key_env`` name."""
+        import torch
+
+        from agentrl.secrets import read_secret
+
+        backend = engine.weight_group_backend
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        hint = (f"set {engine.admin_api_key_env} (engine.admin_api_key_env) to the engines' --admin-api-key, "
+                f"or {engine.api_key_env} (engine.api_key_env) to their --api-key")
+        return cls(list(urls if urls is not None else engine.urls), backend=backend,
+                   bucket_bytes=int(engine.weight_bucket_mb * 2**20), api_key=read_secret(engine.api_key_env),
+                   admin_api_key=read_secret(engine.admin_api_key_env), key_hint=hint, **kwargs)
+
+    @property
+    def device(self) -> "torch.device":
+        """Where broadcast tensors must live: the current GPU for nccl, else the CPU."""
+        import torch
+
+        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+
+    # -- HTTP ---------------------------------------------------------------------------------
+    def _request(self, method: str, url: str, path: str, body: dict | None = None, *, admin: bool = True,
+                 missing_ok: bool = False) -> dict | None:
+        """One call; a refusal raises :class:`WeightUpdateError` naming the engine (None: a 404
+        with ``missing_ok``)."""
+        import httpx
+
+        headers = self._admin_headers if admin else self._api_headers
+        try:
+            resp = self._http.request(method, f"{url}{path}", json=body if method == "POST" else None,
+                                      headers=headers)
+        except httpx.HTTPError as e:
+            raise WeightUpdateError(f"{url}{path}: {type(e).__name__}: {e}") from None
+        if resp.status_code == 404 and missing_ok:
+            return None
+        try:
+            data = resp.json()
+        except ValueError:
+            data = {"message": resp.text.strip()}
+        if not isinstance(data, dict):
+            data = {"message": str(data)}
+        if resp.status_code in (401, 403):
+            raise WeightUpdateError(f"{url}{path} answered {resp.status_code}: the engine wants an API key "
+                                    f"({self._key_hint})", resp.status_code)
+        if resp.status_code != 200 or data.get("success") is False:
+            err = data.get("error")
+            msg = data.get("message") or (err.get("message") if isinstance(err, dict) else err) or resp.text
+            raise WeightUpdateError(f"{url}{path} answered {resp.status_code}: {msg}", resp.status_code)
+        return data
+
+    def _post(self, url: str, path: str, body: dict | None = None) -> dict:
+        return self._request("POST", url, path, body or {})  # type: ignore[return-value]
+
+    def _get(self, url: str, paths: tuple[str, ...]) -> dict:
+        """GET the first of ``paths`` the engine has (newer name first), with the api key."""
+        for path in paths:
+            data = self._request("GET", url, path, admin=False, missing_ok=path != paths[-1])
+            if data is not None:
+                return data
+        raise AssertionError("unreachable")
+
+    def _fire(self, urls: list[str], path: str, body_for: Callable[[int], dict | None]) -> list[concurrent.futures.Future]:
+        """POST to the engines concurrently; ``body_for(i)`` gives the i-th engine's body."""
+        return [self._pool.submit(self._post, url, path, body_for(i)) for i, url in enumerate(urls)]
+
+    @staticmethod
+    def _collect(futures: list[concurrent.futures.Future]) -> list[dict]:
+        errors, results = [], []
+        for f in futures:
+            try:
+                results.append(f.result())
+            except Exception as e:
+                errors.append(str(e))
+        if errors:
+            raise WeightUpdateError("; ".join(errors))
+        return results
+
+    def _all(self, path: str, body: dict | None = None) -> list[dict]:
+        return self._collect(self._fire(self.engine_urls, path, lambda i: body))
+
+    def _session(self, path: str) -> None:
+        """``/begin_weight_update`` or ``/end_weight_update`` where the engine has it (SGLang 0.5.23
+        requires them around an update; older builds answer 404: skipped, warned once per engine).
+
+        SGLang's auth treats a path it has no route for as a NORMAL route, so with both keys set
+        an older build refuses the admin key there (401) before it can answer 404: a refusal is
+        asked again with the api key, and a 404 then means "no such route"."""
+        def call(url: str) -> None:
+            try:
+                missing = self._request("POST", url, path, {}, missing_ok=True) is None
+            except WeightUpdateError as refused:
+                if refused.status not in (401, 403) or self._admin_headers == self._api_headers:
+                    raise
+                try:
+                    missing = self._request("POST", url, path, {}, admin=False, missing_ok=True) is None
+                except WeightUpdateError:
+                    raise refused from None
+                if not missing:
+                    raise refused from None
+            if missing:
+                self._no_begin_end.add(url)
+                log.warning("%s has no %s (SGLang before 0.5.23?): updating without a begin/end session", url, path)
+
+        urls = [u for u in self.engine_urls if u not in self._no_begin_end]
+        self._collect([self._pool.submit(call, u) for u in urls])
+
+    # -- connect and versions ----------------------------------------------------------------
+    def engine_layout(self) -> list[int]:
+        """Each engine's ``tp_size`` from ``/server_info`` (``/get_server_info`` on older builds);
+        refuses an engine with ``dp_size`` > 1."""
+        tp_sizes = []
+        for url in self.engine_urls:
+            info = self._get(url, ("/server_info", "/get_server_info"))
+            tp, dp = int(info.get("tp_size", 1)), int(info.get("dp_size", 1))
+            if dp > 1:
+                raise WeightUpdateError(
+                    f"{url} runs dp_size={dp}: SGLang cannot take distributed weight updates with data-parallel "
+                    "replicas (init_weights_update_group asserts dp_size == 1). Run each replica as its own engine "
+                    "(behind sglang-router, engine.router_url) and list every one in engine.urls.")
+            if tp < 1:
+                raise WeightUpdateError(f"{url} reports tp_size={tp}")
+            tp_sizes.append(tp)
+        return tp_sizes
+
+    def connect(self) -> None:
+        """Create the group: the trainer is rank 0, engine i's TP ranks follow the engines before it."""
+        if self.group is not None:
+            return
+        self.rank_offsets, self.world_size = rank_layout(self.engine_layout())
+        sock = bind_store_socket(self.master_address, self.master_port)
+        port = sock.getsockname()[1]
+        futures = self._fire(self.engine_urls, "/init_weights_update_group", lambda i: {
+            "master_address": self.master_address, "master_port": port, "rank_offset": self.rank_offsets[i],
+            "world_size": self.world_size, "group_name": self.group_name, "backend": self.backend,
+        })
+        joined: concurrent.futures.Future = concurrent.futures.Future()
+
+        def join() -> None:  # a daemon thread: an engine that never joins must not keep the process alive
+            try:
+                joined.set_result(init_weight_group(self.backend, self.master_address, port, self.world_size, 0,
+                                                    self.group_name, self.timeout_s, listen_socket=sock))
+            except BaseException as e:
+                joined.set_exception(e)
+
+        threading.Thread(target=join, name="weight-group-join", daemon=True).start()
+        concurrent.futures.wait([joined, *futures], return_when=concurrent.futures.FIRST_EXCEPTION)
+        refused = [f for f in futures if f.done() and f.exception() is not None]
+        if refused:
+            raise WeightUpdateError("cannot create the weight group: " + "; ".join(str(f.exception()) for f in refused))
+        self.group = joined.result()
+        self._collect(futures)
+        self.master_port = port
+        log.info("weight group %r: %d engine(s), world size %d, rank offsets %s, %s:%d (%s)", self.group_name,
+                 len(self.engine_urls), self.world_size, self.rank_offsets, self.master_address, port, self.backend)
+
+    def engine_versions(self) -> list[str]:
+        """The ``weight_version`` each engine reports (``/model_info``)."""
+        return [str(self._get(url, ("/model_info", "/get_model_info")).get("weight_version")) for url in self.engine_urls]
+
+    def align_versions(self, version: int) -> bool:
+        """At start: make every engine report the learner's policy ``version``. Returns whether
+        the weights must be pushed: always after a resume (``version`` > 0: a label cannot show
+        which weights an engine kept from an interrupted push), and when an engine reports
+        another policy's number. At version 0 an engine reporting ``"default"`` (SGLang without
+        ``--weight-version``) or any other non-number serves the model the learner starts from:
+        it is told the version with ``/update_weight_version``."""
+        reported = self.engine_versions()
+        if version > 0:
+            return True
+        needs_push = False
+        for url, current in zip(self.engine_urls, reported):
+            if current == str(version):
+                continue
+            if _is_version_number(current):
+                log.info("%s reports weight_version %r, not this learner's %d: its weights will be pushed",
+                         url, current, version)
+                needs_push = True
+                continue
+            log.info("%s reports weight_version %r (not a policy version): setting it to %d", url, current, version)
+            self._post(url, "/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
+        return needs_push
+
+    # -- updates ------------------------------------------------------------------------------
+    def push(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]], version: int) -> dict:
+        """Send full tensors (not DTensors: use :func:`push_weights` on every learner rank)."""
+        from torch.distributed.tensor import DTensor
+
+        named = without_tied_head(named_tensors)
+        for name, t in named:
+            if isinstance(t, DTensor):
+                raise TypeError(f"{name} is a DTensor: call push_weights(model, updater, ...) on every learner rank")
+        return self.push_plan(plan_buckets(named, self.bucket_bytes), version,
+                              lambda b: full_tensors(b, device=self.device))
+
+    def push_plan(self, plan: Sequence[Bucket], version: int, materialize: Callable[[Bucket], Bucket]) -> dict:
+        """One update (module docstring). ``materialize`` turns a planned bucket into full tensors
+        on :attr:`device`; it is called exactly once per bucket, in order, also when the update
+        fails (the gathers behind it are collectives). Returns timings (seconds) and sizes."""
+        if not plan:
+            raise ValueError("nothing to push: the plan has no bucket")
+        t0 = time.perf_counter()
+        stats: dict[str, Any] = {"bytes": 0, "num_tensors": 0, "num_buckets": 0, "gather_s": 0.0, "broadcast_s": 0.0}
+        done = 0
+        t_paused = t_updated = t0
+        try:
+            if self.group is None:
+                self.connect()
+            try:
+                self._all("/pause_generation", {"mode": self.pause_mode})
+                t_paused = time.perf_counter()
+                try:
+                    self._session("/begin_weight_update")
+                    for i, bucket in enumerate(plan):
+                        t = time.perf_counter()
+                        done = i + 1  # counted before: a failed gather is not retried below
+                        full = materialize(bucket)
+                        stats["gather_s"] += time.perf_counter() - t
+                        last = i == len(plan) - 1
+                        self._send_bucket(full, str(version) if last else None, last and self.flush_cache, stats)
+                        del full  # one gathered bucket at a time
+                finally:
+                    self._finish("/end_weight_update")
+            finally:  # also after a failed pause: the engines that did pause must not stay paused
+                t_updated = time.perf_counter()
+                self._finish("/continue_generation")
+        finally:
+            for bucket in plan[done:]:  # the other learner ranks are in these gathers
+                materialize(bucket)
+        t1 = time.perf_counter()
+        return {"pause_s": t_paused - t0, "update_s": t_updated - t_paused, "continue_s": t1 - t_updated,
+                "total_s": t1 - t0, **stats}
+
+    def _finish(self, path: str) -> None:
+        """End or continue: always attempted. Called from ``finally``: while another error is on
+        its way out (``sys.exc_info()`` sees it there), a failure here is logged, not raised over it."""
+        import sys
+
+        try:
+            if path == "/end_weight_update":
+                self._session(path)
+            else:
+                self._all(path)
+        except WeightUpdateError as e:
+            if sys.exc_info()[0] is None:
+                raise
+            log.error("%s failed during a failed update: %s", path, e)
+
+    def _send_bucket(self, bucket: Bucket, version: str | None, flush_cache: bool, stats: dict) -> None:
+        """Fire the HTTP update at every engine, broadcast the bucket in order, collect the answers."""
+        import torch
+        import torch.distributed as dist
+
+        flattened = self.load_format == "flattened_bucket"
+        body: dict[str, Any] = {
+            "names": [n for n, _ in bucket],
+            "dtypes": [dtype_name(t.dtype) for _, t in bucket],
+            "shapes": [list(t.shape) for _, t in bucket],
+            "group_name": self.group_name,
+            "flush_cache": flush_cache,
+        }
+        if version is not None:
+            body["weight_version"] = version
+        if flattened:
+            body["load_format"] = "flattened_bucket"
+        futures = self._fire(self.engine_urls, "/update_weights_from_distributed", lambda i: body)
+        t0 = time.perf_counter()
+        if flattened:
+            flat = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in bucket])
+            dist.broadcast(flat, src=0, group=self.group)
+            del flat
+        else:
+            works = [dist.broadcast(t, src=0, group=self.group, async_op=True) for _, t in bucket]
+            for w in works:
+                w.wait()
+        stats["broadcast_s"] += time.perf_counter() - t0
+        stats["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
+        stats["num_tensors"] += len(bucket)
+        stats["num_buckets"] += 1
+        self._collect(futures)
+
+    def push_from_disk(self, model_path: str, version: int) -> None:
+        """Fallback: every engine loads ``model_path`` (a folder visible to it) between pause and continue."""
+        try:
+            self._all("/pause_generation", {"mode": self.pause_mode})
+            self._all("/update_weights_from_disk", {"model_path": str(model_path), "weight_version": str(version),
+                                                    "flush_cache": self.flush_cache})
+        finally:
+            self._finish("/continue_generation")
+
+    def close(self) -> None:
+        if self.group is not None:
+            for f in self._fire(self.engine_urls, "/destroy_weights_update_group",
+                                lambda i: {"group_name": self.group_name}):
+                try:
+                    f.result(timeout=10)
+                except Exception as e:  # the engine may be gone already
+                    log.debug("destroy_weights_update_group: %s", e)
+            destroy_weight_group(self.group)
+            self.group = None
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._http.close()
+
+    def __enter__(self) -> "WeightUpdater":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,298 @@
+"""The learner's weight push (agentrl/learner/weight_push.py) against SGLang-like servers.
+
+Where the embedded engine lacks what real SGLang has (TP ranks, data parallelism, a build
+without begin/end, bearer keys), the engines are ``tests/_fake_sglang.py`` processes: real HTTP,
+real torch.distributed ranks (one per TP rank) that receive every broadcast, SGLang's rules.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import subprocess
+import sys
+import time
+import weakref
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from agentrl.learner.weight_push import (WeightUpdateError, WeightUpdater, full_tensors, plan_buckets, rank_layout,
+                                         without_tied_head)
+from agentrl.weight_group import bind_store_socket, destroy_weight_group, init_weight_group
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FakeSGLang:
+    """``tests/_fake_sglang.py`` in a child process."""
+
+    def __init__(self, *flags: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests._fake_sglang", "--port", str(self.port), *flags],
+                                     cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def wait_ready(self, timeout_s: float = 120.0) -> "FakeSGLang":
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:  # an external process: polling with a bound
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"fake SGLang exited: {self.proc.stderr.read()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("fake SGLang did not start")
+
+    def state(self) -> dict:
+        return httpx.get(self.url + "/_fake/state", timeout=10).json()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def fakes(*flag_sets: tuple[str, ...]) -> list[FakeSGLang]:
+    started = [FakeSGLang(*flags) for flags in flag_sets]  # start together, wait together
+    try:
+        return [f.wait_ready() for f in started]
+    except BaseException:
+        for f in started:
+            f.stop()
+        raise
+
+
+def tensors(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [("model.embed_tokens.weight", torch.randn(64, 32, generator=gen)),
+            ("model.layers.0.mlp.weight", torch.randn(96, 32, generator=gen)),
+            ("model.layers.0.norm.weight", torch.randn(32, generator=gen).to(torch.bfloat16)),
+            ("model.norm.weight", torch.randn(32, generator=gen)),
+            ("lm_head.weight", torch.randn(64, 32, generator=gen))]
+
+
+def checksums(named) -> dict[str, float]:
+    return {n: float(t.double().sum()) for n, t in named}
+
+
+def listening_addresses(port: int) -> list[str]:
+    """Local addresses with a socket in LISTEN on ``port`` (from /proc/net/tcp and tcp6)."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, _, hex_port = local.partition(":")
+            if state == "0A" and int(hex_port, 16) == port:
+                found.append(address)
+    return found
+
+
+def non_loopback_ipv4() -> str | None:
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the outgoing interface
+            address = s.getsockname()[0]
+    except OSError:
+        return None
+    return None if address.startswith("127.") else address
+
+
+# ------------------------------------------------------------------------------ pure parts
+
+
+def test_the_tied_head_rule():
+    emb = torch.randn(10, 4)
+    head = torch.randn(10, 4)
+    state_dict_like = [("model.embed_tokens.weight", emb), ("x", torch.zeros(3)), ("lm_head.weight", emb)]
+    assert [n for n, _ in without_tied_head(state_dict_like)] == ["model.embed_tokens.weight", "x"]
+    untied = [("model.embed_tokens.weight", emb), ("lm_head.weight", head)]
+    assert [n for n, _ in without_tied_head(untied)] == ["model.embed_tokens.weight", "lm_head.weight"]
+    assert [n for n, _ in without_tied_head(untied, tied=True)] == ["model.embed_tokens.weight"]
+    shared = [("model.embed_tokens.weight", emb.detach()), ("lm_head.weight", emb.detach())]  # a state_dict's way
+    assert [n for n, _ in without_tied_head(shared)] == ["model.embed_tokens.weight"]
+
+
+def test_one_bucketing_pass_bounds_size_and_keeps_one_dtype():
+    named = [("a", torch.zeros(100)), ("b", torch.zeros(100)), ("c", torch.zeros(100, dtype=torch.bfloat16)),
+             ("d", torch.zeros(300)), ("e", torch.zeros(50)), ("f", torch.zeros(50))]
+    plan = plan_buckets(named, bucket_bytes=600)
+    assert [[n for n, _ in b] for b in plan] == [["a"], ["b"], ["c"], ["d"], ["e", "f"]]
+    for bucket in plan:
+        assert len({t.dtype for _, t in bucket}) == 1
+        assert len(bucket) == 1 or sum(t.numel() * t.element_size() for _, t in bucket) <= 600
+    # counted in the dtype they are sent in: in bf16, a and b fit one bucket and c joins them
+    assert [[n for n, _ in b] for b in plan_buckets(named, 600, torch.bfloat16)] == [["a", "b", "c"], ["d"], ["e", "f"]]
+    assert [t.dtype for _, t in full_tensors(plan[0], torch.bfloat16)] == [torch.bfloat16]
+
+
+def test_rank_offsets_follow_the_tp_ranks_of_the_engines_before():
+    assert rank_layout([1]) == ([1], 2)
+    assert rank_layout([2, 1, 4]) == ([1, 3, 4], 8)
+
+
+def test_the_group_store_listens_on_master_address_only():
+    """torch's TCPStore alone listens on every interface; the group's store must not."""
+    sock = bind_store_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    group = init_weight_group("gloo", "127.0.0.1", port, 1, 0, "bind_test", 30.0, listen_socket=sock)
+    try:
+        assert listening_addresses(port) == ["0100007F"]  # 127.0.0.1, and nothing on 0.0.0.0 or ::
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass
+        outside = non_loopback_ipv4()
+        if outside is not None:  # the attack: reach the store from another interface of this machine
+            with pytest.raises(OSError):
+                socket.create_connection((outside, port), timeout=5).close()
+    finally:
+        destroy_weight_group(group)
+
+
+# ------------------------------------------------------------------------------ against SGLang stand-ins
+
+
+def test_tp_ranks_versions_flush_and_a_build_without_begin_end(caplog):
+    """Engine A has 2 TP ranks, engine B is an older build (404 on begin/end): offsets 1 and 3,
+    world 4; every TP rank receives every tensor; only the last bucket flushes the cache and
+    carries the version; B's missing begin/end is warned about once over two pushes."""
+    a, b = fakes(("--tp-size", "2"), ("--no-begin-end", "--weight-version", "7"))
+    try:
+        with WeightUpdater([a.url, b.url], bucket_bytes=8 << 10) as updater:
+            updater.connect()
+            assert (updater.rank_offsets, updater.world_size) == ([1, 3], 4)
+            assert listening_addresses(updater.master_port) == ["0100007F"]
+            assert a.state()["init"]["rank_offset"] == 1 and b.state()["init"]["rank_offset"] == 3
+            assert a.state()["init"]["world_size"] == b.state()["init"]["world_size"] == 4
+
+            # at version 0: A ("default") is told its version, B (another policy's 7) needs the weights
+            assert updater.align_versions(0) is True
+            assert a.state()["version_updates"] == [{"new_version": "0", "abort_all_requests": False}]
+            assert b.state()["version_updates"] == [] and updater.engine_versions() == ["0", "7"]
+            assert updater.align_versions(3) is True  # after a resume: always a push
+
+            named = tensors()
+            plan = plan_buckets(without_tied_head(named), updater.bucket_bytes)
+            alive: list[weakref.ref] = []
+
+            def materialize(bucket):  # the previous bucket must be gone before the next is gathered
+                assert all(ref() is None for ref in alive), "two gathered buckets held at once"
+                full = full_tensors(bucket)
+                alive.extend(weakref.ref(t) for _, t in full)
+                return full
+
+            with caplog.at_level(logging.WARNING, logger="agentrl.learner.weight_push"):
+                stats = updater.push_plan(plan, 1, materialize)
+                updater.push(named, 2)
+            assert stats["num_buckets"] == len(plan) >= 3
+            warnings = [r.getMessage() for r in caplog.records if "begin_weight_update" in r.getMessage()]
+            assert len(warnings) == 1 and b.url in warnings[0]
+        for fake in (a, b):
+            state = fake.state()
+            updates = state["updates"]
+            assert len(updates) == 2 * len(plan)
+            assert state["weight_version"] == "2" and state["paused"] is None and not state["session"]
+            first = updates[:len(plan)]
+            assert [u["flush_cache"] for u in first] == [False] * (len(plan) - 1) + [True]
+            assert [u["weight_version"] for u in first] == [None] * (len(plan) - 1) + ["1"]
+            assert {u["paused"] for u in updates} == {"abort"}
+            received: dict[str, float] = {}
+            for u in first:
+                assert all(ranks == u["checksums"][0] for ranks in u["checksums"])  # every TP rank got the same
+                received.update(u["checksums"][0])
+            assert len(first[0]["checksums"]) == (2 if fake is a else 1)
+            assert received == pytest.approx(checksums(without_tied_head(named)), rel=1e-6)
+            assert "lm_head.weight" in received  # not tied here: a distinct tensor is sent
+    finally:
+        for fake in (a, b):
+            fake.stop()
+
+
+def test_in_place_pause_never_flushes_and_a_failed_bucket_still_ends_and_continues():
+    (fake,) = fakes(())
+    try:
+        with WeightUpdater([fake.url], bucket_bytes=8 << 10, pause_mode="in_place") as updater:
+            updater.push(tensors(), 1)
+            assert {u["flush_cache"] for u in fake.state()["updates"]} == {False}
+            assert fake.state()["weight_version"] == "1"
+
+            named = tensors()
+            named.insert(2, ("model.refuse.weight", torch.zeros(2048)))  # the engine refuses this bucket
+            plan = plan_buckets(named, updater.bucket_bytes)
+            calls: list[int] = []
+
+            def materialize(bucket):
+                calls.append(next(i for i, b in enumerate(plan) if b is bucket))
+                return full_tensors(bucket)
+
+            with pytest.raises(WeightUpdateError, match="refused by the test"):
+                updater.push_plan(plan, 2, materialize)
+        assert calls == list(range(len(plan)))  # every bucket gathered, in order: the other ranks are in them
+        state = fake.state()
+        assert state["paused"] is None and not state["session"]  # continue and end still ran
+    finally:
+        fake.stop()
+
+
+def test_an_engine_with_data_parallel_replicas_is_refused_before_any_group():
+    (fake,) = fakes(("--dp-size", "2"))
+    try:
+        with WeightUpdater([fake.url]) as updater:
+            with pytest.raises(WeightUpdateError, match=r"dp_size=2.*own engine.*sglang-router"):
+                updater.connect()
+            assert updater.group is None
+        assert fake.state()["init"] is None
+    finally:
+        fake.stop()
+
+
+def test_keys_go_where_sglang_wants_them_and_never_into_logs(monkeypatch, caplog):
+    """The second engine is an older build: for SGLang's auth its missing begin/end are NORMAL
+    paths, which refuse the admin key (401) before they can answer 404."""
+    api, admin = "api-key-0123456789", "admin-key-9876543210"
+    keys = ("--api-key", api, "--admin-api-key", admin)
+    fake, old_build = fakes(keys, (*keys, "--no-begin-end"))
+    from agentrl.config import load_config
+
+    cfg = load_config(None, [f"engine.urls=['{fake.url}', '{old_build.url}']", "engine.weight_group_backend=gloo"])
+    caplog.set_level(logging.DEBUG)
+    try:
+        # right keys: /server_info and /model_info with the api key, every admin route with the admin key
+        monkeypatch.setenv("AGENTRL_ENGINE_API_KEY", api)
+        monkeypatch.setenv("AGENTRL_ENGINE_ADMIN_API_KEY", admin)
+        with WeightUpdater.from_config(cfg.engine) as updater:
+            updater.connect()
+            assert updater.align_versions(0) is False
+            updater.push(tensors(), 1)
+            updater.push(tensors(), 2)
+        assert fake.state()["weight_version"] == old_build.state()["weight_version"] == "2"
+        assert len([r for r in caplog.records if "has no /begin_weight_update" in r.getMessage()]) == 1
+
+        # only the api key: the server has an admin key, so admin routes refuse it -- at once,
+        # not after the rendezvous times out
+        monkeypatch.delenv("AGENTRL_ENGINE_ADMIN_API_KEY")
+        started = time.monotonic()
+        with WeightUpdater.from_config(cfg.engine) as updater:
+            with pytest.raises(WeightUpdateError, match="401.*AGENTRL_ENGINE_ADMIN_API_KEY") as refused:
+                updater.connect()
+        assert time.monotonic() - started < 30
+        assert api not in str(refused.value) and admin not in str(refused.value)
+    finally:
+        fake.stop()
+        old_build.stop()
+    assert api not in caplog.text and admin not in caplog.text
