@@ -170,8 +170,8 @@ def plan_placement(visible: tuple[str, ...], *, learner_gpus: int, num_engines: 
         parts = f"learner {learner_gpus} + engines {num_engines} × {gpus_per_engine}" if not colocate else "learner"
         hint = ("; on fewer GPUs, set engine.colocate = true to share them between the learner and the engines"
                 if not colocate and learner_gpus and engine_total else "")
-        raise PlacementError(f"the plan needs {need} GPUs ({parts}) but {len(visible)} are visible "
-                             f"({_fmt(visible)}){hint}")
+        seen = f"{len(visible)} {'is' if len(visible) == 1 else 'are'} visible"
+        raise PlacementError(f"the plan needs {need} GPUs ({parts}) but {seen} ({_fmt(visible)}){hint}")
     learner = visible[:learner_gpus]
     start = 0 if colocate else learner_gpus
     engines = tuple(visible[start + i * gpus_per_engine: start + (i + 1) * gpus_per_engine] if gpus_per_engine else ()
@@ -187,9 +187,10 @@ def learner_ranks(cfg: Any) -> int:
 def placement_for(cfg: Any, visible: tuple[str, ...]) -> Placement:
     """The plan for ``agentrl run`` with this config on a machine that shows ``visible``."""
     e, lc = cfg.engine, cfg.learner
-    learner_on_gpu = _wants_gpu("cuda" if lc.gpus and lc.device == "auto" else lc.device, "learner.device", visible)
+    learner_on_gpu = _wants_gpu(lc.device, "learner.device", visible)
     if lc.gpus and not learner_on_gpu:
-        raise PlacementError(f"learner.gpus = {lc.gpus} but learner.device = {lc.device!r}")
+        why = f"learner.device = {lc.device!r}" if lc.device == "cpu" else "no GPU is visible"
+        raise PlacementError(f"learner.gpus = {lc.gpus} but {why}")
     own_engines = 0 if e.urls else e.num_engines
     engines_on_gpu = own_engines > 0 and _wants_gpu(e.device, "engine.device", visible)
     if e.colocate and e.backend == "sglang" and engines_on_gpu and not e.mem_fraction_static:
