@@ -103,6 +103,11 @@ def run_here(command: str, cfg: AgentRLConfig) -> int:
     from agentrl.learner.distributed import shutdown_distributed
 
     _setup_logging()
+    env = os.environ
+    logging.getLogger("agentrl.learner").info(
+        "%s: rank %s of %s on %s (local rank %s, CUDA_VISIBLE_DEVICES=%s)", command, env.get("RANK", "0"),
+        env.get("WORLD_SIZE", "1"), socket.gethostname(), env.get("LOCAL_RANK", "0"),
+        env.get("CUDA_VISIBLE_DEVICES", "unset"))
     try:
         if command == "learn":
             from agentrl.learner.loop import learn
