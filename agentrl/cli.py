@@ -100,6 +100,40 @@ def run_cmd(
     typer.echo(f"summary: {folder / 'summary.json'}")
 
 
+@app.command("launch")
+def launch_cmd(
+    config: ConfigArg,
+    target: Annotated[str, typer.Option("--target", help="slurm (a batch script) or k8s (manifests).")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Folder to write the files to (shared by every node).")],
+    overrides: OverrideOpt = None,
+    gpus_per_node: Annotated[int, typer.Option(min=1, help="GPUs of each node.")] = 8,
+    learner_nodes: Annotated[int, typer.Option(min=1, help="Nodes of the learner (one torchrun each).")] = 1,
+    router: Annotated[Optional[bool], typer.Option("--router/--no-router",
+                                                   help="sglang-router in front of the engines (default: with > 1).")] = None,
+    partition: Annotated[str, typer.Option(help="slurm: the partition.")] = "",
+    time_limit: Annotated[str, typer.Option("--time", help="slurm: the job's time limit.")] = "24:00:00",
+    image: Annotated[str, typer.Option(help="k8s: an image with agentrl, sglang and sglang-router.")] = "agentrl:latest",
+    namespace: Annotated[str, typer.Option(help="k8s: the namespace.")] = "default",
+) -> None:
+    """Write what to submit to a cluster for a config: a SLURM batch script or Kubernetes manifests."""
+    from agentrl.cluster import ClusterOptions, write_launch
+    from agentrl.placement import PlacementError
+
+    cfg = _load(config, overrides)
+    opts = ClusterOptions(gpus_per_node=gpus_per_node, learner_nodes=learner_nodes, router=router,
+                          partition=partition, time_limit=time_limit, image=image, namespace=namespace)
+    try:
+        layout, files = write_launch(cfg, target, out, opts)
+    except PlacementError as e:
+        typer.secho(f"launch error: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
+    for line in layout.describe():
+        typer.echo(line)
+    for path in files:
+        typer.echo(f"wrote {path}")
+    typer.echo(f"submit: {'sbatch ' + str(files[-2]) if target == 'slurm' else 'kubectl apply -f ' + str(files[0])}")
+
+
 # ---------------------------------------------------------------- engine commands (serve-engine)
 
 
