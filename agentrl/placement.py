@@ -196,9 +196,11 @@ def placement_for(cfg: Any, visible: tuple[str, ...]) -> Placement:
     if e.colocate and e.backend == "sglang" and engines_on_gpu and not e.mem_fraction_static:
         raise PlacementError("engine.colocate with SGLang needs engine.mem_fraction_static (e.g. 0.4): SGLang "
                              "otherwise reserves most of the GPU's memory and the learner runs out")
-    return plan_placement(visible, learner_gpus=learner_ranks(cfg) if learner_on_gpu else 0,
+    plan = plan_placement(visible, learner_gpus=learner_ranks(cfg) if learner_on_gpu else 0,
                           num_engines=own_engines, gpus_per_engine=e.gpus_per_engine if engines_on_gpu else 0,
                           colocate=e.colocate and own_engines > 0)
+    weight_group_backend(e.weight_group_backend, plan)  # refused now rather than after the warm start
+    return plan
 
 
 def weight_group_backend(requested: str, placement: Placement) -> str:

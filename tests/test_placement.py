@@ -100,6 +100,8 @@ def test_one_gpu_is_shared_only_when_colocate_says_so():
     assert weight_group_backend("auto", p) == "gloo"
     with pytest.raises(PlacementError, match="NCCL cannot join them"):
         weight_group_backend("nccl", p)
+    with pytest.raises(PlacementError, match="NCCL cannot join them"):  # before anything starts
+        placement_for(cfg("engine.colocate=true", "engine.weight_group_backend=nccl"), ("0",))
     assert weight_group_backend("nccl", placement_for(cfg(), ("0", "1"))) == "nccl"
     # SGLang would take most of the GPU's memory
     with pytest.raises(PlacementError, match="needs engine.mem_fraction_static"):
