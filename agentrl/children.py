@@ -27,6 +27,8 @@ from agentrl.placement import Placement, learner_ranks, weight_group_backend
 
 @dataclass
 class ChildSpec:
+    """One child process: its command line, log file, environment, and what its exit means."""
+
     name: str
     argv: list[str]
     log_path: Path

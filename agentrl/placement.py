@@ -115,7 +115,7 @@ class Placement:
     def describe(self) -> list[str]:
         """One line per process, for ``agentrl run --dry-run`` and the run's log."""
         if not self.visible:
-            return ["GPUs visible: none (CUDA_VISIBLE_DEVICES unset, nvidia-smi lists none): every process on the CPU"]
+            return ["GPUs visible: none (CUDA_VISIBLE_DEVICES empty, or unset and no GPU from nvidia-smi): every process on the CPU"]
         lines = [f"GPUs visible: {_fmt(self.visible)} ({len(self.visible)})"]
         ranks = len(self.learner)
         lines.append(f"learner: {ranks} rank{'s' if ranks != 1 else ''} on GPU {_fmt(self.learner)}" if ranks

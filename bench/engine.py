@@ -189,7 +189,7 @@ def main() -> None:
     ap.add_argument("--model", default="", help="model folder (default: build one of --size in a temp dir)")
     ap.add_argument("--size", default="tiny", help="size to build when --model is not given (tiny, small, 0.5b)")
     ap.add_argument("--device", default="cpu", help="device of generate and of the engine (cpu, cuda)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads for generate and for the engine")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for generate and for the engine (0: torch's default)")
     ap.add_argument("--reps", type=int, default=3, help="weight pushes / raw broadcasts (best is reported)")
     ap.add_argument("--skip-push", action="store_true")
     ap.add_argument("--skip-throughput", action="store_true")
@@ -205,7 +205,8 @@ def main() -> None:
     from agentrl.engine.launch import EngineProcess, free_port, wait_ready
     from agentrl.model_builder import init_model
 
-    torch.set_num_threads(args.threads)
+    if args.threads:  # 0: torch's default (the engine reads --num-threads 0 the same way)
+        torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="agentrl-bench-"))
     model_path = Path(args.model) if args.model else init_model(tmp / args.size, args.size)
     small_path = None if args.skip_push else (Path(args.push_model) if args.push_model else init_model(tmp / "small", "small"))

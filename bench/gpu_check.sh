@@ -14,24 +14,31 @@ SIZE=${GPU_CHECK_SIZE:-0.5b}
 OUT=${GPU_CHECK_OUT:-$(mktemp -d -t agentrl-gpu-check-XXXXXX)}
 mkdir -p "$OUT"
 echo "gpu_check: $SIZE on $DEVICE; results in $OUT"
-if [[ $DEVICE == cuda ]]; then nvidia-smi -L || true; fi
+if [[ $DEVICE == cuda ]]; then
+  nvidia-smi -L || true
+  BATCH=(--groups 8 --group-size 8 --min-len 512 --max-len 2048 --microbatch-tokens 8192)
+  LIMIT_S=(180 210)  # learner, engine: with the model's build, well inside 8 minutes
+else  # the CPU self-check: a batch a 2-core machine trains in seconds, more patience
+  BATCH=(--groups 2 --group-size 4 --min-len 64 --max-len 256 --microbatch-tokens 2048)
+  LIMIT_S=(600 600)
+fi
 
 # One model for every part (building the 0.5b shape takes ~30 s; the benches would each build it).
 $PY -m agentrl init-model "$OUT/$SIZE" --size "$SIZE"
 
 status=0
-# ---------------------------------------------------------------- learner (~2 min)
+# ---------------------------------------------------------------- learner (~1 min on the H200)
 # Tokens/s and MFU of the learner against a bare loop: Qwen2.5-0.5B's shape, bf16 (FSDP2 mixed
 # precision), packed 8k-token micro-batches. Target: MFU >= 40%.
-timeout 240 $PY bench/learner.py --model-path "$OUT/$SIZE" --device "$DEVICE" --threads 0 \
-    --microbatch-tokens 8192 --groups 8 --group-size 8 --min-len 512 --max-len 2048 --steps 5 --warmup 2 \
+timeout "${LIMIT_S[0]}" $PY bench/learner.py --model-path "$OUT/$SIZE" --device "$DEVICE" --threads 0 \
+    "${BATCH[@]}" --steps 5 --warmup 2 \
     --json "$OUT/learner.json" || { status=$?; echo "gpu_check: the learner bench failed ($status)"; }
 
-# ---------------------------------------------------------------- engine and weight push (~3 min)
+# ---------------------------------------------------------------- engine and weight push (~2-3 min on the H200)
 # Embedded engine tokens/s against static-batch generate at concurrency 1/16/64 on the same model;
 # the weight push of the same model in bf16 (gloo: on one GPU the learner and the engine cannot
 # share an NCCL group) against a raw broadcast of the same tensors.
-timeout 240 $PY bench/engine.py --model "$OUT/$SIZE" --device "$DEVICE" --threads 0 \
+timeout "${LIMIT_S[1]}" $PY bench/engine.py --model "$OUT/$SIZE" --device "$DEVICE" --threads 0 \
     --push-model "$OUT/$SIZE" --push-dtype bfloat16 --reps 2 \
     --json "$OUT/engine.json" || { status=$?; echo "gpu_check: the engine bench failed ($status)"; }
 
