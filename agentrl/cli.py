@@ -56,19 +56,30 @@ def init_model_cmd(
 def run_cmd(
     config: ConfigArg,
     overrides: OverrideOpt = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the resolved config and check the env "
-                                                         "(tools, a task, its prompt), then exit.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the resolved config, the GPU placement and "
+                                                         "every child's command, and check the env (tools, a "
+                                                         "task, its prompt), then exit.")] = False,
     run_dir: Annotated[Optional[Path], typer.Option("--run-dir", help="Run folder (default: runs/<name>-<time>).")] = None,
     live: Annotated[bool, typer.Option("--live/--no-live", help="Show the live progress table.")] = True,
 ) -> None:
     """Run everything a config needs: warm start, engines, learner, actors, evaluations."""
     from agentrl.config import dump_toml
+    from agentrl.placement import PlacementError, placement_for, visible_gpus
 
     cfg = _load(config, overrides)
+    try:
+        placement = placement_for(cfg, visible_gpus())
+    except PlacementError as e:
+        typer.secho(f"placement error: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
+    from agentrl.children import dry_run_lines, resolve_run_dir
+
+    folder = resolve_run_dir(cfg, run_dir)
     if dry_run:
         from agentrl.envs.check import check_env, summary_lines
 
         typer.echo(dump_toml(cfg))
+        typer.echo("\n".join(f"# {line}" for line in dry_run_lines(cfg, folder, placement)))
         report = check_env(cfg)
         typer.echo("\n".join(summary_lines(report)))
         if not report.ok:
@@ -77,16 +88,15 @@ def run_cmd(
     import json
     import logging
 
-    from agentrl.run import StopSignal, resolve_run_dir, run
+    from agentrl.run import StopSignal, run
     from agentrl.supervisor import ChildFailed
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpcore", "mlflow"):  # one line per request otherwise
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    folder = resolve_run_dir(cfg, run_dir)
     typer.echo(f"run folder: {folder}")
     try:
-        summary = run(cfg, folder, live_display=live)
+        summary = run(cfg, folder, live_display=live, placement=placement)
     except ChildFailed as e:
         typer.secho(f"run failed: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
@@ -100,6 +110,40 @@ def run_cmd(
     keys = ("eval_before", "eval_after", "success_rise", "learner_steps", "policy_versions_seen", "wall_time_s")
     typer.echo(json.dumps({k: summary.get(k) for k in keys}, indent=2, default=str))
     typer.echo(f"summary: {folder / 'summary.json'}")
+
+
+@app.command("launch")
+def launch_cmd(
+    config: ConfigArg,
+    target: Annotated[str, typer.Option("--target", help="slurm (a batch script) or k8s (manifests).")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Folder to write the files to (shared by every node).")],
+    overrides: OverrideOpt = None,
+    gpus_per_node: Annotated[int, typer.Option(min=1, help="GPUs of each node.")] = 8,
+    learner_nodes: Annotated[int, typer.Option(min=1, help="Nodes of the learner (one torchrun each).")] = 1,
+    router: Annotated[Optional[bool], typer.Option("--router/--no-router",
+                                                   help="sglang-router in front of the engines (default: with > 1).")] = None,
+    partition: Annotated[str, typer.Option(help="slurm: the partition.")] = "",
+    time_limit: Annotated[str, typer.Option("--time", help="slurm: the job's time limit.")] = "24:00:00",
+    image: Annotated[str, typer.Option(help="k8s: an image with agentrl, sglang and sglang-router.")] = "agentrl:latest",
+    namespace: Annotated[str, typer.Option(help="k8s: the namespace.")] = "default",
+) -> None:
+    """Write what to submit to a cluster for a config: a SLURM batch script or Kubernetes manifests."""
+    from agentrl.cluster import ClusterOptions, write_launch
+    from agentrl.placement import PlacementError
+
+    cfg = _load(config, overrides)
+    opts = ClusterOptions(gpus_per_node=gpus_per_node, learner_nodes=learner_nodes, router=router,
+                          partition=partition, time_limit=time_limit, image=image, namespace=namespace)
+    try:
+        layout, files = write_launch(cfg, target, out, opts)
+    except PlacementError as e:
+        typer.secho(f"launch error: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
+    for line in layout.describe():
+        typer.echo(line)
+    for path in files:
+        typer.echo(f"wrote {path}")
+    typer.echo(f"submit: {'sbatch ' + str(files[-2]) if target == 'slurm' else 'kubectl apply -f ' + str(files[0])}")
 
 
 # ---------------------------------------------------------------- engine commands (serve-engine)
@@ -234,17 +278,31 @@ def serve_actors_cmd(
 # ------------------------------------------------------------- learner commands (learn, sft, export)
 
 NprocOpt = Annotated[
-    Optional[int], typer.Option("--nproc", help="Ranks on this machine (default: learner.nproc); > 1 uses torchrun.")
+    Optional[int],
+    typer.Option("--nproc", help="Ranks on this machine (default: learner.gpus, else learner.nproc); > 1 uses torchrun."),
+]
+NnodesOpt = Annotated[int, typer.Option("--nnodes", min=1, help="Learner machines; > 1 joins them by c10d rendezvous.")]
+RdzvEndpointOpt = Annotated[
+    str, typer.Option("--rdzv-endpoint", help="HOST:PORT of the rendezvous, the same on every node (--nnodes > 1).")
+]
+RdzvIdOpt = Annotated[str, typer.Option("--rdzv-id", help="Rendezvous id, the same on every node of one job.")]
+LocalAddrOpt = Annotated[
+    str,
+    typer.Option("--local-addr", help="This node's address as the others reach it; the node whose address sorts "
+                                      "first is rank 0 (default: its FQDN)."),
 ]
 
 
-def _learner_launch(command: str, config: Path | None, nproc: int | None, overrides: list[str] | None) -> None:
+def _learner_launch(command: str, config: Path | None, nproc: int | None, overrides: list[str] | None,
+                    nnodes: int, rdzv_endpoint: str, rdzv_id: str, local_addr: str) -> None:
     cfg = _load(config, overrides)  # validate before starting anything
     from agentrl.config import ConfigError
-    from agentrl.learner.launch import launch
+    from agentrl.learner.launch import Nodes, launch
+    from agentrl.placement import learner_ranks
 
+    nodes = Nodes(nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, local_addr=local_addr)
     try:
-        code = launch(command, config, list(overrides or []), nproc or cfg.learner.nproc)
+        code = launch(command, config, list(overrides or []), nproc or learner_ranks(cfg), nodes)
     except (ConfigError, ValueError) as e:
         typer.secho(f"{command} error: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
@@ -252,15 +310,17 @@ def _learner_launch(command: str, config: Path | None, nproc: int | None, overri
 
 
 @app.command("learn")
-def learn_cmd(config: ConfigOpt = None, nproc: NprocOpt = None, overrides: OverrideOpt = None) -> None:
-    """Train the policy from trajectory groups (FSDP2; torchrun when --nproc > 1)."""
-    _learner_launch("learn", config, nproc, overrides)
+def learn_cmd(config: ConfigOpt = None, nproc: NprocOpt = None, overrides: OverrideOpt = None, nnodes: NnodesOpt = 1,
+              rdzv_endpoint: RdzvEndpointOpt = "", rdzv_id: RdzvIdOpt = "agentrl", local_addr: LocalAddrOpt = "") -> None:
+    """Train the policy from trajectory groups (FSDP2; torchrun when --nproc > 1 or --nnodes > 1)."""
+    _learner_launch("learn", config, nproc, overrides, nnodes, rdzv_endpoint, rdzv_id, local_addr)
 
 
 @app.command("sft")
-def sft_cmd(config: ConfigOpt = None, nproc: NprocOpt = None, overrides: OverrideOpt = None) -> None:
+def sft_cmd(config: ConfigOpt = None, nproc: NprocOpt = None, overrides: OverrideOpt = None, nnodes: NnodesOpt = 1,
+            rdzv_endpoint: RdzvEndpointOpt = "", rdzv_id: RdzvIdOpt = "agentrl", local_addr: LocalAddrOpt = "") -> None:
     """Supervised warm-start on conversations (sft.data JSONL, or the env's demonstrations)."""
-    _learner_launch("sft", config, nproc, overrides)
+    _learner_launch("sft", config, nproc, overrides, nnodes, rdzv_endpoint, rdzv_id, local_addr)
 
 
 @app.command("export")

@@ -24,6 +24,16 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
+# SGLang flags that agentrl writes itself (agentrl/engine/launch.py:engine_args), with the key that sets them
+SGLANG_FLAGS_FROM_CONFIG = {
+    "--tp-size": "engine.gpus_per_engine", "--tensor-parallel-size": "engine.gpus_per_engine",
+    "--tp": "engine.gpus_per_engine", "--base-gpu-id": "engine.gpus_per_engine",
+    "--mem-fraction-static": "engine.mem_fraction_static", "--weight-version": "the learner's policy version",
+    "--context-length": "engine.max_context_tokens", "--max-running-requests": "engine.max_running_requests",
+    "--api-key": "engine.api_key_env", "--admin-api-key": "engine.admin_api_key_env",
+}
+
+
 class ConfigError(ValueError):
     """A user error in a config file or override; the message names the key and the file."""
 
@@ -55,6 +65,10 @@ class EngineSection(Section):
     max_running_requests: int = Field(default=64, ge=1)
     max_context_tokens: int = Field(default=2048, ge=16)
     device: str = "auto"  # auto | cpu | cuda
+    # Placement (agentrl/placement.py): each engine `agentrl run` starts gets its own GPUs
+    gpus_per_engine: int = Field(default=1, ge=1)  # GPUs per engine, SGLang's --tp-size (embedded: 1)
+    mem_fraction_static: float = Field(default=0.0, ge=0, lt=1)  # SGLang's --mem-fraction-static; 0: SGLang's default
+    colocate: bool = False  # engines share the learner's GPUs (one-GPU machines); sglang then needs mem_fraction_static
     request_retries: int = Field(default=5, ge=0)
     health_check_interval_s: float = Field(default=2.0, gt=0)
     weight_group_backend: Literal["auto", "gloo", "nccl"] = "auto"
@@ -108,6 +122,7 @@ class SandboxSection(Section):
 class LearnerSection(Section):
     algorithm: Literal["grpo", "ppo"] = "grpo"
     nproc: int = Field(default=1, ge=1)  # ranks on this machine (torchrun is used when > 1)
+    gpus: int = Field(default=0, ge=0)  # GPUs on this machine, one rank each (then nproc is 1 or equal); 0: nproc
     device: str = "auto"
     lr: float = Field(default=3e-4, gt=0)
     critic_lr: float = Field(default=1e-4, gt=0)
@@ -217,6 +232,21 @@ class AgentRLConfig(Section):
                 f"({self.learner.max_staleness}) must be equal: it is one knob (0 = synchronous), "
                 "set in both sections so that each process can be started on its own"
             )
+        e = self.engine
+        if e.backend == "embedded" and e.gpus_per_engine > 1:
+            raise ValueError(f"engine.gpus_per_engine = {e.gpus_per_engine} needs engine.backend = 'sglang' "
+                             "(tensor parallel); the embedded engine runs on one device")
+        if e.backend == "embedded" and e.mem_fraction_static:
+            raise ValueError("engine.mem_fraction_static is SGLang's --mem-fraction-static; the embedded engine "
+                             "has no static memory pool: set it to 0 or use engine.backend = 'sglang'")
+        owned = sorted({a.split("=", 1)[0] for a in e.sglang_args} & set(SGLANG_FLAGS_FROM_CONFIG))
+        if owned:
+            raise ValueError(f"engine.sglang_args sets {', '.join(owned)}, which agentrl derives from its own keys "
+                             f"({', '.join(SGLANG_FLAGS_FROM_CONFIG[f] for f in owned)}): set those instead")
+        lc = self.learner
+        if lc.gpus and lc.nproc > 1 and lc.nproc != lc.gpus:
+            raise ValueError(f"learner.gpus ({lc.gpus}) and learner.nproc ({lc.nproc}) disagree: the learner runs "
+                             "one rank per GPU; set only learner.gpus")
         if self.env.max_total_tokens > self.engine.max_context_tokens:
             raise ValueError(
                 f"env.max_total_tokens ({self.env.max_total_tokens}) exceeds "

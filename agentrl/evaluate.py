@@ -46,7 +46,8 @@ def evaluate_command(cfg: AgentRLConfig, *, checkpoint: Path | None = None, num_
             extra = engine_args("embedded", device=cfg.engine.device, dtype=cfg.model.dtype,
                                 max_running_requests=cfg.engine.max_running_requests,
                                 max_context_tokens=cfg.engine.max_context_tokens,
-                                num_threads=cfg.run.torch_num_threads)
+                                num_threads=cfg.run.torch_num_threads, api_key_env=cfg.engine.api_key_env,
+                                admin_api_key_env=cfg.engine.admin_api_key_env)
             engine = EngineProcess(model_path, free_port(cfg.engine.host), host=cfg.engine.host, extra=extra,
                                    log_path=Path(tmp) / "engine.log").start()
             data["engine"]["urls"] = [engine.url]

@@ -21,7 +21,11 @@ Stages, in order, all under one trio nursery (:class:`agentrl.supervisor.Supervi
    logged to the run's MLflow run, which the learner logs to as well.
 
 Every child gets the resolved config as a file in the run directory (``config.toml``), with
-the ports this run picked, so a child can be restarted by hand with the same command.
+the ports this run picked, so a child can be restarted by hand with the same command, and
+its own GPUs through ``CUDA_VISIBLE_DEVICES`` (``agentrl/placement.py``: the learner's ranks
+first, then each engine; actors and the retrieval server none). ``--dry-run`` prints the
+plan and every child's command; a plan that does not fit the visible GPUs is refused before
+anything starts.
 Ctrl-C stops everything; a failing learner stops everything and exits non-zero, naming the
 child and quoting the end of its log.
 """
@@ -34,7 +38,6 @@ import logging
 import os
 import signal
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,8 +45,11 @@ from typing import Any
 
 import trio
 
-from agentrl.config import AgentRLConfig, dump_toml
-from agentrl.supervisor import ChildFailed, ChildSpec, Supervisor
+from agentrl.children import (ChildSpec, actor_specs, agentrl_argv, engine_specs, learner_spec, plan_config,
+                              write_config)
+from agentrl.config import AgentRLConfig
+from agentrl.placement import Placement, placement_for, visible_gpus
+from agentrl.supervisor import ChildFailed, Supervisor
 
 log = logging.getLogger("agentrl.run")
 
@@ -78,49 +84,11 @@ class RunState:
             self.event("eval", f"{when}: {line}", logging.WARNING)
 
 
-def resolve_run_dir(cfg: AgentRLConfig, run_dir: str | Path | None) -> Path:
-    if run_dir:
-        return Path(run_dir)
-    if cfg.run.run_dir:
-        return Path(cfg.run.run_dir)
-    return Path("runs") / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def _free_port() -> int:
-    from agentrl.engine.launch import free_port
-
-    return free_port("127.0.0.1")
-
-
-def plan_config(cfg: AgentRLConfig, run_dir: Path, policy_path: str) -> AgentRLConfig:
-    """The config every child gets: run_dir, policy, engine URLs and ZMQ endpoints filled in."""
-    data = cfg.model_dump()
-    data["run"]["run_dir"] = str(run_dir)
-    data["model"]["path"] = policy_path
-    if not cfg.engine.urls:
-        data["engine"]["urls"] = [f"http://{cfg.engine.host}:{_free_port()}" for _ in range(cfg.engine.num_engines)]
-    if cfg.env.kwargs.get("search_url") == "auto":  # this run starts the retrieval server
-        data["env"]["kwargs"]["search_url"] = f"http://127.0.0.1:{_free_port()}"
-    data["actors"]["trajectory_endpoint"] = f"tcp://127.0.0.1:{_free_port()}"
-    data["actors"]["progress_endpoint"] = f"tcp://127.0.0.1:{_free_port()}"
-    return AgentRLConfig.model_validate(data)
-
-
-def _agentrl(*args: str) -> list[str]:
-    return [sys.executable, "-m", "agentrl", *args]
-
-
-def write_config(cfg: AgentRLConfig, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(dump_toml(cfg))
-    return path
-
-
 # ------------------------------------------------------------------------------ stages
 
 
 async def warm_start(sup: Supervisor, nursery: trio.Nursery, cfg: AgentRLConfig, run_dir: Path,
-                     state: RunState) -> str:
+                     state: RunState, placement: Placement) -> str:
     """Run ``agentrl sft`` unless its exported model exists; return the policy path."""
     out = run_dir / "sft" / "model"
     state.warm_start = {"enabled": cfg.sft.enabled, "data": cfg.sft.data or f"demonstrations of {cfg.env.cls}",
@@ -136,8 +104,8 @@ async def warm_start(sup: Supervisor, nursery: trio.Nursery, cfg: AgentRLConfig,
     data["run"]["torch_num_threads"] = max(cfg.run.torch_num_threads, os.cpu_count() or 1)  # SFT runs alone
     data["sft"]["output_dir"] = str(out)
     sft_cfg = write_config(AgentRLConfig.model_validate(data), run_dir / "sft_config.toml")
-    spec = ChildSpec("sft", _agentrl("sft", "--config", str(sft_cfg)), run_dir / "logs" / "sft.log",
-                     critical=True, max_restarts=0)
+    spec = ChildSpec("sft", agentrl_argv("sft", "--config", str(sft_cfg)), run_dir / "logs" / "sft.log",
+                     env=placement.learner_env(), critical=True, max_restarts=0)
     await sup.start(nursery, spec)
     await sup.wait_finished("sft")
     if sup.children["sft"].returncode != 0:
@@ -146,20 +114,12 @@ async def warm_start(sup: Supervisor, nursery: trio.Nursery, cfg: AgentRLConfig,
 
 
 async def start_engines(sup: Supervisor, nursery: trio.Nursery, cfg: AgentRLConfig, run_dir: Path,
-                        own_engines: bool) -> None:
-    from agentrl.engine.launch import engine_args, engine_command, wait_ready
+                        own_engines: bool, placement: Placement) -> None:
+    from agentrl.engine.launch import wait_ready
 
     if own_engines:
-        extra = engine_args(cfg.engine.backend, device=cfg.engine.device, dtype=cfg.model.dtype,
-                            max_running_requests=cfg.engine.max_running_requests,
-                            max_context_tokens=cfg.engine.max_context_tokens,
-                            num_threads=cfg.run.torch_num_threads, sglang_args=cfg.engine.sglang_args)
-        for i, url in enumerate(cfg.engine.urls):
-            host, port = url.rsplit("//", 1)[1].rsplit(":", 1)
-            argv = engine_command(cfg.model.path, int(port), backend=cfg.engine.backend, host=host, extra=extra)
-            # an engine restarted mid-run would have left the weight-update group: it is critical
-            await sup.start(nursery, ChildSpec(f"engine{i}", argv, run_dir / "logs" / f"engine{i}.log",
-                                               critical=True, max_restarts=0))
+        for spec in engine_specs(cfg, run_dir, placement):
+            await sup.start(nursery, spec)
     for url in cfg.engine.urls:
         await trio.to_thread.run_sync(lambda u=url: wait_ready(u, 300.0), abandon_on_cancel=True)
 
@@ -177,15 +137,17 @@ def search_corpus(cfg: AgentRLConfig) -> str:
     return str(module.corpus_path())
 
 
-async def start_search(sup: Supervisor, nursery: trio.Nursery, cfg: AgentRLConfig, run_dir: Path) -> None:
+async def start_search(sup: Supervisor, nursery: trio.Nursery, cfg: AgentRLConfig, run_dir: Path,
+                       placement: Placement) -> None:
     """The retrieval server of ``env.kwargs.search_url``: stateless, so restarted on failure."""
     from agentrl.engine.launch import wait_ready
 
     url = cfg.env.kwargs["search_url"]
     host, port = url.rsplit("//", 1)[1].rsplit(":", 1)
-    argv = _agentrl("serve-search", "--corpus", search_corpus(cfg), "--host", host, "--port", port,
-                    "--token-env", cfg.env.search_token_env)
-    await sup.start(nursery, ChildSpec("search", argv, run_dir / "logs" / "search.log", max_restarts=3))
+    argv = agentrl_argv("serve-search", "--corpus", search_corpus(cfg), "--host", host, "--port", port,
+                        "--token-env", cfg.env.search_token_env)
+    await sup.start(nursery, ChildSpec("search", argv, run_dir / "logs" / "search.log", env=placement.cpu_env(),
+                                       max_restarts=3))
     await trio.to_thread.run_sync(lambda: wait_ready(url, 120.0), abandon_on_cancel=True)
 
 
@@ -372,11 +334,15 @@ def create_mlflow_run(cfg: AgentRLConfig, run_dir: Path) -> str:
 # ------------------------------------------------------------------------------ main
 
 
-async def run_async(cfg: AgentRLConfig, run_dir: Path, *, live_display: bool = True) -> dict[str, Any]:
+async def run_async(cfg: AgentRLConfig, run_dir: Path, *, live_display: bool = True,
+                    placement: Placement | None = None) -> dict[str, Any]:
     from agentrl.model_builder import ensure_model
 
+    placement = placement or placement_for(cfg, visible_gpus())  # refused before anything starts
     run_dir.mkdir(parents=True, exist_ok=True)
     state = RunState(run_dir)
+    for line in placement.describe():
+        state.event("placement", line)
     sup = Supervisor(on_event=lambda name, what: _on_event(state, name, what))
     if cfg.tracking.enabled and not cfg.tracking.uri:
         cfg = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(
@@ -392,17 +358,17 @@ async def run_async(cfg: AgentRLConfig, run_dir: Path, *, live_display: bool = T
         async with trio.open_nursery() as outer:
             outer.start_soon(sup.wait_for_failure)
             outer.start_soon(_stop_on_signal, state)
-            policy = await warm_start(sup, outer, cfg, run_dir, state)
+            policy = await warm_start(sup, outer, cfg, run_dir, state, placement)
             starts_search = cfg.env.kwargs.get("search_url") == "auto"
-            cfg = plan_config(cfg, run_dir, policy)
+            cfg = plan_config(cfg, run_dir, policy, placement)
             write_config(cfg, run_dir / "config.toml")
             if starts_search:
-                await start_search(sup, outer, cfg, run_dir)
-            await start_engines(sup, outer, cfg, run_dir, own_engines)
+                await start_search(sup, outer, cfg, run_dir, placement)
+            await start_engines(sup, outer, cfg, run_dir, own_engines, placement)
             state.event("engines", f"ready at {', '.join(cfg.engine.urls)}")
             state.eval_before = await evaluate_policy(cfg)
             state.eval_event("before RL", state.eval_before)
-            await _train(sup, outer, cfg, run_dir, state, live_display, eval_lock)
+            await _train(sup, outer, cfg, run_dir, state, live_display, eval_lock, placement)
             async with eval_lock:
                 state.eval_after = await evaluate_policy(cfg)
             state.eval_event("after RL", state.eval_after)
@@ -436,25 +402,18 @@ async def _stop_on_signal(state: RunState) -> None:
 
 
 async def _train(sup: Supervisor, outer: trio.Nursery, cfg: AgentRLConfig, run_dir: Path, state: RunState,
-                 live_display: bool, eval_lock: trio.Lock) -> None:
+                 live_display: bool, eval_lock: trio.Lock, placement: Placement) -> None:
     from contextlib import nullcontext
 
     from rich.live import Live
 
-    config_path = str(run_dir / "config.toml")
-    learn = ChildSpec("learner", _agentrl("learn", "--config", config_path), run_dir / "logs" / "learner.log",
-                      critical=True, max_restarts=0)
     live = Live(_table(state, cfg), refresh_per_second=2, transient=False) if live_display else None
     with live if live is not None else nullcontext():
         async with trio.open_nursery() as inner:
             state.rl_started = time.monotonic()
-            await sup.start(inner, learn)
-            for i in range(cfg.actors.num_processes):
-                argv = _agentrl("serve-actors", "--config", config_path, "--index", str(i),
-                                "--num-actors", str(cfg.actors.num_processes), "--wait-for-learner",
-                                "--log-interval-s", "10")
-                await sup.start(inner, ChildSpec(f"actor{i}", argv, run_dir / "logs" / f"actor{i}.log",
-                                                 max_restarts=3))
+            await sup.start(inner, learner_spec(cfg, run_dir, placement))
+            for spec in actor_specs(cfg, run_dir, placement):
+                await sup.start(inner, spec)
             inner.start_soon(watch_progress, cfg, state, run_dir, live, eval_lock)
             await sup.wait_finished("learner")
             state.last_metrics = _last_json_line(run_dir / "learner_metrics.jsonl") or state.last_metrics
@@ -468,10 +427,12 @@ def _on_event(state: RunState, name: str, what: str) -> None:
     state.event(name, what)
 
 
-def run(cfg: AgentRLConfig, run_dir: Path, *, live_display: bool = True) -> dict[str, Any]:
-    """Run synchronously; raises :class:`ChildFailed` (unwrapped) when a critical child fails."""
+def run(cfg: AgentRLConfig, run_dir: Path, *, live_display: bool = True,
+        placement: Placement | None = None) -> dict[str, Any]:
+    """Run synchronously; raises :class:`ChildFailed` (unwrapped) when a critical child fails, and
+    :class:`PlacementError` before anything starts when the GPUs do not fit the config."""
     try:
-        return trio.run(functools.partial(run_async, cfg, run_dir, live_display=live_display))
+        return trio.run(functools.partial(run_async, cfg, run_dir, live_display=live_display, placement=placement))
     except BaseExceptionGroup as group:
         failed = group.subgroup(ChildFailed)
         if failed is not None:

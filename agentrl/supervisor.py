@@ -21,11 +21,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import trio
+
+from agentrl.children import ChildSpec  # what to start; here: how
 
 
 class ChildFailed(RuntimeError):
@@ -34,17 +36,6 @@ class ChildFailed(RuntimeError):
     def __init__(self, name: str, returncode: int | None, log_path: Path, log_tail: str):
         self.name, self.returncode, self.log_path, self.log_tail = name, returncode, log_path, log_tail
         super().__init__(f"{name} exited with status {returncode} (log: {log_path})\n--- end of its log ---\n{log_tail}")
-
-
-@dataclass
-class ChildSpec:
-    name: str
-    argv: list[str]
-    log_path: Path
-    env: dict[str, str] = field(default_factory=dict)  # added to os.environ
-    critical: bool = False  # its failure ends the run
-    max_restarts: int = 3
-    cwd: str | None = None
 
 
 @dataclass

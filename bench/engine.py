@@ -164,7 +164,7 @@ def _fill_prefix_cache(url: str) -> None:
             "max_new_tokens": 1, "temperature": 0.0}}).raise_for_status()
 
 
-def bench_push(small_model: Path, engine, reps: int) -> dict:
+def bench_push(small_model: Path, engine, reps: int, dtype=None) -> dict:
     """Interleaved, so that raw and push see the same machine load: per format, per repetition,
     a raw flat broadcast, a raw broadcast of the same tensors, then one push."""
     import torch
@@ -175,7 +175,7 @@ def bench_push(small_model: Path, engine, reps: int) -> dict:
     from agentrl.learner.weight_push import WeightUpdater
     from agentrl.weight_group import destroy_weight_group, init_weight_group
 
-    model = AutoModelForCausalLM.from_pretrained(small_model, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(small_model, dtype=dtype or torch.float32)
     named = [(n, p.detach()) for n, p in model.named_parameters()]
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     separate_flush = _separate_flush_updater()
@@ -215,8 +215,8 @@ def bench_push(small_model: Path, engine, reps: int) -> dict:
         proc.join(60)
         destroy_weight_group(group)
     best = {k: min(v, key=lambda p: p["total_s"]) for k, v in pushes.items()}
-    return {"bytes": nbytes, "tensors": len(named), "raw_tensors_s": min(raw_tensors), "raw_flat_s": min(raw_flat),
-            **best}
+    return {"bytes": nbytes, "tensors": len(named), "dtype": str(dtype or torch.float32).removeprefix("torch."),
+            "model": Path(small_model).name, "raw_tensors_s": min(raw_tensors), "raw_flat_s": min(raw_flat), **best}
 
 
 def main() -> None:
@@ -224,11 +224,14 @@ def main() -> None:
     ap.add_argument("--model", default="", help="model folder (default: build one of --size in a temp dir)")
     ap.add_argument("--size", default="tiny", help="size to build when --model is not given (tiny, small, 0.5b)")
     ap.add_argument("--device", default="cpu", help="device of generate and of the engine (cpu, cuda)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads for generate and for the engine")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for generate and for the engine (0: torch's default)")
     ap.add_argument("--reps", type=int, default=3, help="weight pushes / raw broadcasts (best is reported)")
     ap.add_argument("--skip-push", action="store_true")
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--hf-cb", action="store_true", help="also measure transformers' continuous batching")
+    ap.add_argument("--push-model", default="", help="model pushed in the weight-push part (default: build 'small')")
+    ap.add_argument("--push-dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the pushed weights")
+    ap.add_argument("--json", default="", help="also write the results to this file (bench/gpu_check.sh's table)")
     args = ap.parse_args()
 
     import torch
@@ -237,10 +240,11 @@ def main() -> None:
     from agentrl.engine.launch import EngineProcess, free_port, wait_ready
     from agentrl.model_builder import init_model
 
-    torch.set_num_threads(args.threads)
+    if args.threads:  # 0: torch's default (the engine reads --num-threads 0 the same way)
+        torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="agentrl-bench-"))
     model_path = Path(args.model) if args.model else init_model(tmp / args.size, args.size)
-    small_path = None if args.skip_push else init_model(tmp / "small", "small")
+    small_path = None if args.skip_push else (Path(args.push_model) if args.push_model else init_model(tmp / "small", "small"))
     print(f"model {model_path} on {args.device}, {args.threads} torch thread(s) on each side", flush=True)
     flags = ["--num-threads", str(args.threads), "--device", args.device]
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
@@ -270,7 +274,8 @@ def main() -> None:
             engine.stop()
         if args.hf_cb and rows:
             cb = bench_hf_cb(model, workload(LEVELS[64], seed=64))
-        push = None if push_engine is None else bench_push(small_path, push_engine, args.reps)
+        push = None if push_engine is None else bench_push(small_path, push_engine, args.reps,
+                                                           getattr(torch, args.push_dtype))
     finally:
         for e in (engine, push_engine):
             if e is not None:
@@ -289,7 +294,7 @@ def main() -> None:
     if push is not None:
         r = push
         mb = r["bytes"] / 2**20
-        print(f"\nweight push: {mb:.0f} MiB in {r['tensors']} tensors (small model), best of {args.reps}")
+        print(f"\nweight push: {mb:.0f} MiB in {r['tensors']} {r['dtype']} tensors ({r['model']}), best of {args.reps}")
         print(f"  {'raw broadcast, one flat buffer':<44} {r['raw_flat_s'] * 1e3:8.1f} ms")
         print(f"  {'raw broadcast, same tensors (async)':<44} {r['raw_tensors_s'] * 1e3:8.1f} ms")
         for key, label in (("default", "push, one broadcast per tensor (default)"),
@@ -307,6 +312,13 @@ def main() -> None:
               f"(the call itself {q['flush_call_s'] * 1e3:.1f} ms)")
         print(f"  {'separate / last bucket':<44} {q['total_s'] / p['total_s']:8.2f}x")
     print("\ntargets: engine/generate >= 1.0x at 16 and 64; push/raw <= 1.5x")
+    if args.json:
+        import json
+
+        result = {"model": Path(model_path).name, "device": args.device,
+                  "throughput": [{"concurrency": c, "requests": n, "generate_tokens_per_s": g, "engine_tokens_per_s": e}
+                                 for c, n, g, e in rows], "push": push}
+        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
 
 
 if __name__ == "__main__":

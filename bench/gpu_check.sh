@@ -1,19 +1,82 @@
 #!/usr/bin/env bash
-# Checks that need a GPU (about 8 minutes on one H200; torch and transformers, no sglang, no network).
-# Run from the repository root on a machine with one GPU and copy the tables into docs/performance.md:
+# Checks that need a GPU: one call, at most 8 minutes on one H200 (torch, transformers; no sglang,
+# no network). Run from anywhere on a machine with one GPU:
 #   bash bench/gpu_check.sh
+# It ends with the table docs/performance.md holds (markdown), the raw results beside it.
+# The same script checks itself on a CPU with a tiny model (a few minutes on 2 cores):
+#   GPU_CHECK_DEVICE=cpu GPU_CHECK_SIZE=tiny bash bench/gpu_check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python}
+DEVICE=${GPU_CHECK_DEVICE:-cuda}
+SIZE=${GPU_CHECK_SIZE:-0.5b}
+OUT=${GPU_CHECK_OUT:-$(mktemp -d -t agentrl-gpu-check-XXXXXX)}
+mkdir -p "$OUT"
+echo "gpu_check: $SIZE on $DEVICE; results in $OUT"
+if [[ $DEVICE == cuda ]]; then
+  nvidia-smi -L || true
+  BATCH=(--groups 8 --group-size 8 --min-len 512 --max-len 2048 --microbatch-tokens 8192)
+  LIMIT_S=(180 210)  # learner, engine: with the model's build, well inside 8 minutes
+else  # the CPU self-check: a batch a 2-core machine trains in seconds, more patience
+  BATCH=(--groups 2 --group-size 4 --min-len 64 --max-len 256 --microbatch-tokens 2048)
+  LIMIT_S=(600 600)
+fi
 
-# ---------------------------------------------------------------- learner
-# Tokens/s and MFU of the learner against a bare loop: 0.5b (Qwen2.5-0.5B shape), bf16
-# (FSDP2 mixed precision), packed 8k-token micro-batches. Target: MFU >= 40%.
-$PY bench/learner.py --size 0.5b --device cuda --threads 0 --microbatch-tokens 8192 \
-    --groups 8 --group-size 8 --min-len 512 --max-len 2048 --steps 5 --warmup 2
+# One model for every part (building the 0.5b shape takes ~30 s; the benches would each build it).
+$PY -m agentrl init-model "$OUT/$SIZE" --size "$SIZE"
 
-# ---------------------------------------------------------------- engine and weight push
-# Embedded engine tokens/s against static-batch generate at concurrency 1/16/64 on the same
-# 0.5b model, and the weight push (gloo/nccl group with one engine) against a raw broadcast.
-$PY bench/engine.py --size 0.5b --device cuda --threads 0
+status=0
+# ---------------------------------------------------------------- learner (~1 min on the H200)
+# Tokens/s and MFU of the learner against a bare loop: Qwen2.5-0.5B's shape, bf16 (FSDP2 mixed
+# precision), packed 8k-token micro-batches. Target: MFU >= 40%.
+timeout "${LIMIT_S[0]}" $PY bench/learner.py --model-path "$OUT/$SIZE" --device "$DEVICE" --threads 0 \
+    "${BATCH[@]}" --steps 5 --warmup 2 \
+    --json "$OUT/learner.json" || { status=$?; echo "gpu_check: the learner bench failed ($status)"; }
+
+# ---------------------------------------------------------------- engine and weight push (~2-3 min on the H200)
+# Embedded engine tokens/s against static-batch generate at concurrency 1/16/64 on the same model;
+# the weight push of the same model in bf16 (gloo: on one GPU the learner and the engine cannot
+# share an NCCL group) against a raw broadcast of the same tensors.
+timeout "${LIMIT_S[1]}" $PY bench/engine.py --model "$OUT/$SIZE" --device "$DEVICE" --threads 0 \
+    --push-model "$OUT/$SIZE" --push-dtype bfloat16 --reps 2 \
+    --json "$OUT/engine.json" || { status=$?; echo "gpu_check: the engine bench failed ($status)"; }
+
+# ---------------------------------------------------------------- the table
+$PY - "$OUT" <<'EOF'
+import json, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+def load(name):
+    path = out / name
+    return json.loads(path.read_text()) if path.exists() else None
+
+learner, engine = load("learner.json"), load("engine.json")
+rows = []
+if engine:
+    for r in engine["throughput"]:
+        rows.append((f"embedded engine, concurrency {r['concurrency']} (tokens/s)", f"{r['engine_tokens_per_s']:,.0f}",
+                     f"{r['engine_tokens_per_s'] / r['generate_tokens_per_s']:.2f}x static `generate`"))
+if learner:
+    rows.append(("learner (tokens/s)", f"{learner['learner_tokens_per_s']:,.0f}",
+                 f"{learner['learner_tokens_per_s'] / learner['bare_tokens_per_s']:.2f}x a bare loop"))
+    rows.append(("learner MFU", f"{100 * learner['mfu_learner']:.1f}%",
+                 f"bare loop {100 * learner['mfu_bare']:.1f}%; peak {learner['peak_tflops']:.0f} TFLOP/s"))
+if engine and engine.get("push"):
+    p = engine["push"]
+    rows.append((f"weight push, {p['bytes'] / 2**20:,.0f} MiB {p['dtype']} ({p['tensors']} tensors)",
+                 f"{p['default']['total_s'] * 1e3:,.0f} ms",
+                 f"{p['default']['total_s'] / p['raw_tensors_s']:.2f}x a raw broadcast of the same tensors"))
+device = (learner or {}).get("device") or (engine or {}).get("device", "?")
+model = (learner or engine or {}).get("model", "?")
+print(f"\n### {model} on {device} (`bash bench/gpu_check.sh`)\n")
+print("| measure | value | against |")
+print("| --- | --- | --- |")
+for measure, value, against in rows:
+    print(f"| {measure} | {value} | {against} |")
+missing = [name for name, r in (("learner", learner), ("engine", engine)) if r is None]
+if missing:
+    print(f"\nmissing: {', '.join(missing)} (see the output above)")
+EOF
+exit "$status"

@@ -84,6 +84,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default); 1 is steadier on a shared CPU")
     parser.add_argument("--peak-tflops", type=float, default=989.0)
+    parser.add_argument("--json", default="", help="also write the results to this file (bench/gpu_check.sh's table)")
     args = parser.parse_args()
 
     import torch
@@ -168,11 +169,21 @@ def main() -> None:
               f"target <= 10%; median of {args.steps} steps)")
     learner_tps = tokens / statistics.median(t[0] for t in learner_t)
     bare_tps = tokens / statistics.median(t[0] for t in bare_t)
+    fpt = flops_per_token(trainer.hf_config, mean_len)
+    result = {"model": Path(model_path).name, "parameters": sum(p.numel() for p in bare_model.parameters()),
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "tokens": tokens,
+              "microbatch_tokens": args.microbatch_tokens, "learner_tokens_per_s": learner_tps,
+              "bare_tokens_per_s": bare_tps, "peak_tflops": args.peak_tflops,
+              "mfu_learner": fpt * learner_tps / (args.peak_tflops * 1e12), "mfu_bare": fpt * bare_tps / (args.peak_tflops * 1e12)}
     if device.type == "cuda":
-        fpt = flops_per_token(trainer.hf_config, mean_len)
-        for name, tps in (("learner", learner_tps), ("bare", bare_tps)):
-            print(f"MFU {name:8s} {100 * fpt * tps / (args.peak_tflops * 1e12):5.1f}%  (peak {args.peak_tflops:.0f} TFLOP/s)")
-        print(f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+        for name in ("learner", "bare"):
+            print(f"MFU {name:8s} {100 * result['mfu_' + name]:5.1f}%  (peak {args.peak_tflops:.0f} TFLOP/s)")
+        result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        print(f"peak GPU memory {result['peak_memory_gib']:.1f} GiB")
+    if args.json:
+        import json
+
+        Path(args.json).write_text(json.dumps(result, indent=2))
     from agentrl.learner.distributed import shutdown_distributed
 
     shutdown_distributed()

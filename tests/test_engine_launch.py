@@ -19,15 +19,52 @@ def test_engine_commands():
     assert emb[:3] == [sys.executable, "-m", "agentrl.engine.server"]
     assert emb[3:] == ["--model", "/m", "--host", "127.0.0.1", "--port", "31000", "--num-threads", "1"]
     sg = engine_command("/m", 31001, backend="sglang", host="0.0.0.0",
-                        extra=engine_args("sglang", dtype="bfloat16", max_running_requests=32,
-                                          max_context_tokens=4096, sglang_args=["--tp", "2"]))
+                        extra=engine_args("sglang", dtype="bfloat16", max_running_requests=32, max_context_tokens=4096,
+                                          gpus_per_engine=2, mem_fraction_static=0.4, api_key="k1",
+                                          admin_api_key="k2", sglang_args=["--tool-call-parser", "qwen25"]))
     assert sg[:3] == [sys.executable, "-m", "sglang.launch_server"]
     flags = sg[3:]
     pairs = dict(zip(flags[::2], flags[1::2]))
     assert pairs == {"--model-path": "/m", "--host": "0.0.0.0", "--port": "31001", "--context-length": "4096",
-                     "--max-running-requests": "32", "--weight-version": "0", "--dtype": "bfloat16", "--tp": "2"}
+                     "--max-running-requests": "32", "--weight-version": "0", "--dtype": "bfloat16",
+                     "--tp-size": "2", "--base-gpu-id": "0", "--mem-fraction-static": "0.4", "--api-key": "k1",
+                     "--admin-api-key": "k2", "--tool-call-parser": "qwen25"}
+    # SGLang's defaults stay SGLang's: no memory fraction, no keys, unless set
+    plain = engine_args("sglang")
+    assert "--mem-fraction-static" not in plain and "--api-key" not in plain and "--admin-api-key" not in plain
     with pytest.raises(ValueError, match="unknown engine backend"):
         engine_command("/m", 1, backend="vllm")
+    with pytest.raises(ValueError, match="one device"):
+        engine_args("embedded", gpus_per_engine=2)
+
+
+def test_every_engine_command_carries_a_weight_version():
+    """SGLang reports "default" for a server started without --weight-version: never start one."""
+    from agentrl.config import load_config
+    from agentrl.engine.launch import config_engine_args
+
+    for backend in ("embedded", "sglang"):
+        assert engine_args(backend)[engine_args(backend).index("--weight-version") + 1] == "0"
+        cfg = load_config(None, [f"engine.backend={backend}"])
+        args = config_engine_args(cfg, secret=lambda var: "")
+        assert args[args.index("--weight-version") + 1] == "0"
+
+
+def test_config_engine_args_take_keys_from_the_environment_for_sglang_only(monkeypatch):
+    from agentrl.config import load_config
+    from agentrl.engine.launch import config_engine_args
+
+    monkeypatch.setenv("MY_ENGINE_KEY", "s3cret")
+    monkeypatch.delenv("AGENTRL_ENGINE_ADMIN_API_KEY", raising=False)
+    monkeypatch.delenv("AGENTRL_ENGINE_ADMIN_API_KEY_FILE", raising=False)
+    sg = config_engine_args(load_config(None, ["engine.backend=sglang", "engine.api_key_env=MY_ENGINE_KEY",
+                                               "engine.gpus_per_engine=4", "engine.mem_fraction_static=0.5"]))
+    pairs = dict(zip(sg[::2], sg[1::2]))
+    assert pairs["--api-key"] == "s3cret" and "--admin-api-key" not in pairs
+    assert pairs["--tp-size"] == "4" and pairs["--base-gpu-id"] == "0" and pairs["--mem-fraction-static"] == "0.5"
+    emb = config_engine_args(load_config(None, ["engine.api_key_env=MY_ENGINE_KEY"]))
+    assert "s3cret" not in emb  # the embedded engine reads its key from its environment,
+    assert emb[emb.index("--api-key-env") + 1] == "MY_ENGINE_KEY"  # from the variable the config names
 
 
 def test_serve_engine_with_sglang_missing_fails_at_once(monkeypatch):

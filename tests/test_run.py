@@ -87,9 +87,11 @@ def test_shortened_quickstart_learns(tiny_model: Path, tmp_path: Path) -> None:
     assert mlrun.info.status == "FINISHED"
 
 
-def test_failing_learner_stops_the_run_and_is_named(tiny_model: Path, tmp_path: Path) -> None:
+def test_failing_learner_stops_the_run_and_is_named(tiny_model: Path, tmp_path: Path, monkeypatch) -> None:
     events: list[str] = []
-    cfg = _short(tiny_model, "sft.enabled=false", "learner.device=cuda:7", "tracking.enabled=false")
+    # placed on a pretend GPU, the learner finds none (torch sees no GPU here) and fails
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    cfg = _short(tiny_model, "sft.enabled=false", "learner.device=cuda", "tracking.enabled=false")
     with pytest.raises(ChildFailed) as info:
         run(cfg, tmp_path / "run", live_display=False)
     err = info.value
@@ -104,9 +106,10 @@ def test_failing_learner_stops_the_run_and_is_named(tiny_model: Path, tmp_path: 
 def test_cli_run_reports_a_failing_child_with_exit_1(tiny_model: Path, tmp_path: Path) -> None:
     res = subprocess.run(
         [sys.executable, "-m", "agentrl", "run", str(EXAMPLE), "--no-live", "--run-dir", str(tmp_path / "run"),
-         "-s", f"model.path={tiny_model}", "-s", "sft.enabled=false", "-s", "learner.device=cuda:7",
+         "-s", f"model.path={tiny_model}", "-s", "sft.enabled=false", "-s", "learner.device=cuda",
          "-s", "tracking.enabled=false", "-s", "eval.num_tasks=4"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": "0,1"},  # a pretend GPU for the learner
     )
     assert res.returncode == 1, res.stderr[-2000:]
     assert "learner exited with status" in res.stderr and "end of its log" in res.stderr

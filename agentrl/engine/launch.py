@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import IO, Sequence
+from typing import IO, Callable, Sequence
 
 SGLANG_INSTALL_HINT = (
     "the 'sglang' backend needs SGLang (a CUDA machine): pip install 'agentrl[sglang]' "
@@ -58,17 +58,56 @@ def engine_command(model_path: str, port: int, *, backend: str = "embedded", hos
 
 def engine_args(backend: str, *, device: str = "auto", dtype: str = "auto", max_running_requests: int = 64,
                 max_context_tokens: int = 2048, weight_version: str = "0", num_threads: int = 0,
+                gpus_per_engine: int = 1, mem_fraction_static: float = 0.0, api_key: str = "",
+                admin_api_key: str = "", api_key_env: str = "", admin_api_key_env: str = "",
                 sglang_args: Sequence[str] = ()) -> list[str]:
-    """The shared settings as flags of either server (SGLang's own flag names for ``sglang``)."""
+    """The shared settings as flags of either server (SGLang's own flag names for ``sglang``).
+
+    ``--weight-version`` is always there: a server started without it reports ``"default"``
+    until the first update. An SGLang engine sees only its own GPUs (``CUDA_VISIBLE_DEVICES``,
+    agentrl/placement.py), so it starts at ``--base-gpu-id 0`` with ``--tp-size`` = its GPUs.
+    Keys are SGLang's ``--api-key``/``--admin-api-key``; the embedded engine reads its keys from
+    the environment itself, from the variables named by ``--api-key-env``/``--admin-api-key-env``.
+    """
     if backend == "sglang":
-        args = ["--context-length", str(max_context_tokens), "--max-running-requests", str(max_running_requests),
-                "--weight-version", str(weight_version)]
+        args = ["--tp-size", str(gpus_per_engine), "--base-gpu-id", "0", "--context-length", str(max_context_tokens),
+                "--max-running-requests", str(max_running_requests), "--weight-version", str(weight_version)]
+        if mem_fraction_static:
+            args += ["--mem-fraction-static", str(mem_fraction_static)]
         if dtype != "auto":
             args += ["--dtype", dtype]
+        if api_key:
+            args += ["--api-key", api_key]
+        if admin_api_key:
+            args += ["--admin-api-key", admin_api_key]
         return args + list(sglang_args)
-    return ["--device", device, "--dtype", dtype, "--max-running-requests", str(max_running_requests),
+    if gpus_per_engine != 1:
+        raise ValueError(f"the embedded engine runs on one device; got gpus_per_engine = {gpus_per_engine}")
+    args = ["--device", device, "--dtype", dtype, "--max-running-requests", str(max_running_requests),
             "--max-context-tokens", str(max_context_tokens), "--weight-version", str(weight_version),
             "--num-threads", str(num_threads)]
+    if api_key_env:
+        args += ["--api-key-env", api_key_env]
+    if admin_api_key_env:
+        args += ["--admin-api-key-env", admin_api_key_env]
+    return args
+
+
+def config_engine_args(cfg, *, secret: Callable[[str], str] | None = None, weight_version: str = "0") -> list[str]:
+    """``engine_args`` for a run config's ``[engine]`` and ``[model]`` sections. ``secret(var)`` gives the
+    value of an API-key variable (default: ``agentrl.secrets.read_secret``; SGLang takes keys as flags)."""
+    from agentrl.secrets import read_secret
+
+    e = cfg.engine
+    secret = secret or read_secret
+    if e.backend == "sglang":
+        keys = {"api_key": secret(e.api_key_env), "admin_api_key": secret(e.admin_api_key_env)}
+    else:
+        keys = {"api_key_env": e.api_key_env, "admin_api_key_env": e.admin_api_key_env}
+    return engine_args(e.backend, device=e.device, dtype=cfg.model.dtype, max_running_requests=e.max_running_requests,
+                       max_context_tokens=e.max_context_tokens, weight_version=weight_version,
+                       num_threads=cfg.run.torch_num_threads, gpus_per_engine=e.gpus_per_engine,
+                       mem_fraction_static=e.mem_fraction_static, sglang_args=e.sglang_args, **keys)
 
 
 def wait_ready(url: str, timeout_s: float, *, process: subprocess.Popen | None = None) -> None:
@@ -142,36 +181,3 @@ class EngineProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def start_engines(model_path: str, num_engines: int, *, backend: str = "embedded", host: str = "127.0.0.1",
-                  base_port: int = 0, extra: Sequence[str] = (), log_dir: str | Path | None = None,
-                  wait_s: float = 300.0) -> list[EngineProcess]:
-    """Start ``num_engines`` servers (ports ``base_port + i``, or free ports when 0) and wait for all."""
-    procs = []
-    try:
-        for i in range(num_engines):
-            port = base_port + i if base_port else free_port(host)
-            log_path = Path(log_dir) / f"engine{i}.log" if log_dir else None
-            procs.append(EngineProcess(model_path, port, backend=backend, host=host, extra=extra,
-                                       log_path=log_path).start(wait_s=0))
-        for p in procs:
-            wait_ready(p.url, wait_s, process=p.process)
-    except BaseException:
-        for p in procs:
-            p.stop()
-        raise
-    return procs
-
-
-def engines_from_config(cfg, *, log_dir: str | Path | None = None, wait_s: float = 300.0) -> list[EngineProcess]:
-    """Start the ``[engine]`` section's ``num_engines`` servers for ``cfg.model.path`` (what ``agentrl run``
-    does when ``engine.urls`` is empty); returns them ready, their URLs in ``.url``."""
-    e, m = cfg.engine, cfg.model
-    extra = engine_args(e.backend, device=e.device, dtype=m.dtype, max_running_requests=e.max_running_requests,
-                        max_context_tokens=e.max_context_tokens, num_threads=cfg.run.torch_num_threads,
-                        sglang_args=e.sglang_args)
-    if e.backend == "sglang":
-        require_sglang()
-    return start_engines(m.path, e.num_engines, backend=e.backend, host=e.host, base_port=e.base_port,
-                         extra=extra, log_dir=log_dir, wait_s=wait_s)

@@ -1,4 +1,4 @@
-"""Starting ``learn``/``sft`` on one or more ranks.
+"""Starting ``learn``/``sft`` on one or more ranks, on one or several machines.
 
 ``agentrl learn --config C --nproc N`` resolves the run folder once (so every rank writes
 to the same one), then either runs in this process (N = 1) or starts::
@@ -6,9 +6,20 @@ to the same one), then either runs in this process (N = 1) or starts::
     python -m torch.distributed.run --standalone --nproc-per-node N \\
         -m agentrl.learner.launch learn --config C --set run.run_dir="..."
 
-and forwards SIGINT/SIGTERM to it. Across machines, run that command yourself on every
-node with ``--nnodes M --node-rank R --rdzv-backend c10d --rdzv-endpoint HOST:PORT``
-instead of ``--standalone`` (and the same ``run.run_dir`` on a shared file system).
+and forwards SIGINT/SIGTERM to it. ``N`` defaults to ``learner.gpus`` (one rank per GPU), else
+``learner.nproc``.
+
+Several machines: the same command on every node with ``--nnodes M --rdzv-endpoint
+HOST:PORT [--rdzv-id ID] [--local-addr ADDR]``, which becomes torchrun's c10d rendezvous
+(``--nnodes M --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id ID`` instead of
+``--standalone``); ``run.run_dir`` must then be set, on a shared file system. Rank 0 binds
+the trajectory and progress sockets and hosts the weight-update group, so actors and engines
+must be told its node. c10d numbers nodes by their address in sorted order (``--local-addr``,
+default the host's FQDN; torch's ``dynamic_rendezvous``), not by who hosts the endpoint: give
+every node ``--local-addr`` (its name as the others reach it) and point the config at the one
+that sorts first (``agentrl launch`` does). Rank 0 checks at start that
+``learner.weight_sync_address`` and the endpoints' hosts are its own and fails with a message
+saying so otherwise, instead of waiting for actors that connect elsewhere.
 """
 
 from __future__ import annotations
@@ -17,8 +28,10 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from agentrl.config import AgentRLConfig, load_config
@@ -35,15 +48,72 @@ def _setup_logging() -> None:
     )
 
 
+@dataclass(frozen=True)
+class Nodes:
+    """The machines a learner spans: one (``--standalone``) or ``nnodes`` joined by c10d rendezvous."""
+
+    nnodes: int = 1
+    rdzv_endpoint: str = ""  # HOST:PORT every node reaches (several nodes)
+    rdzv_id: str = "agentrl"  # the same on every node of one job
+    local_addr: str = ""  # this node's address as the others reach it; orders the nodes' ranks
+
+    def torchrun_flags(self) -> list[str]:
+        if self.nnodes == 1:
+            return ["--standalone"]
+        if not self.rdzv_endpoint:
+            raise ValueError(f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT (the same on every node)")
+        flags = ["--nnodes", str(self.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", self.rdzv_endpoint,
+                 "--rdzv-id", self.rdzv_id]
+        return flags + (["--local-addr", self.local_addr] if self.local_addr else [])
+
+
+def _is_local_address(host: str) -> bool:
+    """Whether ``host`` (a name or an address) names this machine: some address it resolves to can be bound."""
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), None, proto=socket.IPPROTO_TCP)
+    except socket.gaierror:
+        return False
+    for family, _, _, _, sockaddr in infos:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((sockaddr[0], 0))
+                return True
+            except OSError:
+                continue
+    return False
+
+
+def check_rank0_addresses(cfg: AgentRLConfig) -> None:
+    """Rank 0 serves actors and engines: the addresses they are given must be this machine's."""
+    named = [(f"actors.{key}", getattr(cfg.actors, key).removeprefix("tcp://").rsplit(":", 1)[0])
+             for key in ("trajectory_endpoint", "progress_endpoint") if getattr(cfg.actors, key).startswith("tcp://")]
+    if cfg.engine.urls:
+        named.append(("learner.weight_sync_address", cfg.learner.weight_sync_address))
+    for key, host in named:
+        if host in ("*", "0.0.0.0", "[::]", "::") or _is_local_address(host):
+            continue
+        raise ValueError(
+            f"learner rank 0 runs on {socket.gethostname()}, but {key} points at {host!r}, which is not this "
+            "machine: actors and engines would look for the learner there. With several learner nodes, torchrun's "
+            "c10d rendezvous makes rank 0 the node whose --local-addr sorts first: point the config at that node")
+
+
 def run_here(command: str, cfg: AgentRLConfig) -> int:
     """Run ``command`` on this rank; returns a process exit code."""
     from agentrl.learner.distributed import shutdown_distributed
 
     _setup_logging()
+    env = os.environ
+    logging.getLogger("agentrl.learner").info(
+        "%s: rank %s of %s on %s (local rank %s, CUDA_VISIBLE_DEVICES=%s)", command, env.get("RANK", "0"),
+        env.get("WORLD_SIZE", "1"), socket.gethostname(), env.get("LOCAL_RANK", "0"),
+        env.get("CUDA_VISIBLE_DEVICES", "unset"))
     try:
         if command == "learn":
             from agentrl.learner.loop import learn
 
+            if os.environ.get("RANK", "0") == "0":
+                check_rank0_addresses(cfg)
             reason = learn(cfg)
             code = 0 if reason in ("done", "stopped") else 3
         elif command == "sft":
@@ -58,23 +128,32 @@ def run_here(command: str, cfg: AgentRLConfig) -> int:
     return code
 
 
-def launch(command: str, config: Path | None, overrides: list[str], nproc: int) -> int:
-    """Entry point of the CLI commands: one rank here, or ``nproc`` ranks through torchrun."""
-    from agentrl.learner.loop import resolve_run_dir
-
-    cfg = load_config(config, overrides)
-    if not cfg.run.run_dir:
-        overrides = [*overrides, f'run.run_dir="{resolve_run_dir(cfg)}"']
-        cfg = load_config(config, overrides)
-    if nproc <= 1:
-        return run_here(command, cfg)
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+def torchrun_command(command: str, config: Path | None, overrides: list[str], nproc: int,
+                     nodes: Nodes = Nodes()) -> list[str]:
+    """The torchrun argv that runs ``command`` on ``nproc`` ranks here (one node of ``nodes``)."""
+    argv = [sys.executable, "-m", "torch.distributed.run", *nodes.torchrun_flags(), f"--nproc-per-node={nproc}"]
     argv += ["-m", "agentrl.learner.launch", command]
     if config is not None:
         argv += ["--config", str(config)]
     for item in overrides:
         argv += ["--set", item]
-    proc = subprocess.Popen(argv)
+    return argv
+
+
+def launch(command: str, config: Path | None, overrides: list[str], nproc: int, nodes: Nodes = Nodes()) -> int:
+    """Entry point of the CLI commands: one rank here, or ``nproc`` ranks (per node) through torchrun."""
+    from agentrl.learner.loop import resolve_run_dir
+
+    cfg = load_config(config, overrides)
+    if not cfg.run.run_dir:
+        if nodes.nnodes > 1:
+            raise ValueError(f"{nodes.nnodes} learner nodes must share one run folder: set run.run_dir "
+                             "(on a file system every node sees)")
+        overrides = [*overrides, f'run.run_dir="{resolve_run_dir(cfg)}"']
+        cfg = load_config(config, overrides)
+    if nproc <= 1 and nodes.nnodes == 1:
+        return run_here(command, cfg)
+    proc = subprocess.Popen(torchrun_command(command, config, overrides, nproc, nodes))
 
     def forward(signum: int, frame: object) -> None:
         proc.send_signal(signum)

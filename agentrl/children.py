@@ -1,0 +1,151 @@
+"""What ``agentrl run`` starts: each child's command line and environment.
+
+Pure functions over a planned config (no trio, no torch), so that ``agentrl run --dry-run``
+prints exactly what a run would start, and tests can check every child's argv and
+environment without starting it. :mod:`agentrl.supervisor` runs the :class:`ChildSpec`\s;
+:mod:`agentrl.run` decides when.
+
+* :func:`plan_config` fills in what a run picks at start: the run folder, the policy, engine
+  URLs and ZMQ endpoints on free loopback ports, and the weight group's backend when engines
+  share the learner's GPUs (:mod:`agentrl.placement`).
+* Each child's environment is its placement: ``CUDA_VISIBLE_DEVICES`` with its own GPUs
+  (the learner's ranks, engine *i*'s GPUs) or none (actors, the retrieval server).
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from agentrl.config import AgentRLConfig, dump_toml
+from agentrl.placement import Placement, learner_ranks, weight_group_backend
+
+
+@dataclass
+class ChildSpec:
+    """One child process: its command line, log file, environment, and what its exit means."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)  # added to os.environ
+    critical: bool = False  # its failure ends the run
+    max_restarts: int = 3
+    cwd: str | None = None
+
+
+def resolve_run_dir(cfg: AgentRLConfig, run_dir: str | Path | None) -> Path:
+    if run_dir:
+        return Path(run_dir)
+    if cfg.run.run_dir:
+        return Path(cfg.run.run_dir)
+    return Path("runs") / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _free_port() -> int:
+    from agentrl.engine.launch import free_port
+
+    return free_port("127.0.0.1")
+
+
+def plan_config(cfg: AgentRLConfig, run_dir: Path, policy_path: str, placement: Placement | None = None) -> AgentRLConfig:
+    """The config every child gets: run_dir, policy, engine URLs and ZMQ endpoints filled in (and,
+    when engines share the learner's GPUs, the gloo weight group NCCL cannot give them)."""
+    data = cfg.model_dump()
+    data["run"]["run_dir"] = str(run_dir)
+    data["model"]["path"] = policy_path
+    if not cfg.engine.urls:
+        data["engine"]["urls"] = [f"http://{cfg.engine.host}:{_free_port()}" for _ in range(cfg.engine.num_engines)]
+    if placement is not None:
+        data["engine"]["weight_group_backend"] = weight_group_backend(cfg.engine.weight_group_backend, placement)
+    if cfg.env.kwargs.get("search_url") == "auto":  # this run starts the retrieval server
+        data["env"]["kwargs"]["search_url"] = f"http://127.0.0.1:{_free_port()}"
+    data["actors"]["trajectory_endpoint"] = f"tcp://127.0.0.1:{_free_port()}"
+    data["actors"]["progress_endpoint"] = f"tcp://127.0.0.1:{_free_port()}"
+    return AgentRLConfig.model_validate(data)
+
+
+def policy_path(cfg: AgentRLConfig, run_dir: Path) -> str:
+    """The policy the engines serve: the warm start's export, or ``model.path``."""
+    return str(run_dir / "sft" / "model") if cfg.sft.enabled else cfg.model.path
+
+
+def agentrl_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "agentrl", *args]
+
+
+def write_config(cfg: AgentRLConfig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(dump_toml(cfg))
+    return path
+
+
+# ------------------------------------------------------------------------------ children
+
+
+def engine_specs(cfg: AgentRLConfig, run_dir: Path, placement: Placement,
+                 secret: Callable[[str], str] | None = None) -> list[ChildSpec]:
+    """The engines this run starts (``engine.urls`` of a planned config), each on its own devices. An
+    engine restarted mid-run would have left the weight-update group, so engines are critical."""
+    from agentrl.engine.launch import config_engine_args, engine_command
+
+    extra = config_engine_args(cfg, secret=secret)
+    specs = []
+    for i, url in enumerate(cfg.engine.urls):
+        host, port = url.rsplit("//", 1)[1].rsplit(":", 1)
+        argv = engine_command(cfg.model.path, int(port), backend=cfg.engine.backend, host=host, extra=extra)
+        specs.append(ChildSpec(f"engine{i}", argv, run_dir / "logs" / f"engine{i}.log", env=placement.engine_env(i),
+                               critical=True, max_restarts=0))
+    return specs
+
+
+def learner_spec(cfg: AgentRLConfig, run_dir: Path, placement: Placement) -> ChildSpec:
+    """``agentrl learn`` on the learner's devices (torchrun starts one rank per device)."""
+    return ChildSpec("learner", agentrl_argv("learn", "--config", str(run_dir / "config.toml")),
+                     run_dir / "logs" / "learner.log", env=placement.learner_env(), critical=True, max_restarts=0)
+
+
+def actor_specs(cfg: AgentRLConfig, run_dir: Path, placement: Placement) -> list[ChildSpec]:
+    """``actors.num_processes`` actor processes, no GPU; restarted (what they had in flight is lost)."""
+    n = cfg.actors.num_processes
+    return [ChildSpec(f"actor{i}", agentrl_argv("serve-actors", "--config", str(run_dir / "config.toml"), "--index", str(i),
+                                            "--num-actors", str(n), "--wait-for-learner", "--log-interval-s", "10"),
+                      run_dir / "logs" / f"actor{i}.log", env=placement.cpu_env(), max_restarts=3)
+            for i in range(n)]
+
+
+def child_specs(cfg: AgentRLConfig, run_dir: Path, placement: Placement, *, own_engines: bool,
+                secret: Callable[[str], str] | None = None) -> list[ChildSpec]:
+    """Every long-running child of the RL stage, as ``agentrl run`` starts them (``cfg`` is planned)."""
+    engines = engine_specs(cfg, run_dir, placement, secret) if own_engines else []
+    return [*engines, learner_spec(cfg, run_dir, placement), *actor_specs(cfg, run_dir, placement)]
+
+
+def describe_children(specs: list[ChildSpec]) -> list[str]:
+    """``NAME  CUDA_VISIBLE_DEVICES=...  argv``, one line per child (``--dry-run``)."""
+    lines = []
+    for spec in specs:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in spec.env.items())
+        lines.append(f"{spec.name:<9} {env + '  ' if env else ''}{shlex.join(spec.argv)}")
+    return lines
+
+
+def dry_run_lines(cfg: AgentRLConfig, run_dir: Path, placement: Placement) -> list[str]:
+    """What ``agentrl run --dry-run`` prints after the config: the placement and every child's command."""
+    from agentrl.secrets import read_secret
+
+    def shown(var: str) -> str:  # the variable's name where a key is set: never print a key
+        return f"${var}" if read_secret(var) else ""
+
+    planned = plan_config(cfg, run_dir, policy_path(cfg, run_dir), placement)
+    lines = ["placement (agentrl/placement.py):", *(f"  {line}" for line in placement.describe())]
+    if cfg.sft.enabled:
+        lines.append(f"  warm start (sft): the learner's devices, {learner_ranks(cfg)} rank(s)")
+    lines.append(f"children in {run_dir} (ports are picked again at start):")
+    specs = child_specs(planned, run_dir, placement, own_engines=not cfg.engine.urls, secret=shown)
+    lines += [f"  {line}" for line in describe_children(specs)]
+    return lines

@@ -1,0 +1,247 @@
+"""``agentrl launch``: the SLURM batch script and Kubernetes manifests generated from a run config.
+
+The scripts must pass ``bash -n``; the SLURM script's own logic (node lists, the learner's head,
+the overrides it builds, the per-engine GPU slices) is also run here with stand-ins for ``srun``,
+``scontrol``, ``curl`` and ``python`` on PATH that record what they were asked to start (no
+scheduler or GPU exists on this machine). The manifests must load as YAML with the expected
+objects, ports and environment, and never hold a key's value.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from agentrl.config import load_config
+from tests._learner_helpers import REPO
+
+EXAMPLE = REPO / "examples" / "gpu_sglang" / "config.toml"
+SEARCH = "env.kwargs.search_url=http://search:8001"
+# SGLang 0.5.23 flags the generated files use, checked against sglang/srt/arg_groups/fields/*.py (each
+# field `name` is the flag `--name`): model_path, host, port, tp_size, base_gpu_id, context_length,
+# max_running_requests, weight_version, dtype, mem_fraction_static (api_key, admin_api_key come from a shell)
+SGLANG_FLAGS = {"--model-path", "--host", "--port", "--tp-size", "--base-gpu-id", "--context-length",
+                "--max-running-requests", "--weight-version", "--dtype", "--mem-fraction-static", "--api-key",
+                "--admin-api-key"}
+ROUTER_FLAGS = {"--host", "--port", "--worker-urls", "--policy"}  # sglang_router.launch_router
+
+
+def launch(tmp_path: Path, target: str, *args: str) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path / target
+    env = {**os.environ, "PYTHONPATH": str(REPO), "AGENTRL_ENGINE_API_KEY": "sk-never-in-a-file"}
+    res = subprocess.run([sys.executable, "-m", "agentrl", "launch", str(EXAMPLE),
+                          "--target", target, "-o", str(out), *args], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=120)
+    return res, out
+
+
+def _flags(argv: list[str]) -> set[str]:
+    return {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+
+
+# ------------------------------------------------------------------------------ SLURM
+
+
+def _stub(folder: Path, name: str, body: str) -> None:
+    path = folder / name
+    path.write_text("#!/bin/bash\n" + body + "\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+
+
+def test_slurm_script_and_its_logic(tmp_path):
+    res, out = launch(tmp_path, "slurm", "-s", SEARCH, "-s", "engine.num_engines=5", "-s", "engine.gpus_per_engine=2",
+                      "-s", "learner.gpus=8", "-s", "actors.num_processes=3", "--learner-nodes", "2",
+                      "--gpus-per-node", "8", "--partition", "gpu", "--time", "02:00:00")
+    assert res.returncode == 0, res.stderr
+    sbatch, engines = out / "agentrl.sbatch", out / "engines.sh"
+    assert f"submit: sbatch {sbatch}" in res.stdout
+    for script in (sbatch, engines):
+        check = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert check.returncode == 0, check.stderr
+        assert "sk-never-in-a-file" not in script.read_text()
+    text = sbatch.read_text()
+    for line in ("#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
+                 "#SBATCH --time=02:00:00", "ENGINE_NODES=2", "ENGINES_PER_NODE=4", "NUM_ENGINES=5", "LEARNER_NODES=2"):
+        assert line in text
+    cfg = load_config(out / "config.toml")  # the file every process reads
+    assert Path(cfg.run.run_dir).is_absolute() and cfg.engine.urls == [] and cfg.model.init_size == ""
+
+    # run the batch script with a pretend scheduler: which steps would start, with what
+    bin_dir, log = tmp_path / "bin", tmp_path / "steps.log"
+    bin_dir.mkdir()
+    _stub(bin_dir, "scontrol", 'printf "gpu-b10\\ngpu-b02\\ngpu-a7\\ngpu-a12\\n"')  # engine nodes first, then learner
+    _stub(bin_dir, "curl", "exit 0")
+    _stub(bin_dir, "srun", f'printf "%q " "$@" >> {log}; echo >> {log}')
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu-[a7,a12,b02,b10]",
+           "SLURM_JOB_ID": "77"}
+    run = subprocess.run(["bash", str(sbatch)], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    steps: dict[str, list[list[str]]] = {}  # background steps log in any order: group them by what they start
+    for line in log.read_text().splitlines():
+        step = shlex.split(line)
+        kind = next(a.rsplit("/", 1)[-1] for a in step
+                    if a.endswith("engines.sh") or a in ("sglang_router.launch_router", "serve-actors", "learn"))
+        steps.setdefault(kind, []).append(step)
+    assert {k: len(v) for k, v in steps.items()} == {"engines.sh": 2, "sglang_router.launch_router": 1,
+                                                      "serve-actors": 3, "learn": 1}
+    engine_steps = {next(a for a in s if a.startswith("--nodelist=")): s for s in steps["engines.sh"]}
+    assert engine_steps["--nodelist=gpu-b10"][-1] == "4" and engine_steps["--nodelist=gpu-b02"][-1] == "1"
+    urls = [f"http://gpu-b10:{30000 + j}" for j in range(4)] + ["http://gpu-b02:30000"]
+    (router,) = steps["sglang_router.launch_router"]
+    assert router[router.index("--worker-urls") + 1: router.index("--policy")] == urls
+    assert _flags(router[router.index("sglang_router.launch_router") + 1:]) == ROUTER_FLAGS
+
+    def settings(step: list[str]) -> list[str]:
+        return [step[i + 1] for i, a in enumerate(step) if a == "-s"]
+
+    (learner,) = steps["learn"]
+    assert "--nodes=2" in learner and "--nodelist=gpu-a12,gpu-a7" in learner  # sorted as c10d sorts them
+    argv = learner[learner.index("agentrl"):]
+    assert argv[:10] == ["agentrl", "learn", "--config", str(out / "config.toml"), "--nproc", "8", "--nnodes", "2",
+                         "--rdzv-endpoint", "gpu-a12:29400"]
+    assert argv[10:12] == ["--rdzv-id", "agentrl-77"]
+    learn_cfg = load_config(out / "config.toml", settings(learner))
+    assert learn_cfg.engine.urls == urls and learn_cfg.engine.router_url == "http://gpu-b10:30010"
+    assert learn_cfg.learner.weight_sync_address == "gpu-a12" and learn_cfg.learner.weight_sync_port == 29500
+    assert learn_cfg.actors.trajectory_endpoint == "tcp://0.0.0.0:5557"  # rank 0 binds every interface
+    actor_steps = sorted(steps["serve-actors"], key=lambda s: s[s.index("--index") + 1])
+    for i, step in enumerate(actor_steps):
+        assert "--gres=none" in step and "--overlap" in step
+        argv = step[step.index("agentrl"):]
+        assert argv[argv.index("--index") + 1] == str(i) and argv[argv.index("--num-actors") + 1] == "3"
+        actor_cfg = load_config(out / "config.toml", settings(step))
+        assert actor_cfg.actors.trajectory_endpoint == "tcp://gpu-a12:5557"
+        assert actor_cfg.actors.progress_endpoint == "tcp://gpu-a12:5558" and actor_cfg.engine.urls == urls
+
+
+def test_slurm_engine_node_gives_each_server_its_gpus_and_keys(tmp_path):
+    res, out = launch(tmp_path, "slurm", "-s", SEARCH, "-s", "engine.gpus_per_engine=2", "-s",
+                      "engine.mem_fraction_static=0.85", "-s", "engine.api_key_env=MY_KEY")
+    assert res.returncode == 0, res.stderr
+    bin_dir, log = tmp_path / "bin", tmp_path / "servers.log"
+    bin_dir.mkdir()
+    _stub(bin_dir, "python", f'echo "$CUDA_VISIBLE_DEVICES $*" >> {log}')
+    key_file = tmp_path / "key"
+    key_file.write_text("from-a-file\n")
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CUDA_VISIBLE_DEVICES": "4,5,6,7",
+           "MY_KEY_FILE": str(key_file), "AGENTRL_ENGINE_ADMIN_API_KEY": "adm"}
+    run = subprocess.run(["bash", str(out / "engines.sh"), "2"], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1  # a server that exits ends the node's step
+    lines = sorted(log.read_text().splitlines())
+    assert len(lines) == 2
+    for line, (devices, port) in zip(lines, (("4,5", "30000"), ("6,7", "30001"))):
+        gpus, argv = line.split(" ", 1)
+        argv = shlex.split(argv)
+        assert gpus == devices and argv[:2] == ["-m", "sglang.launch_server"]
+        flags = dict(zip(argv[2::2], argv[3::2]))
+        assert flags["--port"] == port and flags["--tp-size"] == "2" and flags["--base-gpu-id"] == "0"
+        assert flags["--weight-version"] == "0" and flags["--mem-fraction-static"] == "0.85"
+        assert flags["--api-key"] == "from-a-file" and flags["--admin-api-key"] == "adm"
+        assert _flags(argv) <= SGLANG_FLAGS
+    # too few GPUs for the engines it should start: a clear error, nothing started
+    log.unlink()
+    env["CUDA_VISIBLE_DEVICES"] = "0,1,2"
+    run = subprocess.run(["bash", str(out / "engines.sh"), "2"], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "need 4 GPUs; this step sees 3" in run.stderr and not log.exists()
+
+
+# ------------------------------------------------------------------------------ Kubernetes
+
+
+def test_kubernetes_manifests(tmp_path):
+    res, out = launch(tmp_path, "k8s", "-s", "env.kwargs.search_url=http://agentrl-search:8001", "-s",
+                      "engine.num_engines=3", "-s", "engine.gpus_per_engine=2", "-s", "engine.mem_fraction_static=0.8",
+                      "-s", "engine.admin_api_key_env=ADMIN_TOKEN", "--learner-nodes", "2", "--namespace", "rl",
+                      "--image", "registry/agentrl:1")
+    assert res.returncode == 0, res.stderr
+    text = (out / "agentrl.yaml").read_text()
+    assert "sk-never-in-a-file" not in text
+    docs = list(yaml.safe_load_all(text))
+    by_kind = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    assert set(by_kind) == {("ConfigMap", "agentrl-config"), ("Service", "agentrl-engine"),
+                            ("StatefulSet", "agentrl-engine"), ("Service", "agentrl-router"),
+                            ("Deployment", "agentrl-router"), ("Service", "agentrl-learner"),
+                            ("Job", "agentrl-learner"), ("Job", "agentrl-actors")}
+    assert all(d["metadata"]["namespace"] == "rl" for d in docs)
+
+    config_text = by_kind[("ConfigMap", "agentrl-config")]["data"]["config.toml"]
+    (tmp_path / "pod.toml").write_text(config_text)
+    cfg = load_config(tmp_path / "pod.toml")  # the ConfigMap's config, as every pod reads it
+    urls = [f"http://agentrl-engine-{i}.agentrl-engine:30000" for i in range(3)]
+    assert cfg.engine.urls == urls and cfg.engine.router_url == "http://agentrl-router:30010"
+    assert cfg.actors.trajectory_endpoint == "tcp://agentrl-learner-0.agentrl-learner:5557"
+    assert cfg.learner.weight_sync_address == "agentrl-learner-0.agentrl-learner"
+    assert cfg.run.run_dir.startswith("/runs/")
+
+    def container(kind: str, name: str) -> dict:
+        return by_kind[(kind, name)]["spec"]["template"]["spec"]["containers"][0]
+
+    def script(c: dict) -> str:
+        assert c["command"][:2] == ["/bin/bash", "-c"]
+        check = subprocess.run(["bash", "-n"], input=c["command"][2], capture_output=True, text=True)
+        assert check.returncode == 0, check.stderr
+        return c["command"][2]
+
+    def key_env(c: dict) -> dict:
+        return {e["name"]: e["valueFrom"]["secretKeyRef"] for e in c["env"]}
+
+    keys = {"AGENTRL_ENGINE_API_KEY": {"name": "agentrl-engine-keys", "key": "api-key", "optional": True},
+            "ADMIN_TOKEN": {"name": "agentrl-engine-keys", "key": "admin-api-key", "optional": True}}
+    engines = by_kind[("StatefulSet", "agentrl-engine")]
+    assert engines["spec"]["replicas"] == 3 and engines["spec"]["serviceName"] == "agentrl-engine"
+    sglang = container("StatefulSet", "agentrl-engine")
+    assert sglang["image"] == "registry/agentrl:1" and sglang["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert sglang["ports"] == [{"name": "http", "containerPort": 30000}] and key_env(sglang) == keys
+    engine_argv = shlex.split(script(sglang).rsplit("exec ", 1)[1].split(" ${KEYS")[0])
+    assert engine_argv[:3] == ["python", "-m", "sglang.launch_server"] and _flags(engine_argv) <= SGLANG_FLAGS
+    flags = dict(zip(engine_argv[3::2], engine_argv[4::2]))
+    assert flags["--tp-size"] == "2" and flags["--weight-version"] == "0" and flags["--host"] == "0.0.0.0"
+    assert flags["--mem-fraction-static"] == "0.8" and '--admin-api-key "$key"' in script(sglang)
+    assert by_kind[("Service", "agentrl-engine")]["spec"]["clusterIP"] == "None"
+
+    router = container("Deployment", "agentrl-router")
+    assert router["command"][:3] == ["python", "-m", "sglang_router.launch_router"]
+    assert _flags(router["command"]) == ROUTER_FLAGS
+    assert router["command"][router["command"].index("--worker-urls") + 1:][:3] == urls
+    assert by_kind[("Service", "agentrl-router")]["spec"]["ports"][0]["port"] == 30010
+
+    learner_job = by_kind[("Job", "agentrl-learner")]["spec"]
+    assert learner_job["completionMode"] == "Indexed" and learner_job["completions"] == learner_job["parallelism"] == 2
+    assert learner_job["template"]["spec"]["subdomain"] == "agentrl-learner"
+    learner = container("Job", "agentrl-learner")
+    assert learner["resources"]["limits"]["nvidia.com/gpu"] == 4 and key_env(learner) == keys
+    learn = shlex.split(script(learner).removeprefix("exec "))
+    assert learn[:4] == ["agentrl", "learn", "--config", "/etc/agentrl/config.toml"]
+    assert learn[learn.index("--nnodes") + 1] == "2"
+    assert learn[learn.index("--rdzv-endpoint") + 1] == "agentrl-learner-0.agentrl-learner:29400"
+    assert learn[learn.index("--local-addr") + 1] == "$(hostname).agentrl-learner"
+    assert "actors.trajectory_endpoint=tcp://0.0.0.0:5557" in learn
+    service_ports = {p["name"]: p["port"] for p in by_kind[("Service", "agentrl-learner")]["spec"]["ports"]}
+    assert service_ports == {"rdzv": 29400, "weight-sync": 29500, "trajectories": 5557, "progress": 5558}
+
+    actors = by_kind[("Job", "agentrl-actors")]["spec"]
+    assert actors["completionMode"] == "Indexed" and actors["completions"] == 4
+    actor = container("Job", "agentrl-actors")
+    assert "resources" not in actor and key_env(actor) == keys
+    serve = shlex.split(script(actor).removeprefix("exec "))
+    assert serve[:2] == ["agentrl", "serve-actors"] and serve[serve.index("--index") + 1] == "$JOB_COMPLETION_INDEX"
+
+
+def test_launch_refuses_what_a_cluster_cannot_run(tmp_path):
+    res, _ = launch(tmp_path, "slurm")
+    assert res.returncode == 2 and "search_url = 'auto'" in res.stderr
+    res, _ = launch(tmp_path, "slurm", "-s", SEARCH, "-s", "engine.backend=embedded", "-s", "engine.gpus_per_engine=1")
+    assert res.returncode == 2 and "set engine.backend = 'sglang'" in res.stderr
+    res, _ = launch(tmp_path, "k8s", "-s", SEARCH, "-s", "model.path=models/m")
+    assert res.returncode == 2 and "model.path must be an absolute path" in res.stderr
+    res, _ = launch(tmp_path, "slurm", "-s", SEARCH, "-s", "engine.gpus_per_engine=4", "--gpus-per-node", "2")
+    assert res.returncode == 2 and "exceeds the 2 GPUs of a node" in res.stderr
+    res, _ = launch(tmp_path, "pbs", "-s", SEARCH)
+    assert res.returncode == 2 and "unknown target 'pbs'" in res.stderr
+
