@@ -20,7 +20,8 @@ Where the groups go is found once per process (:func:`find_cgroups`):
 
 A run's group, ``<base>/run-<pid>-<n>``, is created before the run, its first process is
 moved in before it can fork (the caller holds it at a gate), and afterwards every process
-still in it is SIGKILLed and the group removed.
+still in it is SIGKILLed and the group removed. Groups left by a process that died mid-run
+are removed the next time a process looks for the layout.
 """
 
 from __future__ import annotations
@@ -113,6 +114,7 @@ def find_cgroups() -> CgroupLayout | str:
         try:
             base = _enable_v2(mount)
             _probe([base], 2)
+            _remove_stale([base])
             return CgroupLayout(2, base, base)
         except OSError as e:
             reasons.append(f"cgroup v2 at {mount}: {e}")
@@ -124,12 +126,28 @@ def find_cgroups() -> CgroupLayout | str:
                 for base in candidates:
                     base.mkdir(exist_ok=True)
                 _probe(candidates, 1)
+                _remove_stale(candidates)
                 return CgroupLayout(1, candidates[0], candidates[1])
             except OSError as e:
                 reasons.append(f"cgroup v1 under {candidates[0].parent}: {e}")
     elif not reasons:
         reasons.append("no cgroup v2 or v1 memory and pids hierarchies are mounted")
     return "; ".join(reasons)
+
+
+def _remove_stale(bases: list[Path]) -> None:
+    """Remove the (empty) run groups that processes which died mid-run left behind."""
+    for base in dict.fromkeys(bases):
+        for group in base.glob("run-*-*"):
+            try:
+                os.kill(int(group.name.split("-")[1]), 0)
+            except ProcessLookupError:
+                try:
+                    group.rmdir()
+                except OSError:
+                    pass
+            except (OSError, ValueError):
+                pass
 
 
 def _write_limits(dirs: list[Path], version: int, memory_bytes: int, max_pids: int) -> None:

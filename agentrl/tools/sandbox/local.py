@@ -32,9 +32,10 @@ What holds in aggregate, and where (``limits`` says which applies):
   As a normal user, ``RLIMIT_NPROC`` counts all of that user's processes.
 
 ``/work`` is capped at ``work_mb`` (and 16384 files) either way: when agentrl is root, a
-tmpfs mounted on the host for this sandbox (it persists across the runs of an episode and is
-emptied by :meth:`reset`); otherwise a tmpfs of bwrap's own for each run, so files do not
-persist from one run to the next. ``prlimit`` also sets CPU, file size, open files and no
+tmpfs mounted on the host for this sandbox (it persists across the runs of an episode, is
+emptied by :meth:`reset`, unmounted by :meth:`close`, and unmounted by the next agentrl
+process if this one died first); otherwise a tmpfs of bwrap's own for each run, so files do
+not persist from one run to the next. ``prlimit`` also sets CPU, file size, open files and no
 core dumps; the runner sets the exact per-process limits on the code and enforces the
 wall-clock limit; the host ends the run if it outlives ``wall_time_s + 5 s``.
 
@@ -46,6 +47,7 @@ leave its child to be reparented to pid 1, which may never reap it.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -101,6 +103,23 @@ def _mount_work(path: Path, size_mb: int, uid: int) -> bool:
     return done.returncode == 0
 
 
+@functools.lru_cache(maxsize=1)
+def _remove_stale_roots() -> None:
+    """Unmount and delete the sandbox folders of agentrl processes that died without closing
+    them (their pid is in the folder's name); once per process."""
+    prefix = os.path.join(tempfile.gettempdir(), "agentrl-sandbox-")
+    for line in Path("/proc/mounts").read_text().splitlines():
+        fields = line.split()
+        if len(fields) > 1 and fields[0] == "agentrl-work" and fields[1].startswith(prefix):
+            root = os.path.dirname(fields[1])
+            try:
+                os.kill(int(root[len(prefix):].split("-")[0]), 0)
+            except ProcessLookupError:
+                _remove_root(root, True)
+            except (OSError, ValueError):
+                pass
+
+
 def _remove_root(root: str, work_mounted: bool) -> None:
     if work_mounted:
         subprocess.run(["umount", "--lazy", os.path.join(root, "work")], capture_output=True, check=False)
@@ -136,7 +155,9 @@ class LocalSandbox(Sandbox):
             raise RuntimeError(f"the local sandbox cannot run: {reason}")
         self.settings = settings
         self.python, self.extra_binds = _python_inside(settings)
-        self.root = Path(tempfile.mkdtemp(prefix="agentrl-sandbox-"))
+        if os.geteuid() == 0:
+            _remove_stale_roots()
+        self.root = Path(tempfile.mkdtemp(prefix=f"agentrl-sandbox-{os.getpid()}-"))
         self.workdir = self.root / "work"
         self.ctl = self.root / "ctl"
         self.workdir.mkdir()
