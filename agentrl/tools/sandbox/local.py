@@ -1,10 +1,11 @@
 """The ``local`` backend: bubblewrap, an unprivileged uid, a cgroup per run and rlimits.
 
-Each run starts ``prlimit ... bwrap ... python3 -I runner.py payload.json`` (about 0.05 s):
+Each run starts ``[sh gate] prlimit ... bwrap ... python3 -I runner.py payload.json``
+(about 0.1 s on the 2-core dev machine, ``bench/sandbox.py``):
 
 * bwrap ``--unshare-all``: new user, pid, network (loopback only, down), ipc, uts and cgroup
   namespaces, so the code sees no network and no host processes; ``--die-with-parent`` and
-  the pid namespace end every process of the run when it ends.
+  the pid namespace end every process of the run when it ends (see the end).
 * Filesystem: the host's ``/usr`` (and ``/bin``, ``/lib*``, ``/sbin`` as on the host)
   read-only, private ``/tmp`` and ``/dev/shm`` tmpfs of ``tmpfs_mb`` each, a minimal ``/dev``
   and ``/proc``, and ``/work`` of ``work_mb``; bwrap's own root and ``/dev`` (tmpfs without a
@@ -22,9 +23,9 @@ What holds in aggregate, and where (``limits`` says which applies):
   see ``cgroups.py``): every run is in a group of its own whose memory limit is
   ``SandboxSettings.total_memory_mb`` (``memory_mb`` + 64 MB for bwrap and the runner + the
   tmpfs sizes, whose pages count as memory; no swap) and whose process limit is
-  ``max_processes`` + 8, for the sum of everything the run starts. The run's first process waits at a gate (``sh`` reading a line) until the host has
-  moved it into the group, so nothing is forked outside. A kernel OOM kill in the group is
-  reported as the memory limit.
+  ``max_processes`` + 8, for the sum of everything the run starts. The run's first process
+  waits at a gate (``sh`` reading a line) until the host has moved it into the group, so
+  nothing is forked outside. A kernel OOM kill in the group is reported as the memory limit.
 * ``rlimits`` (no cgroup): ``prlimit`` limits the whole run to ``max_processes`` + 8
   processes of the sandbox's uid (``RLIMIT_NPROC``) and each process to ``memory_mb`` +
   256 MB of address space (the runner gives the code ``memory_mb``), so the total is bounded
@@ -39,10 +40,14 @@ not persist from one run to the next. ``prlimit`` also sets CPU, file size, open
 core dumps; the runner sets the exact per-process limits on the code and enforces the
 wall-clock limit; the host ends the run if it outlives ``wall_time_s + 5 s``.
 
-Ending a run reaps everything: the host kills bwrap's child (the init of the run's pid
-namespace; the kernel then kills and reaps the whole namespace), waits for bwrap to exit
-and reaps it, and only then kills whatever is left in the cgroup. Killing bwrap first would
-leave its child to be reparented to pid 1, which may never reap it.
+Every process is reaped by its parent, none is left to the host's pid 1 (which may never
+reap it): bwrap runs ``--as-pid-1``, so the runner is the init of the run's pid namespace
+(it reaps the orphans of the code, and signals from inside the namespace cannot kill it),
+instead of an init of bwrap's own that exits after bwrap has reported and so became a
+zombie of pid 1 on every run. A run that overstays is ended innermost first: the host kills
+bwrap's child (the runner; the kernel then kills and reaps the whole namespace), waits for
+bwrap to exit and reaps it, and only then kills whatever is left in the cgroup; killing
+bwrap first would orphan its child.
 """
 
 from __future__ import annotations
@@ -258,7 +263,8 @@ class LocalSandbox(Sandbox):
             path.unlink(missing_ok=True)
             if group:
                 oom_kills = group.oom_kills()
-                await trio.to_thread.run_sync(group.destroy)
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(group.destroy)
         if timed_out:
             return ExecResult(exit_code=None, limit="wall_time")
         result = parse_report(out.decode(errors="replace"), err.decode(errors="replace"))
@@ -283,7 +289,7 @@ class LocalSandbox(Sandbox):
 async def _end(proc: trio.Process) -> None:
     """Kill and reap a run that is still going, innermost first (see the module docstring)."""
     if proc.returncode is None:
-        for child in _children(proc.pid):  # bwrap's child: the init of the run's pid namespace
+        for child in _children(proc.pid):  # bwrap's child: the runner, pid 1 of the run's namespace
             try:
                 os.kill(child, signal.SIGKILL)
             except OSError:

@@ -47,6 +47,9 @@ import time
 import traceback
 
 MARKER = "__AGENTRL_RESULT__"
+# Where a container sees its own memory cgroup (v2, v1): its OOM kills read as the memory limit.
+OOM_FILES = ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control")
+
 
 def _make_undumpable():
     """PR_SET_DUMPABLE 0: processes of the same uid can no longer ptrace this one or open its
@@ -74,6 +77,19 @@ def _limits(payload):
             resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
 
     return apply
+
+
+def _oom_kills():
+    """How many processes the kernel has OOM-killed in this container's cgroup (0 if unknown)."""
+    for path in OOM_FILES:
+        try:
+            with open(path) as f:
+                for line in f:
+                    if line.startswith("oom_kill "):
+                        return int(line.split()[1])
+        except (OSError, ValueError):
+            pass
+    return 0
 
 
 def _stat(pid):
@@ -162,6 +178,7 @@ def run(payload):
     max_out = int(payload.get("max_output_bytes", 16000))
     wall = float(payload.get("wall_time_s", 10))
     out, err = _memfile("stdout"), _memfile("stderr")
+    oom_kills = _oom_kills()
     start = time.monotonic()
     timed_out = False
     try:
@@ -190,7 +207,7 @@ def run(payload):
         limit = "cpu_time"
     elif code == -signal.SIGXFSZ or "[Errno 27] File too large" in stderr:
         limit = "file_size"
-    elif "MemoryError" in stderr[-2000:]:
+    elif "MemoryError" in stderr[-2000:] or _oom_kills() > oom_kills:
         limit = "memory"
     elif "BlockingIOError: [Errno 11]" in stderr or "Resource temporarily unavailable" in stderr:
         limit = "processes"
