@@ -13,8 +13,9 @@ process that gets only that test's arguments and writes ``json.dumps`` of the re
 to a pipe of its own (every other process of the sandbox is killed between tests, so no call
 can write into another's pipe). The expected values never enter the sandbox: this process
 parses each returned JSON text and compares it with the expected value as canonical JSON
-(:func:`same_value`), so ``1`` does not pass for ``True`` nor ``1.0`` for ``1``, and an object
-that claims to equal everything cannot even be serialised. ``passed`` counts this env's own
+(:func:`same_value`), so ``1`` does not pass for ``True`` nor ``1.0`` for ``1`` (a tuple does
+pass for a list: JSON has one array), and an object that claims to equal everything cannot
+even be serialised. ``passed`` counts this env's own
 tests, so it never exceeds ``total``. What the answer prints, how it exits, what it patches
 (builtins, ``json``, ``sys``) or forges (report lines, other files, the runner's output) only
 changes what that one call returns; a call that raises, runs out of time or memory, or
