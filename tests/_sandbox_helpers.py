@@ -150,9 +150,9 @@ print("left a sleeper behind")
 MEMORY_SPREAD = """
 import os, select, time
 N, MB = 8, 80
-r, w = os.pipe()
 kids = []
-for i in range(N):
+for i in range(N):  # one after the other: each child allocates (or dies) before the next starts
+    r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(r)
@@ -160,20 +160,15 @@ for i in range(N):
             block = b"x" * (MB << 20)  # every page touched
         except MemoryError:
             os._exit(1)
-        os.write(w, bytes([i]))
+        os.write(w, b"+")
         time.sleep(30)
         os._exit(0)
+    os.close(w)
+    select.select([r], [], [], 2.0)  # its byte, or EOF when it died
+    os.close(r)
     kids.append(pid)
-os.close(w)
-holding, dead, end = set(), set(), time.monotonic() + 2.5
-while len(holding | dead) < N and time.monotonic() < end:  # every child allocated or died
-    if select.select([r], [], [], 0.05)[0]:
-        holding.update(os.read(r, 64))
-    for i, pid in enumerate(kids):
-        if i not in dead and os.waitpid(pid, os.WNOHANG)[0]:
-            dead.add(i)
 time.sleep(0.5)  # let the kernel finish the kills it has begun
-print("held", sum(1 for i in holding if not os.waitpid(kids[i], os.WNOHANG)[0]))
+print("held", sum(1 for pid in kids if not os.waitpid(pid, os.WNOHANG)[0]))
 """
 
 DISK_FILL = """

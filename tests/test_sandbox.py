@@ -99,7 +99,8 @@ def test_every_run_gets_a_cgroup_that_is_removed_after(sandbox):
     layout = sandbox.cgroups
     assert not list(layout.memory_base.glob(f"run-{os.getpid()}-*"))
     assert not list(layout.pids_base.glob(f"run-{os.getpid()}-*"))
-    oom = run(sandbox, MEMORY_SPREAD)  # the kernel's OOM kills inside the group read as the memory limit
+    with changed_settings(sandbox, wall_time_s=15):
+        oom = run(sandbox, MEMORY_SPREAD)  # the kernel's OOM kills inside the group read as the memory limit
     assert oom.limit == "memory" and int(oom.stdout.split()[1]) * 80 <= SETTINGS.total_memory_mb
 
 
@@ -112,7 +113,8 @@ def test_rlimits_fallback_still_bounds_a_run(fresh):
     counted = run(fresh, COUNT_FORKS)
     assert 0 < int(counted.stdout.split()[1]) < SETTINGS.max_processes
     assert run(fresh, ALLOCATE).limit == "memory"
-    spread = int(run(fresh, MEMORY_SPREAD).stdout.split()[1])  # the total is bounded only by the product
+    with changed_settings(fresh, wall_time_s=15):
+        spread = int(run(fresh, MEMORY_SPREAD).stdout.split()[1])  # the total is bounded only by the product
     assert spread * 80 <= (SETTINGS.max_processes + 8) * (SETTINGS.memory_mb + 256)
 
 
