@@ -66,13 +66,13 @@ class SandboxSettings:
         return settings
 
     def payload(self, action: str = "run", code: str = "", files: dict[str, str] | None = None,
-                stdin: str = "", workdir: str = "/work", max_processes: int | None = None,
-                sweep_uid: bool = False, function: str = "", calls: list[list[Any]] | None = None) -> dict[str, Any]:
+                stdin: str = "", workdir: str = "/work", sweep_uid: bool = False, function: str = "",
+                calls: list[list[Any]] | None = None) -> dict[str, Any]:
         """The runner's input for one invocation."""
         return {
             "action": action, "code": code, "files": files or {}, "stdin": stdin, "workdir": workdir,
             "cpu_time_s": self.cpu_time_s, "wall_time_s": self.wall_time_s, "memory_mb": self.memory_mb,
-            "max_processes": self.max_processes if max_processes is None else max_processes,
+            "max_processes": self.max_processes,
             "max_output_bytes": 4 * self.max_output_chars, "max_file_bytes": self.max_file_mb << 20,
             "sweep_uid": sweep_uid, "function": function, "calls": calls or [],
         }
@@ -198,12 +198,10 @@ def runner_source() -> str:
 
 class Sandbox(abc.ABC):
     """One sandbox; used by one episode at a time. Backends implement ``execute``, ``reset``
-    and ``close``, and set ``work_path`` (the work directory inside) and ``run_max_processes``
-    (the runner's own process limit; 0 where the backend bounds processes otherwise)."""
+    and ``close``, and set ``work_path`` where the work directory inside is not ``/work``."""
 
     settings: SandboxSettings
     work_path: str = "/work"
-    run_max_processes: int | None = None  # None: settings.max_processes
 
     @abc.abstractmethod
     async def execute(self, payload: dict[str, Any]) -> ExecResult:
@@ -211,14 +209,12 @@ class Sandbox(abc.ABC):
 
     async def run(self, code: str, *, files: dict[str, str] | None = None, stdin: str = "") -> ExecResult:
         """Run ``code`` with Python inside the sandbox, within the settings' limits."""
-        return await self.execute(self.settings.payload("run", code, files, stdin, workdir=self.work_path,
-                                                        max_processes=self.run_max_processes))
+        return await self.execute(self.settings.payload("run", code, files, stdin, workdir=self.work_path))
 
     async def call_function(self, source: str, function: str, arg_lists: list[list[Any]]) -> list[CallResult]:
         """Call ``function`` (defined by ``source``) on each argument list, each call in a fresh
         process in this sandbox, all within one ``wall_time_s``; one :class:`CallResult` per call."""
-        payload = self.settings.payload("calls", source, workdir=self.work_path, sweep_uid=True,
-                                        max_processes=self.run_max_processes, function=function,
+        payload = self.settings.payload("calls", source, workdir=self.work_path, sweep_uid=True, function=function,
                                         calls=[list(args) for args in arg_lists])
         return parse_calls(await self.execute(payload), len(arg_lists))
 

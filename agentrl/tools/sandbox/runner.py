@@ -8,7 +8,7 @@ cannot open its ``/proc/<pid>/fd`` or ``mem`` files, or ptrace it.
 
 Payload keys: ``action`` ("run", "calls" or "reset"), ``code``, ``files`` ({relative path:
 text}), ``stdin``, ``workdir``, ``cpu_time_s``, ``wall_time_s``, ``memory_mb``,
-``max_processes`` (0: not set here), ``max_output_bytes``, ``max_file_bytes``,
+``max_processes``, ``max_output_bytes``, ``max_file_bytes``,
 ``sweep_uid``, and for "calls" ``function`` and ``calls`` (a list of argument lists).
 
 "run": write ``files`` and the code (as ``main.py``) into ``workdir``, start
