@@ -1,4 +1,7 @@
-"""The code env: hidden unit tests graded in a real (bubblewrap) sandbox, and its episode flow."""
+"""The code env: tasks, and its episode flow with a real (bubblewrap) sandbox.
+
+The grader against forging answers, on both backends: ``test_code_grading.py``.
+"""
 
 from __future__ import annotations
 
@@ -74,25 +77,6 @@ def test_episode_with_the_python_tool_and_grading(env):
     assert 0.0 <= wrong["tests_passed"] < 1.0
     assert missing == {"tests_passed": 0.0}
     assert "sandbox" not in state and len(env.pool._idle) == 1
-
-
-@pytest.mark.parametrize("body, expected", [
-    ("def {f}(*a):\n    while True:\n        pass", 0.0),  # loops until the limits stop it
-    ("import sys\ndef {f}(*a):\n    sys.exit(0)", 0.0),  # exiting does not fake a pass
-    ("print('__agentrl_grade_0__' + '{{\"passed\": 6, \"total\": 6}}')\ndef {f}(*a):\n    return None", 0.0),
-    ("raise RuntimeError('at import')", 0.0),
-    ("def {f}(x):\n    return 1 if x % {k} == 0 else 0", 0.0),  # 1 is not True: types must match
-])
-def test_grading_resists_bad_answers(env, body, expected):
-    task = next(t for t in env.tasks("train") if t.data["family"] == "is_multiple")
-    k = task.data["reference"].split("% ")[1].split(" ")[0]
-
-    async def main():
-        async with env.pool.session() as sandbox:
-            return await env.reward(task, {"sandbox": sandbox},
-                                    answer(env, task, "```python\n" + body.format(f="is_multiple", k=k) + "\n```"))
-
-    assert trio.run(main) == {"tests_passed": expected}
 
 
 def test_files_left_by_the_agent_cannot_shadow_the_grader(env):

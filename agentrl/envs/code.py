@@ -6,14 +6,20 @@ limited to the range -7 to 12."), each with a reference solution; the hidden tes
 code, run in this process, never the model's). The agent has the ``python`` tool to try code
 in its sandbox and ends with the function in a fenced ```python block.
 
-Grading runs in the episode's sandbox after :meth:`Sandbox.reset` (so files the agent left
-cannot shadow anything): a harness ``exec``s the answer, calls the function on each hidden
-input (results must equal the expected value and have its type, so ``1`` does not pass for
-``True``), and prints ``passed/total`` after a random nonce. Whatever the answer prints is
-captured away from the report; a test that raises fails, and an answer that runs past the
-sandbox's time limit scores zero.
-The nonce stops an answer from printing a fake report; it is not a defence against code that
-inspects the harness's own frame.
+Grading keeps the grader out of the policy's reach: the answer and the judgement never share
+an interpreter, a file or a channel. In the episode's sandbox, after :meth:`Sandbox.reset`,
+:meth:`Sandbox.call_function` runs the answer once per hidden test, each time in a fresh
+process that gets only that test's arguments and writes ``json.dumps`` of the return value
+to a pipe of its own (every other process of the sandbox is killed between tests, so no call
+can write into another's pipe). The expected values never enter the sandbox: this process
+parses each returned JSON text and compares it with the expected value as canonical JSON
+(:func:`same_value`), so ``1`` does not pass for ``True`` nor ``1.0`` for ``1`` (a tuple does
+pass for a list: JSON has one array), and an object that claims to equal everything cannot
+even be serialised. ``passed`` counts this env's own
+tests, so it never exceeds ``total``. What the answer prints, how it exits, what it patches
+(builtins, ``json``, ``sys``) or forges (report lines, other files, the runner's output) only
+changes what that one call returns; a call that raises, runs out of time or memory, or
+returns nothing fails.
 
 Reward: ``{"tests_passed": passed / total}``; success means all passed. Splits by the SHA-1
 of the prompt, as in the calculator env. Demonstrations: one ``python`` call that defines
@@ -26,7 +32,6 @@ import hashlib
 import json
 import random
 import re
-import secrets
 from typing import Any, Callable, Iterator
 
 from agentrl.envs.base import Message, Task
@@ -92,36 +97,32 @@ FAMILIES: dict[str, tuple[Callable, str, str, str, Callable]] = {
 
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.S)
 
-HARNESS = """\
-import contextlib, io, json, sys
-_tests = json.loads({tests!r})
-_passed, _error, _f = 0, "", None
-_sink = io.StringIO()
-with contextlib.redirect_stdout(_sink), contextlib.redirect_stderr(_sink):
-    _ns = {{"__name__": "solution"}}
-    try:
-        exec(compile({source!r}, "solution.py", "exec"), _ns)
-        _f = _ns[{name!r}]
-    except BaseException as _e:
-        _error = type(_e).__name__ + ": " + str(_e)[:200]
-    if _f is not None:
-        for _args, _expected in _tests:
-            try:
-                _got = _f(*_args)
-                if type(_got) is type(_expected) and _got == _expected:
-                    _passed += 1
-            except BaseException:
-                pass
-sys.__stdout__.write({nonce!r} + json.dumps({{"passed": _passed, "total": len(_tests), "error": _error}}) + "\\n")
-"""
-
-
 def extract_code(text: str) -> str | None:
     """The last fenced code block of an answer, or the answer itself if it defines a function."""
     blocks = _FENCE.findall(text)
     if blocks:
         return blocks[-1]
     return text if "def " in text else None
+
+
+def canonical_json(value: Any) -> str:
+    """The one JSON text of ``value``: sorted keys, no NaN or infinity (ValueError)."""
+    return json.dumps(value, sort_keys=True, allow_nan=False, separators=(",", ":"))
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def same_value(returned: str | None, expected: Any) -> bool:
+    """Whether the JSON text a call returned is the expected value, type for type."""
+    if returned is None:
+        return False
+    try:
+        value = json.loads(returned, parse_constant=_no_constants)
+        return canonical_json(value) == canonical_json(expected)
+    except (ValueError, RecursionError):
+        return False
 
 
 def _bucket(text: str) -> float:
@@ -163,6 +164,8 @@ class CodeEnv(SandboxedEnv):
         exec(reference, namespace)  # our own reference solution, never model output
         inputs = [make_args(rng, params) for _ in range(self.num_tests + 1)]
         tests = [[args, namespace[func](*args)] for args in inputs]
+        for args, expected in tests:
+            canonical_json([args, expected])  # every test must cross the sandbox as JSON
         task_id = "code-" + hashlib.sha1(prompt.encode()).hexdigest()[:12]
         return Task(id=task_id, data={"family": family, "prompt": prompt, "function": func,
                                       "reference": reference, "tests": tests[1:], "example": tests[0][0]})
@@ -209,20 +212,11 @@ class CodeEnv(SandboxedEnv):
 
     async def grade(self, sandbox: Any, task: Task, source: str) -> tuple[int, int]:
         """Run the hidden tests on ``source`` in ``sandbox``; returns (passed, total)."""
-        total = len(task.data["tests"])
+        tests = task.data["tests"]
         await sandbox.reset()
-        nonce = "__agentrl_grade_" + secrets.token_hex(8) + "__"
-        harness = HARNESS.format(tests=json.dumps(task.data["tests"]), source=source,
-                                 name=task.data["function"], nonce=nonce)
-        result = await sandbox.run(harness)
-        idx = result.stdout.rfind(nonce)
-        if idx < 0:
-            return 0, total
-        try:
-            report = json.loads(result.stdout[idx + len(nonce):].splitlines()[0])
-            return int(report["passed"]), total
-        except (ValueError, KeyError, IndexError):
-            return 0, total
+        results = await sandbox.call_function(source, task.data["function"], [args for args, _ in tests])
+        passed = sum(same_value(result.value, expected) for result, (_, expected) in zip(results, tests))
+        return passed, len(tests)
 
     def demonstration(self, task: Task) -> list[Message]:
         func, example = task.data["function"], task.data["example"]

@@ -6,8 +6,9 @@
 # first python3 on PATH) into a minimal root filesystem: the interpreter, its standard
 # library (without site-packages, tests, tkinter, idlelib), and the shared libraries that
 # `ldd` lists for the interpreter and its extension modules. `docker import` turns that into
-# an image (about 50 MB, a few seconds). The sandbox only needs `python3` on PATH and a
-# writable /work: the docker backend copies its runner into the container for every run.
+# an image (about 50 MB, a few seconds). The sandbox only needs `python3` on PATH and the
+# mount points /work and /tmp (tmpfs at run time; the root is read-only): the docker backend
+# sends its runner with every run.
 # With a registry at hand, `docker build -t agentrl-python sandboxes/python` does the same
 # from the Dockerfile next to this script.
 set -euo pipefail

@@ -7,7 +7,13 @@ next episode. All three backends run the same stdlib-only runner script
 (``agentrl/tools/sandbox/runner.py``) inside the sandbox, which applies the per-run limits
 (CPU time, address space, file size, processes, wall time) and reports what happened as
 JSON, so limits and reports read the same everywhere; each backend adds its own outer wall
-(namespaces, cgroups, a VM).
+(namespaces, cgroups, a VM) and implements :meth:`Sandbox.execute` (one runner payload in,
+its report out); ``run`` and ``call_function`` are built on it here.
+
+:meth:`Sandbox.call_function` is for graders: it calls a function defined by untrusted
+source on each argument list, each call in a fresh process, and returns what each call
+returned as JSON text (:class:`CallResult`). It never sees expected values: the caller
+compares, outside the sandbox (see ``agentrl/envs/code.py``).
 
 :class:`SandboxSettings` mirrors the ``[sandbox]`` config section plus backend details.
 """
@@ -15,8 +21,8 @@ JSON, so limits and reports read the same everywhere; each backend adds its own 
 from __future__ import annotations
 
 import abc
-
 import json
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -37,8 +43,10 @@ class SandboxSettings:
     max_processes: int = 32
     max_output_chars: int = 4000
     max_file_mb: int = 16  # largest file (and stdout/stderr) a run may write
-    tmpfs_mb: int = 64  # size of the private /tmp (local backend)
-    uid_base: int = 61000  # local backend, when run as root: sandboxes run as uid_base + n
+    max_open_files: int = 256  # RLIMIT_NOFILE of everything in the sandbox
+    tmpfs_mb: int = 64  # size of the private /tmp
+    work_mb: int = 64  # size of /work (a tmpfs; see the backends for where it lives)
+    uid_base: int = 61000  # when agentrl is root (local) and always (docker): sandboxes run as uid_base + n
     python: str = ""  # local backend: interpreter inside the sandbox; empty = /usr/bin/python3
     docker_host: str = ""  # empty: DOCKER_HOST or the default socket
     cpus: float = 1.0  # docker: CPU share of a container
@@ -58,16 +66,28 @@ class SandboxSettings:
         return settings
 
     def payload(self, action: str = "run", code: str = "", files: dict[str, str] | None = None,
-                stdin: str = "", workdir: str = "/work", max_processes: int | None = None,
-                sweep_uid: bool = False) -> dict[str, Any]:
-        """The runner's input for one call."""
+                stdin: str = "", workdir: str = "/work", sweep_uid: bool = False, function: str = "",
+                calls: list[list[Any]] | None = None) -> dict[str, Any]:
+        """The runner's input for one invocation."""
         return {
             "action": action, "code": code, "files": files or {}, "stdin": stdin, "workdir": workdir,
             "cpu_time_s": self.cpu_time_s, "wall_time_s": self.wall_time_s, "memory_mb": self.memory_mb,
-            "max_processes": self.max_processes if max_processes is None else max_processes,
+            "max_processes": self.max_processes,
             "max_output_bytes": 4 * self.max_output_chars, "max_file_bytes": self.max_file_mb << 20,
-            "sweep_uid": sweep_uid,
+            "sweep_uid": sweep_uid, "function": function, "calls": calls or [],
         }
+
+    @property
+    def total_memory_mb(self) -> int:
+        """What one run may hold in all (local cgroup, docker container): ``memory_mb`` for the
+        code, 64 MB for the runner, and the tmpfs it can fill (/tmp, /dev/shm, /work), whose
+        pages count as memory; so files never eat into the code's share."""
+        return self.memory_mb + 64 + 2 * self.tmpfs_mb + self.work_mb
+
+    def sandbox_uid(self, slot: int) -> int:
+        """The unprivileged uid of sandbox ``slot`` of this process: its own, so that
+        ``RLIMIT_NPROC`` (counted per uid on the whole host) bounds this sandbox alone."""
+        return self.uid_base + (os.getpid() * 64 + slot) % 100_000
 
 
 _LIMIT_TEXT = {
@@ -125,6 +145,30 @@ class ExecResult:
         return text or "(no output)"
 
 
+@dataclass
+class CallResult:
+    """One call of :meth:`Sandbox.call_function`: the JSON text of the return value, or why not."""
+
+    value: str | None = None  # json.dumps of what the function returned, as the sandbox wrote it
+    error: str = ""
+
+
+def parse_calls(result: ExecResult, count: int) -> list[CallResult]:
+    """The ``count`` call results of a "calls" report; every call failed if the report is
+    missing, malformed or of another length (whatever the sandbox wrote, never more)."""
+    reported = result.extra.get("calls")
+    if result.error or not isinstance(reported, list) or len(reported) != count:
+        why = result.error or (f"stopped: {result.limit}" if result.limit else "no valid report of the calls")
+        return [CallResult(error=why) for _ in range(count)]
+    calls = []
+    for item in reported:
+        value = item.get("value") if isinstance(item, dict) else None
+        error = item.get("error") if isinstance(item, dict) else None
+        calls.append(CallResult(value=value if isinstance(value, str) else None,
+                                error=str(error)[:300] if error else ("" if isinstance(value, str) else "no result")))
+    return calls
+
+
 def parse_report(stdout: str, stderr: str = "") -> ExecResult:
     """Decode the runner's report from its stdout (the line after the marker)."""
     idx = stdout.rfind(MARKER)
@@ -133,11 +177,19 @@ def parse_report(stdout: str, stderr: str = "") -> ExecResult:
         return ExecResult(exit_code=None, error=f"the sandbox runner did not report ({detail})")
     try:
         report = json.loads(stdout[idx + len(MARKER):].strip().splitlines()[0])
-    except (json.JSONDecodeError, IndexError) as e:
+    except (ValueError, IndexError, RecursionError) as e:
         return ExecResult(exit_code=None, error=f"unreadable sandbox report: {e}")
-    known = {"stdout", "stderr", "exit_code", "limit", "truncated", "duration_s", "error"}
-    return ExecResult(**{k: v for k, v in report.items() if k in known},
-                      extra={k: v for k, v in report.items() if k not in known})
+    wrong = [k for k, kinds in _REPORT_FIELDS.items() if k in report and not isinstance(report[k], kinds)] \
+        if isinstance(report, dict) else ["(not an object)"]
+    if wrong:
+        return ExecResult(exit_code=None, error=f"unreadable sandbox report: bad {', '.join(wrong)}")
+    return ExecResult(**{k: v for k, v in report.items() if k in _REPORT_FIELDS},
+                      extra={k: v for k, v in report.items() if k not in _REPORT_FIELDS})
+
+
+_REPORT_FIELDS: dict[str, tuple[type, ...]] = {
+    "stdout": (str,), "stderr": (str,), "exit_code": (int, type(None)), "limit": (str,), "truncated": (bool,),
+    "duration_s": (int, float), "error": (str,)}
 
 
 def runner_source() -> str:
@@ -145,13 +197,26 @@ def runner_source() -> str:
 
 
 class Sandbox(abc.ABC):
-    """One sandbox; used by one episode at a time. Backends implement all three methods."""
+    """One sandbox; used by one episode at a time. Backends implement ``execute``, ``reset``
+    and ``close``, and set ``work_path`` where the work directory inside is not ``/work``."""
 
     settings: SandboxSettings
+    work_path: str = "/work"
 
     @abc.abstractmethod
+    async def execute(self, payload: dict[str, Any]) -> ExecResult:
+        """Run the runner on ``payload`` (see ``SandboxSettings.payload``) and return its report."""
+
     async def run(self, code: str, *, files: dict[str, str] | None = None, stdin: str = "") -> ExecResult:
         """Run ``code`` with Python inside the sandbox, within the settings' limits."""
+        return await self.execute(self.settings.payload("run", code, files, stdin, workdir=self.work_path))
+
+    async def call_function(self, source: str, function: str, arg_lists: list[list[Any]]) -> list[CallResult]:
+        """Call ``function`` (defined by ``source``) on each argument list, each call in a fresh
+        process in this sandbox, all within one ``wall_time_s``; one :class:`CallResult` per call."""
+        payload = self.settings.payload("calls", source, workdir=self.work_path, sweep_uid=True, function=function,
+                                        calls=[list(args) for args in arg_lists])
+        return parse_calls(await self.execute(payload), len(arg_lists))
 
     @abc.abstractmethod
     async def reset(self) -> None:

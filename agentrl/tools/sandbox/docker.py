@@ -2,31 +2,35 @@
 
 A sandbox is a container started from ``settings.image`` (see ``sandboxes/python/``) with
 
-* ``network_mode="none"``, all capabilities dropped, ``no-new-privileges``,
-* ``mem_limit`` = ``memory_mb`` + 64 MB for the runner (no swap), ``pids_limit`` =
-  ``max_processes`` + 2 (the keep-alive and the exec'd runner),
-  ``cpus`` CPUs. The process limit is the container's pids cgroup, not ``RLIMIT_NPROC``:
-  that rlimit counts every process of the uid on the whole host, so sandboxes sharing uid
-  65534 would eat each other's quota;
-* a keep-alive main process that reaps orphans and exits after ``lifetime_s`` (``auto_remove`` then deletes
-  the container, so even a crashed host process leaves nothing behind for long), and the
-  label ``agentrl.sandbox=1``.
+* ``network_mode="none"``, all capabilities dropped, ``no-new-privileges``;
+* a read-only root filesystem; the only writable places are tmpfs mounts, ``/work`` of
+  ``work_mb`` (16384 files at most, owned by the sandbox's uid, mode 0700), ``/tmp`` of
+  ``tmpfs_mb`` and ``/dev/shm`` of ``tmpfs_mb``;
+* ``mem_limit`` = ``SandboxSettings.total_memory_mb`` (``memory_mb`` + 64 MB for the runner
+  + the tmpfs sizes; no swap), ``pids_limit`` =
+  ``max_processes`` + 2 (the keep-alive and the exec'd runner), ``cpus`` CPUs, and the
+  ulimits ``nofile`` = ``max_open_files`` and ``nproc`` = ``max_processes`` + 2;
+* code running as a uid of its own, ``uid_base + n`` (as the local backend's): ``RLIMIT_NPROC``
+  counts the processes of a uid on the whole host, so a uid shared by all sandboxes (65534)
+  would let one sandbox's fork bomb eat the others' quota;
+* a keep-alive main process that reaps orphans and exits after ``lifetime_s`` (``auto_remove``
+  then deletes the container, so even a crashed host process leaves nothing behind for long),
+  and the label ``agentrl.sandbox=1``.
 
-Each run copies the runner and its payload into ``/.agentrl`` with ``put_archive`` and execs
-``python3 -I /.agentrl/runner.py`` as uid 65534 in ``/work``; the runner applies the per-run
-limits. If the exec outlives ``wall_time_s`` + 10 s, the container is killed and the sandbox
-is marked broken (the pool replaces it). :meth:`reset` runs the runner's reset as uid 65534,
-which kills that uid's leftover processes and empties ``/work``.
+Nothing is copied into the container (``put_archive`` cannot write into a read-only root or
+a tmpfs): each run execs ``python3 -I -c RUNNER -`` as the sandbox's uid in ``/work`` and
+sends the payload on the exec's stdin. If the exec outlives ``wall_time_s`` + 10 s, the
+container is killed and the sandbox is marked broken (the pool replaces it). :meth:`reset`
+runs the runner's reset, which kills the uid's leftover processes and empties ``/work``,
+``/tmp`` and ``/dev/shm`` (the next episode sees nothing of this one).
 
 The SDK is synchronous; every call runs in a worker thread.
 """
 
 from __future__ import annotations
 
-import io
 import json
-import tarfile
-import time
+import socket
 import weakref
 from typing import Any
 
@@ -34,8 +38,9 @@ import trio
 
 from agentrl.tools.sandbox.base import ExecResult, Sandbox, SandboxSettings, parse_report, runner_source
 
-SANDBOX_USER = "65534:65534"
 HOST_GRACE_S = 10.0
+WORK_INODES = 16384
+MAX_CAPTURE_BYTES = 4 << 20  # the runner's report is at most ~3 x max_output_bytes; keep the tail
 _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/work", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
 
 
@@ -67,60 +72,69 @@ def docker_unavailable(settings: SandboxSettings | None = None) -> str | None:
     return None
 
 
-def _tar(files: dict[str, str | bytes], mode: int = 0o644) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for name, content in files.items():
-            data = content.encode() if isinstance(content, str) else content
-            info = tarfile.TarInfo(name)
-            info.size, info.mode, info.mtime = len(data), mode, int(time.time())
-            tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
-
-
 class DockerSandbox(Sandbox):
-    def __init__(self, settings: SandboxSettings, client: Any, container: Any):
+    def __init__(self, settings: SandboxSettings, client: Any, container: Any, uid: int):
         self.settings = settings
         self.client = client
         self.container = container
+        self.uid = uid
         self.broken = False
-        self._counter = 0
         self._finalizer = weakref.finalize(self, _remove_quietly, container)
 
     @classmethod
     async def create(cls, settings: SandboxSettings, slot: int = 0) -> "DockerSandbox":
+        from docker.types import Ulimit
+
         client = await trio.to_thread.run_sync(docker_client, settings)
+        uid = settings.sandbox_uid(slot)
+        nproc = settings.max_processes + 2
         # The main process reaps orphans (SIGCHLD ignored: no zombies eating the pids limit)
         # and ends the container after lifetime_s.
         keepalive = f"import signal, time; signal.signal(signal.SIGCHLD, signal.SIG_IGN); time.sleep({float(settings.lifetime_s)})"
         container = await trio.to_thread.run_sync(lambda: client.containers.run(
             settings.image, ["python3", "-c", keepalive], detach=True, auto_remove=True,
-            network_mode="none", mem_limit=f"{settings.memory_mb + 64}m",
-            memswap_limit=f"{settings.memory_mb + 64}m", pids_limit=settings.max_processes + 2,
-            nano_cpus=int(settings.cpus * 1e9), cap_drop=["ALL"], security_opt=["no-new-privileges"],
+            network_mode="none", read_only=True,
+            tmpfs={"/work": f"size={settings.work_mb}m,nr_inodes={WORK_INODES},mode=0700,uid={uid},gid={uid}",
+                   "/tmp": f"size={settings.tmpfs_mb}m,nr_inodes={WORK_INODES},mode=1777"},
+            shm_size=f"{settings.tmpfs_mb}m",
+            mem_limit=f"{settings.total_memory_mb}m", memswap_limit=f"{settings.total_memory_mb}m",
+            pids_limit=nproc, nano_cpus=int(settings.cpus * 1e9),
+            ulimits=[Ulimit(name="nofile", soft=settings.max_open_files, hard=settings.max_open_files),
+                     Ulimit(name="nproc", soft=nproc, hard=nproc)],
+            cap_drop=["ALL"], security_opt=["no-new-privileges"],
             labels={"agentrl.sandbox": "1"}, working_dir="/work", environment=_ENV,
         ))
-        sandbox = cls(settings, client, container)
-        await trio.to_thread.run_sync(lambda: container.put_archive("/", _tar_dir(".agentrl")))
-        return sandbox
+        return cls(settings, client, container, uid)
 
-    async def _exec(self, payload: dict[str, Any]) -> ExecResult:
+    async def execute(self, payload: dict[str, Any]) -> ExecResult:
         if self.broken:
             return ExecResult(exit_code=None, error="the sandbox container is gone")
-        self._counter += 1
-        name = f"payload-{self._counter}.json"
-        archive = _tar({"runner.py": runner_source(), name: json.dumps(payload)})
+        data = json.dumps(payload).encode()
 
-        def call() -> tuple[int, tuple[bytes | None, bytes | None]]:
-            self.container.put_archive("/.agentrl", archive)
-            return self.container.exec_run(
-                ["python3", "-I", "/.agentrl/runner.py", f"/.agentrl/{name}"],
-                user=SANDBOX_USER, workdir="/work", environment=_ENV, demux=True,
-            )
+        def call() -> tuple[int | None, bytes, bytes]:
+            from docker.utils.socket import frames_iter
+
+            api = self.client.api
+            exec_id = api.exec_create(self.container.id, ["python3", "-I", "-c", runner_source(), "-"],
+                                      stdin=True, user=f"{self.uid}:{self.uid}", workdir="/work",
+                                      environment=_ENV)["Id"]
+            sock = api.exec_start(exec_id, socket=True)
+            try:
+                sock._sock.sendall(data)
+                sock._sock.shutdown(socket.SHUT_WR)
+                streams = {1: bytearray(), 2: bytearray()}
+                for stream, chunk in frames_iter(sock, tty=False):
+                    keep = streams.get(stream)
+                    if keep is not None:
+                        keep += chunk
+                        del keep[: max(0, len(keep) - MAX_CAPTURE_BYTES)]
+            finally:
+                sock.close()
+            return api.exec_inspect(exec_id)["ExitCode"], bytes(streams[1]), bytes(streams[2])
 
         try:
             with trio.move_on_after(self.settings.wall_time_s + HOST_GRACE_S) as scope:
-                exit_code, (out, err) = await trio.to_thread.run_sync(call, abandon_on_cancel=True)
+                exit_code, out, err = await trio.to_thread.run_sync(call, abandon_on_cancel=True)
         except Exception as e:  # the daemon or the container failed, not the code
             self.broken = True
             return ExecResult(exit_code=None, error=f"docker exec failed: {type(e).__name__}: {e}")
@@ -128,17 +142,14 @@ class DockerSandbox(Sandbox):
             self.broken = True
             await trio.to_thread.run_sync(_remove_quietly, self.container)
             return ExecResult(exit_code=None, limit="wall_time")
-        result = parse_report((out or b"").decode(errors="replace"), (err or b"").decode(errors="replace"))
+        result = parse_report(out.decode(errors="replace"), err.decode(errors="replace"))
         if result.error:
             result.error += f" (exit code {exit_code})"
         return result
 
-    async def run(self, code: str, *, files: dict[str, str] | None = None, stdin: str = "") -> ExecResult:
-        # pids_limit bounds the processes (max_processes=0: the runner sets no RLIMIT_NPROC).
-        return await self._exec(self.settings.payload("run", code, files, stdin, workdir="/work", max_processes=0))
-
     async def reset(self) -> None:
-        result = await self._exec(self.settings.payload("reset", workdir="/work", sweep_uid=True))
+        payload = self.settings.payload("reset", workdir="/work", sweep_uid=True)
+        result = await self.execute({**payload, "scratch_dirs": ["/tmp", "/dev/shm"]})
         if result.error:
             raise RuntimeError(f"could not reset the docker sandbox: {result.error}")
 
@@ -146,15 +157,6 @@ class DockerSandbox(Sandbox):
         self.broken = True
         await trio.to_thread.run_sync(self._finalizer)
         await trio.to_thread.run_sync(self.client.close)
-
-
-def _tar_dir(name: str) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        info = tarfile.TarInfo(name)
-        info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, int(time.time())
-        tar.addfile(info)
-    return buf.getvalue()
 
 
 def _remove_quietly(container: Any) -> None:

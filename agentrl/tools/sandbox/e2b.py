@@ -44,7 +44,7 @@ class E2BSandbox(Sandbox):
         self.settings = settings
         self.sdk = sdk
         self.control_dir = control_dir.rstrip("/")
-        self.workdir = workdir
+        self.work_path = workdir
         self.broken = False
         self._counter = 0
 
@@ -65,7 +65,7 @@ class E2BSandbox(Sandbox):
             raise
         return sandbox
 
-    async def _exec(self, payload: dict[str, Any]) -> ExecResult:
+    async def execute(self, payload: dict[str, Any]) -> ExecResult:
         if self.broken:
             return ExecResult(exit_code=None, error="the e2b sandbox is gone")
         self._counter += 1
@@ -98,11 +98,8 @@ class E2BSandbox(Sandbox):
             return ExecResult(exit_code=None, limit="wall_time")
         return parse_report(out, err)
 
-    async def run(self, code: str, *, files: dict[str, str] | None = None, stdin: str = "") -> ExecResult:
-        return await self._exec(self.settings.payload("run", code, files, stdin, workdir=self.workdir))
-
     async def reset(self) -> None:
-        result = await self._exec(self.settings.payload("reset", workdir=self.workdir, sweep_uid=True))
+        result = await self.execute(self.settings.payload("reset", workdir=self.work_path, sweep_uid=True))
         if result.error:
             raise RuntimeError(f"could not reset the e2b sandbox: {result.error}")
 

@@ -1,27 +1,58 @@
-"""The ``local`` backend: bubblewrap, an unprivileged uid and resource limits.
+"""The ``local`` backend: bubblewrap, an unprivileged uid, a cgroup per run and rlimits.
 
-Each run starts ``prlimit ... bwrap ... python3 -I runner.py payload.json`` (about 0.05 s):
+Each run starts ``[sh gate] prlimit ... bwrap ... python3 -I runner.py payload.json``
+(about 0.1 s on the 2-core dev machine, ``bench/sandbox.py``):
 
 * bwrap ``--unshare-all``: new user, pid, network (loopback only, down), ipc, uts and cgroup
   namespaces, so the code sees no network and no host processes; ``--die-with-parent`` and
-  the pid namespace end every process of the run when it ends.
+  the pid namespace end every process of the run when it ends (see the end).
 * Filesystem: the host's ``/usr`` (and ``/bin``, ``/lib*``, ``/sbin`` as on the host)
-  read-only, a private ``/tmp`` tmpfs of ``tmpfs_mb``, a minimal ``/dev`` and ``/proc``, and
-  ``/work``: a host directory private to this sandbox, kept across the runs of one episode and
-  emptied by :meth:`reset`. Nothing else of the host exists inside (no ``/etc``, ``/home``,
-  ``/root``); environment variables are cleared.
+  read-only, private ``/tmp`` and ``/dev/shm`` tmpfs of ``tmpfs_mb`` each, a minimal ``/dev``
+  and ``/proc``, and ``/work`` of ``work_mb``; bwrap's own root and ``/dev`` (tmpfs without a
+  size) are remounted read-only, so these three are the only writable places. Nothing else of
+  the host exists inside (no ``/etc``, ``/home``, ``/root``); environment variables are
+  cleared.
 * Unprivileged uid: when agentrl runs as root, bwrap itself is started as
   ``uid_base + n`` (no account needed), because ``RLIMIT_NPROC`` does not bind root. Each
   sandbox gets its own uid, so one sandbox's fork bomb cannot use up another's process quota.
   As a normal user, the sandbox runs as that user.
-* Limits: ``prlimit`` sets outer limits on the whole run (processes, address space, CPU, file
-  size, with some headroom for bwrap and the runner); the runner sets the exact ones on the
-  code and enforces the wall-clock limit; the host kills the process group if the run
-  outlives ``wall_time_s + 5 s``.
+
+What holds in aggregate, and where (``limits`` says which applies):
+
+* ``cgroup`` (agentrl is root and a cgroup with the memory and pids controllers can be made,
+  see ``cgroups.py``): every run is in a group of its own whose memory limit is
+  ``SandboxSettings.total_memory_mb`` (``memory_mb`` + 64 MB for bwrap and the runner + the
+  tmpfs sizes, whose pages count as memory; no swap) and whose process limit is
+  ``max_processes`` + 8, for the sum of everything the run starts. The run's first process
+  waits at a gate (``sh`` reading a line) until the host has moved it into the group, so
+  nothing is forked outside. A kernel OOM kill in the group is reported as the memory limit.
+* ``rlimits`` (no cgroup): ``prlimit`` limits the whole run to ``max_processes`` + 8
+  processes of the sandbox's uid (``RLIMIT_NPROC``) and each process to ``memory_mb`` +
+  256 MB of address space (the runner gives the code ``memory_mb``), so the total is bounded
+  by their product, (``max_processes`` + 8) x (``memory_mb`` + 256) MB, not by ``memory_mb``.
+  As a normal user, ``RLIMIT_NPROC`` counts all of that user's processes.
+
+``/work`` is capped at ``work_mb`` (and 16384 files) either way: when agentrl is root, a
+tmpfs mounted on the host for this sandbox (it persists across the runs of an episode, is
+emptied by :meth:`reset`, unmounted by :meth:`close`, and unmounted by the next agentrl
+process if this one died first); otherwise a tmpfs of bwrap's own for each run, so files do
+not persist from one run to the next. ``prlimit`` also sets CPU, file size, open files and no
+core dumps; the runner sets the exact per-process limits on the code and enforces the
+wall-clock limit; the host ends the run if it outlives ``wall_time_s + 5 s``.
+
+Every process is reaped by its parent, none is left to the host's pid 1 (which may never
+reap it): bwrap runs ``--as-pid-1``, so the runner is the init of the run's pid namespace
+(it reaps the orphans of the code, and signals from inside the namespace cannot kill it),
+instead of an init of bwrap's own that exits after bwrap has reported and so became a
+zombie of pid 1 on every run. A run that overstays is ended innermost first: the host kills
+bwrap's child (the runner; the kernel then kills and reaps the whole namespace), waits for
+bwrap to exit and reaps it, and only then kills whatever is left in the cgroup; killing
+bwrap first would orphan its child.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -31,12 +62,18 @@ import sys
 import tempfile
 import weakref
 from pathlib import Path
+from typing import Any
 
 import trio
 
 from agentrl.tools.sandbox.base import ExecResult, Sandbox, SandboxSettings, parse_report, runner_source
+from agentrl.tools.sandbox.cgroups import RunCgroup, find_cgroups
 
 HOST_GRACE_S = 5.0
+WORK_INODES = 16384
+MAX_CAPTURE_BYTES = 4 << 20  # the runner's report is at most ~3 x max_output_bytes; keep the tail
+# The run's first process waits here until the host has moved it into the run's cgroup.
+GATE = 'read -r _ && exec "$@" </dev/null'
 # bwrap's own init (pid 1 in the sandbox) keeps the environment it was started with, and the
 # code can read it from /proc/1/environ: start bwrap with nothing of the host's environment.
 _HOST_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
@@ -63,6 +100,59 @@ def _python_inside(settings: SandboxSettings) -> tuple[str, list[str]]:
     return str(base / "bin" / "python3"), [str(base)]
 
 
+def _mount_work(path: Path, size_mb: int, uid: int) -> bool:
+    """A tmpfs of ``size_mb`` owned by ``uid`` on ``path``; False where mounting is not allowed."""
+    options = f"size={size_mb}m,nr_inodes={WORK_INODES},mode=0700,uid={uid},gid={uid}"
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "agentrl-work", str(path)],
+                          capture_output=True, check=False)
+    return done.returncode == 0
+
+
+@functools.lru_cache(maxsize=1)
+def _remove_stale_roots() -> None:
+    """Unmount and delete the sandbox folders of agentrl processes that died without closing
+    them (their pid is in the folder's name); once per process."""
+    prefix = os.path.join(tempfile.gettempdir(), "agentrl-sandbox-")
+    for line in Path("/proc/mounts").read_text().splitlines():
+        fields = line.split()
+        if len(fields) > 1 and fields[0] == "agentrl-work" and fields[1].startswith(prefix):
+            root = os.path.dirname(fields[1])
+            try:
+                os.kill(int(root[len(prefix):].split("-")[0]), 0)
+            except ProcessLookupError:
+                _remove_root(root, True)
+            except (OSError, ValueError):
+                pass
+
+
+def _remove_root(root: str, work_mounted: bool) -> None:
+    if work_mounted:
+        subprocess.run(["umount", "--lazy", os.path.join(root, "work")], capture_output=True, check=False)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (from /proc, as the kill path needs them once)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(name))
+            except (OSError, ValueError, IndexError):
+                pass
+    return found
+
+
+async def _read_tail(stream: Any, keep: bytearray) -> None:
+    """Read ``stream`` to its end, keeping only the last MAX_CAPTURE_BYTES."""
+    while chunk := await stream.receive_some(65536):
+        keep += chunk
+        if len(keep) > MAX_CAPTURE_BYTES:
+            del keep[: len(keep) - MAX_CAPTURE_BYTES]
+
+
 class LocalSandbox(Sandbox):
     def __init__(self, settings: SandboxSettings, slot: int = 0):
         reason = bwrap_available()
@@ -70,7 +160,9 @@ class LocalSandbox(Sandbox):
             raise RuntimeError(f"the local sandbox cannot run: {reason}")
         self.settings = settings
         self.python, self.extra_binds = _python_inside(settings)
-        self.root = Path(tempfile.mkdtemp(prefix="agentrl-sandbox-"))
+        if os.geteuid() == 0:
+            _remove_stale_roots()
+        self.root = Path(tempfile.mkdtemp(prefix=f"agentrl-sandbox-{os.getpid()}-"))
         self.workdir = self.root / "work"
         self.ctl = self.root / "ctl"
         self.workdir.mkdir()
@@ -79,21 +171,29 @@ class LocalSandbox(Sandbox):
         os.chmod(self.root, 0o755)
         os.chmod(self.ctl, 0o755)
         self.uid: int | None = None
+        self.cgroups = find_cgroups() if os.geteuid() == 0 else "agentrl is not root"
+        self.work_mounted = False
         if os.geteuid() == 0:
-            self.uid = settings.uid_base + (os.getpid() * 64 + slot) % 100_000
+            self.uid = settings.sandbox_uid(slot)
             os.chown(self.workdir, self.uid, self.uid)
+            self.work_mounted = _mount_work(self.workdir, settings.work_mb, self.uid)
         os.chmod(self.workdir, 0o700)
-        self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.root), True)
+        self._finalizer = weakref.finalize(self, _remove_root, str(self.root), self.work_mounted)
         self._counter = 0
+
+    @property
+    def limits(self) -> str:
+        """How the run's total is bounded: "cgroup", or "rlimits" (see the module docstring)."""
+        return "rlimits" if isinstance(self.cgroups, str) else "cgroup"
 
     def command(self, payload_name: str) -> list[str]:
         s = self.settings
         outer_nproc = s.max_processes + 8  # bwrap, its init and the runner count too
         outer_as = (s.memory_mb + 256) << 20
         argv = [
-            "prlimit", f"--nproc={outer_nproc}", f"--as={outer_as}",
-            f"--cpu={int(s.cpu_time_s) + 5}", f"--fsize={s.max_file_mb << 20}", "--core=0", "--",
-            "bwrap", "--unshare-all", "--die-with-parent", "--new-session",
+            "prlimit", f"--nproc={outer_nproc}", f"--as={outer_as}", f"--cpu={int(s.cpu_time_s) + 5}",
+            f"--fsize={s.max_file_mb << 20}", f"--nofile={s.max_open_files}", "--core=0", "--",
+            "bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--as-pid-1",
             "--ro-bind", "/usr", "/usr",
         ]
         for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
@@ -106,9 +206,17 @@ class LocalSandbox(Sandbox):
             argv += ["--ro-bind", extra, extra]
         argv += [
             "--proc", "/proc", "--dev", "/dev",
+            "--size", str(s.tmpfs_mb << 20), "--tmpfs", "/dev/shm",
             "--size", str(s.tmpfs_mb << 20), "--tmpfs", "/tmp",
             "--ro-bind", str(self.ctl), "/.agentrl",
-            "--bind", str(self.workdir), "/work",
+        ]
+        if self.work_mounted:
+            argv += ["--bind", str(self.workdir), "/work"]
+        else:
+            argv += ["--size", str(s.work_mb << 20), "--tmpfs", "/work"]
+        argv += [
+            # bwrap's root and /dev are tmpfs of unbounded size: read-only once all is mounted
+            "--remount-ro", "/dev", "--remount-ro", "/",
             "--chdir", "/work", "--clearenv",
             "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin",
             "--setenv", "HOME", "/work", "--setenv", "LANG", "C.UTF-8",
@@ -117,41 +225,62 @@ class LocalSandbox(Sandbox):
         ]
         return argv
 
-    async def _invoke(self, payload: dict) -> ExecResult:
+    async def execute(self, payload: dict[str, Any]) -> ExecResult:
         self._counter += 1
         name = f"payload-{self._counter}.json"
         path = self.ctl / name
-        path.write_text(json.dumps(payload))
-        os.chmod(path, 0o644)
-        options = {}
-        if self.uid is not None:
-            options = {"user": self.uid, "group": self.uid, "extra_groups": []}
-
-        async def kill_group(proc: trio.Process) -> None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
+        group: RunCgroup | None = None
+        oom_kills = 0
         try:
-            with trio.move_on_after(self.settings.wall_time_s + HOST_GRACE_S) as scope:
-                proc = await trio.run_process(
-                    self.command(name), stdin=subprocess.DEVNULL, capture_stdout=True, capture_stderr=True,
-                    check=False, start_new_session=True, deliver_cancel=kill_group, env=_HOST_ENV, **options,
-                )
+            path.write_text(json.dumps(payload))
+            os.chmod(path, 0o644)
+            if not isinstance(self.cgroups, str):  # cgroupfs writes block for ms: not on the event loop
+                s = self.settings
+                group = await trio.to_thread.run_sync(RunCgroup, self.cgroups, s.total_memory_mb << 20,
+                                                      s.max_processes + 8)
+            returncode, out, err = await self._run_bwrap(name, group)
         finally:
             path.unlink(missing_ok=True)
-        if scope.cancelled_caught:
+            if group:
+                oom_kills = group.oom_kills()
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(group.destroy)
+        if returncode is None:
             return ExecResult(exit_code=None, limit="wall_time")
-        result = parse_report(proc.stdout.decode(errors="replace"), proc.stderr.decode(errors="replace"))
-        if result.error and proc.returncode:
-            result.error += f" (bwrap exit code {proc.returncode})"
+        result = parse_report(out.decode(errors="replace"), err.decode(errors="replace"))
+        if oom_kills and not result.limit:
+            result.limit = "memory"
+        if result.error and returncode:
+            result.error += f" (bwrap exit code {returncode})"
         return result
 
-    async def run(self, code: str, *, files: dict[str, str] | None = None, stdin: str = "") -> ExecResult:
-        # The pid namespace already confines processes, so the runner needs no process limit
-        # of its own beyond prlimit's; set it anyway so a fork bomb is reported as such.
-        return await self._invoke(self.settings.payload("run", code, files, stdin, workdir="/work"))
+    async def _run_bwrap(self, payload_name: str, group: RunCgroup | None) -> tuple[int | None, bytearray, bytearray]:
+        """Start the run (in ``group``, through the gate, if given), wait for it within the host's
+        time limit, and end and reap it; returns bwrap's exit code (None: timed out) and output."""
+        argv = self.command(payload_name)
+        if group:
+            argv = ["sh", "-c", GATE, "sh", *argv]
+        options: dict[str, Any] = {}
+        if self.uid is not None:
+            options = {"user": self.uid, "group": self.uid, "extra_groups": []}
+        out, err = bytearray(), bytearray()
+        proc = await trio.lowlevel.open_process(
+            argv, stdin=subprocess.PIPE if group else subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, start_new_session=True, env=_HOST_ENV, **options)
+        try:
+            if group:
+                await trio.to_thread.run_sync(group.add, proc.pid)  # ~5 ms a hierarchy on cgroup v1
+                await proc.stdin.send_all(b"go\n")
+                await proc.stdin.aclose()
+            with trio.move_on_after(self.settings.wall_time_s + HOST_GRACE_S) as scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_read_tail, proc.stdout, out)
+                    nursery.start_soon(_read_tail, proc.stderr, err)
+                    await proc.wait()
+        finally:
+            with trio.CancelScope(shield=True):
+                await _end(proc)
+        return (None if scope.cancelled_caught else proc.returncode), out, err
 
     async def reset(self) -> None:
         # Every process of a run dies with its pid namespace; only the files need to go.
@@ -163,3 +292,24 @@ class LocalSandbox(Sandbox):
 
     async def close(self) -> None:
         self._finalizer()
+
+
+async def _end(proc: trio.Process) -> None:
+    """Kill and reap a run that is still going, innermost first (see the module docstring)."""
+    if proc.returncode is None:
+        for child in _children(proc.pid):  # bwrap's child: the runner, pid 1 of the run's namespace
+            try:
+                os.kill(child, signal.SIGKILL)
+            except OSError:
+                pass
+        with trio.move_on_after(2.0):
+            await proc.wait()
+        if proc.returncode is None:  # bwrap did not follow its child, or the gate never opened
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            await proc.wait()
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        if stream is not None:
+            await stream.aclose()

@@ -1,23 +1,36 @@
-"""In-sandbox runner: runs one piece of Python code under limits and prints a JSON report.
+"""In-sandbox runner: runs Python code under limits and prints a JSON report.
 
 This file is copied into every sandbox (bubblewrap, docker, e2b) and run there as
-``python3 -I runner.py PAYLOAD.json``. It uses only the standard library and no agentrl code,
-so any Python 3.8+ inside the sandbox can run it.
+``python3 -I runner.py PAYLOAD.json`` (or ``python3 -I -c SOURCE -`` with the payload on
+stdin). It uses only the standard library and no agentrl code, so any Python 3.8+ inside
+the sandbox can run it. It first makes itself non-dumpable, so the code it starts (same uid)
+cannot open its ``/proc/<pid>/fd`` or ``mem`` files, or ptrace it.
 
-Payload keys: ``action`` ("run" or "reset"), ``code``, ``files`` ({relative path: text}),
-``stdin``, ``workdir``, ``cpu_time_s``, ``wall_time_s``, ``memory_mb``, ``max_processes``
-(0: not set here), ``max_output_bytes``, ``max_file_bytes``, ``sweep_uid``.
+Payload keys: ``action`` ("run", "calls" or "reset"), ``code``, ``files`` ({relative path:
+text}), ``stdin``, ``workdir``, ``cpu_time_s``, ``wall_time_s``, ``memory_mb``,
+``max_processes``, ``max_output_bytes``, ``max_file_bytes``,
+``sweep_uid``, and for "calls" ``function`` and ``calls`` (a list of argument lists).
 
 "run": write ``files`` and the code (as ``main.py``) into ``workdir``, start
 ``python3 -E -s main.py`` (so modules in the work directory are importable) in a new
 session with CPU-time, address-space, file-size, process and core-dump limits,
-stdout/stderr redirected to files (so the file-size limit also caps output), wait at most
+stdout/stderr redirected to in-memory files (memfd: the file-size limit caps output, and
+filling ``/tmp`` or ``/work`` cannot take the runner's own capture down), wait at most
 ``wall_time_s``, kill the whole session, and report exit code, signal, what limit was hit,
 and the first ``max_output_bytes`` of each stream.
 
+"calls": call the function ``function`` defined by ``code`` on each argument list, each call
+in a fresh child forked from the runner (its own session, the same limits, stdin and stdout
+on /dev/null) that runs the code and writes ``json.dumps`` of the return value to a pipe of
+its own. Before each call and after the last, every other process of
+this uid is killed (``sweep_uid``), so nothing a call started can write into a later call's
+pipe. The calls share one ``wall_time_s`` budget. The report carries ``calls``: for each, the
+JSON text read from its pipe (``value``, at most ``max_output_bytes``) or ``error``. The
+runner judges nothing: the caller compares the values, outside the sandbox.
+
 "reset": kill leftover processes of this uid (only when ``sweep_uid`` is set and the uid
 is not root, i.e. inside a container or VM where this uid belongs to the sandbox) and empty
-``workdir``.
+``workdir`` and the ``scratch_dirs`` (what of them this uid may delete).
 
 The report is the last stdout line, prefixed with ``__AGENTRL_RESULT__``.
 """
@@ -25,14 +38,28 @@ The report is the last stdout line, prefixed with ``__AGENTRL_RESULT__``.
 import json
 import os
 import resource
+import select
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
+import traceback
 
 MARKER = "__AGENTRL_RESULT__"
+# Where a container sees its own memory cgroup (v2, v1): its OOM kills read as the memory limit.
+OOM_FILES = ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control")
+
+
+def _make_undumpable():
+    """PR_SET_DUMPABLE 0: processes of the same uid can no longer ptrace this one or open its
+    /proc/<pid>/fd, mem or environ (the code runs as the runner's uid)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)
+    except (ImportError, OSError, AttributeError):
+        pass  # a Python without ctypes: the calls stay separate, the report is only less private
 
 
 def _limits(payload):
@@ -52,16 +79,53 @@ def _limits(payload):
     return apply
 
 
+def _oom_kills():
+    """How many processes the kernel has OOM-killed in this container's cgroup (0 if unknown)."""
+    for path in OOM_FILES:
+        try:
+            with open(path) as f:
+                for line in f:
+                    if line.startswith("oom_kill "):
+                        return int(line.split()[1])
+        except (OSError, ValueError):
+            pass
+    return 0
+
+
+def _stat(pid):
+    """(state, parent pid) of ``pid`` from /proc; raises OSError when it is gone."""
+    with open("/proc/%d/stat" % pid) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return fields[0], int(fields[1])
+
+
+def _pids():
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
 def _session_members(sid):
+    """The live (not zombie) processes of session ``sid``."""
     pids = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                if os.getsid(int(name)) == sid:
-                    pids.append(int(name))
-            except OSError:
-                pass
+    for pid in _pids():
+        try:
+            if os.getsid(pid) == sid and _stat(pid)[0] != "Z":
+                pids.append(pid)
+        except (OSError, ValueError, IndexError):
+            pass
     return pids
+
+
+def _reap_orphans(keep=None):
+    """As pid 1 of its pid namespace (bwrap --as-pid-1), the runner inherits every orphan:
+    reap the dead ones, except ``keep`` (a child that Popen waits for itself)."""
+    if os.getpid() != 1:
+        return
+    for pid in _pids():
+        try:
+            if pid != keep and _stat(pid) == ("Z", 1):
+                os.waitpid(pid, os.WNOHANG)
+        except (OSError, ValueError, IndexError):
+            pass
 
 
 def _kill_session(sid):
@@ -69,18 +133,27 @@ def _kill_session(sid):
     for _ in range(20):
         members = _session_members(sid)
         if not members:
-            return
+            break
         for pid in members:
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
         time.sleep(0.01)
+    _reap_orphans(keep=sid)
 
 
-def _read_head(path, limit):
-    with open(path, "rb") as f:
-        data = f.read(limit + 1)
+def _memfile(name, content=b""):
+    """An anonymous in-memory file (memfd): the code's output and input live in no filesystem
+    it could fill or reach (RLIMIT_FSIZE still caps what is written to it)."""
+    fd = os.memfd_create(name)
+    os.write(fd, content)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _read_head(fd, limit):
+    data = os.pread(fd, limit + 1, 0)
     return data[:limit].decode("utf-8", errors="replace"), len(data) > limit
 
 
@@ -104,11 +177,11 @@ def run(payload):
         f.write(payload.get("code", ""))
     max_out = int(payload.get("max_output_bytes", 16000))
     wall = float(payload.get("wall_time_s", 10))
-    outdir = tempfile.mkdtemp(prefix="agentrl-out-")
-    out_path, err_path = os.path.join(outdir, "stdout"), os.path.join(outdir, "stderr")
+    out, err = _memfile("stdout"), _memfile("stderr")
+    oom_kills = _oom_kills()
     start = time.monotonic()
     timed_out = False
-    with open(out_path, "wb") as out, open(err_path, "wb") as err:
+    try:
         proc = subprocess.Popen(
             [sys.executable, "-E", "-s", "main.py"],
             stdin=subprocess.PIPE, stdout=out, stderr=err, cwd=workdir,
@@ -120,10 +193,12 @@ def run(payload):
             timed_out = True
         _kill_session(proc.pid)
         proc.wait()
-    duration = time.monotonic() - start
-    stdout, out_trunc = _read_head(out_path, max_out)
-    stderr, err_trunc = _read_head(err_path, max_out)
-    shutil.rmtree(outdir, ignore_errors=True)
+        duration = time.monotonic() - start
+        stdout, out_trunc = _read_head(out, max_out)
+        stderr, err_trunc = _read_head(err, max_out)
+    finally:
+        os.close(out)
+        os.close(err)
     code = proc.returncode
     limit = ""
     if timed_out:
@@ -132,7 +207,7 @@ def run(payload):
         limit = "cpu_time"
     elif code == -signal.SIGXFSZ or "[Errno 27] File too large" in stderr:
         limit = "file_size"
-    elif "MemoryError" in stderr[-2000:]:
+    elif "MemoryError" in stderr[-2000:] or _oom_kills() > oom_kills:
         limit = "memory"
     elif "BlockingIOError: [Errno 11]" in stderr or "Resource temporarily unavailable" in stderr:
         limit = "processes"
@@ -146,36 +221,179 @@ def run(payload):
     }
 
 
+def _call_error(proc, err, timed_out):
+    if timed_out:
+        return "time limit exceeded"
+    if proc.returncode is not None and proc.returncode < 0:
+        return "killed by signal %d" % -proc.returncode
+    text, _ = _read_head(err, 64 << 10)
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return (lines[-1] if lines else "exit code %s without a result" % proc.returncode)[:300]
+
+
+def _call_child(payload, args, result_fd, err_fd, _exit=os._exit):
+    """In the forked child: call the function once, write its JSON to ``result_fd``; never returns.
+
+    A fork of the runner, not a new interpreter: the same isolation (its own process, session
+    and limits, stdin and stdout on /dev/null, stderr to ``err_fd``, no other descriptor than
+    ``result_fd``) at a fraction of the start-up cost. What it can see of the runner's memory
+    is the payload: the code and the arguments, nothing to judge them by.
+    """
+    code = 1
+    try:
+        os.setsid()
+        null = os.open(os.devnull, os.O_RDWR)
+        os.dup2(null, 0)
+        os.dup2(null, 1)
+        os.dup2(err_fd, 2)
+        os.closerange(3, result_fd)
+        os.closerange(result_fd + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+        _limits(payload)()
+        namespace = {"__name__": "solution"}
+        exec(compile(payload.get("code", ""), "solution.py", "exec"), namespace)
+        data = json.dumps(namespace[payload.get("function", "")](*args), allow_nan=False).encode()
+        while data:
+            data = data[os.write(result_fd, data):]
+        code = 0
+    except BaseException:
+        try:
+            traceback.print_exc()
+        except BaseException:
+            pass
+    finally:
+        _exit(code)
+
+
+class _Child:
+    """The little of Popen's interface that a forked child needs."""
+
+    def __init__(self, pid):
+        self.pid, self.returncode = pid, None
+
+    def poll(self):
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        return self.returncode
+
+    def wait(self, timeout=None):
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if end is not None and time.monotonic() >= end:
+                raise subprocess.TimeoutExpired("call", timeout)
+            time.sleep(0.001)
+        return self.returncode
+
+
+def _call_once(payload, args, deadline):
+    """One call in a fresh child; returns {"value": JSON text} or {"error": why}."""
+    max_bytes = int(payload.get("max_output_bytes", 16000))
+    err = _memfile("stderr")
+    read_fd, write_fd = os.pipe()
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read_fd)
+            _call_child(payload, args, write_fd, err)
+        proc = _Child(pid)
+        os.close(write_fd)
+        write_fd = -1
+        data, timed_out, too_long = b"", False, False
+        while True:  # read until EOF, the child's exit, the deadline or too much
+            left = deadline - time.monotonic()
+            if left <= 0:
+                timed_out = True
+                break
+            ready, _, _ = select.select([read_fd], [], [], min(left, 0.1))
+            if ready:
+                chunk = os.read(read_fd, 65536)
+                if not chunk:
+                    break
+                data += chunk
+                if len(data) > max_bytes:
+                    too_long = True
+                    break
+            elif proc.poll() is not None:
+                break  # exited; whatever still holds the pipe open (a grandchild) is ignored
+        if not timed_out:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+        _kill_session(proc.pid)
+        proc.wait()
+        if too_long:
+            return {"error": "the result is longer than %d bytes" % max_bytes}
+        if timed_out or proc.returncode != 0 or not data:
+            return {"error": _call_error(proc, err, timed_out)}
+        return {"value": data.decode("utf-8", errors="replace")}
+    finally:
+        for fd in (read_fd, write_fd, err):
+            if fd >= 0:
+                os.close(fd)
+
+
+def calls(payload):
+    workdir = payload.get("workdir") or os.getcwd()
+    os.makedirs(workdir, exist_ok=True)
+    os.chdir(workdir)
+    start = time.monotonic()
+    deadline = start + float(payload.get("wall_time_s", 10))
+    results = []
+    for args in payload.get("calls") or []:
+        if payload.get("sweep_uid"):
+            _sweep_uid()
+        if time.monotonic() >= deadline:
+            results.append({"error": "time limit exceeded"})
+            continue
+        results.append(_call_once(payload, args, deadline))
+    if payload.get("sweep_uid"):
+        _sweep_uid()
+    return {"exit_code": 0, "stdout": "", "stderr": "", "truncated": False, "limit": "",
+            "duration_s": round(time.monotonic() - start, 4), "calls": results}
+
+
 def _cpu_spent(proc):
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
 
 
-def reset(payload):
+def _sweep_uid():
+    """SIGKILL every process of this uid except the runner and its ancestors; returns how many."""
+    if os.getuid() == 0:
+        return 0  # root's processes are not the sandbox's own
     killed = 0
-    if payload.get("sweep_uid") and os.getuid() != 0:
-        me, ancestors = os.getpid(), set()
-        pid = os.getppid()
-        while pid > 1:  # never kill the runner's own ancestors (the exec agent, the shell)
-            ancestors.add(pid)
-            try:
-                with open("/proc/%d/stat" % pid) as f:
-                    pid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                break
-        for name in os.listdir("/proc"):
-            if not name.isdigit() or int(name) in ancestors or int(name) == me:
-                continue
-            try:
-                if os.stat("/proc/" + name).st_uid == os.getuid():
-                    os.kill(int(name), signal.SIGKILL)
-                    killed += 1
-            except OSError:
-                pass
-    workdir = payload.get("workdir")
-    if workdir and os.path.isdir(workdir):
-        for name in os.listdir(workdir):
-            path = os.path.join(workdir, name)
+    me, ancestors = os.getpid(), set()
+    pid = os.getppid()
+    while pid > 1:  # never kill the runner's own ancestors (the exec agent, the shell)
+        ancestors.add(pid)
+        try:
+            pid = _stat(pid)[1]
+        except (OSError, ValueError, IndexError):
+            break
+    for pid in _pids():
+        if pid in ancestors or pid in (me, 1):
+            continue
+        try:
+            if os.stat("/proc/%d" % pid).st_uid == os.getuid():
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+        except OSError:
+            pass
+    _reap_orphans()
+    return killed
+
+
+def reset(payload):
+    killed = _sweep_uid() if payload.get("sweep_uid") else 0
+    for folder in [payload.get("workdir")] + list(payload.get("scratch_dirs") or []):
+        if not folder or not os.path.isdir(folder):
+            continue
+        for name in os.listdir(folder):
+            path = os.path.join(folder, name)
             if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path, ignore_errors=True)
             else:
@@ -187,11 +405,18 @@ def reset(payload):
             "duration_s": 0.0, "killed": killed}
 
 
+ACTIONS = {"run": run, "calls": calls, "reset": reset}
+
+
 def main():
-    with open(sys.argv[1]) as f:
-        payload = json.load(f)
+    _make_undumpable()
+    if sys.argv[1] == "-":
+        payload = json.load(sys.stdin)
+    else:
+        with open(sys.argv[1]) as f:
+            payload = json.load(f)
     try:
-        report = reset(payload) if payload.get("action") == "reset" else run(payload)
+        report = ACTIONS[payload.get("action", "run")](payload)
     except Exception as e:  # report runner failures instead of a bare traceback
         report = {"exit_code": None, "stdout": "", "stderr": "", "truncated": False,
                   "limit": "", "duration_s": 0.0, "error": "%s: %s" % (type(e).__name__, e)}
