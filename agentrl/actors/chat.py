@@ -307,17 +307,19 @@ class TokenChat:
         """
         content, model_text = self._turn_text()
         ended = len(model_text) > len(content)  # the model stopped on the end-of-turn token
-        self.text += model_text
-        self.messages.append({"role": "assistant", "content": content})
+        assistant = {"role": "assistant", "content": content}
+        text = self.text + model_text
         if new_messages:
             delta = self.codec.context_after_turn(ended, new_messages, self.tools, add_generation_prompt=True)
             ids = self.codec.encode(delta)
             if max_len is None or len(self.tokens) + len(ids) <= max_len:
+                self.messages.append(assistant)
                 self.messages.extend(dict(m) for m in new_messages)
-                self._append_context(ids, self.text + delta)
+                self._append_context(ids, text + delta)
                 return True
         delta = self.codec.context_after_turn(ended, [], self.tools, add_generation_prompt=False)
-        self._append_context(self.codec.encode(delta), self.text + delta)
+        self.messages.append(assistant)
+        self._append_context(self.codec.encode(delta), text + delta)
         return not new_messages
 
     def _append_context(self, ids: list[int], text: str) -> None:
