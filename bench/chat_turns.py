@@ -38,7 +38,8 @@ def turns(family: str, n: int) -> list[tuple[str, list[dict]]]:
     if family.startswith("llama"):
         call = json.dumps({"name": "calculator", "parameters": {"expression": "12 + 30"}})
     else:
-        call = "<tool_call>\n" + json.dumps({"name": "calculator", "arguments": {"expression": "12 + 30"}}) + "\n</tool_call>"
+        body = json.dumps({"name": "calculator", "arguments": {"expression": "12 + 30"}})
+        call = f"<tool_call>\n{body}\n</tool_call>"
     out = [(think + call, [{"role": "tool", "name": "calculator", "content": "42"}]) for _ in range(n)]
     return out + [(think + "The answer is 42.", [])]
 
