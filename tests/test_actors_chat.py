@@ -1,5 +1,7 @@
-"""Token-in/token-out bookkeeping: tokens always decode to the chat-template rendering of the
-messages, and masked-in tokens are exactly the model's."""
+"""Token-in/token-out bookkeeping with the tiny model's (prefix-stable) template: tokens always
+decode to the chat-template rendering of the messages, and masked-in tokens are exactly the
+model's. The templates real models ship (history-rewriting Qwen3 included) are in
+test_chat_templates.py."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agentrl.actors.chat import ChatCodec, TemplateMismatch, TokenChat, codec_for
+from agentrl.actors.chat import TokenChat, codec_for
 
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add.", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
@@ -91,19 +93,6 @@ def test_observation_that_does_not_fit_is_left_out(tokenizer):
     assert not fits
     assert [m["role"] for m in chat.messages] == ["system", "user", "assistant"]
     check(chat, False)
-
-
-def test_history_rewriting_template_is_refused(tokenizer):
-    class Rewriter(ChatCodec):  # drops earlier assistant turns, as some reasoning templates do
-        def render(self, messages, tools, add_generation_prompt, plain=None):
-            kept = [m for i, m in enumerate(messages) if m["role"] != "assistant" or i == len(messages) - 1]
-            return super().render(kept, tools, add_generation_prompt, plain)
-
-    chat = TokenChat.start(Rewriter(tokenizer), START, None)
-    ids = chat.codec.encode("a") + [chat.codec.end_of_turn_id]
-    chat.append_model(ids, [0.0] * len(ids), [0] * len(ids))
-    with pytest.raises(TemplateMismatch, match="not prefix-stable"):
-        chat.close_turn_and_add([{"role": "user", "content": "more"}])
 
 
 texts = st.lists(st.sampled_from(list("ab 7\n{}\"é🙂") + ["<tool_call>", "</tool_call>", "<|im_end|>", "<|im_start|>",

@@ -1,10 +1,10 @@
 """Token-in/token-out bookkeeping: one episode as token ids that always decode to its chat.
 
 The engine speaks token ids; environments and tools speak chat messages. :class:`TokenChat`
-keeps both views of one episode in lock-step, with this invariant after every step::
-
-    decode(tokens) == apply_chat_template(messages, tools, tokenize=False,
-                                          add_generation_prompt=<waiting for the model>)
+keeps both views of one episode in lock-step: its ``tokens`` are exactly what the model was
+given and what it generated, ``decode(tokens) == text`` after every step, and ``text`` is the
+chat as the model saw it: the prompt, then each model turn followed by the template's text for
+the messages that came after it.
 
 How each kind of text enters the token list:
 
@@ -14,29 +14,43 @@ How each kind of text enters the token list:
   include the stop token when generation stopped on it), with their logprobs and weight
   versions. They are never re-tokenized. The assistant message's ``content`` is the model's
   text decoded from its own ids (without the template's end-of-turn token), raw: a
-  ``<tool_call>`` block stays text, so that rendering the message reproduces the model's bytes.
+  ``<tool_call>`` block or a ``<think>...</think>`` block stays text, exactly as generated.
 * **Everything else** (the template's text after the end-of-turn token, tool responses, user
-  replies, the next ``<|im_start|>assistant\\n``) is the *text delta* between two renderings of
-  the chat: ``render(messages + new)[len(render(messages)):]``, tokenized on its own
-  (``add_special_tokens=False``) and appended with ``loss_mask`` 0, logprob 0, version -1.
+  replies, the next ``<|im_start|>assistant\\n``) is rendered after a fixed *probe*
+  conversation, never after the episode's own history (:meth:`ChatCodec.suffix`): render
+  ``[user "u", assistant SENTINEL] + new_messages`` and take the text after the sentinel; the
+  part the model generated itself (its end-of-turn token) is dropped. That text is tokenized on
+  its own (``add_special_tokens=False``) and appended with ``loss_mask`` 0, logprob 0, version -1.
 
-The delta is only defined when the template is *prefix-stable*: rendering more messages only
-appends text. When a template rewrites history (Qwen3's official template drops earlier
-``<think>`` blocks, for instance) the new rendering does not start with the old one and
-:class:`TemplateMismatch` names the problem instead of silently training on text the model
-never saw. The tiny model's template (agentrl.model_builder) is prefix-stable.
+Why a probe: the non-model text of a turn depends only on the messages that follow the
+assistant message (Qwen wraps consecutive tool results in one ``user`` block; Llama 3.1 writes
+them as ``ipython`` turns), so rendering them after any assistant message gives the same text
+as rendering them after the episode's, whatever the template does to earlier turns. Templates
+that rewrite history (Qwen3's drops earlier ``<think>`` blocks, Llama 3 trims every message) are
+thus supported: the tokens keep the text the model really saw and generated. For a
+*prefix-stable* template and chat (rendering more messages only appends text: the tiny model's
+template, Qwen2.5, Llama 3.1 with untrimmed content, Qwen3 within one user query), ``text``
+equals ``apply_chat_template(messages, tools)`` with the generation prompt when the chat waits
+for the model; tests assert it for all of them. The system/tools preamble is part of the
+probe's rendering before the sentinel, so it is never repeated.
+
+Why the new text is tokenized on its own: the model's ids are what the engine generated and
+what the behaviour logprobs belong to; encoding text that spans the boundary again could merge
+the model's last characters with the template's and change ids the model produced. The next
+request is the episode's ids plus the new ids, so the learner trains on exactly the sequence the
+engine saw.
 
 If the model stopped by length (or on a stop token other than the template's end-of-turn), the
-template's closing text (``<|im_end|>\\n``) is appended as non-model tokens; the loop reserves
-room for it, so an episode never exceeds ``max_total_tokens``.
+template's whole closing text (``<|im_end|>\\n``) is appended as non-model tokens; the loop
+reserves room for it, so an episode never exceeds ``max_total_tokens``.
 
-Speed: each turn renders the whole chat once and tokenizes only the delta. Rendering calls
-transformers' own compiled (sandboxed) Jinja template directly when the messages are plain
-string dicts, skipping ``apply_chat_template``'s defensive copies; the codec first checks that
-this renders probe chats exactly as ``apply_chat_template`` does, else it uses the latter. A
-prompt is rendered and tokenized once per group (LRU cache), encoding and decoding call the Rust
-tokenizer directly, and per-token arrays grow as ``array.array``s. Tests compare every shortcut
-with the plain transformers calls.
+Speed: a turn renders only the probe and its new messages (its cost does not grow with the
+episode). Rendering calls transformers' own compiled (sandboxed) Jinja template directly when
+the messages are plain string dicts, skipping ``apply_chat_template``'s defensive copies; the
+codec first checks that this renders probe chats exactly as ``apply_chat_template`` does, else
+it uses the latter. A prompt is rendered and tokenized once per group (LRU cache), encoding and
+decoding call the Rust tokenizer directly, and per-token arrays grow as ``array.array``s. Tests
+compare every shortcut with the plain transformers calls.
 """
 
 from __future__ import annotations
@@ -59,6 +73,9 @@ _PROBE = [
     {"role": "tool", "name": "f", "content": "r1"}, {"role": "tool", "content": "r2"},
     {"role": "assistant", "content": "a"}, {"role": "user", "content": "again"}, {"role": "assistant", "content": ""},
 ]
+# the fixed conversation that new messages are rendered after (see the module docstring)
+_PROBE_USER: Message = {"role": "user", "content": "u"}
+_PROBE_TURN: Message = {"role": "assistant", "content": _SENTINEL}
 _PLAIN_KEYS = frozenset({"role", "content", "name"})
 
 
@@ -67,7 +84,7 @@ def _plain(message: Message) -> bool:
 
 
 class TemplateMismatch(ValueError):
-    """The chat template rewrote text that is already in the episode's tokens."""
+    """The chat template does not render messages in a way token-in/token-out can follow."""
 
 
 class ChatCodec:
@@ -84,12 +101,12 @@ class ChatCodec:
         self._fast = self._fast_renderer()
         self._prompts: OrderedDict[str, tuple[list[int], str]] = OrderedDict()
         self._prompt_cache_size = prompt_cache_size
-        suffix = self._assistant_suffix()
+        suffix = self.suffix([], None, add_generation_prompt=False)
         self.assistant_suffix = suffix  # the template's text after an assistant message, e.g. "<|im_end|>\n"
         suffix_ids = self.encode(suffix)
         self.reserve_tokens = len(suffix_ids)  # room kept for closing a turn the model did not close
         # The template's end-of-turn token: the suffix's first token when it is an added/special token
-        # (<|im_end|>). A model turn that stops on it has its content decoded without it.
+        # (<|im_end|>, <|eot_id|>). A model turn that stops on it has its content decoded without it.
         added = set(tokenizer.get_added_vocab().values()) | set(tokenizer.all_special_ids)
         first = suffix_ids[0] if suffix_ids else None
         self.end_of_turn_id: int | None = first if first in added else None
@@ -124,6 +141,46 @@ class ChatCodec:
         else:
             self._prompts.move_to_end(key)
         return list(hit[0]), hit[1]
+
+    def suffix(self, new_messages: list[Message], tools: list[dict] | None, add_generation_prompt: bool) -> str:
+        """The template's text after an assistant message's content when ``new_messages`` follow it, then
+        the generation prompt if asked: ``<|im_end|>\\n<|im_start|>user\\n<tool_response>\\n...`` for Qwen.
+
+        Rendered after the fixed probe ``[user, assistant SENTINEL]``, never after an episode's history,
+        so a template that rewrites earlier turns cannot change it; the probe's preamble (system
+        prompt, tools) comes before the sentinel and is cut off."""
+        messages = [_PROBE_USER, _PROBE_TURN, *new_messages]
+        rendered = self.render(messages, tools, add_generation_prompt, plain=all(_plain(m) for m in new_messages))
+        at = rendered.find(_SENTINEL)
+        if at < 0:
+            raise TemplateMismatch("the chat template does not render an assistant message's content verbatim; "
+                                   "token-in/token-out cannot find where the model's text ends")
+        return rendered[at + len(_SENTINEL):]
+
+    def context_after_turn(self, model_ended_turn: bool, new_messages: list[Message], tools: list[dict] | None,
+                           add_generation_prompt: bool) -> str:
+        """The non-model text after a model turn: :meth:`suffix`, less the end-of-turn token when the model
+        generated it (``model_ended_turn``)."""
+        text = self.suffix(new_messages, tools, add_generation_prompt)
+        if not model_ended_turn:
+            return text
+        if not text.startswith(self.end_of_turn_text):
+            raise TemplateMismatch(f"the chat template closes an assistant turn with {text[:40]!r} here, not with "
+                                   f"the end-of-turn token {self.end_of_turn_text!r} the model stopped on")
+        return text[len(self.end_of_turn_text):]
+
+    def assistant_text(self, message: Message, tools: list[dict] | None) -> str:
+        """What a model generates for the assistant ``message``: the template's rendering of it as the latest
+        turn, from the end of the generation prompt through the end-of-turn token (Qwen3:
+        ``<think>\\n...\\n</think>\\n\\n`` + content + tool calls + ``<|im_end|>``). Rendered after the probe's
+        user message, like :meth:`suffix`, so earlier turns cannot change it."""
+        head = self.render([_PROBE_USER], tools, add_generation_prompt=True)
+        full = self.render([_PROBE_USER, message], tools, add_generation_prompt=False)
+        suffix = self.suffix([], tools, add_generation_prompt=False)
+        if not full.startswith(head) or not full.endswith(suffix):
+            raise TemplateMismatch("the chat template does not render an assistant message as its generation "
+                                   f"prompt + the message + {suffix!r} (got {full[len(head) - 40:]!r})")
+        return full[len(head):len(full) - len(suffix)] + self.end_of_turn_text
 
     def _fast_renderer(self) -> Callable[[list[Message], list[dict] | None, bool], str] | None:
         """transformers' own compiled (sandboxed) template, called directly; used only when it renders
@@ -164,17 +221,6 @@ class ChatCodec:
             return self._backend.decode(list(ids), skip_special_tokens=False)
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    def _assistant_suffix(self) -> str:
-        base = [{"role": "user", "content": "hi"}]
-        before = self.render(base, None, add_generation_prompt=True)
-        after = self.render(base + [{"role": "assistant", "content": _SENTINEL}], None, add_generation_prompt=False)
-        if not after.startswith(before) or _SENTINEL not in after:
-            raise TemplateMismatch(
-                "the chat template does not render an assistant message as generation prompt + content + suffix; "
-                "token-in/token-out needs a prefix-stable template"
-            )
-        return after[after.index(_SENTINEL) + len(_SENTINEL):]
-
 
 _CODECS: "weakref.WeakKeyDictionary[Any, ChatCodec]" = weakref.WeakKeyDictionary()
 
@@ -202,15 +248,13 @@ class TokenChat:
     loss_mask: array = field(default_factory=lambda: array("B"))
     logprobs: array = field(default_factory=lambda: array("f"))
     versions: array = field(default_factory=lambda: array("i"))
-    text: str = ""  # == decode(tokens), kept to check each new rendering against
+    text: str = ""  # == decode(tokens): the chat as the model saw it
     turn_start: int = 0  # index of the current model turn's first token
-    plain: bool = False  # every message is a plain string dict (the loop only adds such messages)
     _turn_cache: tuple = ((-1, -1), "", "")
 
     @classmethod
     def start(cls, codec: ChatCodec, messages: list[Message], tools: list[dict] | None) -> "TokenChat":
         chat = cls(codec=codec, tools=tools or None, messages=[dict(m) for m in messages])
-        chat.plain = all(_plain(m) for m in chat.messages)
         ids, text = codec.prompt(chat.messages, chat.tools)
         chat._append_context(ids, text)
         return chat
@@ -262,38 +306,24 @@ class TokenChat:
         assistant message is closed, the new messages are left out, and False is returned.
         """
         content, model_text = self._turn_text()
+        ended = len(model_text) > len(content)  # the model stopped on the end-of-turn token
         assistant = {"role": "assistant", "content": content}
+        text = self.text + model_text
         if new_messages:
-            rendered, delta_ids = self._delta(self.messages + [assistant] + new_messages, True, model_text)
-            if max_len is None or len(self.tokens) + len(delta_ids) <= max_len:
+            delta = self.codec.context_after_turn(ended, new_messages, self.tools, add_generation_prompt=True)
+            ids = self.codec.encode(delta)
+            if max_len is None or len(self.tokens) + len(ids) <= max_len:
                 self.messages.append(assistant)
                 self.messages.extend(dict(m) for m in new_messages)
-                self.plain = self.plain and all(_plain(m) for m in new_messages)
-                self._append_context(delta_ids, rendered)
+                self._append_context(ids, text + delta)
                 return True
-        rendered, delta_ids = self._delta(self.messages + [assistant], False, model_text)
+        delta = self.codec.context_after_turn(ended, [], self.tools, add_generation_prompt=False)
         self.messages.append(assistant)
-        self._append_context(delta_ids, rendered)
+        self._append_context(self.codec.encode(delta), text + delta)
         return not new_messages
 
-    def _delta(self, messages: list[Message], add_generation_prompt: bool, model_text: str) -> tuple[str, list[int]]:
-        """Render ``messages``; return the rendering and the token ids of the text past the episode's."""
-        plain = self.plain and all(_plain(m) for m in messages[len(self.messages):])
-        rendered = self.codec.render(messages, self.tools, add_generation_prompt, plain=plain)
-        expected = self.text + model_text
-        if not rendered.startswith(expected):
-            at = next((i for i, (a, b) in enumerate(zip(rendered, expected)) if a != b),
-                      min(len(rendered), len(expected)))
-            raise TemplateMismatch(
-                "the chat template is not prefix-stable: rendering the chat with its new messages changed text "
-                f"already in the episode at character {at} (had {expected[at:at + 40]!r}, "
-                f"now {rendered[at:at + 40]!r}); token-in/token-out cannot keep tokens and messages in sync"
-            )
-        delta = rendered[len(expected):]
-        return rendered, (self.codec.encode(delta) if delta else [])
-
     def _append_context(self, ids: list[int], text: str) -> None:
-        """Append non-model tokens; ``text`` is the chat's rendering once they are in."""
+        """Append non-model tokens; ``text`` is the chat's text once they are in."""
         self.tokens.extend(ids)
         n = len(ids)
         self.loss_mask.extend(array("B", [0]) * n)

@@ -6,14 +6,20 @@ assistant with optional ``tool_calls``, tool) and optional tool schemas. When ``
 is empty, the environment (``env.cls``) supplies ``sft.num_demonstrations`` correct
 episodes through ``Env.demonstration(task)``, with its tools' schemas.
 
-**Loss mask.** The conversation is rendered once with the model's chat template and
-tokenised once. The assistant spans are found from the template itself: an assistant
-message ``i`` starts where ``render(messages[:i], add_generation_prompt=True)`` ends and
-stops after the end-of-turn token in ``render(messages[:i+1])``. Tokens inside those
-spans (content, tool calls and the end-of-turn token, which the policy must learn to
-emit) get loss; the system, user and tool turns and the template's own
-``<|im_start|>assistant\\n`` header do not. A template that does not render prefixes
-consistently is reported as an error rather than silently mis-masked.
+**Tokens and loss mask.** A conversation is tokenised exactly as the actor would have
+produced it (:mod:`agentrl.actors.chat`), piece by piece: the prompt (the messages before
+the first assistant message, with the generation prompt); then for each assistant message
+the text the model generates for it (:meth:`ChatCodec.assistant_text`: the template's
+rendering of it as the latest turn, thinking and tool calls included, through the
+end-of-turn token), with loss; then the template's text for the messages up to the next
+assistant message and its generation prompt (:meth:`ChatCodec.context_after_turn`), without
+loss. Each piece is tokenised on its own, as the actor's are. So templates that rewrite
+history are trained on what the model generated: Qwen3 keeps each turn's ``<think>`` block
+(from ``reasoning_content`` or raw in ``content``) where a full rendering would drop earlier
+ones. For a prefix-stable template the tokens decode to ``apply_chat_template(messages)``.
+Spans are not found with ``return_assistant_tokens_mask``: the templates real models ship
+have no ``{% generation %}`` markers, and a mask over a full rendering would train Qwen3 on
+a history without the reasoning its turns were generated with.
 
 **Training** uses the learner's :class:`Trainer` (same FSDP2 layout, step, checkpoint
 format): steps of about ``sft.batch_tokens`` tokens, micro-batches of
@@ -47,36 +53,29 @@ Conversation = tuple[list[dict[str, Any]], list[dict[str, Any]] | None]
 # ------------------------------------------------------------------------ tokenisation
 
 
-def _render(tokenizer: Any, messages: list[dict], tools: list[dict] | None, *, generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(
-        messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt
-    )
-
-
 def tokenize_conversation(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None) -> Sample:
-    """Tokens of the rendered conversation with ``loss_mask = 1`` on assistant tokens only."""
+    """The conversation's tokens as the actor would have produced them, ``loss_mask = 1`` on the
+    assistant turns (thinking, content, tool calls and the end-of-turn token)."""
+    from agentrl.actors.chat import codec_for
+
     if not messages:
         raise ValueError("empty conversation")
-    text = _render(tokenizer, messages, tools, generation_prompt=False)
-    eos = tokenizer.eos_token or ""
-    spans: list[tuple[int, int]] = []
-    for i, message in enumerate(messages):
-        if message.get("role") != "assistant":
-            continue
-        prefix = _render(tokenizer, messages[:i], tools, generation_prompt=True) if i else ""
-        upto = _render(tokenizer, messages[: i + 1], tools, generation_prompt=False)
-        if not text.startswith(prefix) or not text.startswith(upto):
-            raise ValueError(f"the chat template does not render message {i} as a prefix of the conversation")
-        end = upto.rfind(eos) + len(eos) if eos and eos in upto[len(prefix) :] else len(upto)
-        spans.append((len(prefix), end))
-    if not spans:
+    turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+    if not turns:
         raise ValueError("conversation has no assistant message to learn from")
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = np.asarray(enc["input_ids"], dtype=np.int32)
-    mask = np.zeros(len(ids), dtype=np.uint8)
-    for t, (a, b) in enumerate(enc["offset_mapping"]):
-        if b > a and any(s <= a and b <= e for s, e in spans):
-            mask[t] = 1
+    if turns[0] == 0:
+        raise ValueError("conversation starts with an assistant message: its prompt (system, user) is missing")
+    codec = codec_for(tokenizer)
+    tools = tools or None
+    pieces: list[tuple[list[int], int]] = [(codec.encode(codec.render(messages[: turns[0]], tools, True)), 0)]
+    for n, i in enumerate(turns):
+        pieces.append((codec.encode(codec.assistant_text(messages[i], tools)), 1))
+        following = turns[n + 1] if n + 1 < len(turns) else len(messages)
+        context = codec.context_after_turn(codec.end_of_turn_id is not None, messages[i + 1 : following], tools,
+                                           add_generation_prompt=following < len(messages))
+        pieces.append((codec.encode(context), 0))
+    ids = np.asarray([t for piece, _ in pieces for t in piece], dtype=np.int32)
+    mask = np.asarray([m for piece, m in pieces for _ in piece], dtype=np.uint8)
     return Sample(tokens=ids, loss_mask=mask, behavior_logprobs=np.zeros(len(ids), dtype=np.float32))
 
 

@@ -7,7 +7,8 @@ off by the length limit) becomes an error string that the agent loop turns into 
 observation for the model, so the model learns from its malformed calls instead of the
 episode crashing.
 
-Other formats implement :class:`ToolCallParser` and are chosen by the env.
+Other formats implement :class:`ToolCallParser` and are chosen by the env (``env.tool_parser``):
+``llama3`` reads Llama 3.1/3.2's JSON calls, as SGLang's ``llama3`` parser does.
 """
 
 from __future__ import annotations
@@ -59,11 +60,59 @@ class HermesToolCallParser:
         return turn
 
 
+class Llama3JsonToolCallParser:
+    """Llama 3.1/3.2 JSON tool calls: the turn is ``{"name": ..., "parameters": {...}}`` (``"arguments"``
+    is read too), optionally after ``<|python_tag|>``; several calls are separated by ``;``. A turn that
+    neither starts with ``{`` nor holds the tag is plain text; text after the last call is ignored. A
+    call whose JSON ends before its braces close was cut off (``truncated``)."""
+
+    tag = "<|python_tag|>"
+
+    def parse(self, text: str) -> ParsedTurn:
+        turn = ParsedTurn()
+        if self.tag in text:
+            body = text.split(self.tag, 1)[1]
+        elif text.lstrip().startswith("{"):
+            body = text
+        else:
+            return turn
+        decoder = json.JSONDecoder()
+        pos = 0
+        while True:
+            while pos < len(body) and (body[pos].isspace() or body[pos] == ";"):
+                pos += 1
+            if not body.startswith("{", pos):
+                return turn
+            start = pos
+            try:
+                obj, pos = decoder.raw_decode(body, pos)
+            except json.JSONDecodeError as e:
+                rest = body[pos:]
+                if rest.count("{") > rest.count("}"):
+                    turn.truncated = True
+                    turn.errors.append("Error: the tool call was cut off before its JSON ended; keep calls short")
+                else:
+                    turn.errors.append(f"Error: the tool call is not valid JSON ({e.msg} at position {e.pos - pos})")
+                return turn
+            if isinstance(obj, dict) and "arguments" not in obj and "parameters" in obj:
+                obj = {**obj, "arguments": obj["parameters"]}
+            call, error = _call_from(obj)
+            if call is not None:
+                call.raw = body[start:pos]
+                turn.calls.append(call)
+            else:
+                turn.errors.append(error)
+
+
 def _parse_call(body: str) -> tuple[ToolCall | None, str]:
     try:
         obj = json.loads(body.strip())
     except json.JSONDecodeError as e:
         return None, f"Error: the tool call is not valid JSON ({e.msg} at position {e.pos})"
+    return _call_from(obj)
+
+
+def _call_from(obj: object) -> tuple[ToolCall | None, str]:
     if not isinstance(obj, dict):
         return None, "Error: a tool call must be a JSON object with \"name\" and \"arguments\""
     name = obj.get("name")
@@ -80,11 +129,12 @@ def _parse_call(body: str) -> tuple[ToolCall | None, str]:
     return ToolCall(name=name, arguments=args), ""
 
 
-PARSERS: dict[str, type] = {"hermes": HermesToolCallParser, "qwen": HermesToolCallParser}
+PARSERS: dict[str, type] = {"hermes": HermesToolCallParser, "qwen": HermesToolCallParser,
+                            "llama3": Llama3JsonToolCallParser}
 
 
 def get_parser(name: str = "hermes") -> ToolCallParser:
-    """A parser by format name (``hermes``/``qwen``), or by import path ``module:Class``."""
+    """A parser by format name (``hermes``/``qwen``, ``llama3``), or by import path ``module:Class``."""
     if ":" in name:
         import importlib
 
