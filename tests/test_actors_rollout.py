@@ -284,3 +284,19 @@ def test_random_model_keeps_the_invariant(tmp_path_factory, tokenizer, env_path)
         assert traj.metadata["finish_reason"] in ("answer", "max_turns", "context_full", "truncated_tool_call")
         assert_invariant(traj, tokenizer, env)
         assert np.all(traj.behavior_logprobs[traj.loss_mask == 1] <= 0)
+
+
+def test_a_tool_call_written_inside_reasoning_is_not_executed(tokenizer):
+    """Qwen3-style reasoning may mention a call; only calls outside <think> run (SGLang separates
+    reasoning before parsing tool calls)."""
+    env = AddEnv()
+
+    def script(turn: int, prompt: str) -> str:
+        if turn == 0:
+            return "<think>I could " + call("add", a=1, b=2) + " but I know it.</think>The answer is 42."
+        return "unreachable"
+
+    with ScriptedEngine(TurnScript(tokenizer, script)) as engine:
+        traj = play(engine, tokenizer, env)
+    assert traj.metadata["finish_reason"] == "answer" and traj.metadata["num_tool_calls"] == 0
+    assert traj.metadata["num_turns"] == 1

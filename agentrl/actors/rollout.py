@@ -35,7 +35,8 @@ Finish reasons: ``answer`` (the env accepted a text turn), ``max_turns``, ``cont
 Failures: a tool failure is an observation, a reward that raises scores the episode 0 with the
 error in ``metadata["reward_error"]``. Anything else (engine unreachable after the client's
 retries, an engine reply that breaks the protocol, an env whose ``setup``, ``initial_messages``
-or ``on_text_turn`` raises, a template that is not prefix-stable) raises :class:`EpisodeFailed`;
+or ``on_text_turn`` raises, a template that does not write assistant content verbatim) raises
+:class:`EpisodeFailed`;
 :func:`run_group` then cancels the group's other episodes and reports the group as lost, never
 silently.
 """
@@ -52,6 +53,7 @@ import trio
 
 from agentrl.actors.chat import ChatCodec, Message, TokenChat, codec_for
 from agentrl.envs.base import Env, Task, run_cleanup, score_episode
+from agentrl.envs.rewards import without_reasoning
 from agentrl.protocol import Trajectory, TrajectoryGroup
 from agentrl.tools.base import ToolBox, ToolCall, ToolResult
 from agentrl.tools.parsing import HermesToolCallParser, ParsedTurn, ToolCallParser
@@ -191,7 +193,8 @@ class _Episode:
             if stop == "aborted":
                 chat.close_turn_and_add([])
                 return "aborted"
-            parsed = self.parser.parse(chat.turn_content())
+            # tool calls are read outside the reasoning, as SGLang separates reasoning first
+            parsed = self.parser.parse(without_reasoning(chat.turn_content()))
             if stop == "length" and budget < limits.max_new_tokens_per_turn:
                 chat.close_turn_and_add([])
                 return "context_full"

@@ -21,6 +21,11 @@ _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _ANSWER_PREFIX = re.compile(r"^\s*(?:the\s+)?(?:final\s+)?answer\s*(?:is|:)\s*", re.I)
 
 
+def without_reasoning(text: str) -> str:
+    """``text`` without ``<think>...</think>`` blocks (an unclosed one runs to the end)."""
+    return _THINK.sub("", text)
+
+
 def final_assistant_text(messages: list[dict[str, Any]]) -> str | None:
     """The final answer's text, or None when the episode did not end with a plain answer."""
     if not messages:
@@ -31,7 +36,7 @@ def final_assistant_text(messages: list[dict[str, Any]]) -> str | None:
     content = last.get("content") or ""
     if not isinstance(content, str) or "<tool_call>" in content:
         return None
-    return _THINK.sub("", content).strip()
+    return without_reasoning(content).strip()
 
 
 def last_number(text: str) -> Fraction | None:
