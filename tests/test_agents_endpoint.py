@@ -22,7 +22,7 @@ import pytest
 import trio
 
 from agentrl.actors.chat import ChatCodec
-from agentrl.actors.rollout import EpisodeFailed
+from agentrl.actors.rollout import EpisodeFailed, GroupLost
 from agentrl.agents.env import AgentEnv
 from agentrl.agents.openai_api import split_tool_calls
 from agentrl.agents.runner import AgentRunner
@@ -71,22 +71,15 @@ class Agent(AgentEnv):
 
 
 def play(tokenizer, url: str, env: AgentEnv, task: Task = TASK, *, n_episodes: int = 1, **runner_kwargs):
-    """Run ``n_episodes`` episodes of ``env`` concurrently; their trajectory lists."""
+    """Run ``n_episodes`` episodes of ``env`` as one group (concurrently); their trajectory lists."""
     runner_kwargs.setdefault("default_max_tokens", 48)
 
     async def main():
         with trio.fail_after(180):
             async with AgentRunner(tokenizer, lambda: EngineClient([url], health_check_interval_s=0.5),
                                    **runner_kwargs) as runner:
-                out: list = [None] * n_episodes
-
-                async def one(i: int) -> None:
-                    out[i] = await runner.play(env, task, episode_id=f"ep{i}")
-
-                async with trio.open_nursery() as nursery:
-                    for i in range(n_episodes):
-                        nursery.start_soon(one, i)
-                return out
+                trajectories = await runner.play_group(env, task, n_episodes, group_id="ep")
+        return [[t for t in trajectories if t.metadata["episode_id"] == f"ep-{i}"] for i in range(n_episodes)]
 
     return trio.run(main)
 
@@ -136,7 +129,7 @@ def test_sdk_calls_are_recorded_token_for_token_as_the_engine_generated_them(tok
     md = traj.metadata
     assert (md["num_calls"], md["num_sequences"], md["new_sequence_reason"], md["num_stitched_calls"]) == \
         (2, 1, "first_call", 1)
-    assert traj.reward == 1.0 and md["env"] == "agent" and md["task_id"] == "t1" and md["episode_id"] == "ep0"
+    assert traj.reward == 1.0 and md["env"] == "agent" and md["task_id"] == "t1" and md["episode_id"] == "ep-0"
     assert_template(traj, tokenizer, tools=[ADD])
     prompt = template_ids(tokenizer, USER, [ADD])
     assert list(traj.tokens[:len(prompt)]) == prompt  # the first prompt is the template's, tokenized as a whole
@@ -160,6 +153,7 @@ def test_sdk_calls_are_recorded_token_for_token_as_the_engine_generated_them(tok
     assert set(traj.weight_versions[traj.loss_mask == 1].tolist()) == {0}
 
     first = seen["first"]  # what the client saw is what was recorded
+    assert first.metadata == {"weight_version": "0"}
     s0, e0 = spans[0]
     assert [lp.logprob for lp in first.choices[0].logprobs.content] == \
         pytest.approx(traj.behavior_logprobs[s0:e0].tolist(), abs=1e-6)
@@ -312,7 +306,7 @@ def test_the_openai_agents_sdk_runs_unchanged(tokenizer):
         assert traj.reward == 1.0
         assert traj.metadata["messages"][0] == {"role": "system", "content": "Use the tools."}
         assert_scripted(traj, tokenizer, tools)
-    assert {runs[0][0].metadata["episode_id"], runs[1][0].metadata["episode_id"]} == {"ep0", "ep1"}
+    assert [runs[0][0].metadata["episode_id"], runs[1][0].metadata["episode_id"]] == ["ep-0", "ep-1"]
 
 
 def test_langchain_chat_openai_runs_unchanged(tokenizer):
@@ -522,3 +516,44 @@ def test_forced_sampling_replaces_the_agents_temperature(tokenizer):
     params = request["sampling_params"]
     assert (params["temperature"], params["top_p"], params["top_k"], params["sampling_seed"]) == (1.0, 1.0, -1, 4)
     assert np.isclose(params["max_new_tokens"], 48)
+
+
+def test_a_completion_ends_at_the_context_and_a_full_context_is_refused(tokenizer, codec):
+    import openai
+
+    prompt = len(template_ids(tokenizer, USER))
+    context = prompt + 1 + codec.reserve_tokens + 5  # room for 5 tokens
+
+    async def agent(task, client):
+        reply = await client.chat.completions.create(model="m", messages=USER, max_tokens=40)
+        assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 5
+        long = [{"role": "user", "content": "What is 2 + 3? " * 20}]
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(model="m", messages=long)
+        assert info.value.code == "context_length_exceeded"
+        return 1.0
+
+    with scripted(tokenizer, ("1 2 3 4 5 6 7 8 9" + TurnScript.NO_STOP,)) as engine:
+        [[traj]] = play(tokenizer, engine.url, Agent(agent), max_model_len=context)
+        assert engine.requests[0]["sampling_params"]["max_new_tokens"] == 5
+    assert int(traj.loss_mask.sum()) == 5 and len(traj.tokens) <= context  # closed within the context
+    assert_template(traj, tokenizer)
+
+
+def test_a_failed_episode_loses_its_group_and_cancels_the_others(tokenizer):
+    started, cancelled = [], []
+
+    async def agent(task, client):
+        started.append(1)
+        if len(started) == 3:
+            raise RuntimeError("episode 3 breaks")
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.append(1)
+            raise
+
+    with scripted(tokenizer, (ANSWER,)) as engine:
+        with pytest.raises(GroupLost, match="episode 3 breaks"):
+            play(tokenizer, engine.url, Agent(agent), n_episodes=3)
+    assert len(cancelled) == 2

@@ -43,7 +43,7 @@ from typing import Any, Callable
 import trio
 
 from agentrl.actors.chat import ChatCodec
-from agentrl.actors.rollout import EpisodeFailed
+from agentrl.actors.rollout import EpisodeFailed, GroupLost
 from agentrl.agents.endpoint import AgentEndpoint
 from agentrl.agents.env import AgentEnv
 from agentrl.agents.serving import ChatService
@@ -154,6 +154,30 @@ class AgentRunner:
             raise TypeError(f"{type(env).__name__} is not an AgentEnv")
         episode_id = episode_id or uuid.uuid4().hex[:12]
         return await self._run_in_loop(self._episode(env, task, episode_id, extra_metadata or {}))
+
+    async def play_group(self, env: AgentEnv, task: Task, n: int, *, group_id: str | None = None,
+                         extra_metadata: dict[str, Any] | None = None) -> list[Trajectory]:
+        """The ``n`` episodes of ``task``, concurrently (episode ids ``<group_id>-<i>``): every sequence of
+        every episode, in episode order. When one episode fails the others are cancelled and
+        :class:`agentrl.actors.rollout.GroupLost` says why, as :func:`agentrl.actors.rollout.run_group` does.
+        Advantages are per episode (:func:`agentrl.agents.episodes.episode_index`)."""
+        gid = group_id or uuid.uuid4().hex[:12]
+        episodes: list[list[Trajectory]] = [[] for _ in range(n)]
+        failures: list[str] = []
+
+        async def one(i: int, cancel: trio.CancelScope) -> None:
+            try:
+                episodes[i] = await self.play(env, task, episode_id=f"{gid}-{i}", extra_metadata=extra_metadata)
+            except EpisodeFailed as e:
+                failures.append(str(e))
+                cancel.cancel()
+
+        async with trio.open_nursery() as nursery:
+            for i in range(n):
+                nursery.start_soon(one, i, nursery.cancel_scope)
+        if failures:
+            raise GroupLost(failures[0])
+        return [t for episode in episodes for t in episode]
 
     async def _run_in_loop(self, coro: Any) -> Any:
         loop = self._loop

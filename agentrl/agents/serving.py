@@ -76,6 +76,7 @@ class ChoiceResult:
     num_aborts: int = 0
     generation_latency_s: float = 0.0
     prompt_len: int = 0
+    weight_version: str = ""  # as the engine reported it on the last part
 
 
 @dataclass
@@ -195,13 +196,13 @@ class ChatService:
         try:
             await asyncio.gather(*tasks)
         except RequestError as e:  # the embedded engine refused the prompt (too long ...)
-            raise OpenAIRequestError(str(e)) from e
+            raise _refused(str(e)) from e
         except EpisodeFailed as e:  # the engine broke the protocol, or has no policy version
             raise OpenAIRequestError(str(e), status=503, kind="server_error") from e
         except Exception as e:
             status = getattr(e, "status", None)
             if isinstance(status, int) and 400 <= status < 500:  # the engine refused the request (EngineRequestError)
-                raise OpenAIRequestError(getattr(e, "message", str(e))) from e
+                raise _refused(getattr(e, "message", str(e))) from e
             log.warning("generation failed: %s: %s", type(e).__name__, e)
             raise OpenAIRequestError(f"the engine could not complete the request: {type(e).__name__}: {e}",
                                      status=503, kind="server_error") from e
@@ -217,6 +218,14 @@ class ChatService:
         chat = result.chat
         params = self.sampling(plan.request, index)
         remaining = params["max_new_tokens"]
+        if self.max_model_len is not None:  # a completion never runs past the context: it ends with "length"
+            room = self.max_model_len - len(chat) - 1 - self.codec.reserve_tokens  # + the turn's closing tokens
+            if room < 1:
+                raise OpenAIRequestError(
+                    f"This model's maximum context length is {self.max_model_len} tokens; the messages take "
+                    f"{len(chat)}, which leaves no room for a completion", param="messages",
+                    code="context_length_exceeded")
+            remaining = room if remaining is None else min(remaining, room)
         empty_aborts, version_wait = 0, None
         while True:
             start = time.monotonic()
@@ -239,6 +248,7 @@ class ChatService:
                 raise EpisodeFailed(f"engine returned {len(ids)} tokens, {remaining} were asked for")
             chat.append_model(ids, logprobs, versions)
             result.finish = dict(reply.finish_reason or {})
+            result.weight_version = str(reply.weight_version)
             if remaining is not None:
                 remaining -= len(ids)
             if kind != "abort" or not self.continue_aborts:
@@ -279,7 +289,14 @@ class ChatService:
         if req.stream:
             body = sse(chat_completion_chunks(cid, req.model, choices, use if req.include_usage else None))
             return Response(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return JSONResponse(chat_completion(cid, req.model, choices, use))
+        metadata = {"weight_version": plan.results[0].weight_version}  # as SGLang reports it
+        return JSONResponse(chat_completion(cid, req.model, choices, use, metadata))
+
+
+def _refused(message: str) -> OpenAIRequestError:
+    """The engine's refusal as the client's 400 (OpenAI's code when the context is exceeded)."""
+    code = "context_length_exceeded" if "context length" in message else None
+    return OpenAIRequestError(message, code=code)
 
 
 async def _json(request: Request) -> Any:
