@@ -229,6 +229,49 @@ def test_the_engine_serves_the_same_v1_routes_without_recording(tokenizer, codec
     assert (refused.status_code, refused.param, refused.code) == (400, "logit_bias", "unsupported_parameter")
 
 
+def test_a_real_weight_update_abort_is_continued_into_one_completion(tokenizer, engine_url, engine_teacher):
+    """pause_generation(abort) + a new version + continue, on the real engine, while an agent's call runs."""
+    seen: dict = {}
+
+    async def agent(task, client):
+        seen["reply"] = await client.chat.completions.create(model="m", messages=USER, seed=5, max_tokens=400)
+        return 1.0
+
+    async def main():
+        async with httpx.AsyncClient(base_url=engine_url, timeout=30) as http:
+            async def interrupt() -> None:
+                with trio.fail_after(60):
+                    while (await http.get("/server_info")).json()["num_running"] == 0:
+                        await trio.sleep(0.05)  # polling the external process, bounded
+                for path, body in (("/pause_generation", {"mode": "abort"}),
+                                   ("/update_weight_version", {"new_version": "1", "abort_all_requests": False}),
+                                   ("/continue_generation", {})):
+                    assert (await http.post(path, json=body)).status_code == 200
+
+            try:
+                async with AgentRunner(tokenizer, lambda: EngineClient([engine_url])) as runner:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(interrupt)
+                        trajectories = await runner.play(Agent(agent), TASK)
+            finally:  # leave the shared engine as found
+                await http.post("/update_weight_version", json={"new_version": "0", "abort_all_requests": False})
+        return trajectories
+
+    [traj] = trio.run(main)
+    md = traj.metadata
+    assert md["num_aborts"] >= 1 and md["num_generate_calls"] == md["num_aborts"] + 1 and md["num_sequences"] == 1
+    [(start, end)] = model_spans(traj)  # one completion, as the agent saw it
+    versions = traj.weight_versions[start:end].tolist()
+    cut = versions.index(1)
+    assert 0 < cut and versions == [0] * cut + [1] * (end - start - cut)
+    reply = seen["reply"].choices[0]
+    assert reply.finish_reason in ("stop", "length") and seen["reply"].usage.completion_tokens == end - start
+    tokens = [int(t) for t in traj.tokens]
+    teacher = engine_teacher.logprobs(tokens[:start], tokens[start:end])  # the weights did not change
+    assert max_abs_diff(teacher, traj.behavior_logprobs[start:end].tolist()) < 1e-4
+    assert_template(traj, tokenizer)
+
+
 # ----------------------------------------------------------------------------- scripted engine
 
 

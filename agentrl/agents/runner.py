@@ -144,6 +144,11 @@ class AgentRunner:
             server.should_exit = True
             await serving
             stop.cancel()
+            left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in left:  # episodes still running when the runner closes (their trio side is gone)
+                task.cancel()
+            if left:
+                await asyncio.wait(left, timeout=self.cancel_grace_s)
 
     # -- episodes (trio) ----------------------------------------------------------------------
     async def play(self, env: AgentEnv, task: Task, *, episode_id: str | None = None,
