@@ -84,6 +84,7 @@ class AgentRunner:
         self._thread: threading.Thread | None = None
         self._started: concurrent.futures.Future = concurrent.futures.Future()
         self._stop: asyncio.Event | None = None
+        self._episodes: set[asyncio.Task] = set()  # running episode tasks (owned by the loop)
 
     # -- lifecycle (trio) ---------------------------------------------------------------------
     async def __aenter__(self) -> "AgentRunner":
@@ -144,7 +145,7 @@ class AgentRunner:
             server.should_exit = True
             await serving
             stop.cancel()
-            left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            left = list(self._episodes)
             for task in left:  # episodes still running when the runner closes (their trio side is gone)
                 task.cancel()
             if left:
@@ -196,6 +197,8 @@ class AgentRunner:
 
         def start() -> None:
             holder["task"] = task = loop.create_task(coro)
+            self._episodes.add(task)
+            task.add_done_callback(self._episodes.discard)
             task.add_done_callback(wake)
 
         if loop is None or loop.is_closed():
