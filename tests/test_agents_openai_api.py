@@ -203,6 +203,10 @@ def test_a_tool_round_trip_is_one_sequence_whose_tokens_are_the_templates_render
     md = traj.metadata
     assert (md["num_calls"], md["episode_num_calls"], md["num_sequences"], md["new_sequence_reason"], md["env"]) == \
         (2, 2, 1, "first_call", "e")
+    assert md["call_finish_reasons"] == ["tool_calls", "stop"]
+    spans = [(int(a), int(b)) for a, b in md["call_spans"]]  # each call's completion, where the mask says
+    assert spans[0][0] == len(prompt) and all(traj.loss_mask[a:b].all() for a, b in spans)
+    assert sum(b - a for a, b in spans) == int(traj.loss_mask.sum())
 
 
 def test_an_edited_reply_a_rewritten_history_or_new_tools_start_new_sequences(codec):

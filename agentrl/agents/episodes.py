@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from agentrl.actors.chat import ChatCodec, TemplateMismatch, TokenChat
@@ -68,6 +68,8 @@ class Sequence:
     num_aborts: int = 0
     generation_latency_s: float = 0.0
     finish_reason: str = ""  # of its last call (stop, length, tool_calls, abort)
+    call_spans: list = field(default_factory=list)  # per call: [completion start, completion end] in tokens
+    call_finish_reasons: list = field(default_factory=list)
 
 
 @dataclass
@@ -139,6 +141,8 @@ class Episode:
             target.num_aborts += r.num_aborts
             target.generation_latency_s += r.generation_latency_s
             target.finish_reason = r.out.finish_reason
+            target.call_spans.append([r.prompt_len, len(r.chat)])
+            target.call_finish_reasons.append(r.out.finish_reason)
             if i == 0:
                 self._last = target
 
@@ -185,6 +189,7 @@ class Episode:
                 "new_sequence_reason": s.reason, "finish_reason": s.finish_reason,
                 "num_generate_calls": s.num_generate_calls, "num_aborts": s.num_aborts,
                 "generation_latency_s": s.generation_latency_s, "num_model_tokens": mask.count(1),
+                "call_spans": s.call_spans, "call_finish_reasons": s.call_finish_reasons,
                 "messages": chat.messages,
             }
             meta.update(metadata or {})
