@@ -25,7 +25,7 @@ from agentrl.actors.chat import ChatCodec
 from agentrl.actors.rollout import EpisodeFailed, GroupLost
 from agentrl.agents.env import AgentEnv
 from agentrl.agents.openai_api import split_tool_calls
-from agentrl.agents.runner import AgentRunner
+from agentrl.agents.runner import AgentRunner, play_agent_episode
 from agentrl.engine.client import EngineClient
 from agentrl.envs.base import Task
 from agentrl.tools.parsing import HermesToolCallParser
@@ -372,7 +372,8 @@ def test_langchain_chat_openai_runs_unchanged(tokenizer):
         return 1.0 if (await llm.ainvoke(messages)).content == ANSWER else 0.0
 
     with scripted(tokenizer) as engine:
-        [[traj]] = play(tokenizer, engine.url, Agent(agent))
+        [traj] = trio.run(lambda: play_agent_episode(Agent(agent), TASK, tokenizer, lambda: EngineClient([engine.url]),
+                                                     default_max_tokens=48))
     assert traj.reward == 1.0
     tools = [{"type": "function", "function": {"name": "add", "description": "Add two numbers.", "parameters": {
         "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"], "type": "object"}}}]

@@ -295,3 +295,11 @@ async def _score(env: AgentEnv, task: Task, state: dict, episode: Any,
     if not math.isfinite(total):
         return 0.0, {}, f"{type(env).__name__}.run returned a reward that is not finite: {value!r}"
     return total, components, None
+
+
+async def play_agent_episode(env: AgentEnv, task: Task, tokenizer: Any, engine: Callable[[], Any],
+                             **runner_kwargs: Any) -> list[Trajectory]:
+    """One episode with an endpoint of its own (started and stopped around it): for scripts and checks.
+    An actor process keeps one :class:`AgentRunner` for all its episodes instead."""
+    async with AgentRunner(tokenizer, engine, **runner_kwargs) as runner:
+        return await runner.play(env, task)
