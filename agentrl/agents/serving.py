@@ -58,6 +58,7 @@ from agentrl.agents.openai_api import (
     finish_reason_of, model_list, parse_chat_request, retrieve_model, split_tool_calls, sse, token_logprobs, usage,
 )
 from agentrl.engine.api import RequestError
+from agentrl.engine.client import EngineRequestError
 from agentrl.tools.parsing import ToolCallParser, get_parser
 
 log = logging.getLogger(__name__)
@@ -195,14 +196,15 @@ class ChatService:
         tasks = [asyncio.ensure_future(self._choice(plan, i)) for i in range(req.n)]
         try:
             await asyncio.gather(*tasks)
+        except OpenAIRequestError:
+            raise
         except RequestError as e:  # the embedded engine refused the prompt (too long ...)
             raise _refused(str(e)) from e
+        except EngineRequestError as e:  # an engine refused it over HTTP (4xx)
+            raise _refused(e.message) from e
         except EpisodeFailed as e:  # the engine broke the protocol, or has no policy version
             raise OpenAIRequestError(str(e), status=503, kind="server_error") from e
         except Exception as e:
-            status = getattr(e, "status", None)
-            if isinstance(status, int) and 400 <= status < 500:  # the engine refused the request (EngineRequestError)
-                raise _refused(getattr(e, "message", str(e))) from e
             log.warning("generation failed: %s: %s", type(e).__name__, e)
             raise OpenAIRequestError(f"the engine could not complete the request: {type(e).__name__}: {e}",
                                      status=503, kind="server_error") from e
