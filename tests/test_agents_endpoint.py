@@ -319,6 +319,33 @@ def test_tool_calls_round_trip_through_the_openai_sdk(tokenizer, stream):
     assert_scripted(traj, tokenizer, [ADD])
 
 
+def test_reasoning_comes_back_apart_and_an_agent_that_drops_it_still_stitches(tokenizer):
+    think = "<think>\nI should add 2 and 3.\n</think>\n\n"
+
+    async def agent(task, client):
+        first = await client.chat.completions.create(model="m", messages=USER, tools=[ADD], stream=task.data["stream"])
+        if task.data["stream"]:
+            chunks = [c async for c in first]
+            reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks)
+            [call] = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+            call = {"id": call.id, "type": "function", "function": call.function.model_dump()}
+        else:
+            message = first.choices[0].message
+            reasoning, call = message.reasoning_content, message.tool_calls[0].model_dump()
+        assert reasoning == "I should add 2 and 3."
+        echo = {"role": "assistant", "content": None, "tool_calls": [call]}  # the reasoning is not sent back
+        final = await client.chat.completions.create(model="m", messages=USER + [echo, {
+            "role": "tool", "tool_call_id": call["id"], "content": "5"}], tools=[ADD])
+        return 1.0 if final.choices[0].message.content == ANSWER else 0.0
+
+    for stream in (False, True):
+        with scripted(tokenizer, (think + CALL, ANSWER)) as engine:
+            [[traj]] = play(tokenizer, engine.url, Agent(agent), Task("t", {"stream": stream}), reasoning=True,
+                            default_max_tokens=128)
+        assert traj.reward == 1.0
+        assert_scripted(traj, tokenizer, [ADD], (think + CALL, ANSWER))
+
+
 def test_the_openai_agents_sdk_runs_unchanged(tokenizer):
     from agents import Agent as SdkAgent
     from agents import OpenAIChatCompletionsModel, RunConfig, Runner, function_tool

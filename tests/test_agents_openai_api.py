@@ -12,7 +12,7 @@ from agentrl.actors.chat import ChatCodec
 from agentrl.agents.episodes import Episode, episode_index
 from agentrl.agents.openai_api import (
     ALL_FIELDS, DEFAULT_ONLY_FIELDS, ChoiceOut, OpenAIRequestError, chat_completion_chunks, convert_message,
-    message_view, parse_chat_request, split_tool_calls,
+    message_view, parse_chat_request, split_reasoning, split_tool_calls,
 )
 from agentrl.agents.serving import ChoiceResult
 from agentrl.protocol import Trajectory
@@ -132,6 +132,16 @@ def test_tool_calls_are_parsed_as_sglang_does():
     assert split_tool_calls("no calls here", parser, {"add"}) == ("no calls here", [])
     broken = 'x <tool_call>{"name": "add", "arguments": {"a": </tool_call>'
     assert split_tool_calls(broken, parser, {"add"}) == ("x", [])
+
+
+def test_reasoning_is_split_as_sglangs_reasoning_parser_does_and_left_out_of_views():
+    assert split_reasoning("<think>\nadd 2 and 3\n</think>\n\nIt is 5.") == ("add 2 and 3", "It is 5.")
+    assert split_reasoning("add them</think>\n\nIt is 5.") == ("add them", "It is 5.")  # the template opened it
+    assert split_reasoning("<think>still thinking") == ("still thinking", "")
+    assert split_reasoning("no reasoning") == (None, "no reasoning")
+    with_reasoning = {"role": "assistant", "content": "It is 5.", "reasoning_content": "add them"}
+    assert convert_message(with_reasoning, 0)[0]["reasoning_content"] == "add them"  # templates may render it
+    assert message_view(with_reasoning) == message_view({"role": "assistant", "content": "It is 5."})
 
 
 def test_stream_chunks_carry_role_content_calls_finish_and_usage_in_order():

@@ -34,6 +34,11 @@ calls as name + parsed arguments, ids of tool results), used to recognise a conv
 extends an earlier call's conversation (see :mod:`agentrl.agents.episodes`). Tool-call ids the
 server made up are left out of the view, so a framework that renumbers them still stitches.
 
+**Reasoning** (``<think>...</think>``, when the host enables it, as SGLang's ``--reasoning-parser``
+does): the text inside the tags is returned as ``reasoning_content`` and only the text after them is
+the content and is parsed for tool calls. The view leaves ``reasoning_content`` out (agent frameworks
+often drop it; the model's reasoning is in the recorded tokens either way).
+
 **Tool calls** are parsed from the completion's text with agentrl's parsers
 (:mod:`agentrl.tools.parsing`, Hermes ``<tool_call>`` blocks by default). As in SGLang: the
 message content is the text before the first call (stripped), calls naming a tool that the
@@ -184,7 +189,9 @@ def convert_message(message: Any, i: int) -> tuple[dict, str]:
         if value is not None:
             if not isinstance(value, str):
                 raise OpenAIRequestError(f"{where}.{key} must be a string", param=f"{where}.{key}")
-            out[key] = view[key] = value
+            out[key] = value
+            if key != "reasoning_content":  # agents often drop it; the model's own reasoning is in the tokens
+                view[key] = value
     if role == "assistant" and message.get("tool_calls"):
         calls = _tool_calls(message["tool_calls"], f"{where}.tool_calls")
         out["tool_calls"] = [{"id": c["id"], "type": "function",
@@ -357,13 +364,27 @@ class ChoiceOut:
     finish_reason: str  # stop | length | tool_calls | abort
     matched_stop: int | str | None = None
     logprobs: list[dict] | None = None  # OpenAI's per-token entries when the request asked
+    reasoning_content: str | None = None
 
     def message(self) -> dict:
         """The assistant message (SGLang's ``ChatMessage``)."""
-        out: dict[str, Any] = {"role": "assistant", "content": self.content, "reasoning_content": None}
+        out: dict[str, Any] = {"role": "assistant", "content": self.content, "reasoning_content": self.reasoning_content}
         if self.tool_calls:
             out["tool_calls"] = self.tool_calls
         return out
+
+
+THINK_START, THINK_END = "<think>", "</think>"
+
+
+def split_reasoning(text: str) -> tuple[str | None, str]:
+    """(reasoning, the rest) of a completion: SGLang's reasoning parser for ``<think>...</think>``. A
+    closing tag without an opening one (the template opened it) counts; an unclosed block runs to the end."""
+    if THINK_START not in text and THINK_END not in text:
+        return None, text
+    body = text[text.index(THINK_START) + len(THINK_START):] if THINK_START in text else text
+    reasoning, _, rest = body.partition(THINK_END)
+    return reasoning.strip(), rest.lstrip()
 
 
 def split_tool_calls(text: str, parser: ToolCallParser, tool_names: set[str]) -> tuple[str, list[dict]]:
@@ -421,7 +442,8 @@ def chat_completion(cid: str, model: str, choices: list[ChoiceOut], use: dict, m
 
 def chat_completion_chunks(cid: str, model: str, choices: list[ChoiceOut], use: dict | None) -> list[dict]:
     """The streamed response (``chat.completion.chunk`` objects, in order), for a finished completion:
-    per choice a role chunk, the content, one chunk per tool call, the finish; then the usage when asked."""
+    per choice a role chunk, the reasoning, the content, one chunk per tool call, the finish; then the usage
+    when asked."""
     created = int(time.time())
 
     def chunk(index: int, delta: dict, finish: str | None = None, logprobs: list | None = None,
@@ -435,6 +457,8 @@ def chat_completion_chunks(cid: str, model: str, choices: list[ChoiceOut], use: 
     chunks = []
     for i, c in enumerate(choices):
         chunks.append(chunk(i, {"role": "assistant", "content": ""}))
+        if c.reasoning_content:
+            chunks.append(chunk(i, {"reasoning_content": c.reasoning_content}))
         if c.content or c.logprobs:
             chunks.append(chunk(i, {"content": c.content}, logprobs=c.logprobs))
         for call in c.tool_calls or []:

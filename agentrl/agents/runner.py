@@ -61,21 +61,23 @@ class AgentRunner:
 
     ``engine`` builds the engine client inside the asyncio thread (an httpx client belongs to the loop
     that made it); it must be an async context manager with ``generate`` (``EngineClient``).
-    ``versioned``/``forced_sampling``/``default_max_tokens``/``max_tokens_cap``: see
+    ``versioned``/``forced_sampling``/``default_max_tokens``/``max_tokens_cap``/``reasoning``: see
     :class:`agentrl.agents.serving.ChatService` (training: versions on, the run's sampling forced).
     """
 
     def __init__(self, tokenizer: Any, engine: Callable[[], Any], *, host: str = "127.0.0.1", port: int = 0,
                  model_name: str = "agentrl", max_model_len: int | None = None, tool_parser: str = "hermes",
                  versioned: bool = True, forced_sampling: dict | None = None, default_max_tokens: int | None = None,
-                 max_tokens_cap: int | None = None, client_timeout_s: float = 600.0, client_max_retries: int = 2,
+                 max_tokens_cap: int | None = None, reasoning: bool = False, client_timeout_s: float = 600.0,
+                 client_max_retries: int = 2,
                  cancel_grace_s: float = 10.0, cleanup_timeout_s: float = 30.0):
         self.codec = ChatCodec(tokenizer)  # its own: the endpoint's thread renders with it
         self._engine_factory = engine
         self._host, self._port = host, port
         self._service_kwargs = dict(model_name=model_name, max_model_len=max_model_len, tool_parser=tool_parser,
                                     versioned=versioned, forced_sampling=forced_sampling,
-                                    default_max_tokens=default_max_tokens, max_tokens_cap=max_tokens_cap)
+                                    default_max_tokens=default_max_tokens, max_tokens_cap=max_tokens_cap,
+                                    reasoning=reasoning)
         self.client_timeout_s, self.client_max_retries = client_timeout_s, client_max_retries
         self.cancel_grace_s, self.cleanup_timeout_s = cancel_grace_s, cleanup_timeout_s
         self.url = ""

@@ -31,6 +31,9 @@ at the agent's own temperature would carry behaviour logprobs of another distrib
 that set other values are logged once. ``max_tokens_cap`` bounds every choice (the client's
 ``max_tokens``, when smaller, wins); ``default_max_tokens`` applies when the client gives none.
 
+**Reasoning** (``reasoning=True``, SGLang's ``--reasoning-parser``): ``<think>...</think>`` comes back
+as ``reasoning_content``, and tool calls are parsed from the text after it only.
+
 **Streaming** sends the finished completion as chunks (role, content, one per tool call, finish,
 usage when asked, ``[DONE]``): clients that stream work unchanged, but the text arrives at once.
 
@@ -55,7 +58,8 @@ from agentrl.actors.chat import ChatCodec, TokenChat
 from agentrl.actors.rollout import EngineClientLike, EpisodeFailed, VersionNotSet, _unpack
 from agentrl.agents.openai_api import (
     ChatRequest, ChoiceOut, OpenAIRequestError, chat_completion, chat_completion_chunks, completion_id,
-    finish_reason_of, model_list, parse_chat_request, retrieve_model, split_tool_calls, sse, token_logprobs, usage,
+    finish_reason_of, model_list, parse_chat_request, retrieve_model, split_reasoning, split_tool_calls, sse,
+    token_logprobs, usage,
 )
 from agentrl.engine.api import RequestError
 from agentrl.engine.client import EngineRequestError
@@ -125,7 +129,7 @@ class ChatService:
                  max_model_len: int | None = None, tool_parser: str | ToolCallParser = "hermes",
                  continue_aborts: bool = True, versioned: bool = False, forced_sampling: dict | None = None,
                  default_max_tokens: int | None = None, max_tokens_cap: int | None = None, max_empty_aborts: int = 20,
-                 max_version_wait_s: float = 600.0):
+                 max_version_wait_s: float = 600.0, reasoning: bool = False):
         self.codec, self.engine, self.model_name = codec, engine, model_name
         self.max_model_len = max_model_len
         self.parser = get_parser(tool_parser) if isinstance(tool_parser, str) else tool_parser
@@ -133,6 +137,7 @@ class ChatService:
         self.forced_sampling = {k: v for k, v in (forced_sampling or {}).items() if k in SAMPLING_FORCED_KEYS}
         self.default_max_tokens, self.max_tokens_cap = default_max_tokens, max_tokens_cap
         self.max_empty_aborts, self.max_version_wait_s = max_empty_aborts, max_version_wait_s
+        self.reasoning = reasoning  # <think>...</think> returned as reasoning_content (SGLang's --reasoning-parser)
         self._override_logged = False
 
     # -- routes (host-independent handlers; the host decides the session) ----------------------
@@ -273,6 +278,7 @@ class ChatService:
         matched = r.finish.get("matched")
         if r.finish.get("type") == "stop" and isinstance(matched, str) and matched in text:
             text = text[:text.index(matched)]  # the client never sees the stop string (SGLang trims it)
+        reasoning, text = split_reasoning(text) if self.reasoning else (None, text)
         content, calls = (split_tool_calls(text, self.parser, req.tool_names) if req.tools else (text, []))
         reason, matched_stop = finish_reason_of(r.finish, bool(calls))
         logprobs = None
@@ -280,7 +286,7 @@ class ChatService:
             ids = r.chat.tokens[r.prompt_len:]
             logprobs = token_logprobs([self.codec.decode([t]) for t in ids], list(r.chat.logprobs[r.prompt_len:]))
         return ChoiceOut(content=content, tool_calls=calls or None, finish_reason=reason, matched_stop=matched_stop,
-                         logprobs=logprobs)
+                         logprobs=logprobs, reasoning_content=reasoning)
 
     # -- responses ----------------------------------------------------------------------------
     def respond(self, plan: CallPlan) -> Response:
