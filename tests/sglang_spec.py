@@ -10,6 +10,9 @@
   base classes included (``BaseReq``'s ``rid``);
 * ``api/v1/api_types.py``: the ``/generate`` contract's ``SamplingParams`` (the gate that rejects
   unknown ``sampling_params`` keys);
+* ``entrypoints/openai/protocol.py``: the pydantic models of the OpenAI-compatible routes
+  (``ChatCompletionRequest``, the response, chunk, message, tool-call and model-card models), kept apart
+  from ``io_struct`` because two names (``Tool``, ``Function``) exist in both;
 * the keys SGLang writes into responses (dict literals and ``x["key"] = ...``) in
   ``http_server.py``, ``managers/tokenizer_manager.py`` and ``utils/weight_versions.py``.
 
@@ -40,6 +43,7 @@ SOURCES = {
     "api_types": "sglang/api/v1/api_types.py",
     "tokenizer_manager": "sglang/srt/managers/tokenizer_manager.py",
     "weight_versions": "sglang/srt/utils/weight_versions.py",
+    "openai_protocol": "sglang/srt/entrypoints/openai/protocol.py",
 }
 SNAPSHOT = Path(__file__).parent / "data" / "sglang_spec.json"
 METHODS = {"get": ["GET"], "post": ["POST"], "put": ["PUT"], "delete": ["DELETE"], "patch": ["PATCH"]}
@@ -103,6 +107,16 @@ class Spec:
     annotations: dict[str, ast.expr] = field(repr=False, default_factory=dict)  # "Class.field" -> node
     aliases: dict[str, ast.expr] = field(repr=False, default_factory=dict)  # module-level type aliases
     classes: set[str] = field(repr=False, default_factory=set)
+    openai_structs: dict[str, dict[str, FieldSpec]] = field(default_factory=dict)  # entrypoints/openai/protocol.py
+    openai_annotations: dict[str, ast.expr] = field(repr=False, default_factory=dict)
+
+    def struct(self, name: str) -> dict[str, FieldSpec]:
+        """The fields of a request struct (io_struct first, then the OpenAI models)."""
+        return self.structs.get(name) or self.openai_structs.get(name) or {}
+
+    def annotation(self, struct: str, name: str) -> ast.expr:
+        key = f"{struct}.{name}"
+        return self.annotations[key] if struct in self.structs else self.openai_annotations[key]
 
 
 def _str(node: ast.expr | None) -> str | None:
@@ -164,8 +178,10 @@ def _default_of(value: ast.expr | None) -> tuple[bool, str | None]:
     """(required, default source) of a class-body field; ``field(default=...)`` understood."""
     if value is None:
         return True, None
-    if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "field":
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in ("field", "Field"):
         kw = {k.arg: k.value for k in value.keywords}
+        if value.func.id == "Field" and value.args:  # pydantic's Field(default, ...)
+            kw.setdefault("default", value.args[0])
         if "default" in kw:
             return False, ast.unparse(kw["default"])
         if "default_factory" in kw:
@@ -185,7 +201,7 @@ def parse_structs(source: str, annotations: dict[str, ast.expr]) -> dict[str, di
         fields: dict[str, FieldSpec] = {}
         for item in node.body:
             if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
-                if "ClassVar" in ast.unparse(item.annotation):
+                if "ClassVar" in ast.unparse(item.annotation) or item.target.id.startswith("_"):  # pydantic private
                     continue
                 required, default = _default_of(item.value)
                 fields[item.target.id] = FieldSpec(ast.unparse(item.annotation), required, default)
@@ -236,16 +252,21 @@ def load_spec(sources: dict[str, str]) -> Spec:
     contract: dict[str, ast.expr] = {}
     sampling = parse_structs(sources["api_types"], contract)["SamplingParams"]
     annotations.update({k: v for k, v in contract.items() if k.startswith("SamplingParams.")})
-    aliases = {**parse_aliases(sources["api_types"]), **parse_aliases(sources["io_struct"])}
+    openai_annotations: dict[str, ast.expr] = {}
+    openai = parse_structs(sources["openai_protocol"], openai_annotations)
+    aliases = {**parse_aliases(sources["openai_protocol"]), **parse_aliases(sources["api_types"]),
+               **parse_aliases(sources["io_struct"])}
     return Spec(
         version=SGLANG_VERSION,
-        routes=parse_routes(sources["http_server"], set(structs)),
+        routes=parse_routes(sources["http_server"], set(structs) | set(openai)),
         structs=structs,
         sampling_params=sampling,
         written_keys=written_keys(sources["http_server"], sources["tokenizer_manager"], sources["weight_versions"]),
         annotations=annotations,
         aliases=aliases,
-        classes=set(structs),
+        classes=set(structs) | set(openai),
+        openai_structs=openai,
+        openai_annotations=openai_annotations,
     )
 
 
@@ -338,7 +359,7 @@ def relied_on(spec: Spec, fields_read: dict[str, set[str]], response_keys: list[
         if r is None:
             routes[path] = None
             continue
-        fields = spec.structs.get(r.request, {}) if r.request else {}
+        fields = spec.struct(r.request) if r.request else {}
         kept = {k: _field_text(f) for k, f in fields.items() if k in fields_read[path] or f.required}
         kept.update({k: None for k in fields_read[path] if k not in fields})  # read, but not SGLang's
         routes[path] = {"methods": ",".join(r.methods), "handler": r.handler, "request": r.request,

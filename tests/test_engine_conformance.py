@@ -1,7 +1,8 @@
 """agentrl against SGLang's own source (the pinned wheel, parsed with ``ast``; see tests/sglang_spec.py).
 
-* What agentrl sends: the real ``EngineClient`` (inside real episodes) and the real weight updater
-  drive an embedded engine behind a recording middleware; every recorded request must use a route
+* What agentrl sends: the real ``EngineClient`` (inside real episodes), the agent endpoint (an AgentEnv
+  episode through the openai SDK), the OpenAI SDK against the engine's own ``/v1`` routes, and the real
+  weight updater drive an embedded engine behind a recording middleware; every recorded request must use a route
   and method in SGLang's table, and its JSON fields must be fields of that route's request struct
   with compatible types, required ones present (``sampling_params`` against SGLang's contract).
 * What agentrl reads: the response fields the client declares it reads must be keys SGLang writes.
@@ -27,6 +28,7 @@ import pytest
 import torch
 import trio
 
+from agentrl.agents.openai_api import ALL_FIELDS as CHAT_COMPLETION_FIELDS
 from agentrl.engine.api import GENERATE_FIELDS
 from agentrl.engine.client import EngineClient, GenerateResult
 from agentrl.engine.launch import EngineProcess, free_port, wait_ready
@@ -62,6 +64,7 @@ def relied_on_now(spec: sglang_spec.Spec) -> dict:
     engine reads (and therefore agentrl may send), and the response keys agentrl reads."""
     fields = {r.path: set(CONTROL_BODIES.get(r.path, {})) for r in embedded_routes()}
     fields["/generate"] = set(GENERATE_FIELDS)
+    fields["/v1/chat/completions"] = set(CHAT_COMPLETION_FIELDS)
     keys = sorted({k for read in response_fields_read().values() for k in read})
     return sglang_spec.relied_on(spec, fields, keys)
 
@@ -108,6 +111,44 @@ async def drive_client(urls: list[str], model_path: Path) -> None:
         await client.abort()
         await client.model_info()
         await client.weight_versions()
+    await drive_openai_routes(urls, tokenizer, str(model_path))
+
+
+async def drive_openai_routes(urls: list[str], tokenizer, model_name: str) -> None:
+    """The agent endpoint's /generate calls (an AgentEnv episode through the openai SDK: tools, n, seed,
+    stop, logprobs, a stitched streamed call) and the OpenAI SDK against the engine's own /v1 routes."""
+    import openai
+
+    from agentrl.agents.env import AgentEnv
+    from agentrl.agents.runner import AgentRunner
+    from agentrl.envs.base import Task
+
+    tools = [{"type": "function", "function": {"name": "add", "description": "Add.", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 3?"}]
+
+    class Drive(AgentEnv):
+        async def run(self, task, client):
+            first = await client.chat.completions.create(model="m", messages=messages, tools=tools, n=2, seed=1,
+                                                         stop=["\n\n"], logprobs=True, max_tokens=8, temperature=0.7,
+                                                         top_p=0.9)
+            history = messages + [first.choices[0].message.model_dump(exclude_none=True),
+                                  {"role": "user", "content": "Sure?"}]
+            stream = await client.chat.completions.create(model="m", messages=history, tools=tools, max_tokens=8,
+                                                          stream=True, stream_options={"include_usage": True})
+            [c async for c in stream]
+            engine = openai.AsyncOpenAI(base_url=urls[0] + "/v1", api_key="unused", max_retries=0)
+            await engine.models.list()
+            await engine.chat.completions.create(model=model_name, messages=messages, tools=tools, max_tokens=8,
+                                                 seed=2, n=2, logprobs=True)
+            stream = await engine.chat.completions.create(model=model_name, messages=messages, max_tokens=8,
+                                                          stream=True, stream_options={"include_usage": True})
+            [c async for c in stream]
+            await engine.close()
+            return 1.0
+
+    async with AgentRunner(tokenizer, lambda: EngineClient(urls), forced_sampling={"temperature": 1.0}) as runner:
+        await runner.play(Drive(), Task("t"))
 
 
 @pytest.fixture(scope="module")
@@ -147,13 +188,13 @@ def request_errors(req: dict, spec: sglang_spec.Spec) -> list[str]:
         return []
     if not isinstance(body, dict):
         return [f"{what}: the body is not a JSON object"]
-    fields = spec.structs[route.request]
+    fields = spec.struct(route.request)
     errors = [f"{what}: {route.request} has no field {k!r}" for k in body if k not in fields]
     errors += [f"{what}: required field {k!r} of {route.request} is missing"
                for k, f in fields.items() if f.required and k not in body]
     for k, v in body.items():
         if k in fields:
-            err = sglang_spec.conformance_error(v, spec.annotations[f"{route.request}.{k}"], spec, f"{what}: {k}")
+            err = sglang_spec.conformance_error(v, spec.annotation(route.request, k), spec, f"{what}: {k}")
             errors += [err] if err else []
     if req["path"] == "/generate":
         params = body.get("sampling_params") or {}
@@ -173,7 +214,8 @@ def test_every_request_agentrl_sends_is_one_sglang_understands(recorded, spec):
     # The capture really covers the client and the weight push (a broken driver must not pass quietly).
     assert {("POST", "/generate"), ("GET", "/health"), ("POST", "/pause_generation"), ("POST", "/abort_request"),
             ("POST", "/init_weights_update_group"), ("POST", "/update_weights_from_distributed"),
-            ("POST", "/update_weights_from_disk"), ("POST", "/destroy_weights_update_group")} <= sent, sent
+            ("POST", "/update_weights_from_disk"), ("POST", "/destroy_weights_update_group"),
+            ("POST", "/v1/chat/completions"), ("GET", "/v1/models")} <= sent, sent
     errors = sorted({e for r in recorded for e in request_errors(r, spec)})
     assert not errors, "\n".join(errors)
 

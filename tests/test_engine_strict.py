@@ -143,11 +143,16 @@ def test_every_admin_route_refuses_missing_wrong_and_normal_keys(engines, engine
 def test_normal_routes_need_the_api_key_and_health_stays_open(engines):
     url = engines["guarded"]
     gen = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     for headers in ({}, bearer(ADMIN_KEY), bearer("wrong")):
         assert httpx.post(url + "/generate", json=gen, headers=headers, timeout=30).status_code == 401
         assert httpx.get(url + "/model_info", headers=headers, timeout=10).status_code == 401
+        assert httpx.post(url + "/v1/chat/completions", json=chat, headers=headers, timeout=30).status_code == 401
+        assert httpx.get(url + "/v1/models", headers=headers, timeout=10).status_code == 401
     ok = httpx.post(url + "/generate", json=gen, headers=bearer(API_KEY), timeout=30)
     assert ok.status_code == 200 and ok.json()["meta_info"]["weight_version"] == "default"
+    ok = httpx.post(url + "/v1/chat/completions", json=chat, headers=bearer(API_KEY), timeout=30)
+    assert ok.status_code == 200 and ok.json()["metadata"] == {"weight_version": "default"}
     assert httpx.get(url + "/health", timeout=10).status_code == 200
     assert httpx.get(url + "/health_generate", timeout=30).status_code == 200
     assert httpx.post(url + "/nowhere", headers=bearer(API_KEY), timeout=10).status_code == 404

@@ -29,6 +29,13 @@ Strict where SGLang 0.5.23 is (``sglang/srt/entrypoints/http_server.py``, ``mana
 
 A client that disconnects aborts its requests (as SGLang does), so abandoned generations do
 not hold batch slots.
+
+OpenAI-compatible routes, as SGLang's server has them: ``POST /v1/chat/completions`` and
+``GET /v1/models`` (+ ``/v1/models/{model}``), served by the agent endpoint's own implementation
+(:class:`agentrl.agents.serving.ChatService` over :meth:`EngineServer.generate`, with
+:class:`agentrl.agents.serving.FreshPrompts`: each request rendered with the model's chat template,
+nothing recorded, an aborted request returned with ``finish_reason: "abort"``). The served model
+name is ``--model``'s path, as SGLang's default ``--served-model-name``.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import json
 import logging
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -211,6 +219,26 @@ class EngineServer:
         for i, inp in enumerate(call.inputs):
             sink = lambda req, c, i=i: on_update(i, c)  # noqa: E731
             self.scheduler.submit(Request(inp, sink, stream=call.stream))
+
+    async def generate(self, input_ids: list[int], sampling_params: dict, *, affinity_key: str | None = None,
+                       rid: str | None = None, return_logprob: bool = True) -> Any:
+        """One ``/generate`` on token ids, in process: the engine behind this server's ``/v1/chat/completions``
+        (the ``EngineClient.generate`` interface). RequestError for a request /generate would refuse;
+        cancelling the call aborts the request."""
+        from agentrl.engine.client import GenerateResult
+
+        body = {"input_ids": list(input_ids), "sampling_params": sampling_params, "return_logprob": return_logprob,
+                "rid": rid or uuid.uuid4().hex}
+        call = parse_generate(body, vocab_size=self.runner.vocab_size, context_len=self.runner.max_context_tokens)
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self.submit(call, lambda i, c: c.finish_reason is not None and loop.call_soon_threadsafe(_resolve, done, c))
+        try:
+            completion = await done
+        except asyncio.CancelledError:
+            self.abort([call.inputs[0].rid])
+            raise
+        return GenerateResult.from_response(self.render(completion, call.inputs[0]), url="embedded")
 
     def abort(self, rids: list[str]) -> None:
         for rid in rids:
@@ -523,8 +551,46 @@ def build_app(server: EngineServer, *, api_key: str = "", admin_api_key: str = "
         return JSONResponse({"success": True, "message": f"Weight version updated to {version}",
                              "new_version": version})
 
+    # -- OpenAI-compatible routes: the agent endpoint's implementation, over this scheduler, nothing recorded
+    openai: list = []
+
+    def chat_service():
+        if not openai:
+            from agentrl.actors.chat import ChatCodec
+            from agentrl.agents.serving import ChatService
+
+            openai.append(ChatService(ChatCodec(server.tokenizer), server, server.model_path,
+                                      max_model_len=server.runner.max_context_tokens, continue_aborts=False))
+        return openai[0]
+
+    async def chat_completions(request: HttpRequest) -> Response:
+        from agentrl.agents.openai_api import error_body
+        from agentrl.agents.serving import FreshPrompts
+
+        if not sched.alive:
+            return JSONResponse(error_body("the engine scheduler is not running", kind="server_error"), status_code=503)
+        try:
+            service = chat_service()
+        except ValueError as e:  # no chat template
+            return JSONResponse(error_body(str(e)), status_code=400)
+        return await service.handle(request, FreshPrompts())
+
+    async def v1_models(request: HttpRequest) -> Response:
+        from agentrl.agents.openai_api import model_list
+
+        return JSONResponse(model_list(server.model_path, server.runner.max_context_tokens))
+
+    async def v1_model(request: HttpRequest) -> Response:
+        from agentrl.agents.openai_api import retrieve_model
+
+        status, body = retrieve_model(request.path_params["model"], server.model_path, server.runner.max_context_tokens)
+        return JSONResponse(body, status_code=status)
+
     routes = [
         Route("/generate", generate, methods=["POST", "PUT"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", v1_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", v1_model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/health_generate", health_generate, methods=["GET"]),
         Route("/model_info", model_info, methods=["GET"]),

@@ -1,0 +1,219 @@
+"""Episodes from calls: an agent's chat-completion calls grouped, stitched and turned into trajectories.
+
+An agent written for OpenAI's API sends its whole conversation with every call. The endpoint groups
+the calls of one episode by the episode's key (:mod:`agentrl.agents.endpoint`) and keeps them as
+**sequences**: token lists that the model saw, from a first prompt to the last completion, each
+trained on as one :class:`agentrl.protocol.Trajectory`.
+
+**The stitching rule.** A call *extends* a sequence when its messages are the sequence's
+conversation so far -- the messages of its last call plus the assistant reply that call returned,
+compared by :func:`agentrl.agents.openai_api.message_view` -- followed by at least one new message,
+with the same tools. Its prompt is then the sequence's tokens (the previous prompt and the tokens
+the model generated, never re-tokenized) plus the chat template's rendering of the new messages,
+built by :meth:`agentrl.actors.chat.TokenChat.close_turn_and_add` exactly as the actors' own loop
+builds a turn; the completion is appended and the sequence grows. So the tokens the model saw are
+the tokens trained on, with no re-tokenization drift at turn boundaries.
+
+Any other call starts a **new sequence** of the same episode, its prompt rendered from its messages
+by the template (:meth:`TokenChat.start`): the first call; an agent that edited the reply it got
+(its own formatting of the tool calls, a changed text); history rewritten by the agent (context
+compaction, a sub-agent with its own system prompt, a summary); other tools; a template that is not
+prefix-stable for these messages (Qwen3's drops earlier ``<think>``). The reason is kept in each
+sequence's metadata (``new_sequence_reason``) so an agent that never stitches can be found.
+
+**Branches.** A call with ``n`` > 1 extends its sequence with choice 0; choices 1..n-1 start new
+sequences that hold the shared prompt as context (``loss_mask`` 0: those tokens are trained once, in
+the sequence that generated them). Likewise when two calls extend the same sequence concurrently,
+the one committed second becomes a branch. A later call that extends any branch's reply extends
+that branch.
+
+**Reward and advantages.** Every sequence of an episode carries the episode's reward. For GRPO the
+group is the ``n`` *episodes* of a task, not their sequences: normalise the episodes' rewards within
+the group and give each sequence its episode's advantage (:func:`episode_index` maps trajectories to
+episodes; the learner applies its advantage function to one reward per episode). Normalising over
+sequences instead would count an episode once per sequence and bias the baseline toward agents
+that branch or compact often. With token-mean loss normalisation each token weighs the same, as in
+the actors' own episodes; for a sequence-mean loss, weight each sequence by ``1 / num_sequences``
+so that an episode counts once.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentrl.actors.chat import ChatCodec, TemplateMismatch, TokenChat
+from agentrl.agents.openai_api import ChatRequest, OpenAIRequestError, message_view
+from agentrl.agents.serving import CallPlan, clone_chats
+from agentrl.protocol import Trajectory
+
+NEW_SEQUENCE_REASONS = ("first_call", "reply_edited", "history_differs", "tools_differ", "template_not_prefix_stable",
+                        "branch")
+
+
+@dataclass
+class Sequence:
+    """One token list of an episode (see the module docstring)."""
+
+    chat: TokenChat  # prompt(s) and completions, the last turn not yet closed
+    views: list[str]  # the conversation as the agent sees it, through the last reply returned
+    tools_key: str
+    context_tokens: int  # leading tokens copied from another sequence's prompt: never trained here
+    index: int
+    reason: str  # why it is a new sequence (NEW_SEQUENCE_REASONS)
+    num_calls: int = 0
+    num_generate_calls: int = 0
+    num_aborts: int = 0
+    generation_latency_s: float = 0.0
+    finish_reason: str = ""  # of its last call (stop, length, tool_calls, abort)
+    call_spans: list = field(default_factory=list)  # per call: [completion start, completion end] in tokens
+    call_finish_reasons: list = field(default_factory=list)
+
+
+@dataclass
+class _Extends:
+    sequence: Sequence
+    calls_at_plan: int  # the sequence's num_calls when the call was planned (a later commit makes it a branch)
+
+
+class EpisodeClosed(OpenAIRequestError):
+    def __init__(self) -> None:
+        super().__init__("this episode has finished; its key no longer accepts calls", status=401,
+                         code="invalid_api_key")
+
+
+class Episode:
+    """The calls of one episode as sequences; an :class:`agentrl.agents.serving.PromptSession`."""
+
+    def __init__(self, episode_id: str):
+        self.id = episode_id
+        self.sequences: list[Sequence] = []
+        self.num_calls = 0  # committed
+        self.num_stitched = 0  # committed calls that extended a sequence
+        self.new_sequence_reasons: Counter = Counter()
+        self.closed = False
+        self._planned = 0
+        self._last: Sequence | None = None  # the sequence of the last committed call
+
+    # -- PromptSession ------------------------------------------------------------------------
+    def plan(self, request: ChatRequest, codec: ChatCodec) -> CallPlan:
+        if self.closed:
+            raise EpisodeClosed()
+        chat, extends, reason = None, None, "first_call"
+        if self.sequences:
+            sequence, reason = self._find(request)
+            if sequence is not None:
+                chat = copy_chat(sequence.chat)
+                try:
+                    chat.close_turn_and_add(request.messages[len(sequence.views):])
+                    extends = _Extends(sequence, sequence.num_calls)
+                except TemplateMismatch:
+                    chat, reason = None, "template_not_prefix_stable"
+        if chat is None:
+            chat = TokenChat.start(codec, request.messages, request.tools)
+        self._planned += 1
+        return CallPlan(request, clone_chats(chat, request.n), affinity_key=self.id, rid=f"{self.id}-{self._planned}",
+                        state=(extends, reason))
+
+    def commit(self, plan: CallPlan) -> None:
+        if self.closed:  # the agent returned (or was cancelled) while this call generated: not recorded
+            raise EpisodeClosed()
+        extends, reason = plan.state
+        req = plan.request
+        self.num_calls += 1
+        for i, r in enumerate(plan.results):
+            views = req.views + [message_view(r.out.message())]
+            target = None
+            if i == 0 and extends is not None and extends.sequence.num_calls == extends.calls_at_plan:
+                target = extends.sequence
+                target.chat, target.views = r.chat, views
+                self.num_stitched += 1
+            else:
+                why = reason if extends is None and i == 0 else "branch"
+                target = Sequence(chat=r.chat, views=views, tools_key=req.tools_key, context_tokens=r.prompt_len,
+                                  index=len(self.sequences), reason=why)
+                self.sequences.append(target)
+                self.new_sequence_reasons[why] += 1
+            target.num_calls += 1
+            target.num_generate_calls += r.num_generate_calls
+            target.num_aborts += r.num_aborts
+            target.generation_latency_s += r.generation_latency_s
+            target.finish_reason = r.out.finish_reason
+            target.call_spans.append([r.prompt_len, len(r.chat)])
+            target.call_finish_reasons.append(r.out.finish_reason)
+            if i == 0:
+                self._last = target
+
+    def _find(self, request: ChatRequest) -> tuple[Sequence | None, str]:
+        """The sequence the request extends (the most recent one first), or why there is none."""
+        reason = "history_differs"
+        for s in reversed(self.sequences):
+            k = len(s.views)
+            if len(request.views) <= k:
+                continue
+            if request.views[:k] == s.views:
+                if request.tools_key == s.tools_key:
+                    return s, ""
+                reason = "tools_differ"
+            elif request.views[:k - 1] == s.views[:-1] and reason == "history_differs":
+                reason = "reply_edited"
+        return None, reason
+
+    # -- results ------------------------------------------------------------------------------
+    def final_messages(self) -> list[dict]:
+        """The conversation of the last call, with its reply (what ``Env.reward`` is given)."""
+        if self._last is None:
+            return []
+        content = self._last.chat.turn_content()
+        return self._last.chat.messages + [{"role": "assistant", "content": content}]
+
+    def trajectories(self, reward: float, reward_components: dict[str, float] | None = None,
+                     metadata: dict[str, Any] | None = None) -> list[Trajectory]:
+        """One trajectory per sequence, each with the episode's reward; closes every sequence's last
+        turn (the template's closing tokens as context). Call once, after the episode ends."""
+        out = []
+        for s in self.sequences:
+            chat = s.chat
+            try:
+                chat.close_turn_and_add([])
+            except TemplateMismatch:  # the trajectory ends at the model's last token
+                pass
+            mask, logprobs, versions = array("B", chat.loss_mask), array("f", chat.logprobs), array("i", chat.versions)
+            n = s.context_tokens
+            mask[:n], logprobs[:n], versions[:n] = array("B", [0]) * n, array("f", [0.0]) * n, array("i", [-1]) * n
+            meta = {
+                "episode_id": self.id, "sequence_index": s.index, "num_sequences": len(self.sequences),
+                "num_calls": s.num_calls, "episode_num_calls": self.num_calls, "num_turns": s.num_calls,
+                "new_sequence_reason": s.reason, "finish_reason": s.finish_reason,
+                "num_generate_calls": s.num_generate_calls, "num_aborts": s.num_aborts,
+                "generation_latency_s": s.generation_latency_s, "num_model_tokens": mask.count(1),
+                "call_spans": s.call_spans, "call_finish_reasons": s.call_finish_reasons,
+                "messages": chat.messages,
+            }
+            meta.update(metadata or {})
+            out.append(Trajectory(tokens=chat.tokens, loss_mask=mask, behavior_logprobs=logprobs, weight_versions=versions,
+                                  reward=reward, reward_components=dict(reward_components or {}), metadata=meta))
+        return out
+
+
+def copy_chat(chat: TokenChat) -> TokenChat:
+    return clone_chats(chat, 2)[1]
+
+
+def episode_index(trajectories: list[Trajectory]) -> tuple[list[float], list[int]]:
+    """(one reward per episode, the episode of each trajectory), by ``metadata["episode_id"]`` in order of
+    first appearance; a trajectory without an episode id is an episode of its own. The learner applies
+    its advantage function (GRPO, RLOO) to the episode rewards and gives each trajectory its episode's."""
+    rewards: list[float] = []
+    where: dict[str, int] = {}
+    index = []
+    for k, t in enumerate(trajectories):
+        key = t.metadata.get("episode_id")
+        key = f"\x00{k}" if key is None else str(key)
+        if key not in where:
+            where[key] = len(rewards)
+            rewards.append(t.reward)
+        index.append(where[key])
+    return rewards, index
