@@ -52,6 +52,12 @@ finite_values = st.recursive(
 )
 
 
+def mostly(plausible: st.SearchStrategy, wild: st.SearchStrategy = json_values) -> st.SearchStrategy:
+    """Values near the valid ones five times out of six, anything (``wild``) the rest of the time:
+    a border has to be passed before the code behind it can be fuzzed."""
+    return st.one_of(plausible, plausible, plausible, plausible, plausible, wild)
+
+
 def nested(depth: int, leaf: str = "1") -> str:
     """JSON text nested ``depth`` levels deep (lists in objects in lists ...)."""
     return '{"a": [' * depth + leaf + "]}" * depth

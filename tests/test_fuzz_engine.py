@@ -23,7 +23,7 @@ from agentrl.engine.api import (
     GENERATE_FIELDS, SAMPLING_DEFAULTS, TOP_K_ALL, GenerateCall, RequestError, decode_body, parse_generate,
 )
 from agentrl.engine.server import CONTROL_BODIES, parse_control
-from tests._fuzz import fuzz, json_values, nested, texts
+from tests._fuzz import fuzz, json_values, mostly, nested, texts
 
 VOCAB, CONTEXT = 300, 160
 # Where SGLang's own context-length messages do not name a field, they say "context length".
@@ -47,8 +47,7 @@ wild = numbers | st.booleans() | st.none() | strings | st.lists(strings, max_siz
 
 
 def _mostly(plausible: st.SearchStrategy) -> st.SearchStrategy:
-    """Values near the valid ones five times out of six, anything the rest of the time."""
-    return st.one_of(plausible, plausible, plausible, plausible, plausible, wild)
+    return mostly(plausible, wild)
 
 
 SAMPLING_VALUES = {
