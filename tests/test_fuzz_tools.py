@@ -1,7 +1,7 @@
 """Fuzzing the border where model text becomes tool calls: the parser, the registry, the ToolBox.
 
 Properties: any text the model writes parses into calls and/or ``Error: ...`` strings, never an
-exception; every parsed call, run through a ToolBox of tools that trust their type hints,
+exception, and is scored as a final answer without one; every parsed call, run through a ToolBox of tools that trust their type hints,
 gives a result whose failure (if any) is the model's (unknown tool, bad arguments), never a
 crash of a tool and never an observation longer than the box's output limit; a well-formed
 call rendered by the tiny model's chat template parses back to the same call.
@@ -18,6 +18,8 @@ import trio
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from agentrl.envs.calculator import CalculatorEnv
+from agentrl.envs.rewards import exact_match, final_assistant_text, last_number
 from agentrl.tools.base import Tool, ToolBox, ToolCall, check_arguments, tool
 from agentrl.tools.parsing import HermesToolCallParser, get_parser
 from tests._fuzz import dumps, finite_values, fuzz, json_values, nested, texts
@@ -220,3 +222,24 @@ def test_strict_json_errors_name_the_problem():
         turn = parser.parse(f"<tool_call>{body}</tool_call>")
         assert turn.calls == [] and message in turn.errors[0], (body[:40], turn.errors)
     assert json.loads('{"x": NaN}')  # what Python alone would have accepted
+
+
+# ---------------------------------------------------------------------- final answers
+
+CALCULATOR = CalculatorEnv()
+CALCULATOR_TASK = next(CALCULATOR.tasks("test"))
+messages_lists = st.lists(st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant", "tool"]) | texts, "content": model_text | json_values},
+    optional={"tool_calls": json_values}), max_size=3)
+
+
+@fuzz(200)
+@given(model_text, messages_lists)
+@example("The answer is " + "1" * 5000 + ".", [])  # Fraction's ValueError escaped the reward
+def test_any_final_answer_is_scored_without_an_exception(text, history):
+    episode = [{"role": "user", "content": "q"}, {"role": "assistant", "content": text}]
+    assert CALCULATOR.score(CALCULATOR_TASK, episode)["correct"] in (0.0, 1.0)
+    final = final_assistant_text(history)
+    assert final is None or isinstance(final, str)
+    assert last_number(text) is None or last_number(text).denominator >= 1
+    assert exact_match(text, [text]) and isinstance(exact_match(text, "42"), bool)
