@@ -94,7 +94,7 @@ def test_toml_values_and_keys_round_trip(value, key):
     assert tomllib.loads(f"{_toml_key(key)} = 1") == {key: 1}
 
 
-@fuzz(250)
+@fuzz(150)
 @given(trees())
 @example({"env": {"kwargs": {"a b": datetime.date(1979, 5, 27), "s": "x\ny", "": {"q": [1, "2"]}}}})
 @example({"learner": {"lr": float("nan")}})
@@ -124,7 +124,7 @@ overrides = st.lists(st.builds("{}={}".format, st.sampled_from(DOTTED) | texts, 
                      max_size=4)
 
 
-@fuzz(300)
+@fuzz(200)
 @given(overrides, st.booleans())
 @example(["run.seed=" + "9" * 5000], False)  # tomllib's ValueError escaped
 @example(["run.seed=" + "[" * 5000], False)  # RecursionError escaped
@@ -157,7 +157,7 @@ def _as_tree(key: str) -> dict:
     return tree
 
 
-@fuzz(200)
+@fuzz(100)
 @given(st.lists(texts | st.sampled_from(["[", "]", "[[", "=", '"', "\n", "[learner]", "lr = ", "1e-4", "{", "}",
                                          "kwargs.", "[env.kwargs]", "nan", "0x10", "1979-05-27T07:32:00"]),
                 max_size=12).map("".join))

@@ -167,7 +167,7 @@ def check_retrieve(index: BM25Index, raw: bytes) -> tuple[int, dict]:
     return 200, {"results": results}
 
 
-@fuzz(300)
+@fuzz(200)
 @given(retrieve_bodies)
 @example(b"[" * 100_000)  # RecursionError: a 500
 @example(b'{"queries": ["\\ud800"]}')
@@ -187,7 +187,7 @@ def search_server(corpus):
     stop(proc)
 
 
-@fuzz(25)
+@fuzz(20)
 @given(retrieve_bodies)
 @example(b"[" * 100_000)
 @example(b'{"queries": ["\\ud800"], "top_k": 2}')
@@ -197,3 +197,13 @@ def test_retrieve_over_http_answers_as_in_process_and_keeps_serving(index, searc
     assert (r.status_code, r.json()) == expected
     ok = httpx.post(f"{search_server}/retrieve", json={"queries": ["Silver Lamp"], "top_k": 1}, timeout=30)
     assert ok.status_code == 200 and ok.json()["results"][0][0]["id"] == "0"
+
+
+def test_a_secret_file_that_is_not_text_is_a_secret_error(tmp_path, monkeypatch):
+    from agentrl.secrets import SecretError, read_secret
+
+    (tmp_path / "key").write_bytes(b"\xff\xfe\x00key")
+    monkeypatch.delenv("FUZZ_KEY", raising=False)
+    monkeypatch.setenv("FUZZ_KEY_FILE", str(tmp_path / "key"))
+    with pytest.raises(SecretError, match="FUZZ_KEY_FILE names .* which is not UTF-8 text"):
+        read_secret("FUZZ_KEY")  # was a UnicodeDecodeError, which the commands do not report

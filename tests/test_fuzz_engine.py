@@ -129,7 +129,7 @@ def parse_raw(raw: bytes) -> GenerateCall:
 
 # ---------------------------------------------------------------------------- in-process
 
-@fuzz(400)
+@fuzz(300)
 @given(generate_bodies)
 @example({"input_ids": [1], "sampling_params": {"sampling_seed": 2**70}})  # crashed the scheduler thread
 @example({"input_ids": [1], "sampling_params": {"top_k": 2**70}})  # overflowed a tensor: every running request aborted
@@ -149,7 +149,7 @@ def test_any_generate_body_is_a_valid_request_or_a_400_naming_the_field(body):
         check_valid(call, body)
 
 
-@fuzz(300)
+@fuzz(150)
 @given(raw_bodies)
 def test_any_raw_body_is_a_valid_request_or_a_400(raw):
     try:
@@ -170,7 +170,7 @@ def control_bodies(draw) -> tuple[str, dict]:
     return path, {**draw(st.dictionaries(strings, json_values, max_size=2)), **known}
 
 
-@fuzz(400)
+@fuzz(250)
 @given(control_bodies())
 @example(("/update_weight_version", {"new_version": "\ud800"}))  # every later response failed to encode
 @example(("/pause_generation", {"mode": list(range(10_000))}))
@@ -231,7 +231,7 @@ def _capped(body: dict) -> dict:
     return {**body, "sampling_params": [cap(p) for p in params] if isinstance(params, list) else cap(params)}
 
 
-@fuzz(30)
+@fuzz(20)
 @given(generate_bodies.map(as_bytes) | raw_bodies)
 @example(as_bytes({"input_ids": [1], "sampling_params": {"sampling_seed": 2**70}}))
 @example(as_bytes({"input_ids": [1], "sampling_params": {"stop": ["\udc80"]}}))
@@ -282,7 +282,7 @@ def _would_block(path: str, fields: dict) -> bool:
     return True
 
 
-@fuzz(30)
+@fuzz(20)
 @given(control_bodies())
 @example(("/update_weight_version", {"new_version": "\ud800"}))  # every later response failed to encode
 @example(("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 10**30, "rank_offset": 0,

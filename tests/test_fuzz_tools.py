@@ -98,7 +98,7 @@ def calls_text(draw) -> str:
 model_text = st.lists(texts | calls_text(), max_size=5).map("".join)
 
 
-@fuzz(400)
+@fuzz(250)
 @given(model_text)
 @example("<tool_call>" + "[" * 100_000 + "</tool_call>")
 @example('<tool_call>{"name": "typed", "arguments": {"text": "a", "count": ' + "9" * 5000 + "}}</tool_call>")
@@ -127,7 +127,7 @@ def test_any_model_text_gives_calls_or_readable_errors(text):
         _check_result(call)
 
 
-@fuzz(300)
+@fuzz(200)
 @given(st.sampled_from(NAMES) | texts, st.dictionaries(st.sampled_from(PARAMS) | texts, json_values, max_size=5)
        | json_values)
 @example("typed", {"text": "a", "count": 10**4000})  # as long as JSON text may hold
@@ -173,7 +173,7 @@ def tokenizer():
                                    chat_template=CHAT_TEMPLATE)
 
 
-@fuzz(150)
+@fuzz(100)
 @given(st.lists(st.tuples(tool_names, st.dictionaries(texts, finite_values, max_size=4)), min_size=1, max_size=3),
        st.sampled_from(["", "Let me compute.", "x </tool_call"]))
 @example([("search", {"query": "</tool_call>"})], "")
@@ -233,7 +233,7 @@ messages_lists = st.lists(st.fixed_dictionaries(
     optional={"tool_calls": json_values}), max_size=3)
 
 
-@fuzz(200)
+@fuzz(100)
 @given(model_text, messages_lists)
 @example("The answer is " + "1" * 5000 + ".", [])  # Fraction's ValueError escaped the reward
 def test_any_final_answer_is_scored_without_an_exception(text, history):
@@ -243,3 +243,13 @@ def test_any_final_answer_is_scored_without_an_exception(text, history):
     assert final is None or isinstance(final, str)
     assert last_number(text) is None or last_number(text).denominator >= 1
     assert exact_match(text, [text]) and isinstance(exact_match(text, "42"), bool)
+
+
+def test_a_tool_that_exits_is_a_crash_observation():
+    @tool
+    def quit_(code: int) -> str:
+        """Exit the process (what a careless tool, or code it runs in-process, may do)."""
+        raise SystemExit(code)
+
+    result = trio.run(ToolBox([quit_]).execute, ToolCall("quit_", {"code": 3}))
+    assert result.error_kind == "crash" and "SystemExit: 3" in result.content

@@ -397,7 +397,7 @@ class ToolBox:
                 out = await tool_.run(**kwargs)
         except trio.Cancelled:
             raise
-        except Exception as e:  # a crashed tool is an observation, not a crashed episode
+        except (Exception, SystemExit) as e:  # a crashed (or exiting) tool is an observation, not a crashed episode
             return ToolResult(f"Error: {call.name} failed: {type(e).__name__}: {e}", is_error=True, error_kind="crash")
         if scope.cancelled_caught:
             return ToolResult(f"Error: {call.name} timed out after {limit:g} s", is_error=True, error_kind="timeout")
