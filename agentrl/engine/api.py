@@ -105,8 +105,8 @@ def decode_body(raw: bytes) -> dict:
         raise RequestError("the request body must be a JSON object")
     where = _lone_surrogate(body)
     if where is not None:
-        raise RequestError(f"{where or 'a key'} holds a lone surrogate (a \\ud800-\\udfff escape), which is not valid "
-                           "Unicode text")
+        raise RequestError(f"{_short(where)} holds a lone surrogate (a \\ud800-\\udfff escape), which is not valid "
+                           "Unicode")
     return body
 
 
