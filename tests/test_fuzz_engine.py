@@ -297,6 +297,7 @@ def _would_block(path: str, fields: dict) -> bool:
                                          "world_size": 2, "backend": "gloo"}))  # would have waited 600 s
 @example(("/pause_generation", {"mode": "retract"}))
 @example(("/begin_weight_update", {}))
+@example(("/end_weight_update", {"\ud800": None}))  # this route did not read its body: accepted
 def test_control_bodies_over_http_are_answered_200_or_400_and_the_engine_keeps_serving(own_engine, case):
     path, body = case
     raw = as_bytes(body)

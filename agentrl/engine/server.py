@@ -436,6 +436,11 @@ def build_app(server: EngineServer, *, api_key: str = "", admin_api_key: str = "
 
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def end_weight_update(request: HttpRequest) -> Response:
+        try:
+            await _control(request)  # no fields, but a body that is not a JSON object is refused as elsewhere
+        except RequestError as e:
+            return bad_request(str(e))
+
         def run() -> bool:
             if not sched.updating:
                 return False
