@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from agentrl.envs.calculator import CalculatorEnv
 from agentrl.envs.rewards import exact_match, final_assistant_text, last_number
 from agentrl.tools.base import Tool, ToolBox, ToolCall, check_arguments, tool
-from agentrl.tools.parsing import HermesToolCallParser, get_parser
+from agentrl.tools.parsing import PARSERS, HermesToolCallParser, get_parser
 from tests._fuzz import dumps, finite_values, fuzz, json_values, nested, texts
 
 parser = HermesToolCallParser()
@@ -92,7 +92,8 @@ def calls_text(draw) -> str:
     cut = draw(st.integers(0, len(body)))
     body = draw(st.sampled_from([body, body[:cut], body[cut:], body.replace(":", "", 1), body + body]))
     close = draw(st.sampled_from(["</tool_call>", "\n</tool_call>", "", "</tool_call"]))
-    return f"<tool_call>\n{body}{close}"
+    wrapper = draw(st.sampled_from(["<tool_call>\n{}" + close, "<|python_tag|>{}", "{};"]))  # Hermes, Llama 3
+    return wrapper.format(body)
 
 
 model_text = st.lists(texts | calls_text(), max_size=5).map("".join)
@@ -117,14 +118,19 @@ model_text = st.lists(texts | calls_text(), max_size=5).map("".join)
 @example('<tool_call>{"name": "' + "n" * 100_000 + '", "arguments": {}}</tool_call>')
 @example('<tool_call>{"name": "typed", "arguments": {' + ", ".join(f'"k{i}": 1' for i in range(5000)) + "}}</tool_call>")
 @example("<tool_call>" + nested(900) + "</tool_call>")
+@example("<|python_tag|>" + "[" * 100_000)  # the same for the formats without tags (Llama 3)
+@example('{"name": "typed", "parameters": {"text": "a", "count": ' + "9" * 5000 + "}}")
+@example('<|python_tag|>{"name": "typed", "parameters": {"text": "a", "ratio": NaN}}')
+@example('{"name": "typed", "name": "ping", "parameters": {}}; {"name": "ping", "parameters": ' + nested(2000) + "}")
 def test_any_model_text_gives_calls_or_readable_errors(text):
-    turn = parser.parse(text)
-    assert all(isinstance(e, str) and e.startswith("Error: ") and len(e) < 400 for e in turn.errors)
-    assert turn.truncated == any("cut off" in e for e in turn.errors)
-    for call in turn.calls:
-        assert isinstance(call.name, str) and call.name and isinstance(call.arguments, dict)
-        assert call.raw.startswith("<tool_call>") and call.raw.endswith("</tool_call>") and call.raw in text
-        _check_result(call)
+    for cls in set(PARSERS.values()):  # every registered format
+        turn = cls().parse(text)
+        assert all(isinstance(e, str) and e.startswith("Error: ") and len(e) < 400 for e in turn.errors)
+        assert turn.truncated == any("cut off" in e for e in turn.errors)
+        for call in turn.calls:
+            assert isinstance(call.name, str) and call.name and isinstance(call.arguments, dict)
+            assert call.raw and call.raw in text
+            _check_result(call)
 
 
 @fuzz(200)

@@ -140,6 +140,11 @@ def _parse_call(body: str) -> tuple[ToolCall | None, str]:
     obj, problem = _loads(body.strip())
     if problem:
         return None, f"Error: the tool call is not valid JSON ({problem})"
+    return _call_from(obj)
+
+
+def _call_from(obj: Any) -> tuple[ToolCall | None, str]:
+    """The call a decoded JSON value holds (``arguments`` may be an object or JSON text), or why not."""
     if not isinstance(obj, dict):
         return None, "Error: a tool call must be a JSON object with \"name\" and \"arguments\""
     name = obj.get("name")
