@@ -126,14 +126,19 @@ def _loads(text: str) -> tuple[Any, str]:
     """Strict JSON: (value, "") or (None, why it is not valid JSON)."""
     try:
         return _DECODER.decode(text), ""
-    except json.JSONDecodeError as e:
-        return None, f"{e.msg} at position {e.pos}"
-    except _StrictJSONError as e:
-        return None, str(e)
-    except RecursionError:
-        return None, "it is nested too deeply"
-    except ValueError:  # Python's limit on the digits of an integer
-        return None, f"a number has more than {sys.get_int_max_str_digits()} digits"
+    except (ValueError, RecursionError) as e:
+        return None, _problem(e)
+
+
+def _problem(e: ValueError | RecursionError) -> str:
+    """Why ``_DECODER`` refused a text, in words for the model."""
+    if isinstance(e, json.JSONDecodeError):
+        return f"{e.msg} at position {e.pos}"
+    if isinstance(e, _StrictJSONError):
+        return str(e)
+    if isinstance(e, RecursionError):
+        return "it is nested too deeply"
+    return f"a number has more than {sys.get_int_max_str_digits()} digits"  # Python's limit on int digits
 
 
 def _parse_call(body: str) -> tuple[ToolCall | None, str]:
