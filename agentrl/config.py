@@ -17,6 +17,8 @@ This module imports neither torch nor transformers so that ``agentrl --help`` an
 
 from __future__ import annotations
 
+import datetime
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -39,7 +41,8 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # NaN and infinities are no setting (a NaN learning rate, an infinite time-out): refused by name
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class RunSection(Section):
@@ -257,6 +260,8 @@ class AgentRLConfig(Section):
 
 def parse_override(item: str) -> tuple[list[str], Any]:
     """Split ``section.key=value`` into a key path and a TOML-parsed value."""
+    if not _is_text(item):
+        raise ConfigError(f"override {item!r} is not valid UTF-8 text")
     if "=" not in item:
         raise ConfigError(f"override {item!r} is not of the form section.key=value")
     key, raw = item.split("=", 1)
@@ -265,9 +270,18 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         raise ConfigError(f"override key {key!r} must be dotted, like learner.lr")
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
+    except (tomllib.TOMLDecodeError, ValueError, RecursionError):  # also too many digits, too deep
         value = raw
     return path, value
+
+
+def _is_text(value: str) -> bool:
+    """False for strings holding lone surrogates (undecodable bytes of a command line)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
@@ -297,10 +311,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         source = str(path)
         try:
-            tree = tomllib.loads(Path(path).read_text())
+            tree = tomllib.loads(Path(path).read_text(encoding="utf-8"))
         except FileNotFoundError as e:
             raise ConfigError(f"config file not found: {path}") from e
+        except OSError as e:  # a folder, no permission, ...
+            raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from e
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path} is not UTF-8 text (byte {e.start})") from e
         except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path} is not valid TOML: {e}") from e
+        except RecursionError:
+            raise ConfigError(f"{path} is not valid TOML: arrays or tables nested too deeply") from None
+        except ValueError as e:  # tomllib lets int()'s limit on digits through
             raise ConfigError(f"{path} is not valid TOML: {e}") from e
     for item in overrides or []:
         key_path, value = parse_override(item)
@@ -314,7 +336,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def dump_toml(cfg: AgentRLConfig) -> str:
-    """Render a config back to TOML (the resolved config of a run)."""
+    """Render a config back to TOML (the resolved config of a run); it loads back to an equal config."""
     out: list[str] = []
     for section, body in cfg.model_dump().items():
         out.append(f"[{section}]")
@@ -327,20 +349,36 @@ def dump_toml(cfg: AgentRLConfig) -> str:
         for key, table in nested.items():
             out.append(f"\n[{section}.{key}]")
             for k, v in table.items():
-                out.append(f"{k} = {_toml_value(v)}")
+                out.append(f"{_toml_key(k)} = {_toml_value(v)}")
         out.append("")
     return "\n".join(out)
+
+
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def _toml_key(key: str) -> str:
+    return key if _BARE_KEY.fullmatch(key) else _toml_string(key)
+
+
+def _toml_string(text: str) -> str:
+    """A TOML basic string: quotes, backslashes and control characters escaped."""
+    return '"' + "".join(_ESCAPES.get(ch) or (f"\\u{ord(ch):04x}" if ord(ch) < 0x20 or ord(ch) == 0x7F else ch)
+                         for ch in text) + '"'
 
 
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
-        return repr(value)
+        return repr(value)  # TOML spells inf and nan as Python does
     if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return _toml_string(value)
+    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
+        return value.isoformat()  # TOML's date-times are RFC 3339
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot render {type(value).__name__} as TOML")

@@ -29,9 +29,11 @@ def read_secret(env_var: str) -> str:
     if not file_name:
         return ""
     try:
-        return Path(file_name).read_text().strip()
+        return Path(file_name).read_text(encoding="utf-8").strip()
     except OSError as e:
         raise SecretError(f"{env_var}_FILE names {file_name!r}, which cannot be read: {e}") from None
+    except UnicodeDecodeError as e:
+        raise SecretError(f"{env_var}_FILE names {file_name!r}, which is not UTF-8 text (byte {e.start})") from None
 
 
 def bearer(token: str) -> dict[str, str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 import time
@@ -285,6 +286,18 @@ def test_flush_cache_ignores_the_queue_only_of_a_paused_engine(engine):
     _call(engine, engine.resume)
     _call(engine, lambda: setattr(engine, "updating", False))
     assert w.wait().finish_reason == {"type": "length", "length": 3}
+
+
+def test_a_request_the_scheduler_cannot_take_fails_alone_and_the_thread_serves_on(engine):
+    """Found by tests/test_fuzz_engine.py: a sampling_seed beyond 64 bits raised in the scheduler thread
+    (outside any try) and stopped the engine for good. The API refuses it now; should validation ever
+    let such a request through, it fails alone."""
+    w = Waiter()
+    params = dataclasses.replace(parse_sampling_params({"max_new_tokens": 3}, VOCAB), sampling_seed=2**70)
+    engine.submit(Request(GenerateInput("bad-seed", [1, 2], params, True), w))
+    c = w.wait()
+    assert c.finish_reason["type"] == "abort" and "internal engine error" in c.finish_reason["message"]
+    assert engine.alive and submit(engine, [4, 5], max_new_tokens=3).wait().finish_reason["type"] == "length"
 
 
 def test_weight_version_spans_follow_updates(engine):

@@ -224,7 +224,7 @@ def test_task_source_missing_things(tmp_path):
     with pytest.raises(ValueError, match="needs a path"):
         TaskSource()
     (tmp_path / "list.json").write_text("[1]")
-    with pytest.raises(ValueError, match="record 0 of split 'test' is a int, not an object"):
+    with pytest.raises(ValueError, match="list.json: item 0 is a JSON int, not an object"):
         next(TaskSource(test=tmp_path / "list.json").tasks("test"))
 
 

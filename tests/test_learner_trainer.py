@@ -335,7 +335,8 @@ def test_sft_reports_bad_data(tmp_path, tiny_model):
     from agentrl.learner.sft import load_jsonl
 
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"messages": []}\n{"nope": 1}\n')
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
+                   '{"nope": 1}\n')
     with pytest.raises(ValueError, match="bad.jsonl:2"):
         load_jsonl(bad)
     assert load_config(None, [f'sft.data="{bad}"']).sft.data == str(bad)

@@ -122,7 +122,7 @@ def test_any_unions_enums_and_tuples_have_schemas():
     assert props["value"] == {"anyOf": [{"type": "integer"}, {"type": "number"}]}
     assert props["unit"] == {"type": "string", "enum": ["m", "ft"]}
     assert props["extra"] == {} and props["note"] == {"type": "string"}
-    assert props["pair"] == {"type": "array", "items": {"type": "integer"}}
+    assert props["pair"] == {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2}
     assert convert.parameters["required"] == ["value", "unit"]
     assert check_arguments(convert, {"value": 2.5, "unit": "m", "extra": [1]}) is None
     assert "must be of type integer or number, got str" in check_arguments(convert, {"value": "2", "unit": "m"})

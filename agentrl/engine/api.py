@@ -32,6 +32,7 @@ servers or fails loudly here.
 
 from __future__ import annotations
 
+import json
 import math
 import uuid
 from dataclasses import dataclass, field
@@ -84,6 +85,66 @@ class RequestError(ValueError):
     """A malformed request; the server answers HTTP 400 with this message."""
 
 
+def decode_body(raw: bytes) -> dict:
+    """The JSON object of a request body (empty: ``{}``); RequestError says what is wrong with it.
+
+    Besides invalid JSON and non-objects, two things Python's ``json`` accepts are refused here
+    because they break later, far from the request: JSON nested too deeply to decode
+    (``RecursionError``) and ``\\udXXX`` escapes of lone surrogates, which no tokenizer takes and
+    no response can echo as UTF-8 (a ``weight_version`` holding one would break every response
+    after it). The message names the field that holds one."""
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise RequestError("the request body is nested too deeply") from None
+    except ValueError as e:
+        raise RequestError(f"the request body is not valid JSON: {_short(str(e))}") from None
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    where = _lone_surrogate(body)
+    if where is not None:
+        raise RequestError(f"{_short(where)} holds a lone surrogate (a \\ud800-\\udfff escape), which is not valid "
+                           "Unicode")
+    return body
+
+
+def _lone_surrogate(body: dict) -> str | None:
+    """The dotted path of the first string (key or value) holding a lone surrogate, else None."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii() and _has_surrogate(value):
+                return path
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                if not k.isascii() and _has_surrogate(k):
+                    return f"{path}.{_short(repr(k))}".lstrip(".")
+                stack.append((f"{path}.{k}".lstrip("."), v))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
+    return None
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _short(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def show(value: Any) -> str:
+    """``repr`` of a client's value for an error message, cut short (a field may hold megabytes)."""
+    return _short(repr(value), 80)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Validated sampling parameters of one request (SGLang semantics, greedy normalised)."""
@@ -117,7 +178,13 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_num(v: Any) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+    """A finite JSON number that a float can hold (an integer of 400 digits is not: it overflows)."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:
+        return False
 
 
 def parse_sampling_params(raw: Any, vocab_size: int) -> SamplingParams:
@@ -128,32 +195,32 @@ def parse_sampling_params(raw: Any, vocab_size: int) -> SamplingParams:
         raise RequestError(f"sampling_params must be an object, got {type(raw).__name__}")
     for key in raw:
         if key not in SAMPLING_DEFAULTS:
-            raise RequestError(f"sampling_params has an unknown field {key!r}")
+            raise RequestError(f"sampling_params has an unknown field {show(key)}")
     # null means "use the default", as in SGLang's __post_init__.
     p = {k: (SAMPLING_DEFAULTS[k] if raw.get(k) is None else raw[k]) for k in SAMPLING_DEFAULTS}
     for key in UNSUPPORTED_SAMPLING:
         if p[key] != SAMPLING_DEFAULTS[key] and p[key] not in ({}, []):  # some SGLang defaults are {} / []
             raise RequestError(
-                f"sampling_params.{key} = {p[key]!r} is not supported by the embedded engine "
+                f"sampling_params.{key} = {show(p[key])} is not supported by the embedded engine "
                 f"(only the default {SAMPLING_DEFAULTS[key]!r})"
             )
 
     max_new = raw.get("max_new_tokens", 128)  # an explicit null means "up to the context length"
     if max_new is not None and (not _is_int(max_new) or max_new < 0):
-        raise RequestError(f"sampling_params.max_new_tokens must be an integer >= 0, got {max_new!r}")
+        raise RequestError(f"sampling_params.max_new_tokens must be an integer >= 0, got {show(max_new)}")
     temperature = p["temperature"]
     if not _is_num(temperature) or temperature < 0:
-        raise RequestError(f"sampling_params.temperature must be a non-negative finite number, got {temperature!r}")
+        raise RequestError(f"sampling_params.temperature must be a non-negative finite number, got {show(temperature)}")
     top_p = p["top_p"]
     if not _is_num(top_p) or not 0.0 < top_p <= 1.0:
-        raise RequestError(f"sampling_params.top_p must be in (0, 1], got {top_p!r}")
+        raise RequestError(f"sampling_params.top_p must be in (0, 1], got {show(top_p)}")
     min_p = p["min_p"]
     if not _is_num(min_p) or not 0.0 <= min_p <= 1.0:
-        raise RequestError(f"sampling_params.min_p must be in [0, 1], got {min_p!r}")
+        raise RequestError(f"sampling_params.min_p must be in [0, 1], got {show(min_p)}")
     top_k = p["top_k"]
     if not _is_int(top_k) or (top_k < 1 and top_k != -1):
-        raise RequestError(f"sampling_params.top_k must be -1 (disable) or at least 1, got {top_k!r}")
-    top_k = TOP_K_ALL if top_k == -1 else top_k
+        raise RequestError(f"sampling_params.top_k must be -1 (disable) or at least 1, got {show(top_k)}")
+    top_k = TOP_K_ALL if top_k == -1 else min(top_k, TOP_K_ALL)  # beyond the vocabulary: all of it
 
     stop = p["stop"] or []
     if isinstance(stop, str):
@@ -166,18 +233,20 @@ def parse_sampling_params(raw: Any, vocab_size: int) -> SamplingParams:
         raise RequestError("sampling_params.stop_token_ids must be a list of integers")
     for t in stop_ids:
         if not 0 <= t < vocab_size:
-            raise RequestError(f"sampling_params.stop_token_ids has {t}, outside [0, {vocab_size})")
+            raise RequestError(f"sampling_params.stop_token_ids has {show(t)}, outside [0, {vocab_size})")
     flags = {}
     for key in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
         if not isinstance(p[key], bool):
-            raise RequestError(f"sampling_params.{key} must be true or false, got {p[key]!r}")
+            raise RequestError(f"sampling_params.{key} must be true or false, got {show(p[key])}")
         flags[key] = p[key]
     seed = p["sampling_seed"]
     if seed is not None and not _is_int(seed):
-        raise RequestError(f"sampling_params.sampling_seed must be an integer, got {seed!r}")
+        raise RequestError(f"sampling_params.sampling_seed must be an integer, got {show(seed)}")
+    if seed is not None and not -(2**63) <= seed <= 2**63 - 1:  # SGLang's range (torch's generators take it)
+        raise RequestError(f"sampling_params.sampling_seed must be in [-2**63, 2**63 - 1], got {show(seed)}")
     interval = p["stream_interval"]
     if interval is not None and (not _is_int(interval) or interval < 1):
-        raise RequestError(f"sampling_params.stream_interval must be an integer >= 1, got {interval!r}")
+        raise RequestError(f"sampling_params.stream_interval must be an integer >= 1, got {show(interval)}")
 
     if temperature < SAMPLING_EPS:  # greedy: SGLang samples with top_k = 1 at temperature 1
         temperature, top_k = 1.0, 1
@@ -219,9 +288,9 @@ def _check_ids(ids: Any, vocab_size: int, where: str) -> list[int]:
         raise RequestError(f"{where} is empty" if isinstance(ids, list) else f"{where} must be a list of token ids")
     for t in ids:
         if not _is_int(t):
-            raise RequestError(f"{where} must hold integers, got {t!r}")
+            raise RequestError(f"{where} must hold integers, got {show(t)}")
         if not 0 <= t < vocab_size:
-            raise RequestError(f"{where} has token id {t}, outside the vocabulary [0, {vocab_size})")
+            raise RequestError(f"{where} has token id {show(t)}, outside the vocabulary [0, {vocab_size})")
     return ids
 
 
@@ -271,9 +340,10 @@ def parse_generate(body: Any, *, vocab_size: int, context_len: int, encode=None)
         batched = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
         prompts = ids if batched else [ids]
     n = len(prompts)
+    field_name = "text" if has_text else "input_ids"
     if n == 0:
-        raise RequestError("input_ids is empty")
-    where = lambda i: f"input_ids[{i}]" if batched else "input_ids"  # noqa: E731
+        raise RequestError(f"{field_name} is empty")
+    where = lambda i: f"{field_name}[{i}]" if batched else field_name  # noqa: E731
     prompts = [_check_ids(p, vocab_size, where(i)) for i, p in enumerate(prompts)]
 
     if body.get("top_logprobs_num") not in (None, 0):
@@ -282,7 +352,7 @@ def parse_generate(body: Any, *, vocab_size: int, context_len: int, encode=None)
         raise RequestError("logprob_start_len >= 0 (input logprobs) is not supported by the embedded engine")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
-        raise RequestError(f"stream must be true or false, got {stream!r}")
+        raise RequestError(f"stream must be true or false, got {show(stream)}")
 
     rid = body.get("rid")
     if rid is None:

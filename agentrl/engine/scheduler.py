@@ -212,16 +212,24 @@ class Scheduler:
                 req = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            p = req.inp.params
-            if p.sampling_seed is not None:
-                req.generator = torch.Generator(device=self.runner.device)
-                req.generator.manual_seed(p.sampling_seed)
-            if p.stop:
-                req.stop_window = max(max(len(s) for s in p.stop),
-                                      max(len(self.tokenizer.encode(s, add_special_tokens=False)) for s in p.stop)) + 1
-            if p.max_new_tokens is None:
-                req.inp.params = dataclasses.replace(p, max_new_tokens=self.runner.max_context_tokens - len(req.inp.input_ids) - 1)
+            try:
+                self._prepare(req)
+            except Exception as e:  # validation let something through: fail this request, not the thread
+                log.error("engine could not take request %s:\n%s", req.rid, traceback.format_exc())
+                self._finish(req, finish_abort(f"internal engine error: {type(e).__name__}: {e}"))
+                continue
             self.waiting.append(req)
+
+    def _prepare(self, req: Request) -> None:
+        p = req.inp.params
+        if p.sampling_seed is not None:
+            req.generator = torch.Generator(device=self.runner.device)
+            req.generator.manual_seed(p.sampling_seed)
+        if p.stop:
+            req.stop_window = max(max(len(s) for s in p.stop),
+                                  max(len(self.tokenizer.encode(s, add_special_tokens=False)) for s in p.stop)) + 1
+        if p.max_new_tokens is None:
+            req.inp.params = dataclasses.replace(p, max_new_tokens=self.runner.max_context_tokens - len(req.inp.input_ids) - 1)
 
     def _run_ops(self) -> None:
         while True:

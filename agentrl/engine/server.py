@@ -57,8 +57,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from agentrl.engine.api import (
-    Completion, GenerateCall, GenerateInput, RequestError, build_response, error_body, output_text_ids,
-    parse_generate, trim_stop_str,
+    Completion, GenerateCall, GenerateInput, RequestError, build_response, decode_body, error_body,
+    output_text_ids, parse_generate, show, trim_stop_str,
 )
 from agentrl.http_auth import AuthLevel, BearerAuthMiddleware, auth_level
 
@@ -149,9 +149,9 @@ def parse_control(path: str, body: dict) -> dict[str, Any]:
         value = body[name]
         if not any(_is_kind(value, k) for k in spec.kinds):
             wanted = " or ".join(_KIND_NAMES[k] for k in spec.kinds)
-            raise RequestError(f"{path}: {name} must be {wanted}, got {value!r}")
+            raise RequestError(f"{path}: {name} must be {wanted}, got {show(value)}")
         if spec.supported is not None and value not in spec.supported:
-            raise RequestError(f"{path}: {name} = {value!r} is not supported by the embedded engine "
+            raise RequestError(f"{path}: {name} = {show(value)} is not supported by the embedded engine "
                                f"(supported: {', '.join(repr(v) for v in spec.supported)})")
         out[name] = value
     return out
@@ -298,16 +298,7 @@ def _result(success: bool, message: str, **extra: Any) -> JSONResponse:
 
 
 async def _body(request: HttpRequest) -> dict:
-    raw = await request.body()
-    if not raw.strip():
-        return {}
-    try:
-        body = json.loads(raw)
-    except ValueError as e:
-        raise RequestError(f"the request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    return body
+    return decode_body(await request.body())
 
 
 async def _control(request: HttpRequest) -> dict[str, Any]:
@@ -452,7 +443,7 @@ def build_app(server: EngineServer, *, api_key: str = "", admin_api_key: str = "
         except RequestError as e:
             return bad_request(str(e))
         if b["group_name"] != server.receiver.group_name:
-            return _result(False, f"Failed to destroy parameter update group: no group named {b['group_name']!r}")
+            return _result(False, f"Failed to destroy parameter update group: no group named {show(b['group_name'])}")
         await server.call(server.receiver.destroy_group)
         return _result(True, "Succeeded to destroy custom process group.")
 
@@ -473,6 +464,11 @@ def build_app(server: EngineServer, *, api_key: str = "", admin_api_key: str = "
 
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def end_weight_update(request: HttpRequest) -> Response:
+        try:
+            await _control(request)  # no fields, but a body that is not a JSON object is refused as elsewhere
+        except RequestError as e:
+            return bad_request(str(e))
+
         def run() -> bool:
             if not sched.updating:
                 return False
@@ -498,7 +494,7 @@ def build_app(server: EngineServer, *, api_key: str = "", admin_api_key: str = "
             if server.weight_update_bracket and not sched.updating:
                 return False, NO_SESSION
             if b["group_name"] != server.receiver.group_name:
-                return False, f"Failed to receive weights: no weight update group {b['group_name']!r}"
+                return False, f"Failed to receive weights: no weight update group {show(b['group_name'])}"
             if b["abort_all_requests"]:
                 sched.abort(None, "aborted by a weight update")
             problems = server.receiver.receive(spec, flattened=b["load_format"] == "flattened_bucket")

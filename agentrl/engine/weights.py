@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from agentrl.engine.api import show
 from agentrl.weight_group import destroy_weight_group, init_weight_group, parse_dtype
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,19 @@ class ShadowRank:
             w.wait()
 
 
+def check_group_args(master_port: int, rank_offset: int, world_size: int) -> None:
+    """Refuse, with a message naming the field, what would otherwise fail deep inside torch (a
+    port that is no port) or wait for minutes to join as a rank outside the world. A world too
+    small for the engine's further TP ranks fails as it does in SGLang (the first rank joins)."""
+    if not 0 <= master_port <= 65535:
+        raise ValueError(f"master_port must be in [0, 65535], got {show(master_port)}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {show(world_size)}")
+    if not 0 <= rank_offset < world_size:
+        raise ValueError(f"rank_offset must be in [0, world_size), got rank_offset {show(rank_offset)} with "
+                         f"world_size {world_size}")
+
+
 class EngineWeightReceiver:
     """Engine end: owns the group; receives and applies updates (called in the scheduler thread).
 
@@ -93,6 +107,7 @@ class EngineWeightReceiver:
     def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                    group_name: str, backend: str, timeout_s: float = 600.0) -> None:
         """Join as ranks ``rank_offset .. rank_offset + tp_size - 1`` (SGLang: one rank per TP rank)."""
+        check_group_args(master_port, rank_offset, world_size)
         if self.group is not None:
             self.destroy_group()
         if backend == "nccl" and self.runner.device.type != "cuda":

@@ -40,9 +40,15 @@ def final_assistant_text(messages: list[dict[str, Any]]) -> str | None:
 
 
 def last_number(text: str) -> Fraction | None:
-    """The last number written in ``text`` (``"The answer is 133."`` -> 133), or None."""
+    """The last number written in ``text`` (``"The answer is 133."`` -> 133), or None (also for a
+    number longer than Python converts, 4300 digits: a degenerate turn, not an answer)."""
     found = _NUMBER.findall(text.replace(",", ""))
-    return Fraction(found[-1]) if found else None
+    if not found:
+        return None
+    try:
+        return Fraction(found[-1])
+    except ValueError:
+        return None
 
 
 def normalize_answer(text: str) -> str:

@@ -3,7 +3,7 @@
 :class:`TaskSource` maps split names to local paths and turns records into :class:`Task`
 objects. A path may be
 
-* a ``.jsonl`` file (one JSON object per line; blank lines skipped),
+* a ``.jsonl`` file (one JSON object per line; blank lines skipped; errors name the line),
 * a ``.json`` file holding a list of objects,
 * a ``.parquet`` file (needs ``pyarrow``),
 * a folder written by ``datasets``' ``save_to_disk`` (a ``Dataset``, or a ``DatasetDict``
@@ -22,12 +22,12 @@ Records are loaded once per split and cached.
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 from typing import Any, Iterator
 
 from agentrl.envs.base import Task
+from agentrl.jsonl import read_json, read_jsonl
 
 Record = dict[str, Any]
 
@@ -86,33 +86,26 @@ def load_records(path: str | Path, split: str | None = None) -> list[Record]:
         return _load_dir(p, split)
     suffix = p.suffix.lower()
     if suffix == ".jsonl":
-        return _load_jsonl(p)
+        return [_object(record, f"{p}:{lineno}") for lineno, record in read_jsonl(p)]
     if suffix == ".json":
-        data = json.loads(p.read_text())
+        data = read_json(p)
         if not isinstance(data, list):
             raise ValueError(f"{p} must hold a JSON list of objects (use .jsonl for one object per line)")
-        return data
+        return [_object(record, f"{p}: item {i}") for i, record in enumerate(data)]
     if suffix == ".parquet":
         return _pyarrow("Parquet files").parquet.read_table(p).to_pylist()
     raise ValueError(f"cannot read tasks from {p}: expected .jsonl, .json, .parquet or a datasets folder")
 
 
-def _load_jsonl(p: Path) -> list[Record]:
-    out = []
-    with p.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{p}:{lineno} is not valid JSON: {e.msg}") from None
-    return out
+def _object(record: Any, where: str) -> Record:
+    if not isinstance(record, dict):
+        raise ValueError(f"{where} is a JSON {type(record).__name__}, not an object (a task is an object)")
+    return record
 
 
 def _load_dir(p: Path, split: str | None) -> list[Record]:
     if (p / "dataset_dict.json").exists():
-        splits = json.loads((p / "dataset_dict.json").read_text()).get("splits", [])
+        splits = read_json(p / "dataset_dict.json").get("splits", [])
         if split not in splits:
             raise ValueError(f"{p} is a DatasetDict with splits {splits}; split {split!r} is not one of them")
         return _load_hf_dataset(p / split)
@@ -132,7 +125,7 @@ def _load_hf_dataset(p: Path) -> list[Record]:
         import datasets  # type: ignore[import-not-found]
     except ImportError:
         pa = _pyarrow("datasets folders (or install the `datasets` package)")
-        state = json.loads((p / "state.json").read_text())
+        state = read_json(p / "state.json")
         rows: list[Record] = []
         for entry in state.get("_data_files", []):
             with pa.memory_map(str(p / entry["filename"])) as source:

@@ -43,6 +43,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from agentrl.config import AgentRLConfig, dump_toml
+from agentrl.jsonl import read_jsonl
 from agentrl.learner.batching import Sample
 
 log = logging.getLogger("agentrl.learner.sft")
@@ -83,24 +84,53 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], tools: list[dict
 
 
 def load_jsonl(path: str | Path) -> list[Conversation]:
-    out: list[Conversation] = []
-    with Path(path).open() as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not JSON: {e}") from None
-            if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
-                raise ValueError(f"{path}:{n}: expected an object with a 'messages' list")
-            tools = row.get("tools")
-            if tools is not None and not isinstance(tools, list):
-                raise ValueError(f"{path}:{n}: 'tools' must be a list of tool schemas")
-            out.append((row["messages"], tools))
+    """The conversations of a JSONL file; a line that is not one is a ValueError naming it."""
+    out = [_conversation(row, f"{path}:{lineno}") for lineno, row in read_jsonl(path)]
     if not out:
         raise ValueError(f"{path} holds no conversations")
     return out
+
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def _conversation(row: Any, where: str) -> Conversation:
+    """Check what the chat template and the loss mask rely on, so that a bad line is named here
+    rather than failing inside the template (a user turn without content, a tool call without a
+    name) or training on nothing (no assistant turn)."""
+    if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
+        raise ValueError(f"{where}: expected an object with a 'messages' list")
+    messages = row["messages"]
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise ValueError(f"{where}: messages[{i}] must be an object whose role is one of {', '.join(ROLES)}")
+        content = m.get("content")
+        if not isinstance(content, str) and not (content is None and m["role"] == "assistant"):
+            raise ValueError(f"{where}: messages[{i}].content must be a string")
+        calls = m.get("tool_calls")
+        if calls is not None and (m["role"] != "assistant" or not isinstance(calls, list)
+                                  or not all(_is_tool_call(c) for c in calls)):
+            raise ValueError(f"{where}: messages[{i}].tool_calls must be a list of {{\"function\": {{\"name\": ..., "
+                             f"\"arguments\": {{...}}}}}} on an assistant message")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ValueError(f"{where}: the conversation has no assistant message to learn from")
+    tools = row.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(_is_tool_schema(t) for t in tools)):
+        raise ValueError(f"{where}: 'tools' must be a list of tool schemas ({{\"type\": \"function\", \"function\": "
+                         f"{{\"name\": ..., \"parameters\": {{...}}}}}})")
+    return messages, tools
+
+
+def _is_tool_call(call: Any) -> bool:
+    fn = call.get("function", call) if isinstance(call, dict) else None
+    return isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments", {}), (dict, str))
+
+
+def _is_tool_schema(tool: Any) -> bool:
+    fn = tool.get("function", tool) if isinstance(tool, dict) else None
+    params = fn.get("parameters", {}) if isinstance(fn, dict) else None
+    return isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(params, dict) and \
+        isinstance(params.get("properties", {}), dict)
 
 
 def tool_schema(tool: Any) -> dict[str, Any]:
@@ -144,8 +174,11 @@ def load_samples(cfg: AgentRLConfig, tokenizer: Any) -> list[Sample]:
     conversations = load_jsonl(cfg.sft.data) if cfg.sft.data else env_demonstrations(cfg)
     limit = cfg.learner.max_tokens_per_microbatch
     samples = []
-    for messages, tools in conversations:
-        sample = tokenize_conversation(tokenizer, messages, tools)
+    for i, (messages, tools) in enumerate(conversations, 1):
+        try:
+            sample = tokenize_conversation(tokenizer, messages, tools)
+        except ValueError as e:
+            raise ValueError(f"{cfg.sft.data or cfg.env.cls}: conversation {i}: {e}") from None
         if sample.num_tokens > limit:
             log.warning("skipping a conversation of %d tokens (> learner.max_tokens_per_microbatch)", sample.num_tokens)
             continue

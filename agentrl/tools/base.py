@@ -14,7 +14,9 @@ comes from its type hints and the ``Args:`` section of its docstring::
         '''
 
 A parameter named ``state`` is not part of the schema: the :class:`ToolBox` passes the
-episode's state dict there (where per-episode resources such as a sandbox live).
+episode's state dict there (where per-episode resources such as a sandbox live). Arguments
+arrive as the hints promise: an ``Enum`` parameter gets the member whose value the model
+wrote, a ``tuple`` parameter a tuple.
 
 :class:`ToolBox` executes calls for the agent loop. Every failure mode -- unknown tool,
 arguments that do not fit the schema, an exception, a time-out, an oversized output -- turns
@@ -76,6 +78,7 @@ class Tool:
     parameters: dict[str, Any] = {"type": "object", "properties": {}, "required": []}
     timeout_s: float | None = None  # None: the ToolBox default
     wants_state: bool = False  # pass the episode state as keyword ``state``
+    converters: dict[str, Callable[[Any], Any]] = {}  # argument -> its JSON value as the hint's type
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -95,11 +98,21 @@ class Tool:
         if "parameters" not in cls.__dict__ and named:
             _, run_args = _parse_docstring(run.__doc__ or "")
             cls.parameters = _schema_from_signature(run, {**class_args, **run_args})
+            cls.converters = _argument_converters(run)
         if "wants_state" not in cls.__dict__ and "state" in params:
             cls.wants_state = True
 
     async def run(self, **arguments: Any) -> str:
         raise NotImplementedError(f"tool {self.name!r} does not implement run()")
+
+    def cannot_take(self, arguments: dict[str, Any]) -> str | None:
+        """Why ``run`` cannot be called with these keyword arguments (None when it can): the
+        check behind the schema, for tools whose schema does not list every argument."""
+        try:
+            inspect.signature(type(self).run).bind(self, **arguments)
+        except TypeError as e:
+            return str(e)
+        return None
 
     def schema(self) -> dict[str, Any]:
         return {"type": "function",
@@ -116,9 +129,17 @@ class FunctionTool(Tool):
         self.description, arg_docs = _parse_docstring(fn.__doc__ or "")
         self.parameters = _schema_from_signature(fn, arg_docs)
         self.wants_state = "state" in inspect.signature(fn).parameters
+        self.converters = _argument_converters(fn)
         self._is_async = inspect.iscoroutinefunction(fn)
 
-    async def run(self, **arguments: Any) -> str:
+    def cannot_take(self, arguments: dict[str, Any]) -> str | None:
+        try:
+            inspect.signature(self.fn).bind(**arguments)
+        except TypeError as e:
+            return str(e)
+        return None
+
+    async def run(self, /, **arguments: Any) -> str:
         if self._is_async:
             out = await self.fn(**arguments)
         else:
@@ -175,7 +196,14 @@ def _json_type(annotation: Any) -> dict[str, Any]:
         return {"type": _JSON_TYPES.get(type(values[0]), "string"), "enum": values}
     if origin in (list, tuple):
         args = [a for a in typing.get_args(annotation) if a is not Ellipsis]
-        return {"type": "array", **({"items": _json_type(args[0])} if len(set(args)) == 1 else {})}
+        schema: dict[str, Any] = {"type": "array"}
+        if len(set(args)) == 1:
+            schema["items"] = _json_type(args[0])
+        elif args:
+            schema["prefixItems"] = [_json_type(a) for a in args]
+        if origin is tuple and args and Ellipsis not in typing.get_args(annotation):  # tuple[int, int]: exactly two
+            schema["minItems"] = schema["maxItems"] = len(args)
+        return schema
     if origin is dict:
         return {"type": "object"}
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
@@ -188,6 +216,25 @@ def _json_type(annotation: Any) -> dict[str, Any]:
 
 def _tool_name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__qualname__", getattr(fn, "__name__", repr(fn)))
+
+
+def _converter(annotation: Any) -> Callable[[Any], Any] | None:
+    """What turns a JSON value that fits ``annotation``'s schema into the type the hint promises
+    (an Enum's value into its member, a list into a tuple); None when the JSON value is it already."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(annotation) if a is not type(None)]
+        inner = _converter(options[0]) if len(options) == 1 else None
+        return None if inner is None else (lambda v: None if v is None else inner(v))
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return annotation
+    return tuple if origin is tuple else None
+
+
+def _argument_converters(fn: Callable[..., Any]) -> dict[str, Callable[[Any], Any]]:
+    hints = typing.get_type_hints(fn)  # they resolved when the schema was built
+    converters = {name: _converter(hint) for name, hint in hints.items() if name not in ("return", "state")}
+    return {name: conv for name, conv in converters.items() if conv is not None}
 
 
 def _schema_from_signature(fn: Callable[..., Any], arg_docs: dict[str, str]) -> dict[str, Any]:
@@ -218,7 +265,10 @@ def _schema_from_signature(fn: Callable[..., Any], arg_docs: dict[str, str]) -> 
 
 
 def check_arguments(tool_: Tool, arguments: Any) -> str | None:
-    """Return an error message when ``arguments`` do not fit the tool's schema, else None."""
+    """Return an error message when ``arguments`` do not fit the tool's schema, else None.
+
+    The message is for the model: it names the argument and what was expected, and quotes
+    the model's own text only cut short (a name may be a megabyte of garbage)."""
     if not isinstance(arguments, dict):
         return f"arguments for {tool_.name} must be a JSON object, got {type(arguments).__name__}"
     props = tool_.parameters.get("properties", {})
@@ -227,25 +277,62 @@ def check_arguments(tool_: Tool, arguments: Any) -> str | None:
         return f"{tool_.name} is missing required argument(s): {', '.join(missing)}"
     unknown = [a for a in arguments if props and a not in props]
     if unknown:
-        return f"{tool_.name} got unknown argument(s): {', '.join(unknown)}; it takes {', '.join(props)}"
+        names = ", ".join(_short(a) for a in unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+        return f"{tool_.name} got unknown argument(s): {names}; it takes {', '.join(props)}"
     for key, value in arguments.items():
         schema = props.get(key, {})
         if not _fits(value, schema):
-            expected = " or ".join(_type_names(schema))
-            return f"argument {key!r} of {tool_.name} must be of type {expected}, got {type(value).__name__}"
+            got = type(value).__name__ if not _fits_type(value, schema) else _short(repr(value))
+            return f"argument {key!r} of {tool_.name} must be {_expected(schema)}, got {got}"
     return None
 
 
-def _type_names(schema: dict[str, Any]) -> list[str]:
+def _short(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _expected(schema: dict[str, Any]) -> str:
+    options = schema["anyOf"] if "anyOf" in schema else [schema]
+    if all(set(o) <= {"type", "description"} for o in options):
+        return "of type " + " or ".join(o.get("type", "anything") for o in options)
+    return " or ".join(_expected_one(o) for o in options)
+
+
+def _expected_one(schema: dict[str, Any]) -> str:
+    if "enum" in schema:
+        return "one of " + ", ".join(repr(v) for v in schema["enum"])
+    if schema.get("type") == "array":
+        size = f"{schema['minItems']} " if schema.get("minItems") == schema.get("maxItems") is not None else ""
+        if "prefixItems" in schema:
+            return f"an array [{', '.join(_expected(p).removeprefix('of type ') for p in schema['prefixItems'])}]"
+        if "items" in schema:
+            return f"an array of {size}{_expected(schema['items']).removeprefix('of type ')} items"
+        return f"an array of {size}items"
+    return _expected(schema)
+
+
+def _fits_type(value: Any, schema: dict[str, Any]) -> bool:
+    """Whether the JSON type is right, before enum values, lengths and items are looked at."""
     if "anyOf" in schema:
-        return [name for option in schema["anyOf"] for name in _type_names(option)]
-    return [schema["type"]] if "type" in schema else ["anything"]
+        return any(_fits_type(value, option) for option in schema["anyOf"])
+    return "type" not in schema or _matches(value, schema["type"])
 
 
 def _fits(value: Any, schema: dict[str, Any]) -> bool:
     if "anyOf" in schema:
         return any(_fits(value, option) for option in schema["anyOf"])
-    return "type" not in schema or _matches(value, schema["type"])
+    if not _fits_type(value, schema):
+        return False
+    if "enum" in schema and value not in schema["enum"]:
+        return False
+    if isinstance(value, list):
+        if not schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", len(value)):
+            return False
+        if "prefixItems" in schema and not all(_fits(v, s) for v, s in zip(value, schema["prefixItems"])):
+            return False
+        if "items" in schema and not all(_fits(v, schema["items"]) for v in value):
+            return False
+    return True
 
 
 def _matches(value: Any, json_type: str) -> bool:
@@ -259,7 +346,12 @@ def _matches(value: Any, json_type: str) -> bool:
 
 @dataclass
 class ToolBox:
-    """The tools of one env, executed with a time limit and an output size limit."""
+    """The tools of one env, executed with a time limit and an output size limit.
+
+    Arguments are checked against the schema (JSON types, ``enum`` values, array items and
+    lengths), then against the signature of ``run`` (which catches what a schema without
+    properties lets through, such as any argument of a tool that takes none), so that a
+    failure inside the tool is the tool's fault (``crash``), never a model's malformed call."""
 
     tools: list[Tool]
     timeout_s: float = 10.0
@@ -289,21 +381,23 @@ class ToolBox:
         tool_ = self._by_name.get(call.name)
         if tool_ is None:
             known = ", ".join(self._by_name) or "none"
-            return ToolResult(f"Error: unknown tool {call.name!r}; available tools: {known}", is_error=True,
+            return ToolResult(f"Error: unknown tool {_short(call.name)!r}; available tools: {known}", is_error=True,
                               error_kind="unknown_tool")
         problem = check_arguments(tool_, call.arguments)
+        if not problem:
+            kwargs = {k: tool_.converters[k](v) if k in tool_.converters else v for k, v in call.arguments.items()}
+            if tool_.wants_state:
+                kwargs["state"] = state
+            problem = _cannot_take(tool_, kwargs)
         if problem:
             return ToolResult(f"Error: {problem}", is_error=True, error_kind="bad_arguments")
-        kwargs = dict(call.arguments)
-        if tool_.wants_state:
-            kwargs["state"] = state
         limit = tool_.timeout_s or self.timeout_s
         try:
             with trio.move_on_after(limit) as scope:
                 out = await tool_.run(**kwargs)
         except trio.Cancelled:
             raise
-        except Exception as e:  # a crashed tool is an observation, not a crashed episode
+        except (Exception, SystemExit) as e:  # a crashed (or exiting) tool is an observation, not a crashed episode
             return ToolResult(f"Error: {call.name} failed: {type(e).__name__}: {e}", is_error=True, error_kind="crash")
         if scope.cancelled_caught:
             return ToolResult(f"Error: {call.name} timed out after {limit:g} s", is_error=True, error_kind="timeout")
@@ -311,3 +405,8 @@ class ToolBox:
         if len(out) > self.max_output_chars:
             out = out[: self.max_output_chars] + f"\n[output truncated to {self.max_output_chars} characters]"
         return ToolResult(out)
+
+
+def _cannot_take(tool_: Tool, arguments: dict[str, Any]) -> str | None:
+    why = tool_.cannot_take(arguments)
+    return None if why is None else f"{tool_.name} cannot take these arguments: {_short(why, 200)}"

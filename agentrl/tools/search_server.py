@@ -25,11 +25,12 @@ so that ``--port 0`` (a free port chosen by the kernel) can be used by scripts a
 
 from __future__ import annotations
 
-import json
 import socket
 import threading
 from pathlib import Path
 from typing import Any
+
+from agentrl.jsonl import loads, read_jsonl
 
 MAX_TOP_K = 100
 MAX_QUERIES = 256
@@ -79,17 +80,10 @@ def load_corpus(path: str | Path) -> list[dict[str, Any]]:
     if not p.is_file():
         raise ValueError(f"corpus file not found: {p}")
     passages = []
-    with p.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{p}:{lineno} is not valid JSON: {e.msg}") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                raise ValueError(f"{p}:{lineno} must be an object with a string 'text'")
-            passages.append(obj)
+    for lineno, obj in read_jsonl(p):
+        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+            raise ValueError(f"{p}:{lineno} must be an object with a string 'text'")
+        passages.append(obj)
     if not passages:
         raise ValueError(f"corpus {p} has no passages")
     return passages
@@ -125,10 +119,8 @@ def create_app(index: BM25Index, token: str = ""):
 
     async def retrieve(request: Request) -> JSONResponse:
         try:
-            queries, top_k = parse_request(json.loads(await request.body()))
-        except json.JSONDecodeError as e:
-            return JSONResponse({"error": f"the body is not valid JSON: {e.msg}"}, status_code=400)
-        except ValueError as e:
+            queries, top_k = parse_request(loads(await request.body(), "the body"))
+        except ValueError as e:  # the message names the field, or says why the body is not JSON
             return JSONResponse({"error": str(e)}, status_code=400)
         results = await run_in_threadpool(index.search, queries, top_k)
         return JSONResponse({"results": results})
