@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from agentrl.protocol import Trajectory, TrajectoryGroup
+from agentrl.transport.base import GroupSource, ProgressSink
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,27 +91,31 @@ def fixed_samples(seed: int, groups: int = 4, policy_version: int = 0, advantage
     return out
 
 
-class ListSource:
+class ListSource(GroupSource):
     """An in-memory group source with GroupReceiver's methods (for loop tests on rank 0)."""
 
     def __init__(self, groups: list[TrajectoryGroup], *, empty_polls: int = 0) -> None:
         self.items = deque(groups)
         self.empty_polls = empty_polls  # answer "nothing yet" this many times first
-        self.stats = {"received": 0, "malformed": 0}
+        self._stats = {"received": 0, "malformed": 0}
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return self._stats
 
     def get(self, timeout_s: float | None = None) -> TrajectoryGroup | None:
         if self.empty_polls > 0 or not self.items:
             self.empty_polls -= 1
             time.sleep(min(timeout_s or 0.0, 0.05))
             return None
-        self.stats["received"] += 1
+        self._stats["received"] += 1
         return self.items.popleft()
 
     def close(self) -> None:
         pass
 
 
-class Recorder:
+class Recorder(ProgressSink):
     """Records published progress and weight pushes."""
 
     def __init__(self) -> None:

@@ -38,7 +38,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Iterator
 
 import trio
 
@@ -47,16 +47,9 @@ from agentrl.actors.rollout import EngineClientLike, EpisodeLimits, GroupLost, r
 from agentrl.envs.base import Env, Task
 from agentrl.protocol import Progress, TrajectoryGroup
 from agentrl.tools.base import ToolBox
+from agentrl.transport.base import GroupSink, ProgressSource
 
 log = logging.getLogger(__name__)
-
-
-class GroupSenderLike(Protocol):
-    async def send(self, group: TrajectoryGroup) -> None: ...
-
-
-class ProgressSourceLike(Protocol):
-    async def receive(self) -> Progress: ...
 
 
 def budget_share(accept_groups: int, index: int, num_actors: int) -> int:
@@ -96,7 +89,7 @@ class ActorService:
 
     def __init__(self, *, client: EngineClientLike, tokenizer: Any, env: Env, toolbox: ToolBox,
                  sampling: dict[str, Any], limits: EpisodeLimits, settings: ActorSettings,
-                 sender: GroupSenderLike | None = None, progress: ProgressSourceLike | None = None,
+                 sender: GroupSink | None = None, progress: ProgressSource | None = None,
                  dump_path: str | Path | None = None):
         self.client, self.tokenizer, self.env, self.toolbox = client, tokenizer, env, toolbox
         self.sampling, self.limits, self.settings = sampling, limits, settings

@@ -49,36 +49,25 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from agentrl.config import AgentRLConfig, dump_toml
 from agentrl.protocol import Progress, TrajectoryGroup
+from agentrl.transport.base import GroupSource, ProgressSink
 
 log = logging.getLogger("agentrl.learner")
 
 POLL_S = 2.0  # longest a non-zero rank waits in one control broadcast
 
 
-class GroupSource(Protocol):
-    stats: dict[str, int]
-
-    def get(self, timeout_s: float | None = None) -> TrajectoryGroup | None: ...
-    def close(self) -> None: ...
-
-
-class ProgressSink(Protocol):
-    def publish(self, progress: Progress) -> None: ...
-    def close(self) -> None: ...
-
-
 @dataclass
 class LearnerIO:
     """Rank 0's connections. Tests pass their own; ``open_io`` builds the real ones."""
 
-    source: Any  # GroupSource
-    progress: Any = None  # ProgressSink
+    source: GroupSource
+    progress: ProgressSink | None = None
     weights: Any = None  # WeightSink (agentrl.engine.weights.WeightUpdater)
     tracker: Any = None  # agentrl.tracking.Tracker
 

@@ -1,4 +1,4 @@
-"""ZeroMQ transport between actors and learner, behind a small interface.
+"""The ZeroMQ channels between actors and learner.
 
 Two channels (the learner binds, actors connect):
 
@@ -22,9 +22,7 @@ Design (measurements in docs/architecture.md and ``bench/transport.py``):
   that have not connected yet, so an actor that starts after the learner's last publish
   would wait forever), and the subscriber keeps :attr:`ProgressSubscriber.latest` current
   even when no task is reading. A daemon thread owns each socket; callers talk to it
-  through :class:`_Mailbox`, a bounded FIFO that plain threads (``threading.Condition``)
-  and trio tasks (a ``trio.Event`` set through ``TrioToken.run_sync_soon``) can wait on,
-  moved in batches.
+  through a :class:`~agentrl.transport.mailbox.Mailbox`.
 * **Nothing busy-waits.** Blocking happens in ZMQ calls, in ``zmq_poll``, in trio's
   ``wait_readable`` or on a condition. Closing wakes blocked callers (an inproc socket
   for a blocked ``GroupReceiver.get``, ``notify_closing`` for a waiting send, context
@@ -41,10 +39,7 @@ Design (measurements in docs/architecture.md and ``bench/transport.py``):
   actually bound, for the connecting side. ``ipc://path`` works the same.
 
 ``PushSocket``/``PullSocket`` are the byte layer under the group classes (the benchmark
-drives them with pre-encoded bytes). ``InMemoryGroupChannel`` and
-``InMemoryProgressChannel`` have the same methods without sockets, for unit tests of the
-actor and learner logic; the group channel still encodes and decodes every message, so
-metadata that cannot be sent fails there as it would on the wire.
+drives them with pre-encoded bytes).
 """
 
 from __future__ import annotations
@@ -52,177 +47,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
-from typing import Any, Callable, Generic, Iterable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import trio
 import zmq
 
 from agentrl.protocol import Progress, ProtocolError, TrajectoryGroup, decode, encode
+from agentrl.transport.base import GroupSink, GroupSource, ProgressSink, ProgressSource, TransportError
+from agentrl.transport.mailbox import Mailbox
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-__all__ = [
-    "GroupReceiver",
-    "GroupSender",
-    "InMemoryGroupChannel",
-    "InMemoryProgressChannel",
-    "ProgressPublisher",
-    "ProgressSubscriber",
-    "PullSocket",
-    "PushSocket",
-    "TransportError",
-]
-
-
-class TransportError(RuntimeError):
-    """A socket could not be opened, or its thread failed; the message names the endpoint."""
-
-
-# ---------------------------------------------------------------------------- mailbox
-
-
-class _Mailbox(Generic[T]):
-    """A bounded FIFO between one socket thread and its users, threads or trio tasks.
-
-    ``drop_oldest=True`` makes puts never wait: the oldest item goes (progress messages).
-    Every change wakes all waiters, who re-check; there are at most a handful.
-    """
-
-    def __init__(self, maxlen: int, *, drop_oldest: bool = False) -> None:
-        if maxlen < 1:
-            raise ValueError(f"queue length must be >= 1, got {maxlen}")
-        self.maxlen = maxlen
-        self._drop_oldest = drop_oldest
-        self._items: deque[T] = deque()
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
-        self._trio_waiters: list[tuple[trio.lowlevel.TrioToken, trio.Event]] = []
-        self.closed = False
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def _wake(self) -> None:  # caller holds the lock
-        self._cond.notify_all()
-        for token, event in self._trio_waiters:
-            try:
-                token.run_sync_soon(event.set)
-            except trio.RunFinishedError:
-                pass
-        self._trio_waiters.clear()
-
-    def close(self, *, discard: bool = True) -> None:
-        with self._lock:
-            self.closed = True
-            if discard:
-                self._items.clear()
-            self._wake()
-
-    # -- non-blocking, any thread
-    def _append(self, items: Iterable[T]) -> None:  # caller holds the lock
-        self._items.extend(items)
-        if self._drop_oldest:
-            while len(self._items) > self.maxlen:
-                self._items.popleft()
-        self._wake()
-
-    def put_many(self, items: Iterable[T]) -> None:
-        """Append without waiting: past ``maxlen`` the oldest items go when ``drop_oldest``,
-        otherwise the caller (the only producer) has checked the free space first."""
-        with self._lock:
-            if not self.closed:
-                self._append(items)
-
-    def put_nowait(self, item: T) -> bool:
-        """Append if there is room (or drop the oldest); False when full or closed."""
-        with self._lock:
-            if self.closed or (len(self._items) >= self.maxlen and not self._drop_oldest):
-                return False
-            self._append([item])
-            return True
-
-    # -- blocking, plain threads
-    def wait_space(self) -> int:
-        """Block until there is room; return how many items fit (0 once closed)."""
-        with self._lock:
-            while not self.closed and len(self._items) >= self.maxlen:
-                self._cond.wait()
-            return 0 if self.closed else self.maxlen - len(self._items)
-
-    def take_all(self, timeout_s: float | None = None) -> list[T]:
-        """Block until there are items (or ``timeout_s``); take them all. [] when closed or timed out."""
-        with self._lock:
-            if not self._items and not self.closed:
-                self._cond.wait_for(lambda: self._items or self.closed, timeout_s)
-            if self.closed and not self._items:
-                return []
-            items = list(self._items)
-            self._items.clear()
-            self._wake()
-            return items
-
-    def get(self, timeout_s: float | None = None) -> tuple[bool, T | None]:
-        """Block for one item: (True, item), or (False, None) on timeout or when closed and empty."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        with self._lock:
-            while not self._items:
-                if self.closed:
-                    return False, None
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False, None
-                self._cond.wait(remaining)
-            item = self._items.popleft()
-            self._wake()
-            return True, item
-
-    # -- trio
-    async def _wait_trio(self, ready: Callable[[], bool]) -> None:
-        """Wait in trio until ``ready()`` (checked under the lock) or the mailbox closes."""
-        while True:
-            with self._lock:
-                if ready() or self.closed:
-                    return
-                event = trio.Event()
-                waiter = (trio.lowlevel.current_trio_token(), event)
-                self._trio_waiters.append(waiter)
-            try:
-                await event.wait()
-            finally:
-                with self._lock:
-                    if waiter in self._trio_waiters:
-                        self._trio_waiters.remove(waiter)
-
-    async def aput(self, item: T) -> None:
-        """Append, waiting in trio while full. Raises trio.ClosedResourceError once closed."""
-        await trio.lowlevel.checkpoint_if_cancelled()
-        while True:
-            await self._wait_trio(lambda: len(self._items) < self.maxlen or self._drop_oldest)
-            with self._lock:
-                if self.closed:
-                    raise trio.ClosedResourceError("the channel is closed")
-                if len(self._items) < self.maxlen or self._drop_oldest:
-                    self._append([item])
-                    break
-        await trio.lowlevel.cancel_shielded_checkpoint()
-
-    async def aget(self) -> T:
-        """Take one item, waiting in trio. Raises trio.ClosedResourceError once closed and empty."""
-        await trio.lowlevel.checkpoint_if_cancelled()
-        while True:
-            await self._wait_trio(lambda: bool(self._items))
-            with self._lock:
-                if self._items:
-                    item = self._items.popleft()
-                    self._wake()
-                    break
-                if self.closed:
-                    raise trio.ClosedResourceError("the channel is closed")
-        await trio.lowlevel.cancel_shielded_checkpoint()
-        return item
 
 
 # ---------------------------------------------------------------------------- socket thread
@@ -489,7 +325,7 @@ class PullSocket:
         self.close()
 
 
-class GroupReceiver(PullSocket):
+class GroupReceiver(PullSocket, GroupSource):
     """Learner side of the trajectory channel: ZMQ PULL, synchronous API.
 
     :meth:`get` returns a :class:`TrajectoryGroup`. Malformed messages never reach the
@@ -602,7 +438,7 @@ class PushSocket:
         await self.aclose()
 
 
-class GroupSender(PushSocket):
+class GroupSender(PushSocket, GroupSink):
     """Actor side of the trajectory channel: ZMQ PUSH, usable from trio.
 
     :meth:`send` encodes in the calling task, so a group that cannot be encoded raises
@@ -622,7 +458,7 @@ class GroupSender(PushSocket):
 # ---------------------------------------------------------------------------- progress
 
 
-class ProgressPublisher:
+class ProgressPublisher(ProgressSink):
     """Learner side of the progress channel: ZMQ PUB, synchronous API.
 
     :meth:`publish` never blocks. The socket thread sends every published message and,
@@ -634,7 +470,7 @@ class ProgressPublisher:
         if heartbeat_s < 0:
             raise ValueError(f"heartbeat_s must be >= 0, got {heartbeat_s}")
         self._heartbeat_s = heartbeat_s or None
-        self._box: _Mailbox[bytes] = _Mailbox(64, drop_oldest=True)
+        self._box: Mailbox[bytes] = Mailbox(64, drop_oldest=True)
         self._published = 0
         self._closed = False
         self._thread = _SocketThread(
@@ -680,7 +516,7 @@ class ProgressPublisher:
         self.close()
 
 
-class ProgressSubscriber:
+class ProgressSubscriber(ProgressSource):
     """Actor side of the progress channel: ZMQ SUB, usable from trio.
 
     :meth:`receive` returns the next message in order (heartbeat repeats included); the
@@ -689,7 +525,7 @@ class ProgressSubscriber:
     """
 
     def __init__(self, endpoint: str, *, bind: bool = False, max_buffered: int = 64) -> None:
-        self._box: _Mailbox[Progress] = _Mailbox(max_buffered, drop_oldest=True)
+        self._box: Mailbox[Progress] = Mailbox(max_buffered, drop_oldest=True)
         self._bad = _MalformedLog("progress")
         self._received = 0
         self._closed = False
@@ -746,75 +582,3 @@ class ProgressSubscriber:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-
-# ---------------------------------------------------------------------------- in-memory
-
-
-class InMemoryGroupChannel:
-    """Both ends of a trajectory channel in one process, for unit tests.
-
-    ``send`` (trio) and ``get`` (any thread) behave like GroupSender/GroupReceiver: bounded,
-    ``send`` waits while full, ``get`` returns None on timeout. Every group is encoded and
-    decoded on the way, so tests see exactly what the learner would (read-only arrays
-    included) and metadata that cannot be sent fails in ``send``.
-    """
-
-    def __init__(self, max_queued_groups: int = 16) -> None:
-        self._box: _Mailbox[TrajectoryGroup] = _Mailbox(max_queued_groups)
-        self._sent = 0
-        self._received = 0
-
-    async def send(self, group: TrajectoryGroup) -> None:
-        wire = decode(encode(group))
-        await self._box.aput(wire)  # type: ignore[arg-type]
-        self._sent += 1
-
-    def send_nowait(self, group: TrajectoryGroup) -> None:
-        """For synchronous (learner) tests: queue a group or raise TransportError when full."""
-        if not self._box.put_nowait(decode(encode(group))):  # type: ignore[arg-type]
-            raise TransportError("InMemoryGroupChannel is full or closed")
-        self._sent += 1
-
-    def get(self, timeout_s: float | None = None) -> TrajectoryGroup | None:
-        ok, group = self._box.get(timeout_s)
-        if ok:
-            self._received += 1
-        return group
-
-    @property
-    def stats(self) -> dict[str, int]:
-        return {"sent": self._sent, "received": self._received, "malformed": 0, "queued": len(self._box)}
-
-    def close(self) -> None:
-        self._box.close()
-
-    async def aclose(self) -> None:
-        self.close()
-        await trio.lowlevel.checkpoint()
-
-
-class InMemoryProgressChannel:
-    """Both ends of a progress channel in one process, for unit tests.
-
-    ``publish`` never blocks; ``receive`` (trio) returns the next message; ``latest`` is the
-    last one published. Keeps the newest ``max_buffered`` unread messages, like the subscriber.
-    """
-
-    def __init__(self, max_buffered: int = 64) -> None:
-        self._box: _Mailbox[Progress] = _Mailbox(max_buffered, drop_oldest=True)
-        self.latest: Progress | None = None
-
-    def publish(self, progress: Progress) -> None:
-        msg = decode(encode(progress))
-        self.latest = msg  # type: ignore[assignment]
-        self._box.put_many([msg])  # type: ignore[list-item]
-
-    async def receive(self) -> Progress:
-        return await self._box.aget()
-
-    def close(self) -> None:
-        self._box.close()
-
-    async def aclose(self) -> None:
-        self.close()
-        await trio.lowlevel.checkpoint()
