@@ -63,7 +63,8 @@ def make_group(target_bytes: int) -> TrajectoryGroup:
         reward_components={"correct": 1.0},
         metadata={"env": "bench", "num_turns": 3, "finish_reason": "stop"},
     )
-    return TrajectoryGroup(group_id="g", task_id="t", env="bench", trajectories=[traj], actor_id="bench")
+    return TrajectoryGroup(group_id="g", task_id="t", env="bench", trajectories=[traj], actor_id="bench",
+                           session="0123456789ab", seq=123_456)
 
 
 # ---------------------------------------------------------------- senders (child processes)

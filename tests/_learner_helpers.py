@@ -6,6 +6,7 @@ the model is built once per session under pytest's base temp folder and reused.
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import time
@@ -33,6 +34,7 @@ def subprocess_env() -> dict[str, str]:
 
 
 PYTHON = sys.executable
+_SEQ = itertools.count()  # make_group's sequence numbers: unique within a test session
 
 
 @pytest.fixture(scope="session")
@@ -56,6 +58,9 @@ def make_group(
     vocab: int = 400,
     rewards: list[float] | None = None,
     group_id: str = "g",
+    actor_id: str = "test-actor",
+    session: str = "test-session",
+    seq: int | None = None,
 ) -> TrajectoryGroup:
     """A group of multi-turn-shaped trajectories: prompt, model turn, tool result, model turn."""
     trajs = []
@@ -76,7 +81,9 @@ def make_group(
         )
     if rewards is None and len({t.reward for t in trajs}) == 1:
         trajs[0].reward = 1.0 - trajs[0].reward  # keep the group's rewards varied
-    return TrajectoryGroup(group_id=group_id, task_id=group_id, env="test", trajectories=trajs)
+    seq = next(_SEQ) if seq is None else seq
+    return TrajectoryGroup(group_id=group_id, task_id=group_id, env="test", trajectories=trajs, actor_id=actor_id,
+                           session=session, seq=seq)
 
 
 def fixed_samples(seed: int, groups: int = 4, policy_version: int = 0, advantage: str = "grpo") -> list:

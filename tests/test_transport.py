@@ -35,7 +35,8 @@ def group(i: int, num_tokens: int = 8) -> TrajectoryGroup:
         reward=float(i),
         metadata={"i": i},
     )
-    return TrajectoryGroup(group_id=f"g{i}", task_id=f"t{i}", env="test", trajectories=[traj])
+    return TrajectoryGroup(group_id=f"g{i}", task_id=f"t{i}", env="test", trajectories=[traj], actor_id="a0",
+                           session="s0", seq=i)
 
 
 def assert_no_thread_named(prefix: str) -> None:
