@@ -213,11 +213,11 @@ def test_limits_and_sampling_from_config():
     cfg = load_config(None, ["env.max_turns=6", "env.max_total_tokens=900", "actors.max_new_tokens_per_turn=50",
                              "actors.temperature=0.7", "engine.max_context_tokens=1000"])
     assert EpisodeLimits.from_config(cfg) == EpisodeLimits(max_turns=6, max_total_tokens=900,
-                                                           max_new_tokens_per_turn=50)
+                                                           max_new_tokens_per_turn=50, max_abs_reward=1000.0)
     env = AddEnv()
     env.max_turns, env.max_total_tokens = 2, 5000  # an env's own limits win, capped by the engine's context
     assert EpisodeLimits.from_config(cfg, env) == EpisodeLimits(max_turns=2, max_total_tokens=1000,
-                                                                max_new_tokens_per_turn=50)
+                                                                max_new_tokens_per_turn=50, max_abs_reward=1000.0)
     assert sampling_from_config(cfg) == {"temperature": 0.7, "top_p": 1.0, "top_k": -1}
     assert sampling_from_config(cfg, greedy=True) == {"temperature": 0.0}
 

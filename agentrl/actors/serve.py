@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -74,7 +73,8 @@ def serve_actors(cfg: Any, *, dump_path: Path | None = None, max_groups: int | N
     num_actors = num_actors or cfg.actors.num_processes
     settings = ActorSettings(
         group_size=cfg.actors.group_size, num_concurrent_episodes=cfg.actors.num_concurrent_episodes,
-        actor_index=index, num_actors=num_actors, actor_id=f"actor{index}-{os.getpid()}", max_groups=max_groups,
+        actor_index=index, num_actors=num_actors, actor_id=f"actor{index}", max_groups=max_groups,
+        max_unacked_groups=cfg.actors.max_unacked_groups,
         wait_for_learner=wait_for_learner, split=split, seed=cfg.run.seed, max_staleness=cfg.actors.max_staleness,
         log_interval_s=log_interval_s,
     )
