@@ -79,6 +79,10 @@ class ActorsSection(Section):
     progress_endpoint: str = "tcp://127.0.0.1:5558"  # learner PUB -> actors SUB
     send_queue_groups: int = Field(default=16, ge=1)
     max_unacked_groups: int = Field(default=256, ge=1)  # sent groups an actor keeps to resend until the learner acknowledges them
+    # CURVE on both endpoints (agentrl/transport/security.py): the NAME of the environment variable
+    # holding the run's CURVE secret key (or <NAME>_FILE), never the key; required beyond loopback
+    curve_secret_key_env: str = "AGENTRL_CURVE_SECRET_KEY"
+    allow_plaintext_network: bool = False  # true: non-loopback endpoints without CURVE (a network you trust)
 
 
 class EnvSection(Section):

@@ -35,6 +35,8 @@ stored as plain lists and ints.
 
 ``resume = "auto"`` loads the checkpoint and continues with the next step: same weights,
 optimiser moments, LR, RNG streams and policy version, and the groups that were waiting.
+"""
+
 from __future__ import annotations
 
 import json

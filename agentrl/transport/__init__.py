@@ -6,22 +6,32 @@
   ``ProgressPublisher``/``ProgressSubscriber`` (PUB/SUB), over ``PushSocket``/``PullSocket``.
 * :mod:`agentrl.transport.mailbox`: the thread/trio bridge under the progress sockets.
 * :mod:`agentrl.transport.memory`: ``InMemoryGroupChannel``/``InMemoryProgressChannel``.
+* :mod:`agentrl.transport.security`: CURVE on both channels (``ChannelSecurity``,
+  ``security_from_config``), required beyond loopback.
+* :mod:`agentrl.transport.delivery`: exactly-once delivery, the actor's ``Outbox`` and the
+  learner's ``Ledger``.
 
 See docs/architecture.md ("Transport") for the design and its measurements.
 """
 
 from agentrl.transport.base import GroupSink, GroupSource, ProgressSink, ProgressSource, TransportError
+from agentrl.transport.delivery import Ledger, Outbox
 from agentrl.transport.memory import InMemoryGroupChannel, InMemoryProgressChannel
+from agentrl.transport.security import ChannelSecurity, CurveKey, security_from_config
 from agentrl.transport.zmq_channels import (GroupReceiver, GroupSender, ProgressPublisher, ProgressSubscriber,
                                             PullSocket, PushSocket)
 
 __all__ = [
+    "ChannelSecurity",
+    "CurveKey",
     "GroupReceiver",
     "GroupSender",
     "GroupSink",
     "GroupSource",
     "InMemoryGroupChannel",
     "InMemoryProgressChannel",
+    "Ledger",
+    "Outbox",
     "ProgressPublisher",
     "ProgressSink",
     "ProgressSource",
@@ -29,4 +39,5 @@ __all__ = [
     "PullSocket",
     "PushSocket",
     "TransportError",
+    "security_from_config",
 ]

@@ -55,6 +55,7 @@ import zmq
 from agentrl.protocol import Progress, ProtocolError, TrajectoryGroup, decode, encode
 from agentrl.transport.base import GroupSink, GroupSource, ProgressSink, ProgressSource, TransportError
 from agentrl.transport.mailbox import Mailbox
+from agentrl.transport.security import PLAINTEXT, ChannelSecurity
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +65,36 @@ T = TypeVar("T")
 # ---------------------------------------------------------------------------- socket thread
 
 
+class _PrivateContext:
+    """A one-I/O-thread ZMQ context for one socket, with the CURVE authenticator its socket
+    needs when it is a CURVE server (see :mod:`agentrl.transport.security`)."""
+
+    def __init__(self, security: ChannelSecurity, bind: bool) -> None:
+        self.ctx = zmq.Context(io_threads=1)
+        try:
+            self._auth = security.start_authenticator(self.ctx, bind)
+        except BaseException:
+            self.ctx.term()
+            raise
+
+    def term(self) -> None:
+        """Stop the authenticator, then terminate: wakes blocked calls with ETERM and returns
+        once every socket of the context is closed (and their linger has passed)."""
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        self.ctx.term()
+
+
 def _own_socket(
-    name: str, socket_type: int, endpoint: str, bind: bool, options: dict[int, Any]
-) -> tuple[zmq.Context, zmq.Socket, str]:
-    """A private one-I/O-thread context and its socket (see :func:`_open_socket`); the context
-    is terminated again when the socket cannot be opened."""
-    ctx = zmq.Context(io_threads=1)
+    name: str, socket_type: int, endpoint: str, bind: bool, options: dict[int, Any], security: ChannelSecurity
+) -> tuple[_PrivateContext, zmq.Socket, str]:
+    """A private context and its socket (see :func:`_open_socket`); the context is terminated
+    again when the socket cannot be opened."""
+    security.check(name, endpoint, bind)
+    ctx = _PrivateContext(security, bind)
     try:
-        sock, address = _open_socket(ctx, name, socket_type, endpoint, bind, options)
+        sock, address = _open_socket(ctx.ctx, name, socket_type, endpoint, bind, options, security)
     except TransportError:
         ctx.term()
         raise
@@ -79,14 +102,21 @@ def _own_socket(
 
 
 def _open_socket(
-    ctx: zmq.Context, name: str, socket_type: int, endpoint: str, bind: bool, options: dict[int, Any]
+    ctx: zmq.Context,
+    name: str,
+    socket_type: int,
+    endpoint: str,
+    bind: bool,
+    options: dict[int, Any],
+    security: ChannelSecurity,
 ) -> tuple[zmq.Socket, str]:
-    """A socket with linger 0 and ``options``, bound or connected; returns it and the address
-    actually bound (a ``*`` or ``0`` port resolved). Failures name the endpoint."""
+    """A socket with linger 0, ``options`` and the security's CURVE options, bound or connected;
+    returns it and the address actually bound (a ``*`` or ``0`` port resolved). Failures name
+    the endpoint."""
     sock = ctx.socket(socket_type)
     try:
         sock.setsockopt(zmq.LINGER, 0)
-        for opt, value in options.items():
+        for opt, value in {**options, **security.socket_options(bind)}.items():
             sock.setsockopt(opt, value)
         if bind:
             sock.bind(endpoint)
@@ -104,7 +134,9 @@ class _SocketThread:
 
     The constructor returns once the socket is bound or connected, raising TransportError
     (naming the endpoint) when that fails. :meth:`stop` terminates the context, which makes
-    every blocking ZMQ call in the thread raise ``ContextTerminated``, and joins the thread.
+    every blocking ZMQ call in the thread raise ``ContextTerminated``, and joins the thread;
+    ``stop(graceful=True)`` first waits for ``loop`` to return by itself (its caller has told
+    it to) and then closes the socket with ``linger_ms``, so what it sent last goes out.
     """
 
     def __init__(
@@ -116,7 +148,10 @@ class _SocketThread:
         options: dict[int, Any],
         loop: Callable[[zmq.Socket], None],
         on_exit: Callable[[], None],
+        security: ChannelSecurity = PLAINTEXT,
+        linger_ms: int = 0,
     ) -> None:
+        security.check(name, endpoint, bind)
         self.requested_endpoint = endpoint
         self.endpoint = endpoint
         self._name = name
@@ -126,9 +161,11 @@ class _SocketThread:
         self._options = options
         self._loop = loop
         self._on_exit = on_exit
+        self._security = security
+        self._linger_ms = linger_ms
         self._ready = threading.Event()
         self._stopped = False
-        self._ctx = zmq.Context(io_threads=1)
+        self._ctx = _PrivateContext(security, bind)
         self._thread = threading.Thread(target=self._main, name=f"agentrl-{name}", daemon=True)
         self._thread.start()
         self._ready.wait()
@@ -140,7 +177,8 @@ class _SocketThread:
     def _main(self) -> None:
         try:
             sock, self.endpoint = _open_socket(
-                self._ctx, self._name, self._socket_type, self.requested_endpoint, self._bind, self._options
+                self._ctx.ctx, self._name, self._socket_type, self.requested_endpoint, self._bind, self._options,
+                self._security,
             )
         except Exception as e:  # never leave the constructor waiting
             self.error = e if isinstance(e, TransportError) else TransportError(f"{self._name}: {e}")
@@ -155,15 +193,17 @@ class _SocketThread:
             log.exception("transport thread %s failed", threading.current_thread().name)
             self.error = e
         finally:
-            sock.close(linger=0)
+            sock.close(linger=self._linger_ms)
             self._on_exit()
 
-    def stop(self) -> None:
-        """Close the socket (linger 0) and join the thread; idempotent."""
+    def stop(self, graceful: bool = False) -> None:
+        """Close the socket and join the thread; idempotent (see the class docstring)."""
         if self._stopped:
             return
         self._stopped = True
-        self._ctx.term()  # blocks until the thread has closed its socket
+        if graceful:
+            self._thread.join()
+        self._ctx.term()  # blocks until the thread has closed its socket (and its linger passed)
         self._thread.join()
 
 
@@ -226,7 +266,9 @@ class PullSocket:
 
     _name = "pull"
 
-    def __init__(self, endpoint: str, *, bind: bool = True, max_queued: int = 64) -> None:
+    def __init__(
+        self, endpoint: str, *, bind: bool = True, max_queued: int = 64, security: ChannelSecurity = PLAINTEXT
+    ) -> None:
         if max_queued < 1:
             raise ValueError(f"max_queued must be >= 1, got {max_queued}")
         self._bad = _MalformedLog(self._name)
@@ -238,7 +280,7 @@ class PullSocket:
         self._lock = threading.Lock()  # held by the get() that is using the socket
         self._close_lock = threading.Lock()
         self._ctx, self._sock, self.endpoint = _own_socket(
-            self._name, zmq.PULL, endpoint, bind, {zmq.RCVHWM: max_queued}
+            self._name, zmq.PULL, endpoint, bind, {zmq.RCVHWM: max_queued}, security
         )
 
     def _convert(self, frame: bytes) -> Any | None:
@@ -336,8 +378,10 @@ class GroupReceiver(PullSocket, GroupSource):
 
     _name = "group-receiver"
 
-    def __init__(self, endpoint: str, *, bind: bool = True, max_queued_groups: int = 64) -> None:
-        super().__init__(endpoint, bind=bind, max_queued=max_queued_groups)
+    def __init__(
+        self, endpoint: str, *, bind: bool = True, max_queued_groups: int = 64, security: ChannelSecurity = PLAINTEXT
+    ) -> None:
+        super().__init__(endpoint, bind=bind, max_queued=max_queued_groups, security=security)
 
     def _convert(self, frame: bytes) -> TrajectoryGroup | None:
         return _decode_as(frame, TrajectoryGroup, self._bad)
@@ -365,7 +409,9 @@ class PushSocket:
     _name = "push"
     _YIELD_EVERY_S = 0.001
 
-    def __init__(self, endpoint: str, *, bind: bool = False, max_queued: int = 16) -> None:
+    def __init__(
+        self, endpoint: str, *, bind: bool = False, max_queued: int = 16, security: ChannelSecurity = PLAINTEXT
+    ) -> None:
         if max_queued < 1:
             raise ValueError(f"max_queued must be >= 1, got {max_queued}")
         self._sent = 0
@@ -374,7 +420,7 @@ class PushSocket:
         self._last_yield = 0.0
         self._wait_lock = trio.Lock()
         self._ctx, self._sock, self.endpoint = _own_socket(
-            self._name, zmq.PUSH, endpoint, bind, {zmq.SNDHWM: max_queued}
+            self._name, zmq.PUSH, endpoint, bind, {zmq.SNDHWM: max_queued}, security
         )
         self._fd = self._sock.getsockopt(zmq.FD)
 
@@ -447,8 +493,10 @@ class GroupSender(PushSocket, GroupSink):
 
     _name = "group-sender"
 
-    def __init__(self, endpoint: str, *, bind: bool = False, max_queued_groups: int = 16) -> None:
-        super().__init__(endpoint, bind=bind, max_queued=max_queued_groups)
+    def __init__(
+        self, endpoint: str, *, bind: bool = False, max_queued_groups: int = 16, security: ChannelSecurity = PLAINTEXT
+    ) -> None:
+        super().__init__(endpoint, bind=bind, max_queued=max_queued_groups, security=security)
 
     async def send(self, group: TrajectoryGroup) -> None:  # type: ignore[override]
         """Send one group to the learner; waits while ``max_queued_groups`` are waiting."""
@@ -463,10 +511,20 @@ class ProgressPublisher(ProgressSink):
 
     :meth:`publish` never blocks. The socket thread sends every published message and,
     when nothing new was published for ``heartbeat_s`` seconds, repeats the latest one
-    for subscribers that joined late (0 disables the repeat).
+    for subscribers that joined late (0 disables the repeat). :meth:`close` sends what was
+    published before it and lets ZMQ deliver it to the connected subscribers for up to
+    ``close_linger_s`` (the learner's final ``done`` was lost with linger 0).
     """
 
-    def __init__(self, endpoint: str, *, bind: bool = True, heartbeat_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        bind: bool = True,
+        heartbeat_s: float = 1.0,
+        close_linger_s: float = 2.0,
+        security: ChannelSecurity = PLAINTEXT,
+    ) -> None:
         if heartbeat_s < 0:
             raise ValueError(f"heartbeat_s must be >= 0, got {heartbeat_s}")
         self._heartbeat_s = heartbeat_s or None
@@ -474,7 +532,8 @@ class ProgressPublisher(ProgressSink):
         self._published = 0
         self._closed = False
         self._thread = _SocketThread(
-            "progress-publisher", zmq.PUB, endpoint, bind, {zmq.SNDHWM: 64}, self._loop, on_exit=self._box.close
+            "progress-publisher", zmq.PUB, endpoint, bind, {zmq.SNDHWM: 64}, self._loop,
+            on_exit=self._box.close, security=security, linger_ms=int(1000 * close_linger_s),
         )
         self.endpoint = self._thread.endpoint
 
@@ -482,11 +541,11 @@ class ProgressPublisher(ProgressSink):
         latest: bytes | None = None
         while True:
             batch = self._box.take_all(self._heartbeat_s)
+            for data in batch:
+                sock.send(data)
             if self._box.closed:
-                return
+                return  # after sending what was published before close(); the linger delivers it
             if batch:
-                for data in batch:
-                    sock.send(data)
                 latest = batch[-1]
             elif latest is not None:
                 sock.send(latest)  # heartbeat: the same state again
@@ -503,11 +562,13 @@ class ProgressPublisher(ProgressSink):
         return {"published": self._published}
 
     def close(self) -> None:
+        """Send what was published, give connected subscribers up to ``close_linger_s`` to get
+        it, close. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        self._box.close()
-        self._thread.stop()
+        self._box.close(discard=False)
+        self._thread.stop(graceful=True)
 
     def __enter__(self) -> ProgressPublisher:
         return self
@@ -524,7 +585,9 @@ class ProgressSubscriber(ProgressSource):
     whether or not anyone called :meth:`receive`.
     """
 
-    def __init__(self, endpoint: str, *, bind: bool = False, max_buffered: int = 64) -> None:
+    def __init__(
+        self, endpoint: str, *, bind: bool = False, max_buffered: int = 64, security: ChannelSecurity = PLAINTEXT
+    ) -> None:
         self._box: Mailbox[Progress] = Mailbox(max_buffered, drop_oldest=True)
         self._bad = _MalformedLog("progress")
         self._received = 0
@@ -538,6 +601,7 @@ class ProgressSubscriber(ProgressSource):
             {zmq.SUBSCRIBE: b"", zmq.RCVHWM: max_buffered},
             self._loop,
             on_exit=lambda: self._box.close(discard=False),
+            security=security,
         )
         self.endpoint = self._thread.endpoint
 
