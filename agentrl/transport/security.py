@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
-from zmq.utils import z85
 
 from agentrl.transport.base import TransportError
 
@@ -82,10 +81,10 @@ class CurveKey:
 
 
 class _AdmitOne:
-    """ZAP credentials provider: admits exactly one client public key."""
+    """ZAP credentials provider: admits exactly one client public key (pyzmq passes it in Z85)."""
 
     def __init__(self, public: bytes) -> None:
-        self.public = z85.decode(public)
+        self.public = public
 
     def callback(self, domain: str, key: bytes) -> bool:
         admitted = key == self.public
