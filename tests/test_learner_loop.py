@@ -158,7 +158,11 @@ enabled = true
         first = wait_version(0)
         assert first.accept_groups == 2 * 1 * 2 and not first.done
         push.send(b"\x93not a group")  # malformed: counted by the transport, dropped
-        push.send(encode(make_group(rng, version=0)))
+        push.send(encode(make_group(rng, version=0, rewards=[1e300, 0, 0, 1])))  # the border: malformed_reward
+        push.send(encode(make_group(rng, version=0, rewards=[float("nan"), 0, 1, 0])))
+        twice = encode(make_group(rng, version=0))
+        push.send(twice)
+        push.send(twice)  # a duplicate: counted, trained once
         push.send(encode(make_group(rng, version=0)))
         wait_version(1)
         push.send(encode(make_group(rng, version=1, rewards=[1, 1, 1, 1])))  # zero variance
@@ -182,6 +186,8 @@ enabled = true
     assert [r["step"] for r in rows] == [1, 2, 3]
     last = rows[-1]
     assert last["transport/malformed"] == 1
+    assert last["data/dropped_malformed_reward"] == 2 and last["data/duplicate"] == 1
+    assert np.isfinite(rows[0]["loss/total"]) and np.isfinite(rows[0]["grad_norm"]) and rows[0]["reward/max"] <= 1
     assert last["data/dropped_zero_variance"] == 1 and last["data/dropped_stale"] == 1
     assert rows[1]["staleness/1"] == 0.5 and rows[1]["staleness/0"] == 0.5
     assert (run_dir / "checkpoints" / "learn" / "latest").read_text() == "step_00000003"
@@ -204,7 +210,7 @@ enabled = true
     assert learner.trainer.step == 4 and learner.version == 4
     rows = [json.loads(line) for line in (run_dir / "learner_metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert rows[-1]["data/received"] == 8 + 2  # counters carried over by the checkpoint
+    assert rows[-1]["data/received"] == 10 + 2  # counters carried over by the checkpoint
     assert (run_dir / "checkpoints" / "learn" / "latest").read_text() == "step_00000004"
     push.close(0)
     sub.close(0)
