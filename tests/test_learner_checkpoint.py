@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import time
+import traceback
 
 import pytest
 import torch
@@ -124,4 +126,14 @@ def test_loads_read_data_not_code(trainer, tmp_path):
             load_checkpoint(path, trainer)
         assert not marker.exists(), victim
         (path / victim).write_bytes(good)
+    good = (path / ".metadata").read_bytes()
+    (path / ".metadata").write_bytes(pickle.dumps(_Payload(str(marker))))  # DCP's own file: pickle
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(CheckpointException) as err:  # DCP collects each rank's error
+        load_checkpoint(path, trainer)
+    wrapped = "".join(traceback.format_exception(err.value))
+    assert "open is not allowed in a checkpoint's .metadata" in wrapped
+    assert not marker.exists()
+    (path / ".metadata").write_bytes(good)
     assert load_checkpoint(path, trainer)["policy_version"] == 4

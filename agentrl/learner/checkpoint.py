@@ -31,7 +31,9 @@ delete its own fresh ``step_50`` and leave ``latest`` dangling.
 
 **Loading reads data, not code**: ``torch.load(weights_only=True)`` everywhere. The only
 non-tensor object that needed it was NumPy's RNG state, an ``ndarray`` inside a tuple; it is
-stored as plain lists and ints.
+stored as plain lists and ints. DCP itself reads its ``.metadata`` with a bare
+``pickle.load``; :func:`dcp_reader` reads it with an unpickler that admits only DCP's own
+metadata classes, ``torch.Size``, dtypes and paths, so a doctored checkpoint cannot run code.
 
 ``resume = "auto"`` loads the checkpoint and continues with the next step: same weights,
 optimiser moments, LR, RNG streams and policy version, and the groups that were waiting.
@@ -42,6 +44,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import random
 import shutil
 import time
@@ -104,6 +107,47 @@ def kept_checkpoints(root: str | Path, lineage: str) -> list[Path]:
     found = [(meta["step"], p) for p in Path(root).glob("step_*")
              if (meta := checkpoint_meta(p)) is not None and meta.get("lineage") == lineage]
     return [p for _, p in sorted(found)]
+
+
+_METADATA_GLOBALS = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Reads DCP's ``.metadata``: its own data classes and a few plain types, nothing callable."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (
+            module == "torch.distributed.checkpoint.metadata"
+            or (module, name) in _METADATA_GLOBALS
+            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's .metadata")
+        return super().find_class(module, name)
+
+
+def dcp_reader(path: str | Path) -> Any:
+    """A DCP ``FileSystemReader`` for ``path`` whose ``.metadata`` is read by :class:`_MetadataUnpickler`."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:  # FileSystemReader's, minus pickle.load
+            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(path))
 
 
 def _model_state(trainer: Trainer) -> dict[str, Any]:
@@ -244,7 +288,7 @@ def load_checkpoint(path: str | Path, trainer: Trainer) -> dict[str, Any]:
         raise ValueError(f"{path} is not a checkpoint (no .metadata)")
     rank = dist.get_rank() if dist.is_initialized() else 0
     state = _model_state(trainer)
-    dcp.load(state, checkpoint_id=str(path))
+    dcp.load(state, storage_reader=dcp_reader(path))
     set_state_dict(
         trainer.policy, trainer.optimizer, model_state_dict=state["policy"], optim_state_dict=state["policy_optim"]
     )
