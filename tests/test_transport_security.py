@@ -186,3 +186,19 @@ def test_closing_the_publisher_delivers_what_it_published_last() -> None:
                             return msg
 
         assert trio.run(main).policy_version == 99, round_
+
+
+def test_a_sender_the_learner_refuses_says_so(monkeypatch, caplog) -> None:
+    """Without the key the handshake fails and sends wait: the sender says why it may be."""
+    monkeypatch.setattr(GroupSender, "_WARN_EVERY_S", 0.3)
+    with GroupReceiver(ANY_PORT, security=curve()) as receiver:
+
+        async def main() -> None:
+            async with GroupSender(receiver.endpoint, max_queued_groups=1) as sender:
+                with trio.move_on_after(1.5):
+                    for i in range(100):
+                        await sender.send(group(i))
+
+        trio.run(main)
+        assert receiver.stats["received"] == 0
+    assert "refusing this side's CURVE key" in caplog.text and receiver.endpoint in caplog.text

@@ -408,6 +408,7 @@ class PushSocket:
 
     _name = "push"
     _YIELD_EVERY_S = 0.001
+    _WARN_EVERY_S = 60.0  # a send blocked this long says why it may be (every as long again)
 
     def __init__(
         self, endpoint: str, *, bind: bool = False, max_queued: int = 16, security: ChannelSecurity = PLAINTEXT
@@ -444,12 +445,21 @@ class PushSocket:
             return
         self._waits += 1
         async with self._wait_lock:
+            started = warned = time.monotonic()
             while True:
                 self._check_open()  # another task may have closed the socket while we waited
                 if self._try_send(data):
                     break
                 if not self._sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
-                    await trio.lowlevel.wait_readable(self._fd)  # ClosedResourceError on close
+                    with trio.move_on_after(self._WARN_EVERY_S):
+                        await trio.lowlevel.wait_readable(self._fd)  # ClosedResourceError on close
+                    if time.monotonic() - warned >= self._WARN_EVERY_S:
+                        warned = time.monotonic()
+                        log.warning(
+                            "sending to %s has waited %.0f s: the receiver is not taking messages (busy, not "
+                            "running, or refusing this side's CURVE key: see actors.curve_secret_key_env)",
+                            self.endpoint, warned - started,
+                        )
         self._last_yield = time.monotonic()
 
     def _check_open(self) -> None:
