@@ -26,12 +26,17 @@ Design (measurements in docs/architecture.md and ``bench/transport.py``):
 * **Nothing busy-waits.** Blocking happens in ZMQ calls, in ``zmq_poll``, in trio's
   ``wait_readable`` or on a condition. Closing wakes blocked callers (an inproc socket
   for a blocked ``GroupReceiver.get``, ``notify_closing`` for a waiting send, context
-  termination for socket threads). Every socket closes with linger 0.
+  termination for socket threads). Sockets close with linger 0, except the progress
+  publisher, which hands its last messages (the learner's ``done``) to connected subscribers
+  for up to ``close_linger_s``.
 * **Back-pressure.** Every queue is bounded: ZMQ's high-water marks by
   ``max_queued_groups`` on both sides. When the learner stops calling ``get``, its
   receive queue and then the kernel's socket buffers fill, the actor's send queue fills
   and :meth:`GroupSender.send` waits. Nothing is dropped on the trajectory channel while
-  both ends are open; closing drops what is in flight.
+  both ends are open; closing drops what is in flight (the actor's outbox resends what
+  the learner did not acknowledge: ``agentrl.transport.delivery``).
+* **Security**: every class takes ``security=`` (:mod:`agentrl.transport.security`): CURVE
+  when the run's key is set, and plain TCP beyond loopback refused otherwise.
 * **Malformed messages** (undecodable, wrong version, wrong kind) are counted
   in ``stats["malformed"]``, logged and dropped; they never reach the caller.
 * Endpoints are whatever the config says (``tcp://127.0.0.1:5557`` by default: loopback
