@@ -95,6 +95,11 @@ class ActorsSection(Section):
     trajectory_endpoint: str = "tcp://127.0.0.1:5557"  # actors PUSH -> learner PULL
     progress_endpoint: str = "tcp://127.0.0.1:5558"  # learner PUB -> actors SUB
     send_queue_groups: int = Field(default=16, ge=1)
+    max_unacked_groups: int = Field(default=256, ge=1)  # sent groups an actor keeps to resend until the learner acknowledges them
+    # CURVE on both endpoints (agentrl/transport/security.py): the NAME of the environment variable
+    # holding the run's CURVE secret key (or <NAME>_FILE), never the key; required beyond loopback
+    curve_secret_key_env: str = "AGENTRL_CURVE_SECRET_KEY"
+    allow_plaintext_network: bool = False  # true: non-loopback endpoints without CURVE (a network you trust)
 
 
 class EnvSection(Section):
@@ -159,6 +164,7 @@ class LearnerSection(Section):
     dynamic_sampling: bool = True  # drop groups whose rewards do not vary
     wait_log_interval_s: float = Field(default=30.0, gt=0)  # how often to log while waiting for groups
     max_wait_for_data_s: float = Field(default=0.0, ge=0)  # stop (with a checkpoint) after this long without a batch; 0: wait forever
+    max_abs_reward: float = Field(default=1000.0, gt=0)  # a reward (or component) beyond +-this, or not finite, is a bug: the group is dropped as malformed_reward
     # Systems
     sync_every_steps: int = Field(default=1, ge=1)
     activation_checkpointing: bool = False

@@ -3,9 +3,13 @@
 Two message kinds travel over ZeroMQ:
 
 * :class:`TrajectoryGroup` (actors -> learner, PUSH/PULL): the ``n`` samples of one task,
-  each a token-level :class:`Trajectory`.
-* :class:`Progress` (learner -> actors, PUB/SUB): the learner's policy version and how many
-  more groups it will accept (the consumption budget that gates new episodes).
+  each a token-level :class:`Trajectory`, stamped with its actor's id, the actor process's
+  ``session`` and a per-session sequence number ``seq`` (0, 1, 2, ...), so that the learner
+  trains on each group exactly once however often it arrives.
+* :class:`Progress` (learner -> actors, PUB/SUB): the learner's policy version, how many
+  groups all actors together may have started (the budget that gates new episodes), and per
+  actor id an :class:`ActorAck`: which groups of the actor's latest session the learner holds
+  durably (the actor may forget those) and how many it holds from that actor id in all.
 
 Encoding choices:
 
@@ -22,18 +26,24 @@ Encoding choices:
 * ``weight_versions`` holds, for each token, the policy version that generated it, or -1
   for tokens the model did not generate (prompt, tool results). An episode that survived a
   weight update mid-turn therefore carries several versions.
+* Rewards are floats as the actor scored them, non-finite ones included: the codec carries
+  them, the learner's border (``agentrl.learner.batching.validate_group``) judges them, so a
+  bad reward is counted as such (``malformed_reward``) rather than as an unreadable message.
+* Version 2 added ``session`` and ``seq`` to groups (``actor_id`` must now be set) and
+  ``learner_session`` and ``actors`` to progress. Both ends check everything: an unstamped
+  group fails in :func:`encode`, in the actor; anything off fails in :func:`decode`.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+MAX_SEQ = 2**63 - 1  # sequence numbers and counts are non-negative int64
 
 _ARRAY_DTYPES = {
     "tokens": np.dtype("<i4"),
@@ -67,8 +77,6 @@ class Trajectory:
         for name in ("loss_mask", "behavior_logprobs", "weight_versions"):
             if len(getattr(self, name)) != n:
                 raise ProtocolError(f"trajectory field {name} has length {len(getattr(self, name))}, tokens has {n}")
-        if not math.isfinite(self.reward):
-            raise ProtocolError(f"trajectory reward must be finite, got {self.reward}")
 
     @property
     def num_tokens(self) -> int:
@@ -88,8 +96,15 @@ class TrajectoryGroup:
     task_id: str
     env: str
     trajectories: list[Trajectory]
-    actor_id: str = ""
+    actor_id: str = ""  # the actor's stable name ("actor0"), the same after a restart
     created_at: float = 0.0
+    session: str = ""  # the actor process's incarnation: new at every start
+    seq: int = -1  # 0, 1, 2, ... per session, in the order the actor sends; -1: not stamped yet
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        """What identifies the group however often it is sent."""
+        return (self.actor_id, self.session, self.seq)
 
     def oldest_version(self) -> int:
         versions = [t.oldest_version() for t in self.trajectories if t.loss_mask.any()]
@@ -101,8 +116,24 @@ class TrajectoryGroup:
 
 
 @dataclass
+class ActorAck:
+    """What the learner holds durably from one actor id (one entry per actor id in Progress)."""
+
+    actor_id: str
+    groups: int  # distinct groups from this actor id, all its sessions together
+    session: str  # the actor's latest session (the last one whose first group arrived)
+    session_groups: int  # distinct groups from that session
+    # sequence numbers of that session held, as sorted, disjoint, inclusive (first, last) ranges;
+    # usually one, (0, n - 1). At most the newest MAX_ACK_RANGES are published.
+    acked: list[tuple[int, int]] = field(default_factory=list)
+
+
+MAX_ACK_RANGES = 32
+
+
+@dataclass
 class Progress:
-    """Published by the learner after every step and every weight update."""
+    """Published by the learner after every step and every weight update (and as a heartbeat)."""
 
     policy_version: int
     # Cumulative budget: how many groups all actors together may have STARTED since the learner
@@ -114,6 +145,8 @@ class Progress:
     step: int = 0
     max_staleness: int = 1
     done: bool = False  # the learner has finished; actors may stop
+    learner_session: str = ""  # new at every learner start: actors resend what was not acked
+    actors: list[ActorAck] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------- codec
@@ -154,6 +187,55 @@ def _field(d: Any, name: str, typ: type | tuple[type, ...]) -> Any:
     return value
 
 
+def _count(d: dict[str, Any], name: str, low: int = 0) -> int:
+    """An int field in [low, MAX_SEQ]."""
+    value = _field(d, name, int)
+    if not low <= value <= MAX_SEQ:
+        raise ProtocolError(f"field {name!r} is {value}, outside [{low}, {MAX_SEQ}]")
+    return value
+
+
+def _name(d: dict[str, Any], name: str) -> str:
+    """A non-empty str field."""
+    value = _field(d, name, str)
+    if not value:
+        raise ProtocolError(f"field {name!r} is empty")
+    return value
+
+
+def _ack_to_wire(a: ActorAck) -> dict[str, Any]:
+    return {
+        "actor_id": a.actor_id,
+        "groups": int(a.groups),
+        "session": a.session,
+        "session_groups": int(a.session_groups),
+        "acked": [[int(lo), int(hi)] for lo, hi in a.acked],
+    }
+
+
+def _ack_from_wire(d: Any) -> ActorAck:
+    ranges = []
+    previous = -2
+    for item in _field(d, "acked", list):
+        if not (isinstance(item, list) and len(item) == 2 and all(type(x) is int for x in item)):
+            raise ProtocolError(f"field 'acked' holds {item!r}, not a [first, last] pair of ints")
+        lo, hi = item
+        if not (previous + 1 < lo <= hi <= MAX_SEQ):
+            raise ProtocolError(f"field 'acked' ranges must be sorted, disjoint and within [0, {MAX_SEQ}]: {item}")
+        ranges.append((lo, hi))
+        previous = hi
+    ack = ActorAck(
+        actor_id=_name(d, "actor_id"),
+        groups=_count(d, "groups"),
+        session=_name(d, "session"),
+        session_groups=_count(d, "session_groups"),
+        acked=ranges,
+    )
+    if ack.session_groups > ack.groups or sum(hi - lo + 1 for lo, hi in ranges) > ack.session_groups:
+        raise ProtocolError(f"inconsistent counts for actor {ack.actor_id!r}: {ack}")
+    return ack
+
+
 def _traj_from_wire(d: dict[str, Any]) -> Trajectory:
     comps = _field(d, "reward_components", dict)
     try:
@@ -174,6 +256,11 @@ def _traj_from_wire(d: dict[str, Any]) -> Trajectory:
 def encode(msg: TrajectoryGroup | Progress) -> bytes:
     """Encode a message to msgpack bytes."""
     if isinstance(msg, TrajectoryGroup):
+        if not msg.actor_id or not msg.session or not 0 <= msg.seq <= MAX_SEQ:
+            raise ProtocolError(
+                f"group {msg.group_id!r} is not stamped (actor_id={msg.actor_id!r}, session={msg.session!r}, "
+                f"seq={msg.seq}): actors stamp groups through agentrl.transport.delivery.Outbox"
+            )
         body = {
             "v": PROTOCOL_VERSION,
             "kind": "group",
@@ -181,6 +268,8 @@ def encode(msg: TrajectoryGroup | Progress) -> bytes:
             "task_id": msg.task_id,
             "env": msg.env,
             "actor_id": msg.actor_id,
+            "session": msg.session,
+            "seq": int(msg.seq),
             "created_at": float(msg.created_at),
             "trajectories": [_traj_to_wire(t) for t in msg.trajectories],
         }
@@ -193,6 +282,8 @@ def encode(msg: TrajectoryGroup | Progress) -> bytes:
             "step": int(msg.step),
             "max_staleness": int(msg.max_staleness),
             "done": bool(msg.done),
+            "learner_session": msg.learner_session,
+            "actors": [_ack_to_wire(a) for a in msg.actors],
         }
     else:
         raise TypeError(f"cannot encode {type(msg).__name__}")
@@ -232,7 +323,9 @@ def decode(data: bytes) -> TrajectoryGroup | Progress:
                 group_id=_field(d, "group_id", str),
                 task_id=_field(d, "task_id", str),
                 env=_field(d, "env", str),
-                actor_id=_field(d, "actor_id", str),
+                actor_id=_name(d, "actor_id"),
+                session=_name(d, "session"),
+                seq=_count(d, "seq"),
                 created_at=_field(d, "created_at", float),
                 trajectories=[_traj_from_wire(t) for t in trajs],
             )
@@ -243,6 +336,8 @@ def decode(data: bytes) -> TrajectoryGroup | Progress:
                 step=_field(d, "step", int),
                 max_staleness=_field(d, "max_staleness", int),
                 done=_field(d, "done", bool),
+                learner_session=_field(d, "learner_session", str),
+                actors=[_ack_from_wire(a) for a in _field(d, "actors", list)],
             )
     except ProtocolError:
         raise

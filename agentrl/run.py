@@ -182,9 +182,9 @@ async def evaluate_policy(cfg: AgentRLConfig, num_tasks: int | None = None) -> d
 async def watch_progress(cfg: AgentRLConfig, state: RunState, run_dir: Path, live: Any,
                          eval_lock: trio.Lock) -> None:
     """Follow the learner's progress and metrics; evaluate every ``eval.every_steps`` versions."""
-    from agentrl.transport import ProgressSubscriber
+    from agentrl.transport import ProgressSubscriber, security_from_config
 
-    sub = ProgressSubscriber(cfg.actors.progress_endpoint, bind=False)
+    sub = ProgressSubscriber(cfg.actors.progress_endpoint, bind=False, security=security_from_config(cfg.actors))
     metrics_file = run_dir / "learner_metrics.jsonl"
     next_eval = cfg.eval.every_steps
     try:

@@ -15,7 +15,11 @@ messages to a receiver in this process, three ways, interleaved ``--repeats`` ti
   bounds, encoding and decoding every message: what an actor and the learner see.
 
 Two tables: throughput (messages/s and MB/s at the receiver), and the CPU time that the
-sender and receiver processes (all their threads) spent per message. On a shared machine
+sender and receiver processes (all their threads) spent per message, ending with ``codec
+only`` (encode + decode of one group in this process). A last line, measured after the
+sockets, gives what the learner adds per new group for exactly-once delivery: the duplicate
+check and record in its ledger, and the group re-encoded and appended to its journal, with
+one fsync per 100 groups (CPU time; the fsync's wait for the disk is not CPU). On a shared machine
 throughput swings with other people's load, so each mode runs ``--repeats`` times,
 interleaved, and the table shows the best run of each plus the ratio of medians; CPU per
 message hardly depends on the load and is the steadier measure of what the transport
@@ -30,6 +34,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import statistics
 import sys
@@ -63,7 +68,8 @@ def make_group(target_bytes: int) -> TrajectoryGroup:
         reward_components={"correct": 1.0},
         metadata={"env": "bench", "num_turns": 3, "finish_reason": "stop"},
     )
-    return TrajectoryGroup(group_id="g", task_id="t", env="bench", trajectories=[traj], actor_id="bench")
+    return TrajectoryGroup(group_id="g", task_id="t", env="bench", trajectories=[traj], actor_id="bench",
+                           session="0123456789ab", seq=123_456)
 
 
 # ---------------------------------------------------------------- senders (child processes)
@@ -213,11 +219,35 @@ def main() -> None:
             f"{med['defaults']:8.1f} {med['raw'] / med['defaults']:6.2f} "
             f"{med['+codec']:8.1f} {med['raw'] / med['+codec']:6.2f} {codec_us:10.1f}"
         )
-    print(f"\nload average {os.getloadavg()[0]:.1f} at the end")
+    learner = ", ".join(f"{label} {_ledger_and_journal_us(make_group(size), tmp):.1f}" for label, size in SIZES.items())
+    print(f"\nThe learner's ledger + journal per new group (CPU us): {learner}")
+    print(f"load average {os.getloadavg()[0]:.1f} at the end")
     print(
         f"transport/raw, median of the four cases: throughput {statistics.median(best_ratios):.2f}, "
         f"CPU efficiency {statistics.median(cpu_ratios):.2f} (target >= 0.85)"
     )
+
+
+def _ledger_and_journal_us(group: TrajectoryGroup, tmp: str) -> float:
+    """CPU microseconds the learner spends per new group on its ledger and journal."""
+    from agentrl.learner.journal import Journal
+    from agentrl.transport.delivery import Ledger
+
+    best = float("inf")
+    for attempt in range(3):
+        ledger, journal = Ledger(), Journal(Path(tmp) / "journal", f"bench{attempt}")
+        cpu0 = time.process_time()
+        for seq in range(200):
+            group.seq = seq
+            if group not in ledger:
+                journal.append(encode(group))
+                ledger.record(group)
+            if seq % 100 == 99:
+                journal.sync()
+        best = min(best, time.process_time() - cpu0)
+        journal.close()
+        shutil.rmtree(journal.dir)
+    return 1e6 * best / 200
 
 
 def _endpoint(scheme: str, tmp: str, name: str) -> str:

@@ -1,9 +1,6 @@
 """Test parts for the actor tests: a scripted SGLang-style engine served over real HTTP, a small
-HTTP client with the EngineClient interface, and ZMQ/in-memory transport doubles.
-
-The engine client and the transport are built on other branches; these doubles speak the same
-interfaces (docs in /work/notes/interfaces.md) so that the actor code is exercised over real
-sockets now and through the real parts once they land.
+HTTP client with the EngineClient interface, and in-memory transport doubles (subclasses of
+the transport's interfaces, so they follow its contract).
 """
 
 from __future__ import annotations
@@ -20,9 +17,9 @@ from typing import Any, Callable
 
 import httpx
 import trio
-import zmq
 
 from agentrl.protocol import Progress, TrajectoryGroup, decode, encode
+from agentrl.transport.base import GroupSink, ProgressSource
 
 _TINY: dict[str, Path] = {}
 
@@ -298,55 +295,7 @@ class HttpEngineClient:
 # ----------------------------------------------------------------------------- transport doubles
 
 
-class GroupSender:
-    """``agentrl.transport.GroupSender``'s interface over a raw ZMQ PUSH socket (test double)."""
-
-    def __init__(self, endpoint: str, *, bind: bool = False, max_queued_groups: int = 16):
-        self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.PUSH)
-        self._sock.setsockopt(zmq.SNDHWM, max_queued_groups)
-        self._sock.setsockopt(zmq.LINGER, 2000)
-        (self._sock.bind if bind else self._sock.connect)(endpoint)
-
-    async def send(self, group: TrajectoryGroup) -> None:
-        data = encode(group)
-        while True:
-            try:
-                self._sock.send(data, zmq.NOBLOCK)
-                return
-            except zmq.Again:
-                await trio.sleep(0.005)
-
-    async def aclose(self) -> None:
-        self._sock.close()
-
-
-class ProgressSubscriber:
-    """``agentrl.transport.ProgressSubscriber``'s interface over a raw ZMQ SUB socket (test double)."""
-
-    def __init__(self, endpoint: str, *, bind: bool = False):
-        self._sock = zmq.Context.instance().socket(zmq.SUB)
-        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self._sock.setsockopt(zmq.LINGER, 0)
-        (self._sock.bind if bind else self._sock.connect)(endpoint)
-        self.latest: Progress | None = None
-
-    async def receive(self) -> Progress:
-        while True:
-            try:
-                msg = decode(self._sock.recv(zmq.NOBLOCK))
-            except zmq.Again:
-                await trio.sleep(0.005)
-                continue
-            if isinstance(msg, Progress):
-                self.latest = msg
-                return msg
-
-    async def aclose(self) -> None:
-        self._sock.close()
-
-
-class MemorySender:
+class MemorySender(GroupSink):
     """Collects groups; ``blocked`` makes ``send`` wait (a learner that stopped reading)."""
 
     def __init__(self) -> None:
@@ -360,13 +309,16 @@ class MemorySender:
         decode(encode(group))  # what goes on the wire must encode
         self.groups.append(group)
 
+    async def aclose(self) -> None:
+        await trio.lowlevel.checkpoint()
+
     def unblock(self) -> None:
         self.blocked = False
         self._unblocked.set()
         self._unblocked = trio.Event()
 
 
-class MemoryProgress:
+class MemoryProgress(ProgressSource):
     """A progress source fed by the test."""
 
     def __init__(self) -> None:
@@ -379,3 +331,6 @@ class MemoryProgress:
     async def receive(self) -> Progress:
         self.latest = await self.recv_ch.receive()
         return self.latest
+
+    async def aclose(self) -> None:
+        await self.recv_ch.aclose()

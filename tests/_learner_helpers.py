@@ -6,6 +6,7 @@ the model is built once per session under pytest's base temp folder and reused.
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import time
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 from agentrl.protocol import Trajectory, TrajectoryGroup
+from agentrl.transport.base import GroupSource, ProgressSink
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,6 +34,7 @@ def subprocess_env() -> dict[str, str]:
 
 
 PYTHON = sys.executable
+_SEQ = itertools.count()  # make_group's sequence numbers: unique within a test session
 
 
 @pytest.fixture(scope="session")
@@ -55,6 +58,9 @@ def make_group(
     vocab: int = 400,
     rewards: list[float] | None = None,
     group_id: str = "g",
+    actor_id: str = "test-actor",
+    session: str = "test-session",
+    seq: int | None = None,
 ) -> TrajectoryGroup:
     """A group of multi-turn-shaped trajectories: prompt, model turn, tool result, model turn."""
     trajs = []
@@ -75,7 +81,9 @@ def make_group(
         )
     if rewards is None and len({t.reward for t in trajs}) == 1:
         trajs[0].reward = 1.0 - trajs[0].reward  # keep the group's rewards varied
-    return TrajectoryGroup(group_id=group_id, task_id=group_id, env="test", trajectories=trajs)
+    seq = next(_SEQ) if seq is None else seq
+    return TrajectoryGroup(group_id=group_id, task_id=group_id, env="test", trajectories=trajs, actor_id=actor_id,
+                           session=session, seq=seq)
 
 
 def fixed_samples(seed: int, groups: int = 4, policy_version: int = 0, advantage: str = "grpo") -> list:
@@ -90,27 +98,31 @@ def fixed_samples(seed: int, groups: int = 4, policy_version: int = 0, advantage
     return out
 
 
-class ListSource:
+class ListSource(GroupSource):
     """An in-memory group source with GroupReceiver's methods (for loop tests on rank 0)."""
 
     def __init__(self, groups: list[TrajectoryGroup], *, empty_polls: int = 0) -> None:
         self.items = deque(groups)
         self.empty_polls = empty_polls  # answer "nothing yet" this many times first
-        self.stats = {"received": 0, "malformed": 0}
+        self._stats = {"received": 0, "malformed": 0}
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return self._stats
 
     def get(self, timeout_s: float | None = None) -> TrajectoryGroup | None:
         if self.empty_polls > 0 or not self.items:
             self.empty_polls -= 1
             time.sleep(min(timeout_s or 0.0, 0.05))
             return None
-        self.stats["received"] += 1
+        self._stats["received"] += 1
         return self.items.popleft()
 
     def close(self) -> None:
         pass
 
 
-class Recorder:
+class Recorder(ProgressSink):
     """Records published progress and weight pushes."""
 
     def __init__(self) -> None:

@@ -3,7 +3,6 @@ on published progress (max_staleness = 0 is synchronous), a JSONL dump, and SIGT
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -13,17 +12,12 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-import zmq
-
-from agentrl.protocol import Progress, TrajectoryGroup, decode, encode
+from agentrl.protocol import Progress, TrajectoryGroup
+from agentrl.transport import GroupReceiver, ProgressPublisher
 from tests._actors_helpers import ScriptedEngine, TurnScript, load_tokenizer, tiny_tokenizer_dir
 from tests._actors_user_env import solver
 
 ROOT = Path(__file__).resolve().parents[1]
-# The real engine client and transport when their branches have landed; the test doubles until then.
-REAL_CLIENT = importlib.util.find_spec("agentrl.engine.client") is not None
-REAL_TRANSPORT = importlib.util.find_spec("agentrl.transport") is not None
 
 
 def free_port() -> int:
@@ -38,30 +32,15 @@ class Learner:
     def __init__(self) -> None:
         self.groups_endpoint = f"tcp://127.0.0.1:{free_port()}"
         self.progress_endpoint = f"tcp://127.0.0.1:{free_port()}"
-        if REAL_TRANSPORT:
-            from agentrl.transport import GroupReceiver, ProgressPublisher
-
-            self.receiver = GroupReceiver(self.groups_endpoint, bind=True)
-            self.publisher = ProgressPublisher(self.progress_endpoint, bind=True)
-        else:
-            ctx = zmq.Context.instance()
-            self.pull = ctx.socket(zmq.PULL)
-            self.pull.bind(self.groups_endpoint)
-            self.pub = ctx.socket(zmq.PUB)
-            self.pub.bind(self.progress_endpoint)
+        self.receiver = GroupReceiver(self.groups_endpoint, bind=True)
+        self.publisher = ProgressPublisher(self.progress_endpoint, bind=True)
         self.groups: list[TrajectoryGroup] = []
 
     def publish(self, progress: Progress) -> None:
-        if REAL_TRANSPORT:
-            self.publisher.publish(progress)
-        else:
-            self.pub.send(encode(progress))
+        self.publisher.publish(progress)
 
     def poll(self, timeout_s: float) -> TrajectoryGroup | None:
-        if REAL_TRANSPORT:
-            group = self.receiver.get(timeout_s=timeout_s)
-        else:
-            group = decode(self.pull.recv()) if self.pull.poll(int(timeout_s * 1000)) else None
+        group = self.receiver.get(timeout_s=timeout_s)
         if group is not None:
             assert isinstance(group, TrajectoryGroup)
             self.groups.append(group)
@@ -77,12 +56,8 @@ class Learner:
             self.poll(0.1)
 
     def close(self) -> None:
-        if REAL_TRANSPORT:
-            self.receiver.close()
-            self.publisher.close()
-        else:
-            self.pull.close(linger=0)
-            self.pub.close(linger=0)
+        self.receiver.close()
+        self.publisher.close()
 
 
 def test_serve_actors_process(tmp_path_factory, tmp_path):
@@ -114,10 +89,6 @@ max_total_tokens = 1024
 """)
         cmd = [sys.executable, "-m", "agentrl", "serve-actors", "--config", str(config), "--wait-for-learner",
                "--dump-trajectories", str(dump), "--log-interval-s", "1"]
-        if not REAL_CLIENT:
-            cmd += ["--engine-client", "tests._actors_helpers:HttpEngineClient"]
-        if not REAL_TRANSPORT:
-            cmd += ["--transport", "tests._actors_helpers"]
         env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         stderr_path = tmp_path / "actor.stderr"
         with stderr_path.open("w") as stderr:

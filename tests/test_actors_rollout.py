@@ -59,7 +59,8 @@ def assert_invariant(traj, tokenizer, env: Env, generation_prompt: bool = False)
 def encode_group(traj):
     from agentrl.protocol import TrajectoryGroup
 
-    return encode(TrajectoryGroup(group_id="g", task_id="t", env="e", trajectories=[traj]))
+    return encode(TrajectoryGroup(group_id="g", task_id="t", env="e", trajectories=[traj], actor_id="a",
+                                  session="s", seq=0))
 
 
 def test_tool_call_episode(tokenizer):

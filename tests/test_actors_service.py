@@ -11,7 +11,7 @@ import trio
 
 from agentrl.actors.rollout import EpisodeLimits, toolbox_for
 from agentrl.actors.service import ActorService, ActorSettings, budget_share
-from agentrl.protocol import Progress
+from agentrl.protocol import ActorAck, Progress
 from tests._actors_helpers import (HttpEngineClient, MemoryProgress, MemorySender, ScriptedEngine, TurnScript,
                                    load_tokenizer, tiny_tokenizer_dir)
 from tests._actors_user_env import AddEnv, solver
@@ -135,6 +135,71 @@ def test_actor_takes_its_share_and_replaces_lost_groups(tokenizer):
     assert "500" in next(iter(svc.stats.lost_reasons))
 
 
+def test_a_restarted_actor_continues_its_share(tokenizer):
+    """The learner holds 8 groups from actor0's previous process: a budget of 10 leaves 2."""
+    sender, progress = MemorySender(), MemoryProgress()
+    old = ActorAck("actor0", groups=8, session="previous-process", session_groups=8, acked=[(0, 7)])
+    progress.publish(Progress(policy_version=0, accept_groups=10, max_staleness=1, learner_session="L", actors=[old]))
+    with ScriptedEngine(TurnScript(tokenizer, solver)) as engine:
+        async def main():
+            async with HttpEngineClient([engine.url]) as client:
+                svc = service(client, tokenizer, sender=sender, progress=progress, wait_for_learner=True)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(svc.run)
+                    await wait_for(lambda: len(sender.groups) == 2)
+                    await trio.sleep(0.5)
+                    assert svc.stats.groups_started == 2 and svc.budget_used() == 10  # and waits
+                    # the learner got them: 10 held from actor0 now, budget 12: two more
+                    ack = ActorAck("actor0", groups=10, session=svc.outbox.session, session_groups=2, acked=[(0, 1)])
+                    progress.publish(Progress(policy_version=1, accept_groups=12, max_staleness=1, learner_session="L",
+                                              actors=[ack]))
+                    await wait_for(lambda: len(sender.groups) == 4)
+                    await trio.sleep(0.3)
+                    assert svc.stats.groups_started == 4 and svc.outbox.held == 2
+                    svc.request_stop("test over")
+                return svc
+
+        svc = trio.run(main)
+    assert [g.key for g in sender.groups] == [("actor0", svc.outbox.session, i) for i in range(4)]
+
+
+def test_groups_a_restarted_learner_lost_are_sent_again(tokenizer):
+    sender, progress = MemorySender(), MemoryProgress()
+    progress.publish(Progress(policy_version=0, accept_groups=3, max_staleness=1, learner_session="L1"))
+    with ScriptedEngine(TurnScript(tokenizer, solver)) as engine:
+        async def main():
+            async with HttpEngineClient([engine.url]) as client:
+                svc = service(client, tokenizer, sender=sender, progress=progress, wait_for_learner=True,
+                              drain_timeout_s=5)
+                session = svc.outbox.session
+
+                def acked(*ranges):
+                    n = sum(hi - lo + 1 for lo, hi in ranges)
+                    return [ActorAck("actor0", groups=n, session=session, session_groups=n, acked=list(ranges))]
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(svc.run)
+                    await wait_for(lambda: len(sender.groups) == 3)
+                    progress.publish(Progress(policy_version=0, accept_groups=3, learner_session="L1",
+                                              actors=acked((0, 0))))
+                    await wait_for(lambda: svc.outbox.held == 2)
+                    # the learner restarts with group 0 on disk: 1 and 2 were in its queue, lost
+                    progress.publish(Progress(policy_version=0, accept_groups=3, learner_session="L2",
+                                              actors=acked((0, 0))))
+                    await wait_for(lambda: len(sender.groups) == 5)
+                    svc.request_stop("test over")  # waits for the acknowledgement
+                    await trio.sleep(0.2)
+                    assert svc.stop_reason and svc.outbox.held == 2
+                    progress.publish(Progress(policy_version=0, accept_groups=3, learner_session="L2",
+                                              actors=acked((0, 2))))
+                return svc.report()
+
+        report = trio.run(main)
+    assert [g.seq for g in sender.groups] == [0, 1, 2, 1, 2]
+    assert (report["groups_produced"], report["groups_acked"], report["groups_resent"], report["groups_unacked"]) == (
+        3, 3, 2, 0)
+
+
 def test_persistent_failure_stops_the_actor(tokenizer):
     def broken(ids, params):
         raise RuntimeError("down")
@@ -213,11 +278,11 @@ def test_limits_and_sampling_from_config():
     cfg = load_config(None, ["env.max_turns=6", "env.max_total_tokens=900", "actors.max_new_tokens_per_turn=50",
                              "actors.temperature=0.7", "engine.max_context_tokens=1000"])
     assert EpisodeLimits.from_config(cfg) == EpisodeLimits(max_turns=6, max_total_tokens=900,
-                                                           max_new_tokens_per_turn=50)
+                                                           max_new_tokens_per_turn=50, max_abs_reward=1000.0)
     env = AddEnv()
     env.max_turns, env.max_total_tokens = 2, 5000  # an env's own limits win, capped by the engine's context
     assert EpisodeLimits.from_config(cfg, env) == EpisodeLimits(max_turns=2, max_total_tokens=1000,
-                                                                max_new_tokens_per_turn=50)
+                                                                max_new_tokens_per_turn=50, max_abs_reward=1000.0)
     assert sampling_from_config(cfg) == {"temperature": 0.7, "top_p": 1.0, "top_k": -1}
     assert sampling_from_config(cfg, greedy=True) == {"temperature": 0.0}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -56,6 +57,14 @@ def test_reward_that_raises_scores_zero_with_a_message():
     assert total == 0.0 and "not finite" in error
     assert trio.run(score_episode, RaisingEnv("ok"), Task("t0"), {}, []) == (0.75, {"a": 0.5, "b": 0.25}, None)
     assert total_reward(2) == (2.0, {})
+
+
+def test_reward_beyond_the_bound_scores_zero_with_a_message():
+    score = functools.partial(score_episode, max_abs_reward=0.3)  # the component 0.5 is beyond it
+    total, comps, error = trio.run(score, RaisingEnv("ok"), Task("t0"), {}, [])
+    assert (total, comps) == (0.0, {}) and "exceeds learner.max_abs_reward=0.3" in error
+    score = functools.partial(score_episode, max_abs_reward=0.75)  # the total 0.75 is at the bound: fine
+    assert trio.run(score, RaisingEnv("ok"), Task("t0"), {}, []) == (0.75, {"a": 0.5, "b": 0.25}, None)
 
 
 def test_cleanup_always_runs_and_never_raises():

@@ -42,6 +42,24 @@ def test_validation_names_what_is_wrong():
     assert validate_group(g, vocab_size=512, max_sequence_tokens=64) == "malformed_empty"
 
 
+def test_rewards_are_checked_at_the_border():
+    rng = np.random.default_rng(3)
+    limits = dict(vocab_size=512, max_sequence_tokens=64, max_abs_reward=100.0)
+    for bad in (float("nan"), float("inf"), -float("inf"), 1e300, -100.5):
+        g = make_group(rng)
+        g.trajectories[2].reward = bad
+        assert validate_group(g, **limits) == "malformed_reward", bad
+    g = make_group(rng)
+    g.trajectories[0].reward_components = {"format": float("nan")}
+    assert validate_group(g, **limits) == "malformed_reward"
+    g = make_group(rng, rewards=[-100, 100, 0, 3])
+    assert validate_group(g, **limits) is None  # the bound itself is fine
+    buf = _buffer(max_abs_reward=100.0)
+    big = make_group(rng, rewards=[1e300, 0, 0, 1])
+    assert buf.add(big, policy_version=0) == "malformed_reward" and len(buf) == 0
+    assert buf.counters["dropped_malformed_reward"] == 1 and buf.counters["received"] == 1
+
+
 def test_buffer_counts_drops_and_never_raises():
     rng = np.random.default_rng(1)
     buf = _buffer(max_staleness=1)
@@ -59,7 +77,7 @@ def test_buffer_counts_drops_and_never_raises():
     # groups can go stale while they wait: at version 6 the version-4 group is too old
     taken = buf.take(2, policy_version=6)
     assert taken is not None and [g.oldest_version() for g in taken] == [5, 9]
-    assert buf.counters["dropped_stale"] == 2 and len(buf) == 0
+    assert buf.counters["dropped_stale"] == 2 and len(buf) == 0 and buf.counters["consumed"] == 2
     assert buf.take(1, policy_version=6) is None
 
 

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from agentrl.protocol import Progress, decode, encode
+from agentrl.protocol import ActorAck, Progress, decode, encode
 from tests._learner_helpers import PYTHON, ListSource, Recorder, make_group, subprocess_env, tiny_model  # noqa: F401
 
 
@@ -39,26 +39,37 @@ def test_loop_keeps_pending_groups_and_pushes_weights(tiny_model, tmp_path):
     rng = np.random.default_rng(0)
     rec = Recorder()
     cfg = load_config(None, _overrides(tiny_model, tmp_path, **{"learner.max_steps": 1}))
-    groups = [make_group(rng, group_id=f"a{i}") for i in range(3)]
+    groups = [make_group(rng, group_id=f"a{i}", session="s1", seq=i) for i in range(3)]
+    groups.insert(2, make_group(rng, group_id="a1-again", session="s1", seq=1))  # sent twice
     first = Learner(cfg, io=LearnerIO(source=ListSource(groups, empty_polls=2), progress=rec, weights=rec))
     assert first.run() == "done"
     assert first.trainer.step == 1 and first.version == 1
     assert [v for v, _ in rec.pushes] == [1]
     assert "model.layers.0.mlp.up_proj.weight" in rec.pushes[0][1]
-    assert rec.progress[0] == Progress(policy_version=0, accept_groups=2 * 1 * 2, step=0, max_staleness=1)
-    assert rec.progress[-1].done and rec.progress[-1].policy_version == 1
+    p0 = rec.progress[0]
+    assert (p0.policy_version, p0.accept_groups, p0.step, p0.max_staleness) == (0, 2 * 1 * 2, 0, 1)
+    assert p0.actors == [] and p0.learner_session == first.session
+    last = rec.progress[-1]
+    assert last.done and last.policy_version == 1
+    assert last.actors == [ActorAck("test-actor", groups=3, session="s1", session_groups=3, acked=[(0, 2)])]
+    assert first.buffer.counters["duplicate"] == 1 and first.buffer.counters["received"] == 3
 
     # a restart resumes at step 2 with the group that was waiting, re-pushes its weights first
     rec2 = Recorder()
     cfg = load_config(None, _overrides(tiny_model, tmp_path, **{"learner.max_steps": 2}))
     stale = make_group(rng, version=0, group_id="late")
-    second = Learner(cfg, io=LearnerIO(source=ListSource([make_group(rng, version=1, group_id="b"), stale]), progress=rec2, weights=rec2))
+    resent = make_group(rng, group_id="a0-resent", session="s1", seq=0)  # an actor resends after the restart
+    source = ListSource([resent, make_group(rng, version=1, group_id="b"), stale])
+    second = Learner(cfg, io=LearnerIO(source=source, progress=rec2, weights=rec2))
     assert second.run() == "done"
+    assert rec2.progress[0].learner_session == second.session != first.session
+    assert rec2.progress[0].actors == last.actors  # what the first learner acknowledged, from its checkpoint
+    assert second.buffer.counters["duplicate"] == 2
     assert second.trainer.step == 2 and second.version == 2
     assert [v for v, _ in rec2.pushes] == [1, 2]
     rows = [json.loads(line) for line in (tmp_path / "learner_metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
-    assert rows[-1]["data/received"] == 3 + 2  # counters survive the restart
+    assert rows[-1]["data/received"] == 3 + 2  # counters survive the restart; duplicates are not received
     # step 2 trained the group that was pending (version 0, now one behind) and "b" (current)
     assert rows[-1]["staleness/1"] == 0.5 and rows[-1]["staleness/0"] == 0.5
     assert len(second.buffer) == 1  # "late" waits for the next step (and is in the checkpoint)
@@ -147,7 +158,11 @@ enabled = true
         first = wait_version(0)
         assert first.accept_groups == 2 * 1 * 2 and not first.done
         push.send(b"\x93not a group")  # malformed: counted by the transport, dropped
-        push.send(encode(make_group(rng, version=0)))
+        push.send(encode(make_group(rng, version=0, rewards=[1e300, 0, 0, 1])))  # the border: malformed_reward
+        push.send(encode(make_group(rng, version=0, rewards=[float("nan"), 0, 1, 0])))
+        twice = encode(make_group(rng, version=0))
+        push.send(twice)
+        push.send(twice)  # a duplicate: counted, trained once
         push.send(encode(make_group(rng, version=0)))
         wait_version(1)
         push.send(encode(make_group(rng, version=1, rewards=[1, 1, 1, 1])))  # zero variance
@@ -171,6 +186,8 @@ enabled = true
     assert [r["step"] for r in rows] == [1, 2, 3]
     last = rows[-1]
     assert last["transport/malformed"] == 1
+    assert last["data/dropped_malformed_reward"] == 2 and last["data/duplicate"] == 1
+    assert np.isfinite(rows[0]["loss/total"]) and np.isfinite(rows[0]["grad_norm"]) and rows[0]["reward/max"] <= 1
     assert last["data/dropped_zero_variance"] == 1 and last["data/dropped_stale"] == 1
     assert rows[1]["staleness/1"] == 0.5 and rows[1]["staleness/0"] == 0.5
     assert (run_dir / "checkpoints" / "learn" / "latest").read_text() == "step_00000003"
@@ -193,7 +210,7 @@ enabled = true
     assert learner.trainer.step == 4 and learner.version == 4
     rows = [json.loads(line) for line in (run_dir / "learner_metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert rows[-1]["data/received"] == 8 + 2  # counters carried over by the checkpoint
+    assert rows[-1]["data/received"] == 10 + 2  # counters carried over by the checkpoint
     assert (run_dir / "checkpoints" / "learn" / "latest").read_text() == "step_00000004"
     push.close(0)
     sub.close(0)

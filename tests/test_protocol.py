@@ -10,7 +10,9 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from agentrl.protocol import (
+    MAX_SEQ,
     PROTOCOL_VERSION,
+    ActorAck,
     Progress,
     ProtocolError,
     Trajectory,
@@ -42,7 +44,7 @@ def trajectories(draw) -> Trajectory:
         loss_mask=draw(hnp.arrays(np.uint8, n, elements=st.integers(0, 1))),
         behavior_logprobs=draw(hnp.arrays(np.float32, n)),  # NaN and inf included: compared bitwise
         weight_versions=draw(hnp.arrays(np.int32, n, elements=st.integers(-1, 1000))),
-        reward=draw(finite),
+        reward=draw(st.floats()),  # NaN and inf travel; the learner's border judges them
         reward_components=draw(st.dictionaries(st.text(max_size=8), finite, max_size=3)),
         metadata=draw(st.dictionaries(st.text(max_size=10), json_value, max_size=5)),
     )
@@ -54,9 +56,31 @@ groups = st.builds(
     task_id=st.text(max_size=20),
     env=st.text(max_size=10),
     trajectories=st.lists(trajectories(), max_size=3),
-    actor_id=st.text(max_size=10),
+    actor_id=st.text(min_size=1, max_size=10),
     created_at=finite,
+    session=st.text(min_size=1, max_size=12),
+    seq=st.integers(0, MAX_SEQ),
 )
+
+
+@st.composite
+def acks(draw) -> ActorAck:
+    """Sorted, disjoint, non-adjacent ranges (anywhere in int64) and counts that cover them."""
+    first = draw(st.integers(0, MAX_SEQ - 10_000))
+    ranges = []
+    for gap, length in draw(st.lists(st.tuples(st.integers(1, 100), st.integers(1, 100)), max_size=4)):
+        lo = first if not ranges else ranges[-1][1] + 1 + gap
+        ranges.append((lo, lo + length - 1))
+    session_groups = draw(st.integers(sum(hi - lo + 1 for lo, hi in ranges), MAX_SEQ))
+    return ActorAck(
+        actor_id=draw(st.text(min_size=1, max_size=8)),
+        groups=draw(st.integers(session_groups, MAX_SEQ)),
+        session=draw(st.text(min_size=1, max_size=8)),
+        session_groups=session_groups,
+        acked=ranges,
+    )
+
+
 progresses = st.builds(
     Progress,
     policy_version=st.integers(-(2**63), 2**63 - 1),
@@ -64,18 +88,20 @@ progresses = st.builds(
     step=st.integers(0, 2**63 - 1),
     max_staleness=st.integers(0, 100),
     done=st.booleans(),
+    learner_session=st.text(max_size=12),
+    actors=st.lists(acks(), max_size=3),
 )
 
 
 def assert_same_group(a: TrajectoryGroup, b: TrajectoryGroup) -> None:
-    for name in ("group_id", "task_id", "env", "actor_id", "created_at"):
+    for name in ("group_id", "task_id", "env", "actor_id", "created_at", "session", "seq"):
         assert getattr(a, name) == getattr(b, name), name
     assert len(a.trajectories) == len(b.trajectories)
     for ta, tb in zip(a.trajectories, b.trajectories):
         for name in ("tokens", "loss_mask", "behavior_logprobs", "weight_versions"):
             xa, xb = getattr(ta, name), getattr(tb, name)
             assert xa.dtype == xb.dtype and xa.tobytes() == xb.tobytes(), name  # bitwise, NaN included
-        assert ta.reward == tb.reward
+        assert np.float64(ta.reward).tobytes() == np.float64(tb.reward).tobytes()  # NaN included
         assert ta.reward_components == tb.reward_components
         assert ta.metadata == tb.metadata
 
@@ -93,7 +119,7 @@ def sample_group(num_tokens: int = 6, n: int = 2) -> TrajectoryGroup:
         )
         for i in range(n)
     ]
-    return TrajectoryGroup(group_id="g1", task_id="t1", env="calc", trajectories=trajs, actor_id="a0")
+    return TrajectoryGroup(group_id="g1", task_id="t1", env="calc", trajectories=trajs, actor_id="a0", session="s", seq=4)
 
 
 # ------------------------------------------------------------------ round trips
@@ -120,8 +146,8 @@ def test_arrays_travel_as_raw_little_endian_bytes() -> None:
     assert t["behavior_logprobs"] == np.linspace(-1, 0, 1000).astype("<f4").tobytes()
     assert len(t["loss_mask"]) == 1000
     assert wire["v"] == PROTOCOL_VERSION and wire["kind"] == "group"
-    # 1000 tokens x 13 bytes, plus a little framing: no per-element encoding anywhere.
-    assert len(encode(group)) < 2 * (13 * 1000 + 200)
+    # 2 trajectories x 1000 tokens x 13 bytes, plus a little framing: no per-element encoding anywhere.
+    assert len(encode(group)) < 2 * 13 * 1000 + 500
 
 
 def test_decoded_group_keeps_staleness_information() -> None:
@@ -141,11 +167,33 @@ def test_numpy_metadata_is_converted_and_bad_metadata_named() -> None:
         encode(group)
 
 
-def test_trajectory_rejects_inconsistent_lengths_and_non_finite_reward() -> None:
+def test_trajectory_rejects_inconsistent_lengths() -> None:
     with pytest.raises(ProtocolError, match="loss_mask"):
         Trajectory(tokens=[1, 2], loss_mask=[1], behavior_logprobs=[0, 0], weight_versions=[0, 0], reward=0.0)
-    with pytest.raises(ProtocolError, match="finite"):
-        Trajectory(tokens=[1], loss_mask=[1], behavior_logprobs=[0], weight_versions=[0], reward=float("nan"))
+
+
+def test_non_finite_rewards_travel_for_the_learner_to_judge() -> None:
+    group = sample_group()
+    group.trajectories[0].reward = float("nan")
+    group.trajectories[1].reward = float("-inf")
+    got = decode(encode(group))
+    assert np.isnan(got.trajectories[0].reward) and got.trajectories[1].reward == float("-inf")
+
+
+def test_unstamped_groups_fail_in_the_sender() -> None:
+    for change in ({"actor_id": ""}, {"session": ""}, {"seq": -1}, {"seq": MAX_SEQ + 1}):
+        group = sample_group()
+        for name, value in change.items():
+            setattr(group, name, value)
+        with pytest.raises(ProtocolError, match="not stamped"):
+            encode(group)
+    assert sample_group().key == ("a0", "s", 4)
+
+
+def test_progress_carries_acks() -> None:
+    p = Progress(policy_version=2, accept_groups=9, learner_session="L1",
+                 actors=[ActorAck("actor0", groups=12, session="s2", session_groups=7, acked=[(0, 3), (5, 7)])])
+    assert decode(encode(p)) == p
 
 
 # ------------------------------------------------------------------ rejection
@@ -159,7 +207,7 @@ def _pack(d) -> bytes:
     return msgpack.packb(d, use_bin_type=True)
 
 
-@pytest.mark.parametrize("version", [0, 2, PROTOCOL_VERSION + 1, True, 1.0, "1", None, [1]])
+@pytest.mark.parametrize("version", [0, 1, PROTOCOL_VERSION + 1, True, 2.0, "2", None, [2]])
 def test_wrong_version_is_rejected(version) -> None:
     for msg in (sample_group(), Progress(policy_version=1, accept_groups=2)):
         d = _wire(msg)
@@ -179,12 +227,35 @@ def test_specific_malformations_raise_protocol_error() -> None:
         "field 'trajectories' has type": {**d, "trajectories": "x"},
         "not a whole number": {**d, "trajectories": [{**d["trajectories"][0], "tokens": b"\x00" * 7}]},
         "has length": {**d, "trajectories": [{**d["trajectories"][0], "loss_mask": b"\x01"}]},
-        "finite": {**d, "trajectories": [{**d["trajectories"][0], "reward": float("inf")}]},
+        "field 'seq' is -1": {**d, "seq": -1},
+        "field 'seq' has type": {**d, "seq": 1.0},
+        "field 'session' is empty": {**d, "session": ""},
+        "field 'actor_id' is empty": {**d, "actor_id": ""},
+        "missing field 'session'": {k: v for k, v in d.items() if k != "session"},
         "reward_components": {**d, "trajectories": [{**d["trajectories"][0], "reward_components": {"a": [1]}}]},
         "expected a map": {**d, "trajectories": [7]},
     }
     for expected, body in cases.items():
         with pytest.raises(ProtocolError, match=expected):
+            decode(_pack(body))
+    p = _wire(Progress(policy_version=1, accept_groups=2, learner_session="L",
+                       actors=[ActorAck("a", groups=5, session="s", session_groups=4, acked=[(0, 1), (3, 4)])]))
+    ack = p["actors"][0]
+    bad_acks = {
+        "sorted, disjoint": {**ack, "acked": [[3, 4], [0, 1]]},
+        "sorted, disjoint ": {**ack, "acked": [[0, 2], [3, 4]]},  # adjacent ranges are one range
+        "within": {**ack, "acked": [[-1, 1]]},
+        "not a \\[first, last\\] pair": {**ack, "acked": [[0, 1, 2]]},
+        "not a \\[first, last\\] pair ": {**ack, "acked": [[0, True]]},
+        "inconsistent counts": {**ack, "session_groups": 3},
+        "inconsistent counts ": {**ack, "groups": 3},
+        "field 'groups' is -1": {**ack, "groups": -1},
+        "field 'session' is empty": {**ack, "session": ""},
+        "field 'actors' has type": None,
+    }
+    for expected, bad in bad_acks.items():
+        body = {**p, "actors": [bad]} if bad is not None else {**p, "actors": {"a": 1}}
+        with pytest.raises(ProtocolError, match=expected.strip()):
             decode(_pack(body))
     with pytest.raises(ProtocolError, match="not a map"):
         decode(_pack([1, 2, 3]))

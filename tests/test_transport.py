@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 
@@ -11,7 +12,7 @@ import pytest
 import trio
 import zmq
 
-from agentrl.protocol import Progress, ProtocolError, Trajectory, TrajectoryGroup, encode
+from agentrl.protocol import ActorAck, Progress, ProtocolError, Trajectory, TrajectoryGroup, encode
 from agentrl.transport import (
     GroupReceiver,
     GroupSender,
@@ -35,7 +36,8 @@ def group(i: int, num_tokens: int = 8) -> TrajectoryGroup:
         reward=float(i),
         metadata={"i": i},
     )
-    return TrajectoryGroup(group_id=f"g{i}", task_id=f"t{i}", env="test", trajectories=[traj])
+    return TrajectoryGroup(group_id=f"g{i}", task_id=f"t{i}", env="test", trajectories=[traj], actor_id="a0",
+                           session="s0", seq=i)
 
 
 def assert_no_thread_named(prefix: str) -> None:
@@ -153,6 +155,53 @@ def test_malformed_messages_are_counted_and_dropped(endpoint: str) -> None:
             assert receiver.stats["malformed"] == 6 and receiver.stats["received"] == 1
             assert receiver.last_malformed == "message is a msgpack int, not a map"  # b"b" is the int 98
             assert receiver.get(timeout_s=0.05) is None
+        finally:
+            push.close(linger=0)
+            ctx.term()
+
+
+def _mutations(rng: random.Random, wire: bytes, n: int) -> list[bytes]:
+    """Fuzzed copies of one encoded message: truncated, byte-flipped, or a field replaced."""
+    out = []
+    for _ in range(n):
+        kind = rng.randrange(3)
+        if kind == 0:
+            out.append(wire[: rng.randrange(len(wire))])
+        elif kind == 1:
+            raw = bytearray(wire)
+            for _ in range(rng.randint(1, 4)):
+                raw[rng.randrange(len(raw))] = rng.randrange(256)
+            out.append(bytes(raw))
+        else:
+            d = msgpack.unpackb(wire, raw=False)
+            key = rng.choice(sorted(d))
+            d[key] = rng.choice([None, -1, 2**63, "", b"x", [], {}, [[0, 1]], 1.5, True])
+            out.append(msgpack.packb(d, use_bin_type=True))
+    return out
+
+
+def test_fuzzed_frames_are_delivered_or_counted_never_raised() -> None:
+    """Through a real socket: every frame either arrives as a valid group or is counted malformed."""
+    rng = random.Random(7)
+    ack = ActorAck("a0", groups=3, session="s0", session_groups=2, acked=[(0, 0), (2, 2)])
+    frames = _mutations(rng, encode(group(1)), 150)
+    frames += _mutations(rng, encode(Progress(policy_version=1, accept_groups=2, learner_session="L", actors=[ack])), 50)
+    with GroupReceiver(ANY_PORT) as receiver:
+        ctx = zmq.Context()
+        push = ctx.socket(zmq.PUSH)
+        push.connect(receiver.endpoint)
+        try:
+            for frame in frames:
+                push.send(frame)
+            push.send(encode(group(2)))  # the end marker
+            got = []
+            while not got or got[-1].group_id != "g2":
+                g = receiver.get(timeout_s=10)
+                assert g is not None
+                got.append(g)
+            assert receiver.stats["received"] + receiver.stats["malformed"] == len(frames) + 1
+            assert receiver.stats["malformed"] >= 150  # most mutations break something
+            assert all(isinstance(g, TrajectoryGroup) and g.seq >= 0 and g.actor_id for g in got)
         finally:
             push.close(linger=0)
             ctx.term()

@@ -32,8 +32,9 @@ Finish reasons: ``answer`` (the env accepted a text turn), ``max_turns``, ``cont
 (no room for another turn or its observation; also a turn cut by the room left),
 ``truncated_tool_call`` (the per-turn token limit cut a ``<tool_call>`` open), ``aborted``.
 
-Failures: a tool failure is an observation, a reward that raises scores the episode 0 with the
-error in ``metadata["reward_error"]``. Anything else (engine unreachable after the client's
+Failures: a tool failure is an observation; a reward that raises, is not finite or exceeds
+``learner.max_abs_reward`` in size scores the episode 0 with the error in
+``metadata["reward_error"]`` (the learner drops any such reward that reaches it anyway). Anything else (engine unreachable after the client's
 retries, an engine reply that breaks the protocol, an env whose ``setup``, ``initial_messages``
 or ``on_text_turn`` raises, a template that does not write assistant content verbatim) raises
 :class:`EpisodeFailed`;
@@ -44,6 +45,7 @@ silently.
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -117,6 +119,7 @@ class EpisodeLimits:
     max_new_tokens_per_turn: int = 128
     max_empty_aborts: int = 20  # aborts in a row that return no token before the episode gives up
     max_version_wait_s: float = 600.0  # how long a turn waits for an engine to leave weight_version "default"
+    max_abs_reward: float = math.inf  # a larger reward is an env bug: scored 0 with reward_error
 
     @classmethod
     def from_config(cls, cfg: Any, env: Env | None = None) -> "EpisodeLimits":
@@ -125,7 +128,8 @@ class EpisodeLimits:
         turns = getattr(env, "max_turns", None) or cfg.env.max_turns
         tokens = getattr(env, "max_total_tokens", None) or cfg.env.max_total_tokens
         return cls(max_turns=turns, max_total_tokens=min(tokens, cfg.engine.max_context_tokens),
-                   max_new_tokens_per_turn=cfg.actors.max_new_tokens_per_turn)
+                   max_new_tokens_per_turn=cfg.actors.max_new_tokens_per_turn,
+                   max_abs_reward=cfg.learner.max_abs_reward)
 
 
 def sampling_from_config(cfg: Any, greedy: bool = False) -> dict[str, Any]:
@@ -360,7 +364,8 @@ async def run_episode(client: EngineClientLike, tokenizer: Any, env: Env, toolbo
         except Exception as e:  # an env or template bug ends this episode, not the actor
             log.warning("episode %s crashed", ep.id, exc_info=True)
             raise EpisodeFailed(f"episode crashed: {type(e).__name__}: {e}") from e
-        reward, components, reward_error = await score_episode(env, task, ep.state, ep.chat.messages)
+        reward, components, reward_error = await score_episode(env, task, ep.state, ep.chat.messages,
+                                                               max_abs_reward=limits.max_abs_reward)
     finally:
         cleanup_error = await run_cleanup(env, task, ep.state, CLEANUP_TIMEOUT_S) or ""
         if cleanup_error:  # a leaking env is logged, the episode still counts

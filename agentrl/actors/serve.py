@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -74,7 +73,8 @@ def serve_actors(cfg: Any, *, dump_path: Path | None = None, max_groups: int | N
     num_actors = num_actors or cfg.actors.num_processes
     settings = ActorSettings(
         group_size=cfg.actors.group_size, num_concurrent_episodes=cfg.actors.num_concurrent_episodes,
-        actor_index=index, num_actors=num_actors, actor_id=f"actor{index}-{os.getpid()}", max_groups=max_groups,
+        actor_index=index, num_actors=num_actors, actor_id=f"actor{index}", max_groups=max_groups,
+        max_unacked_groups=cfg.actors.max_unacked_groups,
         wait_for_learner=wait_for_learner, split=split, seed=cfg.run.seed, max_staleness=cfg.actors.max_staleness,
         log_interval_s=log_interval_s,
     )
@@ -89,11 +89,12 @@ def serve_actors(cfg: Any, *, dump_path: Path | None = None, max_groups: int | N
                             max_retries=cfg.engine.request_retries,
                             health_check_interval_s=cfg.engine.health_check_interval_s)
         sender = progress = None
-        if transport_mod is not None:
-            sender = transport_mod.GroupSender(cfg.actors.trajectory_endpoint,
-                                               max_queued_groups=cfg.actors.send_queue_groups)
-            progress = transport_mod.ProgressSubscriber(cfg.actors.progress_endpoint)
         try:
+            if transport_mod is not None:
+                security = transport_mod.security_from_config(cfg.actors)
+                sender = transport_mod.GroupSender(cfg.actors.trajectory_endpoint,
+                                                   max_queued_groups=cfg.actors.send_queue_groups, security=security)
+                progress = transport_mod.ProgressSubscriber(cfg.actors.progress_endpoint, security=security)
             async with client:
                 service = ActorService(client=client, tokenizer=tokenizer, env=env, toolbox=toolbox,
                                        sampling=sampling_from_config(cfg), limits=EpisodeLimits.from_config(cfg, env),
@@ -110,7 +111,8 @@ def serve_actors(cfg: Any, *, dump_path: Path | None = None, max_groups: int | N
 
     report = trio.run(main)
     print(json.dumps(report), flush=True)
-    log.info("actor %s stopped (%s): delivered %d groups, lost %d, abandoned %d groups (%d episodes), unsent %d",
-             settings.actor_id, report["stop_reason"], report["groups_delivered"], report["groups_lost"],
+    log.info("actor %s stopped (%s): delivered %d groups (%d acknowledged, %d resent), lost %d, abandoned %d groups "
+             "(%d episodes), unsent %d", settings.actor_id, report["stop_reason"], report["groups_delivered"],
+             report["groups_acked"], report["groups_resent"], report["groups_lost"],
              report["groups_abandoned"], report["episodes_abandoned"], report["groups_unsent"])
     return 1 if report["failed"] else 0

@@ -11,11 +11,20 @@ Gating (staleness). The learner publishes :class:`agentrl.protocol.Progress`, wh
 ``accept_groups`` is a cumulative budget of groups all actors together may have started
 (it already includes ``max_staleness`` steps of look-ahead; ``max_staleness = 0`` therefore
 admits exactly one step's groups per policy version: a synchronous system). Actor ``i`` of
-``k`` takes the share ``accept // k + (i < accept % k)`` and starts a group only while
-``started - lost < share``: a lost group never reaches the learner, so it is replaced.
+``k`` takes the share ``accept // k + (i < accept % k)`` and starts a group only while what
+it uses is below it: the groups the learner holds from its actor id (``Progress.actors``,
+all sessions: a restarted actor continues where its previous process stopped), the groups
+it holds unacknowledged, and the groups it has started and not finished. A lost group never
+reaches the learner, so it is replaced. Without restarts this is ``started - lost < share``.
 Without any Progress (no learner) the actor runs freely against the engines' current
 weights, bounded by ``max_groups`` when given: the same process collects data or evaluates.
 ``wait_for_learner`` holds every start until the first Progress arrives.
+
+Delivery (:mod:`agentrl.transport.delivery`). Every finished group is stamped with the
+actor's id, this process's session and the next sequence number, dumped, sent, and held by
+the :class:`~agentrl.transport.delivery.Outbox` until the learner acknowledges it; what the
+learner lost (it restarted, or a later group arrived first) is sent again by a second task.
+Both send under one lock, so the order the outbox records is the order on the wire.
 
 Tasks. Every actor iterates the same ``env.tasks(split, seed + epoch)`` sequence and takes
 every ``k``-th task from position ``i``, so that the actors together cover the env's sequence
@@ -24,8 +33,10 @@ once per epoch; the "train" split cycles with a new seed per epoch, other splits
 Stopping. ``request_stop`` (SIGTERM/SIGINT, ``Progress.done``, ``max_groups`` reached, too
 many groups lost in a row) stops new starts; in-flight groups are cancelled (abandoned and
 counted); groups that already finished are still dumped and sent, for at most
-``drain_timeout_s`` when sending blocks. A second signal cancels everything at once. The
-report (a dict, printed as JSON by ``serve-actors``) says what was sent, lost and abandoned.
+``drain_timeout_s`` when sending blocks, and the actor waits (within the same time) for the
+learner to acknowledge what it holds, unless the learner is done. A second signal cancels
+everything at once. The report (a dict, printed as JSON by ``serve-actors``) says what was
+sent, acknowledged, resent, lost and abandoned.
 """
 
 from __future__ import annotations
@@ -36,9 +47,10 @@ import math
 import signal
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Iterator
 
 import trio
 
@@ -47,16 +59,10 @@ from agentrl.actors.rollout import EngineClientLike, EpisodeLimits, GroupLost, r
 from agentrl.envs.base import Env, Task
 from agentrl.protocol import Progress, TrajectoryGroup
 from agentrl.tools.base import ToolBox
+from agentrl.transport.base import GroupSink, ProgressSource
+from agentrl.transport.delivery import Outbox
 
 log = logging.getLogger(__name__)
-
-
-class GroupSenderLike(Protocol):
-    async def send(self, group: TrajectoryGroup) -> None: ...
-
-
-class ProgressSourceLike(Protocol):
-    async def receive(self) -> Progress: ...
 
 
 def budget_share(accept_groups: int, index: int, num_actors: int) -> int:
@@ -70,7 +76,8 @@ class ActorSettings:
     num_concurrent_episodes: int = 64
     actor_index: int = 0
     num_actors: int = 1
-    actor_id: str = ""
+    actor_id: str = ""  # stable across restarts of this actor; "" means f"actor{actor_index}"
+    max_unacked_groups: int = 256  # groups held for a resend until the learner acknowledges them
     max_groups: int | None = None  # stop after delivering this many groups
     wait_for_learner: bool = False
     split: str = "train"
@@ -85,6 +92,8 @@ class ActorSettings:
             raise ValueError(f"actor index {self.actor_index} is not in [0, {self.num_actors})")
         if self.max_groups is not None and self.max_groups < 1:
             raise ValueError(f"max_groups must be >= 1, got {self.max_groups}")
+        if not self.actor_id:
+            self.actor_id = f"actor{self.actor_index}"
 
     @property
     def max_open_groups(self) -> int:
@@ -96,13 +105,16 @@ class ActorService:
 
     def __init__(self, *, client: EngineClientLike, tokenizer: Any, env: Env, toolbox: ToolBox,
                  sampling: dict[str, Any], limits: EpisodeLimits, settings: ActorSettings,
-                 sender: GroupSenderLike | None = None, progress: ProgressSourceLike | None = None,
+                 sender: GroupSink | None = None, progress: ProgressSource | None = None,
                  dump_path: str | Path | None = None):
         self.client, self.tokenizer, self.env, self.toolbox = client, tokenizer, env, toolbox
         self.sampling, self.limits, self.settings = sampling, limits, settings
         self.sender, self.progress_source = sender, progress
         self.dump_path = Path(dump_path) if dump_path else None
         self.stats = ActorStats()
+        self.outbox = Outbox(settings.actor_id, max_unacked=settings.max_unacked_groups)
+        self._resend: deque[TrajectoryGroup] = deque()
+        self._send_lock = trio.Lock()
         self.progress: Progress | None = None
         self.stop_reason = ""
         self.failed = False  # stopped because groups kept failing
@@ -144,12 +156,17 @@ class ActorService:
         s, cfg = self.stats, self.settings
         if self.stop_reason or self.open_groups >= cfg.max_open_groups:
             return False
-        useful = s.groups_started - s.groups_lost  # started groups that have reached or will reach the learner
-        if cfg.max_groups is not None and useful - s.groups_abandoned >= cfg.max_groups:
+        if cfg.max_groups is not None and s.groups_started - s.groups_lost - s.groups_abandoned >= cfg.max_groups:
             return False
         if self.progress is None:
             return not cfg.wait_for_learner
-        return useful < budget_share(self.progress.accept_groups, cfg.actor_index, cfg.num_actors)
+        return self.budget_used() < budget_share(self.progress.accept_groups, cfg.actor_index, cfg.num_actors)
+
+    def budget_used(self) -> int:
+        """Groups of this actor id that count against its share (module docstring, "Gating")."""
+        s, box = self.stats, self.outbox
+        running = s.groups_started - s.groups_lost - s.groups_abandoned - box.produced
+        return box.learner_holds + box.unacknowledged + running
 
     # ------------------------------------------------------------------ main
 
@@ -162,6 +179,8 @@ class ActorService:
             async with trio.open_nursery() as root:
                 if self.progress_source is not None:
                     root.start_soon(self._listen_progress)
+                if self.sender is not None:
+                    root.start_soon(self._resend_lost)
                 if handle_signals:
                     root.start_soon(self._watch_signals, root.cancel_scope)
                 if self.settings.log_interval_s > 0:
@@ -174,16 +193,23 @@ class ActorService:
                         if self.stop_reason:
                             groups.cancel_scope.cancel()
                         await self._schedule(groups, send_in)
-                # deliver what finished; once a stop is requested, for at most drain_timeout_s
+                # deliver what finished; once a stop is requested, for at most drain_timeout_s, in
+                # which the learner may also acknowledge what was sent (unless it is done)
                 while not delivered_all.is_set() and not self.stop_reason:
                     await self._changed.wait()
                 with trio.move_on_after(self.settings.drain_timeout_s):
                     await delivered_all.wait()
+                    while self._awaiting_acks():
+                        await self._changed.wait()
                 root.cancel_scope.cancel()
         finally:
             if dump is not None:
                 dump.close()
         return self.report()
+
+    def _awaiting_acks(self) -> bool:
+        return (self.outbox.held > 0 and self.sender is not None and self.progress is not None
+                and not self.progress.done)
 
     def report(self) -> dict[str, Any]:
         s = self.stats
@@ -192,7 +218,9 @@ class ActorService:
             "failed": self.failed,
             "groups_unsent": s.groups_completed - s.groups_delivered,
             "last_progress": None if self.progress is None else {
-                "policy_version": self.progress.policy_version, "accept_groups": self.progress.accept_groups},
+                "policy_version": self.progress.policy_version, "accept_groups": self.progress.accept_groups,
+                "learner_session": self.progress.learner_session},
+            **self.outbox.stats(),
             **s.summary(),
         }
 
@@ -275,15 +303,31 @@ class ActorService:
     async def _deliver(self, send_out: trio.MemoryReceiveChannel, dump: Any, done: trio.Event) -> None:
         async with send_out:
             async for group in send_out:
+                self.outbox.stamp(group)
                 if dump is not None:
                     dump.write(json.dumps(group_to_json(group), default=str) + "\n")
                     dump.flush()
                 if self.sender is not None:
-                    await self.sender.send(group)
+                    await self._send(group)
                 self.stats.groups_delivered += 1
                 self._notify()
         done.set()
         self._notify()
+
+    async def _send(self, group: TrajectoryGroup) -> None:
+        assert self.sender is not None
+        async with self._send_lock:  # the outbox's record of the order is the order on the wire
+            await self.sender.send(group)
+            self.outbox.sent(group)
+
+    async def _resend_lost(self) -> None:
+        """Send again what the outbox says the learner lost (queued by _listen_progress)."""
+        while True:
+            while not self._resend:
+                await self._changed.wait()
+            group = self._resend.popleft()
+            if self.outbox.is_held(group):  # not acknowledged meanwhile
+                await self._send(group)
 
     async def _listen_progress(self) -> None:
         assert self.progress_source is not None
@@ -298,6 +342,7 @@ class ActorService:
                 log.info("learner seen: policy version %d, budget %d groups", progress.policy_version,
                          progress.accept_groups)
             self.progress = progress
+            self._resend.extend(self.outbox.on_progress(progress))
             if progress.max_staleness != self.settings.max_staleness and not self._warned_staleness:
                 self._warned_staleness = True
                 log.warning("actors.max_staleness=%d but the learner publishes %d; the learner's value governs",
@@ -320,9 +365,9 @@ class ActorService:
             await trio.sleep(self.settings.log_interval_s)
             window = self.stats.window()
             s = self.stats.summary()
-            log.info("actor %s: %.1f turns/s, %.2f groups/s, open %d, delivered %d, lost %d, reward %.3f, "
+            log.info("actor %s: %.1f turns/s, %.2f groups/s, open %d, delivered %d, unacked %d, lost %d, reward %.3f, "
                      "turns %.2f, tool errors %.3f, finish %s", self.settings.actor_id, window["turns_per_s"],
-                     window["groups_per_s"], self.open_groups, s["groups_delivered"], s["groups_lost"],
+                     window["groups_per_s"], self.open_groups, s["groups_delivered"], self.outbox.held, s["groups_lost"],
                      s["reward_mean"], s["turns_mean"], s["tool_error_rate"], s["finish_reasons"])
 
 
@@ -330,7 +375,7 @@ def group_to_json(group: TrajectoryGroup) -> dict[str, Any]:
     """A group as one JSON object (for ``--dump-trajectories``)."""
     return {
         "group_id": group.group_id, "task_id": group.task_id, "env": group.env, "actor_id": group.actor_id,
-        "created_at": group.created_at,
+        "session": group.session, "seq": group.seq, "created_at": group.created_at,
         "trajectories": [
             {
                 "reward": t.reward, "reward_components": t.reward_components,

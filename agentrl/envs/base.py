@@ -22,6 +22,7 @@ Environments are loaded by import path, ``env.cls = "my_pkg.my_env:MyEnv"`` with
 from __future__ import annotations
 
 import importlib
+import math
 import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
@@ -145,20 +146,21 @@ def total_reward(value: float | dict[str, float]) -> tuple[float, dict[str, floa
 
 
 async def score_episode(
-    env: Env, task: Task, state: dict[str, Any], messages: list[Message]
+    env: Env, task: Task, state: dict[str, Any], messages: list[Message], *, max_abs_reward: float = math.inf
 ) -> tuple[float, dict[str, float], str | None]:
-    """Call ``env.reward`` and normalise it; a reward that raises or is not a finite number
-    scores 0.0 and comes back with an error message (the episode is kept, the run goes on).
-    Returns ``(total, components, error)``. Cancellation propagates."""
-    import math
-
+    """Call ``env.reward`` and normalise it; a reward that raises, is not a finite number or
+    exceeds ``max_abs_reward`` in size (the total or a component) scores 0.0 and comes back
+    with an error message (the episode is kept, the run goes on). Returns ``(total,
+    components, error)``. Cancellation propagates."""
     try:
         value = await env.reward(task, state, messages)
         total, components = total_reward(value)
     except Exception as e:  # noqa: BLE001 - a broken reward is reported, never fatal
         return 0.0, {}, f"reward of {type(env).__name__} failed: {type(e).__name__}: {e}"
-    if not math.isfinite(total):
+    if not all(math.isfinite(r) for r in (total, *components.values())):
         return 0.0, {}, f"reward of {type(env).__name__} is not finite: {value!r}"
+    if not all(abs(r) <= max_abs_reward for r in (total, *components.values())):
+        return 0.0, {}, f"reward of {type(env).__name__} exceeds learner.max_abs_reward={max_abs_reward:g}: {value!r}"
     return total, components, None
 
 

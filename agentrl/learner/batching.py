@@ -4,7 +4,10 @@ The path of a group through the learner:
 
 1. :func:`validate_group` rejects what cannot be trained on (no model tokens, token ids
    outside the vocabulary, non-finite or positive behaviour logprobs, a sequence longer
-   than a micro-batch). :class:`GroupBuffer` counts every drop by reason and never raises.
+   than a micro-batch, a reward or reward component that is not finite or exceeds
+   ``max_abs_reward`` in size). :class:`GroupBuffer` counts every drop by reason and never
+   raises. The reward check is the learner's border: one reward of 1e300 made the group's
+   advantages -inf/NaN and the trainer skipped the whole step.
 2. **Staleness.** A group's staleness is ``policy_version - oldest_version``, where the
    oldest version is the oldest policy that produced any of its model tokens. Groups with
    staleness > ``max_staleness`` are dropped (and counted) both on arrival and when a step
@@ -58,11 +61,16 @@ class Sample:
 # --------------------------------------------------------------------------- validation
 
 
-def validate_group(group: TrajectoryGroup, *, vocab_size: int, max_sequence_tokens: int) -> str | None:
+def validate_group(
+    group: TrajectoryGroup, *, vocab_size: int, max_sequence_tokens: int, max_abs_reward: float = math.inf
+) -> str | None:
     """Return why ``group`` cannot be trained on (a counter key), or None when it is fine."""
     if not group.trajectories:
         return "malformed_empty"
     for traj in group.trajectories:
+        rewards = [traj.reward, *traj.reward_components.values()]
+        if not all(math.isfinite(r) and abs(r) <= max_abs_reward for r in rewards):
+            return "malformed_reward"
         mask = traj.loss_mask.astype(bool)
         if len(traj.tokens) < 2 or not mask[1:].any():
             return "malformed_no_model_tokens"
@@ -86,12 +94,21 @@ def group_staleness(group: TrajectoryGroup, policy_version: int) -> int:
 class GroupBuffer:
     """Groups received and not yet trained on; drops and counts what cannot be used.
 
-    ``counters`` holds ``received``, ``accepted``, ``dropped_<reason>`` and ``future_version``.
+    ``counters`` holds ``received``, ``accepted``, ``dropped_<reason>``, ``future_version``,
+    ``consumed`` (taken for a step) and ``duplicate`` (counted by the learner's ledger, which
+    sees duplicates before the buffer does).
     """
 
     def __init__(
-        self, *, max_staleness: int, dynamic_sampling: bool, vocab_size: int, max_sequence_tokens: int
+        self,
+        *,
+        max_staleness: int,
+        dynamic_sampling: bool,
+        vocab_size: int,
+        max_sequence_tokens: int,
+        max_abs_reward: float = math.inf,
     ) -> None:
+        self.max_abs_reward = max_abs_reward
         self.max_staleness = max_staleness
         self.dynamic_sampling = dynamic_sampling
         self.vocab_size = vocab_size
@@ -109,7 +126,12 @@ class GroupBuffer:
     def add(self, group: TrajectoryGroup, policy_version: int) -> str | None:
         """Keep ``group`` or drop it; returns the drop reason (None when kept)."""
         self.counters["received"] += 1
-        reason = validate_group(group, vocab_size=self.vocab_size, max_sequence_tokens=self.max_sequence_tokens)
+        reason = validate_group(
+            group,
+            vocab_size=self.vocab_size,
+            max_sequence_tokens=self.max_sequence_tokens,
+            max_abs_reward=self.max_abs_reward,
+        )
         if reason is not None:
             return self._drop(reason)
         if group_staleness(group, policy_version) > self.max_staleness:
@@ -134,6 +156,7 @@ class GroupBuffer:
         self.groups = fresh
         if len(self.groups) < n:
             return None
+        self.counters["consumed"] += n
         return [self.groups.popleft() for _ in range(n)]
 
 

@@ -5,27 +5,50 @@ Layout under a checkpoint root (``<run_dir>/checkpoints/learn`` or ``.../sft``):
     step_00000010/
         .metadata, __*_*.distcp   DCP: policy, policy_optim (+ critic, critic_optim for PPO),
                                   saved as shards by every rank; any world size can load them
-        trainer_state.pt          step, policy version, LR scheduler, data counters,
-                                  skipped updates, anything else the caller adds (rank 0)
+        trainer_state.pt          step, LR scheduler, skipped updates, world size, and the
+                                  caller's state (policy version, data counters, ledger...)
         rng/rank_<r>.pt           Python, NumPy, torch (and CUDA) RNG state of each rank
         pending_groups.bin        groups received but not trained on yet, msgpack (rank 0)
         hf/                       the model's config and tokenizer files (for ``agentrl export``)
-        meta.json                 human-readable summary
+        meta.json                 written last: the checkpoint is complete when it exists
     latest                        name of the newest complete checkpoint
 
-``latest`` is written (atomically) only after every rank has finished writing, so a crash
-during a save leaves the previous checkpoint in charge. ``resume = "auto"`` loads the
-checkpoint ``latest`` names and continues with the next step: same weights, optimiser
-moments, LR, RNG streams and policy version, and the groups that were waiting.
+**Durable before it counts.** Every file is fsynced (DCP's writer syncs its shards), then
+``meta.json`` is written and synced, then ``latest`` is replaced atomically (write, fsync,
+rename, fsync the folder) after all ranks finished. A crash at any point leaves the previous
+checkpoint in charge.
+
+**Which checkpoint.** :func:`latest_checkpoint` takes the one ``latest`` names when it is
+complete; when ``latest`` is missing, dangling or names an incomplete folder, it falls back
+to the newest complete checkpoint (by save time) and says so.
+
+**Retention by step, per lineage.** A lineage is one training run's chain of checkpoints: a
+fresh start begins a new one, a resume continues the loaded checkpoint's (``meta.json``
+records it). After a save, the ``keep`` highest steps of the saving lineage are kept and its
+older ones deleted; other lineages' checkpoints (an old run in the same folder) are never
+touched. Sorting folder names instead let a new run in a folder holding an old ``step_100``
+delete its own fresh ``step_50`` and leave ``latest`` dangling.
+
+**Loading reads data, not code**: ``torch.load(weights_only=True)`` everywhere. The only
+non-tensor object that needed it was NumPy's RNG state, an ``ndarray`` inside a tuple; it is
+stored as plain lists and ints. DCP itself reads its ``.metadata`` with a bare
+``pickle.load``; :func:`dcp_reader` reads it with an unpickler that admits only DCP's own
+metadata classes, ``torch.Size``, dtypes and paths, so a doctored checkpoint cannot run code.
+
+``resume = "auto"`` loads the checkpoint and continues with the next step: same weights,
+optimiser moments, LR, RNG streams and policy version, and the groups that were waiting.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import pickle
 import random
 import shutil
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -33,22 +56,98 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from agentrl.learner.journal import fsync_dir
 from agentrl.learner.trainer import Trainer
 
+log = logging.getLogger(__name__)
+
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+# The lineage each checkpoint root continues in this process: set by a load or the first save.
+_LINEAGES: dict[Path, str] = {}
 
 
 def checkpoint_root(run_dir: str | Path, kind: str) -> Path:
     return Path(run_dir) / "checkpoints" / kind
 
 
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The newest complete checkpoint under ``root`` (None when there is none)."""
-    pointer = Path(root) / "latest"
-    if not pointer.exists():
+def checkpoint_meta(path: str | Path) -> dict[str, Any] | None:
+    """A checkpoint's ``meta.json`` when the checkpoint is complete, else None."""
+    path = Path(path)
+    if not ((path / ".metadata").exists() and (path / "trainer_state.pt").exists()):
         return None
-    path = Path(root) / pointer.read_text().strip()
-    return path if (path / ".metadata").exists() else None
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) and isinstance(meta.get("step"), int) else None
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The checkpoint ``latest`` names when complete, else the newest complete one (None: none)."""
+    root = Path(root)
+    pointer = root / "latest"
+    if pointer.exists():
+        path = root / pointer.read_text().strip()
+        if checkpoint_meta(path) is not None:
+            return path
+        reason = f"{pointer} names {path.name!r}, which is missing or incomplete"
+    else:
+        reason = f"{pointer} does not exist"
+    found = [(meta.get("saved_at", 0.0), meta["step"], p) for p in root.glob("step_*")
+             if (meta := checkpoint_meta(p)) is not None]
+    if not found:
+        return None
+    newest = max(found, key=lambda x: (x[0], x[1]))[2]
+    log.warning("%s; using the newest complete checkpoint, %s", reason, newest)
+    return newest
+
+
+def kept_checkpoints(root: str | Path, lineage: str) -> list[Path]:
+    """The complete checkpoints of ``lineage`` under ``root``, lowest step first."""
+    found = [(meta["step"], p) for p in Path(root).glob("step_*")
+             if (meta := checkpoint_meta(p)) is not None and meta.get("lineage") == lineage]
+    return [p for _, p in sorted(found)]
+
+
+_METADATA_GLOBALS = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Reads DCP's ``.metadata``: its own data classes and a few plain types, nothing callable."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (
+            module == "torch.distributed.checkpoint.metadata"
+            or (module, name) in _METADATA_GLOBALS
+            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's .metadata")
+        return super().find_class(module, name)
+
+
+def dcp_reader(path: str | Path) -> Any:
+    """A DCP ``FileSystemReader`` for ``path`` whose ``.metadata`` is read by :class:`_MetadataUnpickler`."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:  # FileSystemReader's, minus pickle.load
+            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(path))
 
 
 def _model_state(trainer: Trainer) -> dict[str, Any]:
@@ -63,7 +162,9 @@ def _model_state(trainer: Trainer) -> dict[str, Any]:
 
 
 def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()  # keys: an ndarray; weights_only refuses it
+    numpy_state = [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -71,10 +172,30 @@ def _rng_state() -> dict[str, Any]:
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _fsync_file(path: Path) -> None:
+    with path.open("rb") as f:
+        os.fsync(f.fileno())
+
+
+def _write_durable(path: Path, data: bytes) -> None:
+    with path.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _save_durable(obj: Any, path: Path) -> None:
+    with path.open("wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _copy_hf_files(model_path: str | Path, out: Path) -> None:
@@ -82,6 +203,8 @@ def _copy_hf_files(model_path: str | Path, out: Path) -> None:
     for f in Path(model_path).iterdir():
         if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and not f.name.endswith(".index.json"):
             shutil.copy2(f, out / f.name)
+            _fsync_file(out / f.name)
+    fsync_dir(out)
 
 
 def save_checkpoint(
@@ -91,12 +214,17 @@ def save_checkpoint(
     state: dict[str, Any] | None = None,
     pending_groups: bytes = b"",
     keep: int = 2,
+    lineage: str | None = None,
 ) -> Path:
-    """Save everything (collective: every rank calls it). ``state`` is the caller's picklable
-    state (policy version, counters...), stored with the trainer's own on rank 0."""
+    """Save everything (collective: every rank calls it). ``state`` is the caller's state (plain
+    dicts, lists, strings and numbers), stored with the trainer's own on rank 0. ``lineage``:
+    see the module docstring; None continues the one this process loaded or saved under
+    ``root``, or starts a new one."""
     import torch.distributed.checkpoint as dcp
 
     root = Path(root)
+    lineage = lineage or _LINEAGES.get(root.resolve()) or uuid.uuid4().hex[:16]
+    _LINEAGES[root.resolve()] = lineage
     path = root / f"step_{trainer.step:08d}"
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
@@ -105,8 +233,8 @@ def save_checkpoint(
         (path / "rng").mkdir(parents=True, exist_ok=True)
     if dist.is_initialized():
         dist.barrier()
-    dcp.save(_model_state(trainer), checkpoint_id=str(path))
-    torch.save(_rng_state(), path / "rng" / f"rank_{rank}.pt")
+    dcp.save(_model_state(trainer), storage_writer=dcp.FileSystemWriter(str(path), sync_files=True))
+    _save_durable(_rng_state(), path / "rng" / f"rank_{rank}.pt")
     if rank == 0:
         trainer_state = {
             "step": trainer.step,
@@ -115,33 +243,37 @@ def save_checkpoint(
             "world_size": trainer.dist.world_size,
             "caller": state or {},
         }
-        torch.save(trainer_state, path / "trainer_state.pt")
-        (path / "pending_groups.bin").write_bytes(pending_groups)
+        _save_durable(trainer_state, path / "trainer_state.pt")
+        _write_durable(path / "pending_groups.bin", pending_groups)
         _copy_hf_files(trainer.spec.model_path, path / "hf")
+    if dist.is_initialized():
+        dist.barrier()  # every rank's files are on disk
+    if rank == 0:
+        fsync_dir(path / "rng")
+        fsync_dir(path)
         meta = {
             "step": trainer.step,
+            "lineage": lineage,
             "world_size": trainer.dist.world_size,
             "algorithm": trainer.spec.algorithm,
             "model_path": str(trainer.spec.model_path),
             "saved_at": time.time(),
             "caller": {k: v for k, v in (state or {}).items() if isinstance(v, (int, float, str, bool))},
         }
-        (path / "meta.json").write_text(json.dumps(meta, indent=2))
-    if dist.is_initialized():
-        dist.barrier()
-    if rank == 0:
-        tmp = root / "latest.tmp"
-        tmp.write_text(path.name)
-        os.replace(tmp, root / "latest")
-        _prune(root, keep)
+        _write_durable(path / "meta.json", json.dumps(meta, indent=2).encode())  # complete from here
+        fsync_dir(path)
+        _write_durable(root / "latest.tmp", path.name.encode())
+        os.replace(root / "latest.tmp", root / "latest")
+        fsync_dir(root)
+        _prune(root, keep, lineage)
     if dist.is_initialized():
         dist.barrier()
     return path
 
 
-def _prune(root: Path, keep: int) -> None:
-    steps = sorted(p for p in root.glob("step_*") if p.is_dir())
-    for old in steps[:-keep]:
+def _prune(root: Path, keep: int, lineage: str) -> None:
+    """Delete ``lineage``'s checkpoints below its ``keep`` highest steps."""
+    for old in kept_checkpoints(root, lineage)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 
 
@@ -156,7 +288,7 @@ def load_checkpoint(path: str | Path, trainer: Trainer) -> dict[str, Any]:
         raise ValueError(f"{path} is not a checkpoint (no .metadata)")
     rank = dist.get_rank() if dist.is_initialized() else 0
     state = _model_state(trainer)
-    dcp.load(state, checkpoint_id=str(path))
+    dcp.load(state, storage_reader=dcp_reader(path))
     set_state_dict(
         trainer.policy, trainer.optimizer, model_state_dict=state["policy"], optim_state_dict=state["policy_optim"]
     )
@@ -167,14 +299,18 @@ def load_checkpoint(path: str | Path, trainer: Trainer) -> dict[str, Any]:
             model_state_dict=state["critic"],
             optim_state_dict=state["critic_optim"],
         )
-    trainer_state = torch.load(path / "trainer_state.pt", weights_only=False)
+    trainer_state = torch.load(path / "trainer_state.pt", weights_only=True)
     trainer.step = int(trainer_state["step"])
     trainer.skipped_updates = int(trainer_state["skipped_updates"])
     trainer.scheduler.load_state_dict(trainer_state["scheduler"])
     rng_file = path / "rng" / f"rank_{rank}.pt"
     if rng_file.exists():  # a different world size restores the ranks it has
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+        _set_rng_state(torch.load(rng_file, weights_only=True))
     caller = dict(trainer_state.get("caller", {}))
     pending = path / "pending_groups.bin"
     caller["pending_groups"] = pending.read_bytes() if pending.exists() else b""
+    meta = checkpoint_meta(path) or {}
+    if meta.get("lineage"):
+        _LINEAGES[path.parent.resolve()] = meta["lineage"]
+    caller["lineage"] = meta.get("lineage", "")
     return caller

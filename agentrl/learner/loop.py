@@ -18,6 +18,16 @@ progress every poll (a late subscriber still learns the version) and logs what i
 every ``wait_log_interval_s``. ``max_wait_for_data_s > 0`` turns a long silence into a
 clean stop (checkpoint first).
 
+**Exactly once** (``agentrl.transport.delivery``). Every group carries its actor's id,
+session and sequence number. Rank 0 drops a group its :class:`Ledger` has seen before
+(``data/duplicate``), appends every new one to the journal (``agentrl.learner.journal``)
+and syncs the journal before each progress message, which acknowledges, per actor, what is
+now on disk; actors hold and resend the rest. A checkpoint stores the ledger, the counters
+and the waiting groups, and starts a new journal segment; a resumed learner replays the
+segments after its checkpoint, so nothing it acknowledged is lost and nothing is trained
+twice. ``learner_batches.jsonl`` lists the groups of every step (after a crash, the last
+line for a step number is the one the surviving weights saw).
+
 **Progress and the budget.** After every step and weight update rank 0 publishes the
 policy version and ``accept_groups``, the cumulative number of groups all actors together
 may have started (``Progress`` in agentrl/protocol.py)::
@@ -28,7 +38,9 @@ with ``G = groups_per_step`` and ``k = sync_every_steps``. Every group received 
 by some actor, so what may still be buffered or in flight is the second part: at most
 ``max_staleness + 1`` versions' worth. ``max_staleness = 0`` makes it exactly one version's
 worth of groups: a synchronous system. Dropped groups count as received, so they are
-replaced.
+replaced; duplicates do not count. ``received`` is part of the checkpoint and the journal
+brings back what came after it, so a restarted learner's budget matches what its live
+actors have used (each actor counts what the learner holds from it, see the actors).
 
 **Weights.** Every ``sync_every_steps`` steps the version is bumped and the weights are
 pushed (``agentrl.learner.weight_push``) when ``engine.urls`` is set. At start, before the
@@ -49,38 +61,30 @@ import random
 import signal
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from agentrl.config import AgentRLConfig, dump_toml
-from agentrl.protocol import Progress, TrajectoryGroup
+from agentrl.learner.journal import Journal
+from agentrl.protocol import Progress, ProtocolError, TrajectoryGroup, decode, encode
+from agentrl.transport.base import GroupSource, ProgressSink
+from agentrl.transport.delivery import Ledger
 
 log = logging.getLogger("agentrl.learner")
 
 POLL_S = 2.0  # longest a non-zero rank waits in one control broadcast
 
 
-class GroupSource(Protocol):
-    stats: dict[str, int]
-
-    def get(self, timeout_s: float | None = None) -> TrajectoryGroup | None: ...
-    def close(self) -> None: ...
-
-
-class ProgressSink(Protocol):
-    def publish(self, progress: Progress) -> None: ...
-    def close(self) -> None: ...
-
-
 @dataclass
 class LearnerIO:
     """Rank 0's connections. Tests pass their own; ``open_io`` builds the real ones."""
 
-    source: Any  # GroupSource
-    progress: Any = None  # ProgressSink
+    source: GroupSource
+    progress: ProgressSink | None = None
     weights: Any = None  # agentrl.learner.weight_push.WeightUpdater
     tracker: Any = None  # agentrl.tracking.Tracker
 
@@ -102,11 +106,17 @@ def open_tracker(cfg: AgentRLConfig, run_dir: Path) -> Any:
 
 def open_io(cfg: AgentRLConfig, run_dir: Path) -> LearnerIO:
     """The real transport (bind), weight updater (when ``engine.urls`` is set) and tracker."""
-    from agentrl.transport import GroupReceiver, ProgressPublisher
+    from agentrl.transport import GroupReceiver, ProgressPublisher, security_from_config
 
     lc = cfg.learner
-    source = GroupReceiver(cfg.actors.trajectory_endpoint, bind=True, max_queued_groups=max(64, 2 * lc.groups_per_step))
-    progress = ProgressPublisher(cfg.actors.progress_endpoint, bind=True)
+    security = security_from_config(cfg.actors)
+    source = GroupReceiver(cfg.actors.trajectory_endpoint, bind=True, max_queued_groups=max(64, 2 * lc.groups_per_step),
+                           security=security)
+    try:
+        progress = ProgressPublisher(cfg.actors.progress_endpoint, bind=True, security=security)
+    except BaseException:
+        source.close()
+        raise
     weights = None
     if cfg.engine.urls:
         from agentrl.learner.weight_push import WeightUpdater
@@ -171,6 +181,11 @@ class Learner:
         self._batch_stats: dict[str, float] = {}
         self.io: LearnerIO | None = None
         self.buffer: GroupBuffer | None = None
+        self.session = uuid.uuid4().hex[:16]  # this process: actors resend what it has not acknowledged
+        self.lineage = ""  # this run's chain of checkpoints and journal (set by _resume)
+        self.ledger = Ledger()
+        self.journal: Journal | None = None
+        self._batch_keys: list[list] = []
         if self.dist.is_main:
             self.io = io if io is not None else open_io(cfg, self.run_dir)
             self.buffer = GroupBuffer(
@@ -178,9 +193,11 @@ class Learner:
                 dynamic_sampling=self.lc.dynamic_sampling,
                 vocab_size=self.trainer.vocab_size,
                 max_sequence_tokens=self.lc.max_tokens_per_microbatch,
+                max_abs_reward=self.lc.max_abs_reward,
             )
         self.push_enabled = bool(broadcast_object(self.io is not None and self.io.weights is not None))
         self.metrics_file = self.run_dir / "learner_metrics.jsonl"
+        self.batches_file = self.run_dir / "learner_batches.jsonl"
 
     # ------------------------------------------------------------------ main loop
 
@@ -231,8 +248,10 @@ class Learner:
                 self._publish(done=True)
             return self.exit_reason
         finally:
+            if self.journal is not None:
+                self.journal.close()
             if self.io is not None:
-                self.io.close()
+                self.io.close()  # the progress publisher hands "done" to connected actors first
             restore()
 
     # ------------------------------------------------------------------ data
@@ -264,6 +283,7 @@ class Learner:
             self._drain()
             groups = self.buffer.take(self.lc.groups_per_step, self.version)
             if groups is not None:
+                self._batch_keys = [list(g.key) for g in groups]
                 samples = [
                     s
                     for g in groups
@@ -288,7 +308,18 @@ class Learner:
                 return ("wait",)
             group = self.io.source.get(timeout_s=min(0.5, max(0.01, deadline - now)))
             if group is not None:
-                self._add(group)
+                self._accept(group)
+
+    def _accept(self, group: TrajectoryGroup) -> None:
+        """A group from the transport: a duplicate is counted and dropped; a new one goes to
+        the journal (acknowledged once synced, at the next publish), the ledger and the buffer."""
+        assert self.buffer is not None and self.journal is not None
+        if group in self.ledger:
+            self.buffer.counters["duplicate"] += 1
+            return
+        self.journal.append(encode(group))
+        self.ledger.record(group)
+        self._add(group)
 
     def _add(self, group: TrajectoryGroup) -> None:
         assert self.buffer is not None
@@ -305,7 +336,7 @@ class Learner:
             group = self.io.source.get(timeout_s=0)
             if group is None:
                 return
-            self._add(group)
+            self._accept(group)
 
     def _log_wait(self, waited_s: float) -> None:
         assert self.buffer is not None and self.io is not None
@@ -340,9 +371,13 @@ class Learner:
             step=self.trainer.step,
             max_staleness=s,
             done=done,
+            learner_session=self.session,
+            actors=self.ledger.acks(),
         )
 
     def _publish(self, done: bool = False) -> None:
+        if self.journal is not None:
+            self.journal.sync()  # what the progress acknowledges is on disk
         if self.io is not None and self.io.progress is not None:
             self.io.progress.publish(self._progress(done))
 
@@ -389,57 +424,75 @@ class Learner:
     def _checkpoint(self) -> float:
         import msgpack
 
-        from agentrl.learner.checkpoint import save_checkpoint
-        from agentrl.protocol import encode
+        from agentrl.learner.checkpoint import checkpoint_meta, kept_checkpoints, save_checkpoint
 
         started = time.perf_counter()
         pending = b""
-        counters: dict[str, int] = {}
-        if self.buffer is not None:
+        state: dict[str, Any] = {"policy_version": self.version, "steps_since_sync": self.steps_since_sync,
+                                 "lineage": self.lineage}
+        if self.buffer is not None and self.journal is not None:
             self._drain()  # groups already received are saved too, not lost on a restart
             pending = msgpack.packb([encode(g) for g in self.buffer.groups], use_bin_type=True)
-            counters = dict(self.buffer.counters)
-        state = {"policy_version": self.version, "steps_since_sync": self.steps_since_sync, "counters": counters}
-        path = save_checkpoint(
-            self.ckpt_root, self.trainer, state=state, pending_groups=pending, keep=self.lc.keep_checkpoints
-        )
+            state["counters"] = dict(self.buffer.counters)
+            state["ledger"] = self.ledger.state()
+            state["journal_segment"] = self.journal.rotate()  # groups from now on: replayed after this checkpoint
+        path = save_checkpoint(self.ckpt_root, self.trainer, state=state, pending_groups=pending,
+                               keep=self.lc.keep_checkpoints, lineage=self.lineage)
+        if self.journal is not None:
+            kept = [checkpoint_meta(p) or {} for p in kept_checkpoints(self.ckpt_root, self.lineage)]
+            segments = [m.get("caller", {}).get("journal_segment") for m in kept]
+            self.journal.prune(min((s for s in segments if isinstance(s, int)), default=0))
         if self.dist.is_main:
             log.info("checkpoint %s (policy version %d)", path, self.version)
         return time.perf_counter() - started
 
     def _resume(self) -> None:
+        """Every rank: restore the latest checkpoint (``resume = "auto"``); rank 0: the ledger,
+        the counters, the waiting groups, then the journal's groups received after it."""
         import msgpack
 
         from agentrl.learner.checkpoint import latest_checkpoint, load_checkpoint
         from agentrl.learner.distributed import broadcast_object
-        from agentrl.protocol import ProtocolError, decode
 
-        if self.lc.resume != "auto":
-            return
-        path = broadcast_object(latest_checkpoint(self.ckpt_root) if self.dist.is_main else None)
-        if path is None:
-            return
-        state = load_checkpoint(path, self.trainer)
+        path = None
+        if self.lc.resume == "auto":
+            path = broadcast_object(latest_checkpoint(self.ckpt_root) if self.dist.is_main else None)
+        state = load_checkpoint(path, self.trainer) if path is not None else {}
         self.version = int(state.get("policy_version", 0))
         self.steps_since_sync = int(state.get("steps_since_sync", 0))
+        self.lineage = str(broadcast_object(state.get("lineage") or uuid.uuid4().hex[:16]))
         if self.buffer is not None:
             self.buffer.counters.update(state.get("counters", {}))
+            self.ledger = Ledger.from_state(state.get("ledger", {}))
             raw = state.get("pending_groups") or b""
             for item in msgpack.unpackb(raw, raw=False) if raw else []:
-                try:
-                    group = decode(item)
-                except ProtocolError as e:
-                    log.warning("dropping an unreadable pending group from the checkpoint: %s", e)
-                    continue
-                if isinstance(group, TrajectoryGroup):
+                group = self._decode_saved(item, "the checkpoint's pending groups")
+                if group is not None:
                     self.buffer.groups.append(group)
-            log.info(
-                "resumed from %s: next step %d, policy version %d, %d pending groups",
-                path,
-                self.trainer.step + 1,
-                self.version,
-                len(self.buffer),
-            )
+            pending = len(self.buffer)
+            self.journal = Journal(self.run_dir / "journal", self.lineage)
+            replayed = 0
+            if isinstance(state.get("journal_segment"), int):
+                for item in self.journal.replay(state["journal_segment"]):
+                    group = self._decode_saved(item, "the journal")
+                    if group is not None and self.ledger.record(group):
+                        self._add(group)
+                        replayed += 1
+            if path is not None:
+                log.info(
+                    "resumed from %s: next step %d, policy version %d, %d pending groups, %d groups from the "
+                    "journal since the checkpoint",
+                    path, self.trainer.step + 1, self.version, pending, replayed,
+                )
+
+    @staticmethod
+    def _decode_saved(item: bytes, where: str) -> TrajectoryGroup | None:
+        try:
+            group = decode(item)
+        except ProtocolError as e:
+            log.warning("dropping an unreadable group from %s: %s", where, e)
+            return None
+        return group if isinstance(group, TrajectoryGroup) else None
 
     # ------------------------------------------------------------------ logging and signals
 
@@ -465,6 +518,8 @@ class Learner:
             self.io.tracker.log_metrics(row, step=self.trainer.step)
         with self.metrics_file.open("a") as f:
             f.write(json.dumps({"step": self.trainer.step, **row}) + "\n")
+        with self.batches_file.open("a") as f:
+            f.write(json.dumps({"step": self.trainer.step, "groups": self._batch_keys}) + "\n")
         log.info(
             "step %d | loss %.4f | reward %.3f | policy v%d | %.0f tok/s | wait %.1fs | dropped %d",
             self.trainer.step,

@@ -1,4 +1,4 @@
-"""ZeroMQ transport between actors and learner, behind a small interface.
+"""The ZeroMQ channels between actors and learner.
 
 Two channels (the learner binds, actors connect):
 
@@ -22,18 +22,21 @@ Design (measurements in docs/architecture.md and ``bench/transport.py``):
   that have not connected yet, so an actor that starts after the learner's last publish
   would wait forever), and the subscriber keeps :attr:`ProgressSubscriber.latest` current
   even when no task is reading. A daemon thread owns each socket; callers talk to it
-  through :class:`_Mailbox`, a bounded FIFO that plain threads (``threading.Condition``)
-  and trio tasks (a ``trio.Event`` set through ``TrioToken.run_sync_soon``) can wait on,
-  moved in batches.
+  through a :class:`~agentrl.transport.mailbox.Mailbox`.
 * **Nothing busy-waits.** Blocking happens in ZMQ calls, in ``zmq_poll``, in trio's
   ``wait_readable`` or on a condition. Closing wakes blocked callers (an inproc socket
   for a blocked ``GroupReceiver.get``, ``notify_closing`` for a waiting send, context
-  termination for socket threads). Every socket closes with linger 0.
+  termination for socket threads). Sockets close with linger 0, except the progress
+  publisher, which hands its last messages (the learner's ``done``) to connected subscribers
+  for up to ``close_linger_s``.
 * **Back-pressure.** Every queue is bounded: ZMQ's high-water marks by
   ``max_queued_groups`` on both sides. When the learner stops calling ``get``, its
   receive queue and then the kernel's socket buffers fill, the actor's send queue fills
   and :meth:`GroupSender.send` waits. Nothing is dropped on the trajectory channel while
-  both ends are open; closing drops what is in flight.
+  both ends are open; closing drops what is in flight (the actor's outbox resends what
+  the learner did not acknowledge: ``agentrl.transport.delivery``).
+* **Security**: every class takes ``security=`` (:mod:`agentrl.transport.security`): CURVE
+  when the run's key is set, and plain TCP beyond loopback refused otherwise.
 * **Malformed messages** (undecodable, wrong version, wrong kind) are counted
   in ``stats["malformed"]``, logged and dropped; they never reach the caller.
 * Endpoints are whatever the config says (``tcp://127.0.0.1:5557`` by default: loopback
@@ -41,10 +44,7 @@ Design (measurements in docs/architecture.md and ``bench/transport.py``):
   actually bound, for the connecting side. ``ipc://path`` works the same.
 
 ``PushSocket``/``PullSocket`` are the byte layer under the group classes (the benchmark
-drives them with pre-encoded bytes). ``InMemoryGroupChannel`` and
-``InMemoryProgressChannel`` have the same methods without sockets, for unit tests of the
-actor and learner logic; the group channel still encodes and decodes every message, so
-metadata that cannot be sent fails there as it would on the wire.
+drives them with pre-encoded bytes).
 """
 
 from __future__ import annotations
@@ -52,190 +52,54 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
-from typing import Any, Callable, Generic, Iterable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import trio
 import zmq
 
 from agentrl.protocol import Progress, ProtocolError, TrajectoryGroup, decode, encode
+from agentrl.transport.base import GroupSink, GroupSource, ProgressSink, ProgressSource, TransportError
+from agentrl.transport.mailbox import Mailbox
+from agentrl.transport.security import PLAINTEXT, ChannelSecurity
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-__all__ = [
-    "GroupReceiver",
-    "GroupSender",
-    "InMemoryGroupChannel",
-    "InMemoryProgressChannel",
-    "ProgressPublisher",
-    "ProgressSubscriber",
-    "PullSocket",
-    "PushSocket",
-    "TransportError",
-]
-
-
-class TransportError(RuntimeError):
-    """A socket could not be opened, or its thread failed; the message names the endpoint."""
-
-
-# ---------------------------------------------------------------------------- mailbox
-
-
-class _Mailbox(Generic[T]):
-    """A bounded FIFO between one socket thread and its users, threads or trio tasks.
-
-    ``drop_oldest=True`` makes puts never wait: the oldest item goes (progress messages).
-    Every change wakes all waiters, who re-check; there are at most a handful.
-    """
-
-    def __init__(self, maxlen: int, *, drop_oldest: bool = False) -> None:
-        if maxlen < 1:
-            raise ValueError(f"queue length must be >= 1, got {maxlen}")
-        self.maxlen = maxlen
-        self._drop_oldest = drop_oldest
-        self._items: deque[T] = deque()
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
-        self._trio_waiters: list[tuple[trio.lowlevel.TrioToken, trio.Event]] = []
-        self.closed = False
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def _wake(self) -> None:  # caller holds the lock
-        self._cond.notify_all()
-        for token, event in self._trio_waiters:
-            try:
-                token.run_sync_soon(event.set)
-            except trio.RunFinishedError:
-                pass
-        self._trio_waiters.clear()
-
-    def close(self, *, discard: bool = True) -> None:
-        with self._lock:
-            self.closed = True
-            if discard:
-                self._items.clear()
-            self._wake()
-
-    # -- non-blocking, any thread
-    def _append(self, items: Iterable[T]) -> None:  # caller holds the lock
-        self._items.extend(items)
-        if self._drop_oldest:
-            while len(self._items) > self.maxlen:
-                self._items.popleft()
-        self._wake()
-
-    def put_many(self, items: Iterable[T]) -> None:
-        """Append without waiting: past ``maxlen`` the oldest items go when ``drop_oldest``,
-        otherwise the caller (the only producer) has checked the free space first."""
-        with self._lock:
-            if not self.closed:
-                self._append(items)
-
-    def put_nowait(self, item: T) -> bool:
-        """Append if there is room (or drop the oldest); False when full or closed."""
-        with self._lock:
-            if self.closed or (len(self._items) >= self.maxlen and not self._drop_oldest):
-                return False
-            self._append([item])
-            return True
-
-    # -- blocking, plain threads
-    def wait_space(self) -> int:
-        """Block until there is room; return how many items fit (0 once closed)."""
-        with self._lock:
-            while not self.closed and len(self._items) >= self.maxlen:
-                self._cond.wait()
-            return 0 if self.closed else self.maxlen - len(self._items)
-
-    def take_all(self, timeout_s: float | None = None) -> list[T]:
-        """Block until there are items (or ``timeout_s``); take them all. [] when closed or timed out."""
-        with self._lock:
-            if not self._items and not self.closed:
-                self._cond.wait_for(lambda: self._items or self.closed, timeout_s)
-            if self.closed and not self._items:
-                return []
-            items = list(self._items)
-            self._items.clear()
-            self._wake()
-            return items
-
-    def get(self, timeout_s: float | None = None) -> tuple[bool, T | None]:
-        """Block for one item: (True, item), or (False, None) on timeout or when closed and empty."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        with self._lock:
-            while not self._items:
-                if self.closed:
-                    return False, None
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False, None
-                self._cond.wait(remaining)
-            item = self._items.popleft()
-            self._wake()
-            return True, item
-
-    # -- trio
-    async def _wait_trio(self, ready: Callable[[], bool]) -> None:
-        """Wait in trio until ``ready()`` (checked under the lock) or the mailbox closes."""
-        while True:
-            with self._lock:
-                if ready() or self.closed:
-                    return
-                event = trio.Event()
-                waiter = (trio.lowlevel.current_trio_token(), event)
-                self._trio_waiters.append(waiter)
-            try:
-                await event.wait()
-            finally:
-                with self._lock:
-                    if waiter in self._trio_waiters:
-                        self._trio_waiters.remove(waiter)
-
-    async def aput(self, item: T) -> None:
-        """Append, waiting in trio while full. Raises trio.ClosedResourceError once closed."""
-        await trio.lowlevel.checkpoint_if_cancelled()
-        while True:
-            await self._wait_trio(lambda: len(self._items) < self.maxlen or self._drop_oldest)
-            with self._lock:
-                if self.closed:
-                    raise trio.ClosedResourceError("the channel is closed")
-                if len(self._items) < self.maxlen or self._drop_oldest:
-                    self._append([item])
-                    break
-        await trio.lowlevel.cancel_shielded_checkpoint()
-
-    async def aget(self) -> T:
-        """Take one item, waiting in trio. Raises trio.ClosedResourceError once closed and empty."""
-        await trio.lowlevel.checkpoint_if_cancelled()
-        while True:
-            await self._wait_trio(lambda: bool(self._items))
-            with self._lock:
-                if self._items:
-                    item = self._items.popleft()
-                    self._wake()
-                    break
-                if self.closed:
-                    raise trio.ClosedResourceError("the channel is closed")
-        await trio.lowlevel.cancel_shielded_checkpoint()
-        return item
-
 
 # ---------------------------------------------------------------------------- socket thread
 
 
+class _PrivateContext:
+    """A one-I/O-thread ZMQ context for one socket, with the CURVE authenticator its socket
+    needs when it is a CURVE server (see :mod:`agentrl.transport.security`)."""
+
+    def __init__(self, security: ChannelSecurity, bind: bool) -> None:
+        self.ctx = zmq.Context(io_threads=1)
+        try:
+            self._auth = security.start_authenticator(self.ctx, bind)
+        except BaseException:
+            self.ctx.term()
+            raise
+
+    def term(self) -> None:
+        """Stop the authenticator, then terminate: wakes blocked calls with ETERM and returns
+        once every socket of the context is closed (and their linger has passed)."""
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        self.ctx.term()
+
+
 def _own_socket(
-    name: str, socket_type: int, endpoint: str, bind: bool, options: dict[int, Any]
-) -> tuple[zmq.Context, zmq.Socket, str]:
-    """A private one-I/O-thread context and its socket (see :func:`_open_socket`); the context
-    is terminated again when the socket cannot be opened."""
-    ctx = zmq.Context(io_threads=1)
+    name: str, socket_type: int, endpoint: str, bind: bool, options: dict[int, Any], security: ChannelSecurity
+) -> tuple[_PrivateContext, zmq.Socket, str]:
+    """A private context and its socket (see :func:`_open_socket`); the context is terminated
+    again when the socket cannot be opened."""
+    security.check(name, endpoint, bind)
+    ctx = _PrivateContext(security, bind)
     try:
-        sock, address = _open_socket(ctx, name, socket_type, endpoint, bind, options)
+        sock, address = _open_socket(ctx.ctx, name, socket_type, endpoint, bind, options, security)
     except TransportError:
         ctx.term()
         raise
@@ -243,14 +107,21 @@ def _own_socket(
 
 
 def _open_socket(
-    ctx: zmq.Context, name: str, socket_type: int, endpoint: str, bind: bool, options: dict[int, Any]
+    ctx: zmq.Context,
+    name: str,
+    socket_type: int,
+    endpoint: str,
+    bind: bool,
+    options: dict[int, Any],
+    security: ChannelSecurity,
 ) -> tuple[zmq.Socket, str]:
-    """A socket with linger 0 and ``options``, bound or connected; returns it and the address
-    actually bound (a ``*`` or ``0`` port resolved). Failures name the endpoint."""
+    """A socket with linger 0, ``options`` and the security's CURVE options, bound or connected;
+    returns it and the address actually bound (a ``*`` or ``0`` port resolved). Failures name
+    the endpoint."""
     sock = ctx.socket(socket_type)
     try:
         sock.setsockopt(zmq.LINGER, 0)
-        for opt, value in options.items():
+        for opt, value in {**options, **security.socket_options(bind)}.items():
             sock.setsockopt(opt, value)
         if bind:
             sock.bind(endpoint)
@@ -268,7 +139,9 @@ class _SocketThread:
 
     The constructor returns once the socket is bound or connected, raising TransportError
     (naming the endpoint) when that fails. :meth:`stop` terminates the context, which makes
-    every blocking ZMQ call in the thread raise ``ContextTerminated``, and joins the thread.
+    every blocking ZMQ call in the thread raise ``ContextTerminated``, and joins the thread;
+    ``stop(graceful=True)`` first waits for ``loop`` to return by itself (its caller has told
+    it to) and then closes the socket with ``linger_ms``, so what it sent last goes out.
     """
 
     def __init__(
@@ -280,7 +153,10 @@ class _SocketThread:
         options: dict[int, Any],
         loop: Callable[[zmq.Socket], None],
         on_exit: Callable[[], None],
+        security: ChannelSecurity = PLAINTEXT,
+        linger_ms: int = 0,
     ) -> None:
+        security.check(name, endpoint, bind)
         self.requested_endpoint = endpoint
         self.endpoint = endpoint
         self._name = name
@@ -290,9 +166,11 @@ class _SocketThread:
         self._options = options
         self._loop = loop
         self._on_exit = on_exit
+        self._security = security
+        self._linger_ms = linger_ms
         self._ready = threading.Event()
         self._stopped = False
-        self._ctx = zmq.Context(io_threads=1)
+        self._ctx = _PrivateContext(security, bind)
         self._thread = threading.Thread(target=self._main, name=f"agentrl-{name}", daemon=True)
         self._thread.start()
         self._ready.wait()
@@ -304,7 +182,8 @@ class _SocketThread:
     def _main(self) -> None:
         try:
             sock, self.endpoint = _open_socket(
-                self._ctx, self._name, self._socket_type, self.requested_endpoint, self._bind, self._options
+                self._ctx.ctx, self._name, self._socket_type, self.requested_endpoint, self._bind, self._options,
+                self._security,
             )
         except Exception as e:  # never leave the constructor waiting
             self.error = e if isinstance(e, TransportError) else TransportError(f"{self._name}: {e}")
@@ -319,15 +198,17 @@ class _SocketThread:
             log.exception("transport thread %s failed", threading.current_thread().name)
             self.error = e
         finally:
-            sock.close(linger=0)
+            sock.close(linger=self._linger_ms)
             self._on_exit()
 
-    def stop(self) -> None:
-        """Close the socket (linger 0) and join the thread; idempotent."""
+    def stop(self, graceful: bool = False) -> None:
+        """Close the socket and join the thread; idempotent (see the class docstring)."""
         if self._stopped:
             return
         self._stopped = True
-        self._ctx.term()  # blocks until the thread has closed its socket
+        if graceful:
+            self._thread.join()
+        self._ctx.term()  # blocks until the thread has closed its socket (and its linger passed)
         self._thread.join()
 
 
@@ -390,7 +271,9 @@ class PullSocket:
 
     _name = "pull"
 
-    def __init__(self, endpoint: str, *, bind: bool = True, max_queued: int = 64) -> None:
+    def __init__(
+        self, endpoint: str, *, bind: bool = True, max_queued: int = 64, security: ChannelSecurity = PLAINTEXT
+    ) -> None:
         if max_queued < 1:
             raise ValueError(f"max_queued must be >= 1, got {max_queued}")
         self._bad = _MalformedLog(self._name)
@@ -402,7 +285,7 @@ class PullSocket:
         self._lock = threading.Lock()  # held by the get() that is using the socket
         self._close_lock = threading.Lock()
         self._ctx, self._sock, self.endpoint = _own_socket(
-            self._name, zmq.PULL, endpoint, bind, {zmq.RCVHWM: max_queued}
+            self._name, zmq.PULL, endpoint, bind, {zmq.RCVHWM: max_queued}, security
         )
 
     def _convert(self, frame: bytes) -> Any | None:
@@ -489,7 +372,7 @@ class PullSocket:
         self.close()
 
 
-class GroupReceiver(PullSocket):
+class GroupReceiver(PullSocket, GroupSource):
     """Learner side of the trajectory channel: ZMQ PULL, synchronous API.
 
     :meth:`get` returns a :class:`TrajectoryGroup`. Malformed messages never reach the
@@ -500,8 +383,10 @@ class GroupReceiver(PullSocket):
 
     _name = "group-receiver"
 
-    def __init__(self, endpoint: str, *, bind: bool = True, max_queued_groups: int = 64) -> None:
-        super().__init__(endpoint, bind=bind, max_queued=max_queued_groups)
+    def __init__(
+        self, endpoint: str, *, bind: bool = True, max_queued_groups: int = 64, security: ChannelSecurity = PLAINTEXT
+    ) -> None:
+        super().__init__(endpoint, bind=bind, max_queued=max_queued_groups, security=security)
 
     def _convert(self, frame: bytes) -> TrajectoryGroup | None:
         return _decode_as(frame, TrajectoryGroup, self._bad)
@@ -528,8 +413,11 @@ class PushSocket:
 
     _name = "push"
     _YIELD_EVERY_S = 0.001
+    _WARN_EVERY_S = 60.0  # a send blocked this long says why it may be (every as long again)
 
-    def __init__(self, endpoint: str, *, bind: bool = False, max_queued: int = 16) -> None:
+    def __init__(
+        self, endpoint: str, *, bind: bool = False, max_queued: int = 16, security: ChannelSecurity = PLAINTEXT
+    ) -> None:
         if max_queued < 1:
             raise ValueError(f"max_queued must be >= 1, got {max_queued}")
         self._sent = 0
@@ -538,7 +426,7 @@ class PushSocket:
         self._last_yield = 0.0
         self._wait_lock = trio.Lock()
         self._ctx, self._sock, self.endpoint = _own_socket(
-            self._name, zmq.PUSH, endpoint, bind, {zmq.SNDHWM: max_queued}
+            self._name, zmq.PUSH, endpoint, bind, {zmq.SNDHWM: max_queued}, security
         )
         self._fd = self._sock.getsockopt(zmq.FD)
 
@@ -562,12 +450,21 @@ class PushSocket:
             return
         self._waits += 1
         async with self._wait_lock:
+            started = warned = time.monotonic()
             while True:
                 self._check_open()  # another task may have closed the socket while we waited
                 if self._try_send(data):
                     break
                 if not self._sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
-                    await trio.lowlevel.wait_readable(self._fd)  # ClosedResourceError on close
+                    with trio.move_on_after(self._WARN_EVERY_S):
+                        await trio.lowlevel.wait_readable(self._fd)  # ClosedResourceError on close
+                    if time.monotonic() - warned >= self._WARN_EVERY_S:
+                        warned = time.monotonic()
+                        log.warning(
+                            "sending to %s has waited %.0f s: the receiver is not taking messages (busy, not "
+                            "running, or refusing this side's CURVE key: see actors.curve_secret_key_env)",
+                            self.endpoint, warned - started,
+                        )
         self._last_yield = time.monotonic()
 
     def _check_open(self) -> None:
@@ -602,7 +499,7 @@ class PushSocket:
         await self.aclose()
 
 
-class GroupSender(PushSocket):
+class GroupSender(PushSocket, GroupSink):
     """Actor side of the trajectory channel: ZMQ PUSH, usable from trio.
 
     :meth:`send` encodes in the calling task, so a group that cannot be encoded raises
@@ -611,8 +508,10 @@ class GroupSender(PushSocket):
 
     _name = "group-sender"
 
-    def __init__(self, endpoint: str, *, bind: bool = False, max_queued_groups: int = 16) -> None:
-        super().__init__(endpoint, bind=bind, max_queued=max_queued_groups)
+    def __init__(
+        self, endpoint: str, *, bind: bool = False, max_queued_groups: int = 16, security: ChannelSecurity = PLAINTEXT
+    ) -> None:
+        super().__init__(endpoint, bind=bind, max_queued=max_queued_groups, security=security)
 
     async def send(self, group: TrajectoryGroup) -> None:  # type: ignore[override]
         """Send one group to the learner; waits while ``max_queued_groups`` are waiting."""
@@ -622,23 +521,34 @@ class GroupSender(PushSocket):
 # ---------------------------------------------------------------------------- progress
 
 
-class ProgressPublisher:
+class ProgressPublisher(ProgressSink):
     """Learner side of the progress channel: ZMQ PUB, synchronous API.
 
     :meth:`publish` never blocks. The socket thread sends every published message and,
     when nothing new was published for ``heartbeat_s`` seconds, repeats the latest one
-    for subscribers that joined late (0 disables the repeat).
+    for subscribers that joined late (0 disables the repeat). :meth:`close` sends what was
+    published before it and lets ZMQ deliver it to the connected subscribers for up to
+    ``close_linger_s`` (the learner's final ``done`` was lost with linger 0).
     """
 
-    def __init__(self, endpoint: str, *, bind: bool = True, heartbeat_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        bind: bool = True,
+        heartbeat_s: float = 1.0,
+        close_linger_s: float = 2.0,
+        security: ChannelSecurity = PLAINTEXT,
+    ) -> None:
         if heartbeat_s < 0:
             raise ValueError(f"heartbeat_s must be >= 0, got {heartbeat_s}")
         self._heartbeat_s = heartbeat_s or None
-        self._box: _Mailbox[bytes] = _Mailbox(64, drop_oldest=True)
+        self._box: Mailbox[bytes] = Mailbox(64, drop_oldest=True)
         self._published = 0
         self._closed = False
         self._thread = _SocketThread(
-            "progress-publisher", zmq.PUB, endpoint, bind, {zmq.SNDHWM: 64}, self._loop, on_exit=self._box.close
+            "progress-publisher", zmq.PUB, endpoint, bind, {zmq.SNDHWM: 64}, self._loop,
+            on_exit=self._box.close, security=security, linger_ms=int(1000 * close_linger_s),
         )
         self.endpoint = self._thread.endpoint
 
@@ -646,11 +556,11 @@ class ProgressPublisher:
         latest: bytes | None = None
         while True:
             batch = self._box.take_all(self._heartbeat_s)
+            for data in batch:
+                sock.send(data)
             if self._box.closed:
-                return
+                return  # after sending what was published before close(); the linger delivers it
             if batch:
-                for data in batch:
-                    sock.send(data)
                 latest = batch[-1]
             elif latest is not None:
                 sock.send(latest)  # heartbeat: the same state again
@@ -667,11 +577,13 @@ class ProgressPublisher:
         return {"published": self._published}
 
     def close(self) -> None:
+        """Send what was published, give connected subscribers up to ``close_linger_s`` to get
+        it, close. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        self._box.close()
-        self._thread.stop()
+        self._box.close(discard=False)
+        self._thread.stop(graceful=True)
 
     def __enter__(self) -> ProgressPublisher:
         return self
@@ -680,7 +592,7 @@ class ProgressPublisher:
         self.close()
 
 
-class ProgressSubscriber:
+class ProgressSubscriber(ProgressSource):
     """Actor side of the progress channel: ZMQ SUB, usable from trio.
 
     :meth:`receive` returns the next message in order (heartbeat repeats included); the
@@ -688,8 +600,10 @@ class ProgressSubscriber:
     whether or not anyone called :meth:`receive`.
     """
 
-    def __init__(self, endpoint: str, *, bind: bool = False, max_buffered: int = 64) -> None:
-        self._box: _Mailbox[Progress] = _Mailbox(max_buffered, drop_oldest=True)
+    def __init__(
+        self, endpoint: str, *, bind: bool = False, max_buffered: int = 64, security: ChannelSecurity = PLAINTEXT
+    ) -> None:
+        self._box: Mailbox[Progress] = Mailbox(max_buffered, drop_oldest=True)
         self._bad = _MalformedLog("progress")
         self._received = 0
         self._closed = False
@@ -702,6 +616,7 @@ class ProgressSubscriber:
             {zmq.SUBSCRIBE: b"", zmq.RCVHWM: max_buffered},
             self._loop,
             on_exit=lambda: self._box.close(discard=False),
+            security=security,
         )
         self.endpoint = self._thread.endpoint
 
@@ -746,75 +661,3 @@ class ProgressSubscriber:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-
-# ---------------------------------------------------------------------------- in-memory
-
-
-class InMemoryGroupChannel:
-    """Both ends of a trajectory channel in one process, for unit tests.
-
-    ``send`` (trio) and ``get`` (any thread) behave like GroupSender/GroupReceiver: bounded,
-    ``send`` waits while full, ``get`` returns None on timeout. Every group is encoded and
-    decoded on the way, so tests see exactly what the learner would (read-only arrays
-    included) and metadata that cannot be sent fails in ``send``.
-    """
-
-    def __init__(self, max_queued_groups: int = 16) -> None:
-        self._box: _Mailbox[TrajectoryGroup] = _Mailbox(max_queued_groups)
-        self._sent = 0
-        self._received = 0
-
-    async def send(self, group: TrajectoryGroup) -> None:
-        wire = decode(encode(group))
-        await self._box.aput(wire)  # type: ignore[arg-type]
-        self._sent += 1
-
-    def send_nowait(self, group: TrajectoryGroup) -> None:
-        """For synchronous (learner) tests: queue a group or raise TransportError when full."""
-        if not self._box.put_nowait(decode(encode(group))):  # type: ignore[arg-type]
-            raise TransportError("InMemoryGroupChannel is full or closed")
-        self._sent += 1
-
-    def get(self, timeout_s: float | None = None) -> TrajectoryGroup | None:
-        ok, group = self._box.get(timeout_s)
-        if ok:
-            self._received += 1
-        return group
-
-    @property
-    def stats(self) -> dict[str, int]:
-        return {"sent": self._sent, "received": self._received, "malformed": 0, "queued": len(self._box)}
-
-    def close(self) -> None:
-        self._box.close()
-
-    async def aclose(self) -> None:
-        self.close()
-        await trio.lowlevel.checkpoint()
-
-
-class InMemoryProgressChannel:
-    """Both ends of a progress channel in one process, for unit tests.
-
-    ``publish`` never blocks; ``receive`` (trio) returns the next message; ``latest`` is the
-    last one published. Keeps the newest ``max_buffered`` unread messages, like the subscriber.
-    """
-
-    def __init__(self, max_buffered: int = 64) -> None:
-        self._box: _Mailbox[Progress] = _Mailbox(max_buffered, drop_oldest=True)
-        self.latest: Progress | None = None
-
-    def publish(self, progress: Progress) -> None:
-        msg = decode(encode(progress))
-        self.latest = msg  # type: ignore[assignment]
-        self._box.put_many([msg])  # type: ignore[list-item]
-
-    async def receive(self) -> Progress:
-        return await self._box.aget()
-
-    def close(self) -> None:
-        self._box.close()
-
-    async def aclose(self) -> None:
-        self.close()
-        await trio.lowlevel.checkpoint()
