@@ -69,11 +69,30 @@ class RunState:
     actor_restarts: int = 0
     warm_start: dict[str, Any] = field(default_factory=dict)
     rl_started: float | None = None  # when the learner and actors were started
+    # the learner's counts as they happen (learner_status.json), and the last data warning said
+    data: dict[str, Any] = field(default_factory=lambda: {
+        "received": 0, "consumed": 0, "duplicate": 0, "dropped": {}, "buffered": 0, "groups_per_step": 0,
+        "waiting_s": 0.0, "warning": ""})
+    warned: str = ""
 
     def event(self, name: str, what: str, level: int = logging.INFO) -> None:
         line = f"{time.strftime('%H:%M:%S')} {name}: {what}"
         self.events.append(line)
         log.log(level, "%s: %s", name, what)
+
+    def read_learner_status(self) -> None:
+        """The learner's ``learner_status.json`` (its counts as they happen, see the learner loop)
+        and, once, its data warning as an event."""
+        try:
+            status = json.loads((self.run_dir / "learner_status.json").read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return
+        for key in self.data:
+            if key in status:
+                self.data[key] = status[key]
+        if self.data["warning"] and self.data["warning"] != self.warned:
+            self.warned = self.data["warning"]
+            self.event("learner", self.data["warning"], logging.WARNING)
 
     def eval_event(self, when: str, result: dict[str, Any]) -> None:
         """The evaluation's success, and in words every problem it met (aborts, reward errors...)."""
@@ -193,6 +212,7 @@ async def watch_progress(cfg: AgentRLConfig, state: RunState, run_dir: Path, liv
                 progress = await sub.receive()
                 state.versions_seen.add(progress.policy_version)
             state.last_metrics = _last_json_line(metrics_file) or state.last_metrics
+            state.read_learner_status()
             if live is not None:
                 live.update(_table(state, cfg))
             version = max(state.versions_seen, default=0)
@@ -233,22 +253,38 @@ def _table(state: RunState, cfg: AgentRLConfig) -> Any:
         ("staleness (mean)", f"{m.get('staleness/mean', float('nan')):.2f}"),
         ("train tokens/s", f"{m.get('throughput/train_tokens_per_s', 0.0):,.0f}"),
         ("episodes/s (received)", f"{_episodes_per_s(state, cfg):.1f}"),
-        ("groups consumed / dropped",
-         f"{int(m.get('data/accepted', 0))} / {int(sum(v for k, v in m.items() if k.startswith('data/dropped_')))}"),
+        ("groups received / consumed", f"{state.data['received']} / {state.data['consumed']}"),
+        ("groups dropped", _fmt_dropped(state.data["dropped"])),
+        ("learner", _fmt_learner(state.data)),
         ("eval before", _fmt_eval(state.eval_before)),
         ("last eval", _fmt_eval(state.evals[-1] if state.evals else None)),
         ("actor restarts", str(state.actor_restarts)),
     ]
+    if state.data["warning"]:
+        rows.append(("[bold yellow]warning", f"[yellow]{state.data['warning']}"))
     for key, value in rows:
         table.add_row(key, value)
     return table
+
+
+def _fmt_dropped(dropped: dict[str, int]) -> str:
+    total = sum(dropped.values())
+    if not total:
+        return "0"
+    return f"{total} (" + ", ".join(f"{reason} {n}" for reason, n in sorted(dropped.items()) if n) + ")"
+
+
+def _fmt_learner(data: dict[str, Any]) -> str:
+    if data["waiting_s"]:
+        return f"waiting {data['waiting_s']:.0f} s for data: {data['buffered']} / {data['groups_per_step']} groups"
+    return "training" if data["received"] else "starting"
 
 
 def _episodes_per_s(state: RunState, cfg: AgentRLConfig) -> float:
     """Episodes the learner has received (in groups) per second of RL so far."""
     if state.rl_started is None:
         return 0.0
-    received = state.last_metrics.get("data/received", 0) * cfg.actors.group_size
+    received = state.data["received"] * cfg.actors.group_size
     return received / max(1e-9, time.monotonic() - state.rl_started)
 
 
@@ -259,6 +295,7 @@ def _fmt_eval(result: dict[str, Any] | None) -> str:
 
 
 def summarize(state: RunState, cfg: AgentRLConfig, run_dir: Path) -> dict[str, Any]:
+    state.read_learner_status()  # the learner's last counts, also when it never finished a step
     m = state.last_metrics
     recent = [e["success_rate"] for e in state.evals[-3:]]
     summary = {
@@ -271,9 +308,11 @@ def summarize(state: RunState, cfg: AgentRLConfig, run_dir: Path) -> dict[str, A
         "evals_during_training": state.evals,
         "eval_recent_mean_success": statistics.fmean(recent) if recent else None,
         "learner_steps": int(m.get("step", 0)),
-        "groups_consumed": int(m.get("data/accepted", 0)) - int(m.get("data/buffered", 0)),
-        "groups_received": int(m.get("data/received", 0)),
-        "groups_dropped": {k[len("data/dropped_"):]: int(v) for k, v in m.items() if k.startswith("data/dropped_")},
+        "groups_consumed": state.data["consumed"],
+        "groups_received": state.data["received"],
+        "groups_dropped": state.data["dropped"],
+        "groups_duplicate": state.data["duplicate"],
+        "data_warning": state.data["warning"] or None,
         "groups_produced": _actor_totals(run_dir),
         "policy_versions_seen": sorted(state.versions_seen),
         "actor_restarts": state.actor_restarts,
@@ -417,6 +456,7 @@ async def _train(sup: Supervisor, outer: trio.Nursery, cfg: AgentRLConfig, run_d
             inner.start_soon(watch_progress, cfg, state, run_dir, live, eval_lock)
             await sup.wait_finished("learner")
             state.last_metrics = _last_json_line(run_dir / "learner_metrics.jsonl") or state.last_metrics
+            state.read_learner_status()
             inner.cancel_scope.cancel()
 
 

@@ -91,6 +91,33 @@ def test_loop_waits_for_data_then_gives_up_cleanly(tiny_model, tmp_path):
     assert (tmp_path / "checkpoints" / "learn" / "latest").exists()
 
 
+def test_a_learner_starved_by_zero_variance_groups_says_so(tiny_model, tmp_path, caplog):
+    """A warm start with almost no successes: every group's rewards are equal, dynamic sampling
+    drops them all and no batch fills. The learner says so in plain words, and its counts by
+    reason are in learner_status.json as they happen (the live table and summary read it)."""
+    import logging
+
+    from agentrl.config import load_config
+    from agentrl.learner.distributed import init_distributed
+    from agentrl.learner.loop import Learner, LearnerIO
+
+    init_distributed("cpu")
+    rng = np.random.default_rng(0)
+    flat = [make_group(rng, group_id=f"z{i}", session="s", seq=i, rewards=[0.0] * 4) for i in range(12)]
+    cfg = load_config(None, _overrides(tiny_model, tmp_path, **{
+        "learner.max_wait_for_data_s": 1.5, "learner.wait_log_interval_s": 0.5, "learner.dynamic_sampling": "true"}))
+    learner = Learner(cfg, io=LearnerIO(source=ListSource(flat), progress=Recorder(), weights=Recorder()))
+    with caplog.at_level(logging.WARNING, logger="agentrl.learner"):
+        assert learner.run() == "data_timeout"
+    status = json.loads((tmp_path / "learner_status.json").read_text())
+    assert status["received"] == 12 and status["dropped"] == {"zero_variance": 12} and status["consumed"] == 0
+    assert status["buffered"] == 0 and status["groups_per_step"] == 2 and status["waiting_s"] > 1.0
+    assert "12 of the 12 groups received" in status["warning"]
+    for advice in ("stronger", "easier", "actors.group_size larger", "learner.dynamic_sampling = false"):
+        assert advice in status["warning"]
+    assert any("GRPO learns nothing from those" in r.getMessage() for r in caplog.records)
+
+
 def _free_port() -> int:
     from agentrl.learner.distributed import free_port
 

@@ -145,14 +145,45 @@ def test_live_table_shows_rl_rates(tmp_path: Path) -> None:
 
     cfg = load_config(EXAMPLE)
     state = RunState(tmp_path)
-    state.last_metrics = {"step": 3, "data/received": 20, "staleness/mean": 0.5, "reward/mean": 0.25}
+    state.last_metrics = {"step": 3, "staleness/mean": 0.5, "reward/mean": 0.25}
+    (tmp_path / "learner_status.json").write_text(json.dumps({
+        "received": 20, "consumed": 12, "duplicate": 0, "dropped": {"stale": 1, "zero_variance": 3},
+        "buffered": 4, "groups_per_step": 16, "waiting_s": 0.0, "warning": ""}))
+    state.read_learner_status()
     state.rl_started = time.monotonic() - 10.0  # 20 groups x 8 episodes in 10 s
-    console = Console(record=True, width=100)
+    console = Console(record=True, width=200)
     console.print(_table(state, cfg))
     text = console.export_text()
     assert "3 / 20" in text and "0.250" in text and "0.50" in text
+    assert "20 / 12" in text and "4 (stale 1, zero_variance 3)" in text
     rate = float(text.split("episodes/s (received)")[1].split("│")[1])
     assert 15.0 < rate <= 16.0
+
+
+def test_live_table_and_summary_show_drops_and_the_learner_s_warning_before_any_step(tmp_path: Path) -> None:
+    """A learner that never trains (every group dropped) still shows its counts by reason and its
+    warning, in the live table, the events and summary.json (which said groups_received: 0)."""
+    from rich.console import Console
+
+    from agentrl.run import RunState, _table, summarize
+
+    cfg = load_config(EXAMPLE)
+    state = RunState(tmp_path)
+    warning = "96 of the 99 groups received in the last 60 s had rewards that do not vary ..."
+    (tmp_path / "learner_status.json").write_text(json.dumps({
+        "received": 99, "consumed": 0, "duplicate": 0, "dropped": {"zero_variance": 96}, "buffered": 3,
+        "groups_per_step": 16, "waiting_s": 61.0, "warning": warning}))
+    state.read_learner_status()
+    state.read_learner_status()  # said once
+    console = Console(record=True, width=250)
+    console.print(_table(state, cfg))
+    text = console.export_text()
+    assert "99 / 0" in text and "96 (zero_variance 96)" in text and "waiting 61 s for data: 3 / 16" in text
+    assert warning in text
+    summary = summarize(state, cfg, tmp_path)
+    assert summary["groups_received"] == 99 and summary["groups_dropped"] == {"zero_variance": 96}
+    assert summary["data_warning"] == warning
+    assert sum(warning in e for e in summary["events"]) == 1
 
 
 @pytest.mark.parametrize("signum, wait_for", [(15, "learner.log"), (1, "engine0.log")])

@@ -178,6 +178,9 @@ class Learner:
         self.steps_since_sync = 0
         self.exit_reason = "done"
         self._stop_requested = False
+        self._wait_started: float | None = None  # when the wait for the current batch began (None: training)
+        self._wait_counters: dict[str, int] = {}  # the buffer's counters when that wait began
+        self._data_warning = ""  # plain words when the data cannot fill a batch (see _starved_by_zero_variance)
         self._batch_stats: dict[str, float] = {}
         self.io: LearnerIO | None = None
         self.buffer: GroupBuffer | None = None
@@ -246,6 +249,8 @@ class Learner:
                 self._checkpoint()
             if self.exit_reason == "done":
                 self._publish(done=True)
+            elif self.buffer is not None:
+                self._write_status()  # a stop or a data timeout: the last counts, for the summary
             return self.exit_reason
         finally:
             if self.journal is not None:
@@ -262,10 +267,13 @@ class Learner:
 
         self._wait_started = time.monotonic()
         self._last_wait_log = self._wait_started
+        self._wait_counters = dict(self.buffer.counters) if self.buffer is not None else {}
+        self._data_warning = ""
         while True:
             msg = self._poll() if self.dist.is_main else None
             msg = broadcast_object(msg)
             if msg[0] == "batch":
+                self._wait_started = None
                 return msg[1]
             if msg[0] == "stop":
                 self.exit_reason = msg[1]
@@ -275,7 +283,8 @@ class Learner:
         """Rank 0: gather groups for at most ``POLL_S``; returns a control message."""
         from agentrl.learner.batching import batch_statistics, samples_from_group
 
-        assert self.buffer is not None and self.io is not None
+        assert self.buffer is not None and self.io is not None and self._wait_started is not None
+        started = self._wait_started
         deadline = time.monotonic() + POLL_S
         while True:
             if self._stop_requested:
@@ -296,11 +305,11 @@ class Learner:
             now = time.monotonic()
             if now - self._last_wait_log >= self.lc.wait_log_interval_s:
                 self._last_wait_log = now
-                self._log_wait(now - self._wait_started)
-            if self.lc.max_wait_for_data_s and now - self._wait_started >= self.lc.max_wait_for_data_s:
+                self._log_wait(now - started)
+            if self.lc.max_wait_for_data_s and now - started >= self.lc.max_wait_for_data_s:
                 log.error(
                     "no batch after %.0f s (learner.max_wait_for_data_s); stopping with a checkpoint",
-                    now - self._wait_started,
+                    now - started,
                 )
                 return ("stop", "data_timeout")
             if now >= deadline:
@@ -338,8 +347,26 @@ class Learner:
                 return
             self._accept(group)
 
+    def _starved_by_zero_variance(self, waited_s: float) -> str:
+        """Plain words when nearly every group received while waiting was dropped for having
+        rewards that do not vary (GRPO learns nothing from them): the run cannot progress."""
+        assert self.buffer is not None
+        since = {k: v - self._wait_counters.get(k, 0) for k, v in self.buffer.counters.items()}
+        received, flat = since.get("received", 0), since.get("dropped_zero_variance", 0)
+        if waited_s < self.lc.wait_log_interval_s or received < self.lc.groups_per_step or flat < 0.9 * received:
+            return ""
+        return (f"{flat} of the {received} groups received in the last {waited_s:.0f} s had rewards that do not vary "
+                "(every sample right, or every sample wrong), and GRPO learns nothing from those: dynamic sampling "
+                "drops them, so no batch fills. Make the warm start stronger (more SFT), the tasks easier, "
+                "actors.group_size larger, or set learner.dynamic_sampling = false.")
+
     def _log_wait(self, waited_s: float) -> None:
         assert self.buffer is not None and self.io is not None
+        warning = self._starved_by_zero_variance(waited_s)
+        if warning:
+            log.warning("%s", warning)
+        self._data_warning = warning
+        self._write_status()
         counters = dict(self.buffer.counters)
         stats = dict(getattr(self.io.source, "stats", {}) or {})
         hint = "" if stats.get("received") else f" (nothing received yet on {self.cfg.actors.trajectory_endpoint})"
@@ -380,6 +407,28 @@ class Learner:
             self.journal.sync()  # what the progress acknowledges is on disk
         if self.io is not None and self.io.progress is not None:
             self.io.progress.publish(self._progress(done))
+        if self.buffer is not None:
+            self._write_status()
+
+    def _write_status(self) -> None:
+        """``learner_status.json``: what the learner holds and has dropped, by reason, as it
+        happens (the per-step metrics say nothing while no step runs), and any warning about the
+        data. Rewritten atomically at every publish; ``agentrl run``'s live table and summary read it."""
+        assert self.buffer is not None
+        counters = dict(self.buffer.counters)
+        waiting = self._wait_started
+        status = {
+            "time": time.time(), "step": self.trainer.step, "policy_version": self.version,
+            "buffered": len(self.buffer), "groups_per_step": self.lc.groups_per_step,
+            "waiting_s": round(time.monotonic() - waiting, 1) if waiting is not None else 0.0,
+            "received": counters.get("received", 0), "consumed": counters.get("consumed", 0),
+            "duplicate": counters.get("duplicate", 0),
+            "dropped": {k[len("dropped_"):]: v for k, v in sorted(counters.items()) if k.startswith("dropped_")},
+            "warning": self._data_warning,
+        }
+        tmp = self.run_dir / "learner_status.json.tmp"
+        tmp.write_text(json.dumps(status))
+        tmp.replace(self.run_dir / "learner_status.json")
 
     def _sync_weights(self) -> float:
         """Bump the policy version and push the weights (every rank takes part in the gathers)."""
