@@ -46,8 +46,8 @@ class Section(BaseModel):
 
 
 class RunSection(Section):
-    name: str = "agentrl"
-    seed: int = 0
+    name: str = "agentrl"  # the run's name: the run folder's prefix and the MLflow run name
+    seed: int = 0  # seed of task sampling, SFT order and model init
     run_dir: str = ""  # empty: runs/<name>-<timestamp>
     torch_num_threads: int = Field(default=0, ge=0)  # 0: leave torch's default
 
@@ -55,108 +55,105 @@ class RunSection(Section):
 class ModelSection(Section):
     path: str = "runs/models/tiny"  # a local Hugging Face folder
     init_size: Literal["tiny", "small", "0.5b", ""] = "tiny"  # built at `path` when absent; "" = never build
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # dtype of the engines' weights and of the pushed weights (the learner trains in fp32)
 
 
 class EngineSection(Section):
-    backend: Literal["embedded", "sglang"] = "embedded"
+    backend: Literal["embedded", "sglang"] = "embedded"  # embedded (this package's SGLang-compatible engine, CPU or one GPU) or sglang
     urls: list[str] = []  # empty: `agentrl run` starts `num_engines` servers itself
     router_url: str = ""  # generation through sglang-router; weight updates still go to `urls`
-    num_engines: int = Field(default=1, ge=1)
-    host: str = "127.0.0.1"
-    base_port: int = Field(default=30000, ge=1, le=65535)
-    max_running_requests: int = Field(default=64, ge=1)
-    max_context_tokens: int = Field(default=2048, ge=16)
+    num_engines: int = Field(default=1, ge=1)  # servers `agentrl run` starts when `urls` is empty
+    host: str = "127.0.0.1"  # address the engines `agentrl run` starts listen on
+    base_port: int = Field(default=30000, ge=1, le=65535)  # first port for engines started with fixed ports (agentrl run picks free ports)
+    max_running_requests: int = Field(default=64, ge=1)  # requests an engine decodes together at most (its batch)
+    max_context_tokens: int = Field(default=2048, ge=16)  # prompt + completion tokens of one request at most (SGLang's --context-length)
     device: str = "auto"  # auto | cpu | cuda
     # Placement (agentrl/placement.py): each engine `agentrl run` starts gets its own GPUs
     gpus_per_engine: int = Field(default=1, ge=1)  # GPUs per engine, SGLang's --tp-size (embedded: 1)
     mem_fraction_static: float = Field(default=0.0, ge=0, lt=1)  # SGLang's --mem-fraction-static; 0: SGLang's default
     colocate: bool = False  # engines share the learner's GPUs (one-GPU machines); sglang then needs mem_fraction_static
-    request_retries: int = Field(default=5, ge=0)
-    health_check_interval_s: float = Field(default=2.0, gt=0)
-    weight_group_backend: Literal["auto", "gloo", "nccl"] = "auto"
-    weight_bucket_mb: float = Field(default=64.0, gt=0)
+    request_retries: int = Field(default=5, ge=0)  # retries of a /generate call on connection errors and 5xx, with back-off
+    health_check_interval_s: float = Field(default=2.0, gt=0)  # how often the client polls each engine's /health
+    weight_group_backend: Literal["auto", "gloo", "nccl"] = "auto"  # backend of the weight-update group; auto: nccl when the learner sees a GPU, else gloo
+    weight_bucket_mb: float = Field(default=64.0, gt=0)  # size of a weight-push bucket (one HTTP call + its broadcasts)
     sglang_args: list[str] = []  # extra flags for `python -m sglang.launch_server`
-    # Bearer tokens, SGLang's --api-key / --admin-api-key: the NAMES of environment variables that
-    # hold them (or <NAME>_FILE pointing at a file), never the keys themselves (agentrl/secrets.py)
-    api_key_env: str = "AGENTRL_ENGINE_API_KEY"
-    admin_api_key_env: str = "AGENTRL_ENGINE_ADMIN_API_KEY"
+    # Bearer tokens: the config names the environment variables, never holds a key (agentrl/secrets.py)
+    api_key_env: str = "AGENTRL_ENGINE_API_KEY"  # NAME of the variable (or <NAME>_FILE) holding SGLang's --api-key (/generate)
+    admin_api_key_env: str = "AGENTRL_ENGINE_ADMIN_API_KEY"  # NAME of the variable (or <NAME>_FILE) holding --admin-api-key (weights, pause...)
 
 
 class ActorsSection(Section):
-    num_processes: int = Field(default=1, ge=1)
-    num_concurrent_episodes: int = Field(default=64, ge=1)
+    num_processes: int = Field(default=1, ge=1)  # actor processes `agentrl run` starts (each takes a share of the budget)
+    num_concurrent_episodes: int = Field(default=64, ge=1)  # episodes one actor process runs at once
     group_size: int = Field(default=8, ge=1)  # samples per task, sent as one group (GRPO's n)
     max_staleness: int = Field(default=1, ge=0)  # 0 = synchronous; see docs/architecture.md
-    temperature: float = Field(default=1.0, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = -1
-    max_new_tokens_per_turn: int = Field(default=128, ge=1)
+    temperature: float = Field(default=1.0, ge=0)  # sampling temperature of training episodes (the learner's logprobs use it too)
+    top_p: float = Field(default=1.0, gt=0, le=1)  # nucleus sampling of training episodes (1: off)
+    top_k: int = -1  # top-k sampling of training episodes (-1: off)
+    max_new_tokens_per_turn: int = Field(default=128, ge=1)  # tokens one model turn may generate at most
     trajectory_endpoint: str = "tcp://127.0.0.1:5557"  # actors PUSH -> learner PULL
     progress_endpoint: str = "tcp://127.0.0.1:5558"  # learner PUB -> actors SUB
-    send_queue_groups: int = Field(default=16, ge=1)
+    send_queue_groups: int = Field(default=16, ge=1)  # groups queued for sending before an actor waits for the learner
     max_unacked_groups: int = Field(default=256, ge=1)  # sent groups an actor keeps to resend until the learner acknowledges them
-    # CURVE on both endpoints (agentrl/transport/security.py): the NAME of the environment variable
-    # holding the run's CURVE secret key (or <NAME>_FILE), never the key; required beyond loopback
-    curve_secret_key_env: str = "AGENTRL_CURVE_SECRET_KEY"
+    # CURVE on both endpoints (agentrl/transport/security.py)
+    curve_secret_key_env: str = "AGENTRL_CURVE_SECRET_KEY"  # NAME of the variable (or <NAME>_FILE) holding the run's CURVE secret key; required beyond loopback
     allow_plaintext_network: bool = False  # true: non-loopback endpoints without CURVE (a network you trust)
 
 
 class EnvSection(Section):
     cls: str = "agentrl.envs.calculator:CalculatorEnv"  # import path "module:Class"
-    kwargs: dict[str, Any] = {}
-    max_turns: int = Field(default=4, ge=1)
-    max_total_tokens: int = Field(default=1024, ge=16)
-    tool_timeout_s: float = Field(default=10.0, gt=0)
-    tool_max_output_chars: int = Field(default=2000, ge=16)
+    kwargs: dict[str, Any] = {}  # keyword arguments of the env's constructor
+    max_turns: int = Field(default=4, ge=1)  # model turns per episode at most (an env may set its own)
+    max_total_tokens: int = Field(default=1024, ge=16)  # tokens per episode at most, prompt included; at most engine.max_context_tokens
+    tool_timeout_s: float = Field(default=10.0, gt=0)  # time limit of one tool call (a tool may set its own)
+    tool_max_output_chars: int = Field(default=2000, ge=16)  # longer tool output is cut, with a note the model sees
     search_corpus: str = ""  # JSONL corpus `agentrl run` serves when env.kwargs.search_url = "auto"
-    # NAME of the environment variable (or <NAME>_FILE) holding the bearer token of the search server
-    # `agentrl run` starts; the search tool reads env.kwargs.search_token_env (same default)
-    search_token_env: str = "AGENTRL_SEARCH_TOKEN"
+    # the search tool reads env.kwargs.search_token_env (same default)
+    search_token_env: str = "AGENTRL_SEARCH_TOKEN"  # NAME of the variable (or <NAME>_FILE) holding the token of the search server `agentrl run` starts
 
 
 class SandboxSection(Section):
-    backend: Literal["local", "docker", "e2b"] = "local"
+    backend: Literal["local", "docker", "e2b"] = "local"  # where code runs: local (bubblewrap), docker or e2b
     image: str = "agentrl-python:latest"  # docker image
     e2b_template: str = ""  # e2b template id; empty = the SDK's default
-    pool_size: int = Field(default=4, ge=0)
-    cpu_time_s: float = Field(default=5.0, gt=0)
-    wall_time_s: float = Field(default=10.0, gt=0)
-    memory_mb: int = Field(default=256, ge=16)
-    max_processes: int = Field(default=32, ge=1)
-    max_output_chars: int = Field(default=4000, ge=16)
+    pool_size: int = Field(default=4, ge=0)  # reset sandboxes kept ready
+    cpu_time_s: float = Field(default=5.0, gt=0)  # CPU seconds of one run at most
+    wall_time_s: float = Field(default=10.0, gt=0)  # wall seconds of one run at most
+    memory_mb: int = Field(default=256, ge=16)  # memory of one run's processes, in total where cgroups exist
+    max_processes: int = Field(default=32, ge=1)  # processes one run may start
+    max_output_chars: int = Field(default=4000, ge=16)  # stdout/stderr kept per run
 
 
 class LearnerSection(Section):
-    algorithm: Literal["grpo", "ppo"] = "grpo"
+    algorithm: Literal["grpo", "ppo"] = "grpo"  # grpo (no critic) or ppo (a critic and GAE)
     nproc: int = Field(default=1, ge=1)  # ranks on this machine (torchrun is used when > 1)
     gpus: int = Field(default=0, ge=0)  # GPUs on this machine, one rank each (then nproc is 1 or equal); 0: nproc
-    device: str = "auto"
-    lr: float = Field(default=3e-4, gt=0)
-    critic_lr: float = Field(default=1e-4, gt=0)
-    weight_decay: float = Field(default=0.0, ge=0)
-    warmup_steps: int = Field(default=0, ge=0)
-    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
-    max_steps: int = Field(default=100, ge=0)
-    groups_per_step: int = Field(default=16, ge=1)
-    max_tokens_per_microbatch: int = Field(default=8192, ge=16)
-    grad_clip: float = Field(default=1.0, gt=0)
+    device: str = "auto"  # auto, cpu or cuda
+    lr: float = Field(default=3e-4, gt=0)  # the policy's AdamW learning rate
+    critic_lr: float = Field(default=1e-4, gt=0)  # the critic's learning rate (ppo)
+    weight_decay: float = Field(default=0.0, ge=0)  # AdamW weight decay
+    warmup_steps: int = Field(default=0, ge=0)  # linear learning-rate warm-up steps
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"  # after warm-up: constant, cosine or linear to 0 at max_steps
+    max_steps: int = Field(default=100, ge=0)  # optimiser steps of the run (the learner exits after them)
+    groups_per_step: int = Field(default=16, ge=1)  # trajectory groups (tasks x group_size episodes) per step
+    max_tokens_per_microbatch: int = Field(default=8192, ge=16)  # tokens packed into one forward/backward
+    grad_clip: float = Field(default=1.0, gt=0)  # gradient-norm clip
     # Loss (see agentrl/learner/loss.py)
-    advantage: Literal["grpo", "rloo", "gae"] = "grpo"
-    normalize_advantage_std: bool = False
-    clip_eps_low: float = Field(default=0.2, ge=0)
-    clip_eps_high: float = Field(default=0.2, ge=0)
+    advantage: Literal["grpo", "rloo", "gae"] = "grpo"  # grpo (group-normalised), rloo (leave-one-out) or gae (ppo's critic)
+    normalize_advantage_std: bool = False  # divide GRPO advantages by the group's reward std
+    clip_eps_low: float = Field(default=0.2, ge=0)  # PPO ratio clip below 1
+    clip_eps_high: float = Field(default=0.2, ge=0)  # PPO ratio clip above 1 (DAPO's clip-higher when larger)
     dual_clip: float = Field(default=0.0, ge=0)  # 0 disables; else > 1 (e.g. 3.0)
     decoupled: bool = True  # AReaL: ratio to the proximal policy, weight prox/behaviour
-    behavior_weight_cap: float = Field(default=2.0, gt=0)
-    behavior_weight_mode: Literal["clamp", "mask"] = "clamp"
-    tis: Literal["none", "token", "sequence"] = "none"
-    kl_coef: float = Field(default=0.0, ge=0)
-    kl_estimator: Literal["k1", "k3"] = "k3"
-    entropy_coef: float = Field(default=0.0, ge=0)
-    loss_normalization: Literal["token", "sequence"] = "token"
-    gamma: float = Field(default=1.0, ge=0, le=1)
-    gae_lambda: float = Field(default=0.95, ge=0, le=1)
+    behavior_weight_cap: float = Field(default=2.0, gt=0)  # cap of the prox/behaviour (or TIS) importance weight
+    behavior_weight_mode: Literal["clamp", "mask"] = "clamp"  # clamp the weight at the cap, or mask tokens beyond it
+    tis: Literal["none", "token", "sequence"] = "none"  # truncated importance sampling per token or sequence (with decoupled = false)
+    kl_coef: float = Field(default=0.0, ge=0)  # KL penalty to the reference (initial) policy; 0: none
+    kl_estimator: Literal["k1", "k3"] = "k3"  # k1 or k3 KL estimator
+    entropy_coef: float = Field(default=0.0, ge=0)  # entropy bonus; 0: none
+    loss_normalization: Literal["token", "sequence"] = "token"  # average the loss over tokens or over sequences
+    gamma: float = Field(default=1.0, ge=0, le=1)  # discount of GAE
+    gae_lambda: float = Field(default=0.95, ge=0, le=1)  # lambda of GAE
     value_clip: float = Field(default=0.2, ge=0)  # PPO critic: clip of V - V_old; 0 disables
     num_minibatches: int = Field(default=1, ge=1)  # optimiser updates per step; > 1 recomputes pi_prox first
     # Data
@@ -166,11 +163,11 @@ class LearnerSection(Section):
     max_wait_for_data_s: float = Field(default=0.0, ge=0)  # stop (with a checkpoint) after this long without a batch; 0: wait forever
     max_abs_reward: float = Field(default=1000.0, gt=0)  # a reward (or component) beyond +-this, or not finite, is a bug: the group is dropped as malformed_reward
     # Systems
-    sync_every_steps: int = Field(default=1, ge=1)
-    activation_checkpointing: bool = False
+    sync_every_steps: int = Field(default=1, ge=1)  # steps between weight pushes (each bumps the policy version)
+    activation_checkpointing: bool = False  # recompute activations in the backward (less memory, more time)
     checkpoint_every_steps: int = Field(default=50, ge=0)  # 0: only at the end
     keep_checkpoints: int = Field(default=2, ge=1)  # newest checkpoints kept on disk
-    resume: Literal["auto", "never"] = "auto"
+    resume: Literal["auto", "never"] = "auto"  # auto: continue from the run folder's latest checkpoint; never
     weight_sync_address: str = "127.0.0.1"  # address of rank 0 as the engines see it (weight-update group)
     weight_sync_port: int = Field(default=0, ge=0, le=65535)  # 0: a free port
 
@@ -187,27 +184,27 @@ class LearnerSection(Section):
 class SftSection(Section):
     enabled: bool = False  # `agentrl run` warm-starts with SFT before RL when true
     data: str = ""  # JSONL of conversations; empty = the env's demonstrations
-    num_demonstrations: int = Field(default=2000, ge=0)
-    epochs: float = Field(default=1.0, gt=0)
-    lr: float = Field(default=1e-3, gt=0)
-    batch_tokens: int = Field(default=8192, ge=16)
+    num_demonstrations: int = Field(default=2000, ge=0)  # demonstrations drawn from the env when data is empty
+    epochs: float = Field(default=1.0, gt=0)  # passes over the data (when max_steps is 0)
+    lr: float = Field(default=1e-3, gt=0)  # AdamW learning rate of the warm start
+    batch_tokens: int = Field(default=8192, ge=16)  # tokens per SFT step
     max_steps: int = Field(default=0, ge=0)  # 0: derived from epochs
-    warmup_steps: int = Field(default=0, ge=0)
-    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_steps: int = Field(default=0, ge=0)  # linear learning-rate warm-up steps of SFT
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"  # after warm-up: constant, cosine or linear to 0
     output_dir: str = ""  # Hugging Face folder written at the end; empty: <run_dir>/sft/model
 
 
 class EvalSection(Section):
-    num_tasks: int = Field(default=200, ge=1)
-    greedy: bool = True
+    num_tasks: int = Field(default=200, ge=1)  # held-out tasks per evaluation
+    greedy: bool = True  # temperature 0 (false: actors.temperature)
     every_steps: int = Field(default=0, ge=0)  # 0: only before and after
-    split: str = "test"
+    split: str = "test"  # the env's split evaluations draw from
 
 
 class TrackingSection(Section):
-    enabled: bool = True
+    enabled: bool = True  # log to MLflow
     uri: str = ""  # empty: sqlite:///<run_dir>/mlflow.db
-    experiment: str = "agentrl"
+    experiment: str = "agentrl"  # MLflow experiment name
     run_id: str = ""  # log into this existing MLflow run (`agentrl run` sets it for its children)
 
 

@@ -170,3 +170,12 @@ def test_the_two_staleness_settings_must_agree() -> None:
     with pytest.raises(ConfigError, match=r"actors.max_staleness \(0\) and learner.max_staleness \(1\)"):
         load_config(None, ["actors.max_staleness=0"])
     assert load_config(None, ["actors.max_staleness=0", "learner.max_staleness=0"]).learner.max_staleness == 0
+
+
+def test_the_config_reference_is_complete_and_up_to_date() -> None:
+    """docs/config.md is generated from the schema: every key has a meaning written next to it,
+    and the file is what `python -m agentrl.config_docs --write` writes now."""
+    from agentrl.config_docs import DOC_PATH, reference, undocumented
+
+    assert undocumented() == [], "add a comment at the end of these keys' lines in agentrl/config.py"
+    assert DOC_PATH.read_text() == reference(), "run: python -m agentrl.config_docs --write"
