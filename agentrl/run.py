@@ -38,6 +38,7 @@ import logging
 import os
 import signal
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -214,7 +215,7 @@ async def watch_progress(cfg: AgentRLConfig, state: RunState, run_dir: Path, liv
             state.last_metrics = _last_json_line(metrics_file) or state.last_metrics
             state.read_learner_status()
             if live is not None:
-                live.update(_table(state, cfg))
+                live.update(_table(state, cfg) if not isinstance(live, _PlainLines) else None)
             version = max(state.versions_seen, default=0)
             if next_eval and version >= next_eval and not eval_lock.locked():
                 next_eval = version + cfg.eval.every_steps
@@ -265,6 +266,32 @@ def _table(state: RunState, cfg: AgentRLConfig) -> Any:
     for key, value in rows:
         table.add_row(key, value)
     return table
+
+
+PLAIN_LINE_S = 10.0  # seconds between progress lines when stdout is not a terminal
+
+
+class _PlainLines:
+    """The live table's content as one plain log line every ``PLAIN_LINE_S`` (stdout is a file or
+    a pipe: a batch job's log, ``tee``), with ``update`` like rich's ``Live``."""
+
+    def __init__(self, state: RunState, cfg: AgentRLConfig):
+        self.state, self.cfg, self.last = state, cfg, 0.0
+
+    def update(self, _table: Any = None) -> None:
+        now = time.monotonic()
+        if now - self.last >= PLAIN_LINE_S:
+            self.last = now
+            print(progress_line(self.state, self.cfg), flush=True)
+
+
+def progress_line(state: RunState, cfg: AgentRLConfig) -> str:
+    m, d = state.last_metrics, state.data
+    line = (f"[{time.monotonic() - state.started:,.0f} s] step {int(m.get('step', 0))}/{cfg.learner.max_steps} "
+            f"| policy v{max(state.versions_seen, default=0)} | reward {m.get('reward/mean', float('nan')):.3f} "
+            f"| groups received {d['received']} consumed {d['consumed']} dropped {_fmt_dropped(d['dropped'])} "
+            f"| {_episodes_per_s(state, cfg):.1f} episodes/s | learner {_fmt_learner(d)}")
+    return line + (f" | WARNING: {d['warning']}" if d["warning"] else "")
 
 
 def _fmt_dropped(dropped: dict[str, int]) -> str:
@@ -446,8 +473,10 @@ async def _train(sup: Supervisor, outer: trio.Nursery, cfg: AgentRLConfig, run_d
 
     from rich.live import Live
 
-    live = Live(_table(state, cfg), refresh_per_second=2, transient=False) if live_display else None
-    with live if live is not None else nullcontext():
+    # a terminal gets the live table; a log file or a pipe gets a plain line every PLAIN_LINE_S
+    live = Live(_table(state, cfg), refresh_per_second=2, transient=False) if live_display and sys.stdout.isatty() \
+        else _PlainLines(state, cfg) if live_display else None
+    with live if isinstance(live, Live) else nullcontext():
         async with trio.open_nursery() as inner:
             state.rl_started = time.monotonic()
             await sup.start(inner, learner_spec(cfg, run_dir, placement))

@@ -219,3 +219,29 @@ def test_sigterm_and_sighup_stop_a_real_run_like_ctrl_c(signum: int, wait_for: s
     assert any(f"{name} received" in e for e in summary["events"])
     pids = [int(line.split("pid ")[1].rstrip(")")) for line in summary["events"] if "started (pid" in line]
     assert pids and not any(_alive(p) for p in pids)
+
+
+def test_without_a_terminal_the_live_view_is_a_plain_line_every_few_seconds(tmp_path: Path, capsys,
+                                                                            monkeypatch) -> None:
+    """A batch job's log (stdout not a terminal) got the final table only; it now gets one plain
+    progress line every PLAIN_LINE_S, with the data warning when there is one."""
+    import agentrl.run as run_module
+    from agentrl.run import RunState, _PlainLines
+
+    clock = [1000.0]
+    monkeypatch.setattr(run_module.time, "monotonic", lambda: clock[0])
+    cfg = load_config(EXAMPLE)
+    state = RunState(tmp_path)
+    state.last_metrics = {"step": 5, "reward/mean": 0.5}
+    state.versions_seen = {5}
+    state.data.update(received=40, consumed=32, dropped={"zero_variance": 2}, warning="too flat")
+    lines = _PlainLines(state, cfg)
+    lines.update()
+    clock[0] += 3.0
+    lines.update()  # too soon: nothing
+    clock[0] += run_module.PLAIN_LINE_S
+    lines.update()
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2
+    assert "step 5/20 | policy v5 | reward 0.500 | groups received 40 consumed 32 dropped 2 (zero_variance 2)" in out[0]
+    assert out[0].endswith("WARNING: too flat")
