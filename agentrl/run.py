@@ -188,8 +188,7 @@ async def evaluate_policy(cfg: AgentRLConfig, num_tasks: int | None = None) -> d
             break
     sampling = sampling_from_config(cfg, greedy=cfg.eval.greedy)
     sampling["max_new_tokens"] = cfg.actors.max_new_tokens_per_turn
-    async with EngineClient(list(cfg.engine.urls), router_url=cfg.engine.router_url,
-                            max_retries=cfg.engine.request_retries) as client:
+    async with EngineClient.from_config(cfg.engine) as client:
         started = time.monotonic()
         result = await evaluate(client, tokenizer, env, tasks, greedy=cfg.eval.greedy,
                                 concurrency=cfg.actors.num_concurrent_episodes, toolbox=toolbox_for(env, cfg),

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from agentrl.config import load_config
@@ -47,12 +48,51 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.timeout(600)
-def test_shortened_quickstart_learns(tiny_model: Path, tmp_path: Path) -> None:
+def _start_strict_engine(cfg, model: Path, log_dir: Path, env: dict[str, str]):
+    """An embedded engine started the way users start SGLang by hand, with what real SGLang does
+    that a naive client trips over: no --weight-version (it reports "default"), --tp-size 2 (two
+    ranks in the weight group), an api key and an admin key, and a build without
+    /begin_weight_update and /end_weight_update (404)."""
+    from agentrl.engine.launch import EngineProcess, engine_args, free_port
+
+    flags = engine_args("embedded", device="cpu", max_running_requests=cfg.engine.max_running_requests,
+                        max_context_tokens=cfg.engine.max_context_tokens, num_threads=1)
+    i = flags.index("--weight-version")
+    flags = flags[:i] + flags[i + 2:] + ["--tp-size", "2", "--disable-weight-update-bracket"]
+    return EngineProcess(str(model), free_port(), extra=flags, log_path=log_dir / "strict-engine.log",
+                         env={**os.environ, **env}).start(wait_s=240)
+
+
+@pytest.mark.timeout(900)
+def test_shortened_quickstart_learns_against_an_sglang_strict_engine(tiny_model: Path, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The quickstart's own warm start, then 8 RL steps against an engine that behaves like a
+    hand-started SGLang server (see _start_strict_engine): the run sets the version, forms a
+    weight group with both TP ranks, skips the missing routes, sends the keys, and learns."""
     run_dir = tmp_path / "run"
+    keys = {"AGENTRL_ENGINE_API_KEY": "api-key-for-the-test", "AGENTRL_ENGINE_ADMIN_API_KEY": "admin-key-for-the-test"}
+    for name, value in keys.items():
+        monkeypatch.setenv(name, value)  # every child of the run reads its keys from these
     cfg = load_config(EXAMPLE, [f"model.path={tiny_model}", "learner.max_steps=8", "eval.num_tasks=200"])
     assert cfg.learner.max_staleness >= 1
-    summary = run(cfg, run_dir, live_display=False)
+    warm = run_dir / "sft" / "model"  # `agentrl run` reuses a warm start it finds there
+    subprocess.run([sys.executable, "-m", "agentrl", "sft", "-c", str(EXAMPLE), "-s", f"model.path={tiny_model}",
+                    "-s", f"run.run_dir={run_dir}", "-s", f"sft.output_dir={warm}", "-s", "tracking.enabled=false",
+                    "-s", f"run.torch_num_threads={os.cpu_count() or 1}"],
+                   cwd=ROOT, check=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                   stdout=subprocess.DEVNULL)
+    engine = _start_strict_engine(cfg, warm, tmp_path, keys)
+    try:
+        assert httpx.get(engine.url + "/model_info", timeout=10,
+                         headers={"Authorization": f"Bearer {keys['AGENTRL_ENGINE_API_KEY']}"}).json()[
+            "weight_version"] == "default"
+        cfg = load_config(EXAMPLE, [f"model.path={tiny_model}", "learner.max_steps=8", "eval.num_tasks=200",
+                                    f"engine.urls=[\"{engine.url}\"]"])
+        summary = run(cfg, run_dir, live_display=False)
+        assert httpx.post(engine.url + "/pause_generation", json={"mode": "abort"}, timeout=10).status_code == 401
+    finally:
+        engine.stop()
+    assert "reusing the warm-started model" in " ".join(summary["events"])
 
     on_disk = json.loads((run_dir / "summary.json").read_text())
     assert on_disk["learner_steps"] == summary["learner_steps"] == 8
@@ -65,8 +105,11 @@ def test_shortened_quickstart_learns(tiny_model: Path, tmp_path: Path) -> None:
     assert multi(after) > multi(before) + 0.2
     assert on_disk["warm_start"]["enabled"] and on_disk["warm_start"]["env_kwargs"]["demo_shortcut_rate"] > 0
     assert (run_dir / "sft" / "model" / "config.json").exists()
-    for child in ("sft", "engine0", "learner", "actor0"):
+    for child in ("learner", "actor0"):
         assert (run_dir / "logs" / f"{child}.log").stat().st_size > 0
+    learner_log = (run_dir / "logs" / "learner.log").read_text()
+    assert "has no /begin_weight_update (SGLang before 0.5.23?)" in learner_log  # said once, then skipped
+    assert learner_log.count("has no /begin_weight_update") == 1
     # the engines served several policy versions, and the learner consumed off-policy data
     assert len(on_disk["policy_versions_seen"]) >= 3
     rows = [json.loads(line) for line in (run_dir / "learner_metrics.jsonl").read_text().splitlines()]
