@@ -10,13 +10,16 @@ Design (measured against transformers' own continuous batching; see docs/archite
   per-step copy of the cache -- and a boolean mask hides each row's unused tail. Capacity
   grows by doubling (up to the context length), so a small model does not reserve
   ``slots x context`` memory up front.
-* **The model is plain transformers.** The runner calls the decoder (``get_decoder()``) with
-  its own cache object (``update()`` is the whole cache protocol transformers needs), explicit
-  ``position_ids`` and a precomputed 4-D mask passed as ``{"full_attention": mask}``, which
-  transformers uses as is. Then it applies ``lm_head`` only to the rows that need logits:
-  the last real token of each prompt in a prefill, every row in a decode step. Any
-  decoder-only model whose attention calls ``cache.update`` works (Qwen2/3, Llama, ...);
-  sliding-window layers are not supported.
+* **The forward.** For Llama-family models (Llama, Qwen2, Qwen3) the runner runs its own
+  functional forward over the model's parameter tensors (``agentrl/engine/decoder.py``:
+  RoPE from a table, K/V written by flat index, packed grouped-query decode attention), which
+  costs a fraction of transformers' module machinery at small sizes. Any other decoder-only
+  model whose attention calls ``cache.update`` runs through transformers' decoder
+  (``get_decoder()``) with this cache object (``update()`` is the whole cache protocol
+  transformers needs), explicit ``position_ids`` and a precomputed 4-D mask, which
+  transformers uses as is. Either way ``lm_head`` runs only on the rows that need logits:
+  the last real token of each prompt in a prefill, every row in a decode step.
+  Sliding-window layers are not supported.
 * **Prefill** runs new (or retracted) requests as one right-padded batch, written straight
   into their slots; **decode** advances every running row by one token.
 * **Prefix cache** (SGLang's radix cache, reduced to what multi-turn agents need): when a
@@ -45,6 +48,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+
+from agentrl.engine.decoder import FunctionalDecoder, unsupported_reason
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +80,7 @@ class SlotKVCache:
         self.capacity = 0
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
-        # Set by the runner before each forward.
-        self._prefill = False
+        # Set by the runner before a generic-path forward (see update()).
         self._row0 = 0
         self._rows: torch.Tensor | None = None
         self._write_pos: torch.Tensor | None = None
@@ -120,23 +124,15 @@ class SlotKVCache:
             self.k[layer][dst, :, :length] = self.k[layer][src, :, :length]
             self.v[layer][dst, :, :length] = self.v[layer][src, :, :length]
 
-    # -- what transformers' attention calls -------------------------------------------------
+    # -- what transformers' attention calls (the generic path) --------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        """Token j of row i goes to position ``_write_pos[i, j]`` of slot ``_row0 + i``; attention reads
+        positions ``0.._kv_len`` of those slots."""
         k_buf, v_buf = self.k[layer_idx], self.v[layer_idx]
-        rows = key_states.shape[0]
-        if self._prefill:
-            r0, length = self._row0, key_states.shape[2]
-            if self._write_pos is None:  # every row starts at position 0
-                k_buf[r0 : r0 + rows, :, :length] = key_states
-                v_buf[r0 : r0 + rows, :, :length] = value_states
-                return k_buf[r0 : r0 + rows, :, :length], v_buf[r0 : r0 + rows, :, :length]
-            # rows continue after a cached prefix: token j of row i goes to position start_i + j
-            k_buf[self._rows, :, self._write_pos] = key_states.transpose(1, 2)
-            v_buf[self._rows, :, self._write_pos] = value_states.transpose(1, 2)
-            return k_buf[r0 : r0 + rows, :, : self._kv_len], v_buf[r0 : r0 + rows, :, : self._kv_len]
-        k_buf[self._rows, :, self._write_pos] = key_states[:, :, 0]
-        v_buf[self._rows, :, self._write_pos] = value_states[:, :, 0]
-        return k_buf[:rows, :, : self._kv_len], v_buf[:rows, :, : self._kv_len]
+        r0, rows = self._row0, key_states.shape[0]
+        k_buf[self._rows, :, self._write_pos] = key_states.transpose(1, 2)
+        v_buf[self._rows, :, self._write_pos] = value_states.transpose(1, 2)
+        return k_buf[r0 : r0 + rows, :, : self._kv_len], v_buf[r0 : r0 + rows, :, : self._kv_len]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:  # unused: position_ids are always given
         return 0
@@ -239,6 +235,12 @@ class ModelRunner:
         self.generator.manual_seed(seed)
         self._arange = torch.arange(self.max_context_tokens, device=self.device)
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
+        reason = unsupported_reason(self.model)
+        if reason is None:  # the engine's own forward (agentrl/engine/decoder.py)
+            self.fast: FunctionalDecoder | None = FunctionalDecoder(self.model, self.max_context_tokens)
+        else:
+            log.info("generic forward (transformers' decoder) for this model: %s", reason)
+            self.fast = None
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -261,15 +263,22 @@ class ModelRunner:
         return named
 
     # -- forward ------------------------------------------------------------------------------
-    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        out = self.decoder(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask={"full_attention": mask},
-            use_cache=True,
-            **{self._cache_kw: self.cache},
-        )
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, allowed: torch.Tensor, row0: int, kv_len: int) -> torch.Tensor:
+        """Hidden states [N, T, hidden] of tokens ``ids`` at positions ``pos`` (both [N, T]) of cache rows
+        ``row0..``, attending to positions ``0..kv_len`` where ``allowed`` ([N, 1, T, kv_len], bool)."""
+        if self.fast is not None:
+            mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, -torch.inf)
+            return self.fast.forward(ids, pos, self.cache, row0, kv_len, mask)
+        cache = self.cache
+        cache._row0, cache._kv_len, cache._write_pos = row0, kv_len, pos
+        cache._rows = (row0 + self._arange[: ids.shape[0]])[:, None].expand_as(pos)
+        # A 4-D mask is used as is by transformers' mask creation (Llama-style and layer-typed models alike).
+        out = self.decoder(input_ids=ids, position_ids=pos, attention_mask=allowed, use_cache=True,
+                           **{self._cache_kw: cache})
         return out.last_hidden_state
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
 
     @torch.inference_mode()
     def prefill(self, row0: int, sequences: Sequence[Sequence[int]], starts: Sequence[int] | None = None) -> torch.Tensor:
@@ -295,16 +304,9 @@ class ModelRunner:
         pos = first[:, None] + torch.minimum(self._arange[None, :width], lens[:, None])  # [N, width]
         keys = self._arange[:kv_len]
         # Causal and inside the row's own tokens: [N, 1, width, kv_len].
-        mask = (keys[None, None, :] <= pos[:, :, None]) & (keys[None, None, :] < (first + lens)[:, None, None])
-        self.cache._prefill, self.cache._row0 = True, row0
-        if any(starts):
-            self.cache._rows = (row0 + self._arange[: len(sequences)])[:, None].expand(-1, width)
-            self.cache._write_pos, self.cache._kv_len = pos, kv_len
-        else:
-            self.cache._write_pos = None
-        hidden = self._forward(ids, pos, mask[:, None])
-        last = hidden[torch.arange(len(sequences), device=self.device), lens - 1]
-        return self.lm_head(last).float()
+        allowed = (keys[None, None, :] <= pos[:, :, None]) & (keys[None, None, :] < (first + lens)[:, None, None])
+        hidden = self._forward(ids, pos, allowed[:, None], row0, kv_len)
+        return self._logits(hidden[torch.arange(len(sequences), device=self.device), lens - 1])
 
     def load_prefix(self, row: int, tokens: Sequence[int]) -> int:
         """Copy the longest cached prefix of ``tokens`` into ``row``; return its length (0: none)."""
@@ -323,17 +325,12 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, tokens: Sequence[int], kv_lens: Sequence[int]) -> torch.Tensor:
         """Feed one token per running row (rows ``0..B-1``); return next-token logits [B, V] (fp32)."""
-        rows = len(tokens)
         kv_len = max(kv_lens) + 1
         self.cache.ensure_capacity(kv_len)
-        write_pos = torch.as_tensor(kv_lens, dtype=torch.long).to(self.device)
-        ids = torch.as_tensor(tokens, dtype=torch.long).to(self.device)[:, None]
-        mask = (self._arange[None, :kv_len] <= write_pos[:, None])[:, None, None, :]
-        self.cache._prefill = False
-        self.cache._rows = self._arange[:rows]
-        self.cache._write_pos, self.cache._kv_len = write_pos, kv_len
-        hidden = self._forward(ids, write_pos[:, None], mask)
-        return self.lm_head(hidden[:, 0]).float()
+        ids, pos = torch.tensor([tokens, kv_lens], dtype=torch.long).to(self.device)[:, :, None]  # [B, 1] each
+        allowed = (self._arange[:kv_len] <= pos)[:, None, None, :]  # [B, 1, 1, kv_len]
+        hidden = self._forward(ids, pos, allowed, 0, kv_len)
+        return self._logits(hidden[:, 0])
 
     # -- sampling -----------------------------------------------------------------------------
     def row_params(self, params: Sequence[Any], generators: Sequence[torch.Generator | None]) -> RowParams:
