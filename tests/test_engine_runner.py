@@ -1,5 +1,5 @@
 """The engine's model runner, against transformers itself: the functional forward of each
-Llama-family architecture and the generic path for others."""
+Llama-family architecture, the generic path for others, and the sampler's distribution."""
 
 from __future__ import annotations
 
@@ -119,3 +119,55 @@ def test_functional_forward_sees_weight_updates(model_dir):
         named["model.layers.1.mlp.down_proj.weight"].data.mul_(0.5)
         after = runner.prefill(0, [[5, 6, 7]])
     assert not torch.allclose(before, after)
+
+
+def test_sampler_draws_from_the_truncated_softmax(engine_model):
+    """Inverse-CDF draws: frequencies follow softmax(logits / T) restricted by top-k / top-p / min-p;
+    removed tokens are never drawn; greedy rows take the argmax; a seed fixes a row's draws."""
+    from agentrl.engine.api import parse_sampling_params
+    from agentrl.engine.runner import ModelRunner
+
+    runner = ModelRunner(engine_model, device="cpu", dtype="float32", max_running_requests=2, max_context_tokens=64)
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -30.0, 1.5, 0.2]])
+    settings = [{"temperature": 1.0}, {"temperature": 0.7}, {"temperature": 1.0, "top_k": 3},
+                {"temperature": 1.3, "top_p": 0.8}, {"temperature": 1.0, "min_p": 0.2}, {"temperature": 0.0}]
+    params = [parse_sampling_params(s, 100) for s in settings]
+    n = 20000
+    rows = [p for p in params for _ in range(n)]
+    rp = runner.row_params(rows, [None] * len(rows))
+    tokens, logprobs = runner.sample(logits.expand(len(rows), -1).contiguous(), rp)
+    for k, s in enumerate(settings):
+        drawn = torch.bincount(torch.tensor(tokens[k * n : (k + 1) * n]), minlength=logits.shape[1]).double() / n
+        temperature = s["temperature"] or 1.0
+        probs = torch.softmax(logits[0].double() / temperature, -1)
+        keep = torch.ones_like(probs, dtype=torch.bool)
+        order = probs.argsort(descending=True)
+        if "top_k" in s:
+            keep[order[s["top_k"]:]] = False
+        if "top_p" in s:
+            before = probs[order].cumsum(0) - probs[order]
+            keep[order[before > s["top_p"]]] = False
+        if "min_p" in s:
+            keep &= probs >= probs.max() * s["min_p"]
+        if s["temperature"] == 0.0:
+            keep = probs == probs.max()
+        want = probs * keep / (probs * keep).sum()
+        assert torch.all(drawn[~keep] == 0), (s, drawn)
+        assert (drawn - want).abs().max() < 0.015, (s, drawn, want)  # ~4 standard errors at n = 20000
+        # the logprobs are of the full (untruncated) distribution at that temperature
+        expected = torch.log_softmax(logits[0] / temperature, -1)[torch.tensor(tokens[k * n : k * n + 50])]
+        assert torch.allclose(torch.tensor(logprobs[k * n : k * n + 50]), expected, atol=1e-6)
+    # Seeded rows: the same draws whatever the other rows are.
+    seeded = parse_sampling_params({"temperature": 1.0, "sampling_seed": 5}, 100)
+
+    def seeded_draws(other_rows: int) -> list[int]:
+        out = []
+        gen = torch.Generator().manual_seed(5)
+        for _ in range(30):
+            batch = [params[0]] * other_rows + [seeded]
+            rp = runner.row_params(batch, [None] * other_rows + [gen])
+            out.append(runner.sample(logits.expand(len(batch), -1).contiguous(), rp)[0][-1])
+        return out
+
+    assert seeded_draws(0) == seeded_draws(7)
+    assert len(set(seeded_draws(3))) > 1
