@@ -14,6 +14,9 @@ copies into the parameters is seen at the next step -- with fewer, larger tensor
 * **K/V writes by flat index.** The slot cache's ``[slots, kv_heads, capacity, head_dim]``
   buffers are written through their ``[-1, head_dim]`` view with one ``index_copy_`` per
   buffer; the indices (slot, head, position) are computed once per forward, not per layer.
+* **Packed tokens.** A prefill's tokens run as one [tokens, hidden] batch with no padding;
+  only attention places the queries in the right-padded [rows, width] grid (one scatter and
+  one gather per layer), so a ragged batch costs its real tokens, not rows x longest.
 * **Grouped-query decode attention packed per K/V head.** One decode token's query heads are
   viewed as ``[rows * kv_heads, group, head_dim]`` and attend with two batched matmuls
   (``baddbmm`` with the additive mask, softmax, ``bmm``) that read each K/V head once with no
@@ -127,49 +130,54 @@ class FunctionalDecoder:
         self.cos = cos[0]  # [positions, head_dim]
         self.sin = sin[0] * sign  # rotate_half(x) * sin == cat(x2, x1) * (sign * sin)
 
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor, cache, row0: int, kv_len: int,
-                mask: torch.Tensor) -> torch.Tensor:
-        """Tokens ``ids`` [N, T] at positions ``pos`` [N, T] of cache rows ``row0..row0+N``.
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, cache, row0: int, kv_len: int, mask: torch.Tensor,
+                grid: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Packed tokens ``ids`` [M] at positions ``pos`` [M] of cache rows ``row0..``; returns their
+        final-normed hidden states [M, hidden].
 
         Their K/V are written at those positions; attention reads positions ``0..kv_len`` of the
-        rows under the additive ``mask`` ([N, 1, T, kv_len]). Returns hidden states [N, T, hidden]."""
-        n, t = ids.shape
-        heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
-        # Flat index of (row, kv head, position) in a [slots * kv_heads * capacity, head_dim] view.
-        slot_head = (row0 + torch.arange(n, device=ids.device))[:, None] * kv_heads \
-            + torch.arange(kv_heads, device=ids.device)[None]
-        write = (slot_head[:, None, :] * cache.capacity + pos[:, :, None]).view(-1)  # [N * T * kv_heads]
-        cos = self.cos[pos][:, :, None]  # [N, T, 1, D]
-        sin = self.sin[pos][:, :, None]
-        decode = t == 1
-        if decode:  # the mask once in the layout of the decode attention's batched matmuls: [N * kv_heads, group, kv_len]
-            mask = mask.view(n, 1, 1, kv_len).expand(n, kv_heads, self.group, kv_len).reshape(-1, self.group, kv_len)
+        rows under the additive ``mask``. A decode step (``grid`` None) has one token per row, rows
+        in order, and ``mask`` [rows, 1, 1, kv_len]. A prefill gives ``grid`` = (row, column) of
+        each token in its [rows, width] attention grid, and ``mask`` [rows, 1, width, kv_len]. Only
+        attention sees that padded grid: every other operation runs on the M real tokens."""
+        m = ids.shape[0]
+        heads, kv_heads, d, group = self.heads, self.kv_heads, self.head_dim, self.group
+        rows, width = mask.shape[0], mask.shape[2]
+        slots = row0 + (torch.arange(rows, device=ids.device) if grid is None else grid[0])
+        # Flat index of (slot, kv head, position) in a [slots * kv_heads * capacity, head_dim] view.
+        write = ((slots[:, None] * kv_heads + torch.arange(kv_heads, device=ids.device)) * cache.capacity
+                 + pos[:, None]).view(-1)  # [M * kv_heads]
+        cos = self.cos[pos][:, None]  # [M, 1, D]
+        sin = self.sin[pos][:, None]
+        if grid is None:  # the mask once in the layout of the decode attention's batched matmuls
+            mask = mask.view(rows, 1, 1, kv_len).expand(rows, kv_heads, group, kv_len).reshape(-1, group, kv_len)
         h = F.embedding(ids, self.embed)
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.ln1, self.eps)
-            q = F.linear(x, layer.wq, layer.bq).view(n, t, heads, d)
-            k = F.linear(x, layer.wk, layer.bk).view(n, t, kv_heads, d)
+            q = F.linear(x, layer.wq, layer.bq).view(m, heads, d)
+            k = F.linear(x, layer.wk, layer.bk).view(m, kv_heads, d)
             v = F.linear(x, layer.wv, layer.bv)
             if layer.q_norm is not None:
                 q = rms_norm(q, layer.q_norm, self.qk_eps)
                 k = rms_norm(k, layer.k_norm, self.qk_eps)
-            qk = torch.cat((q, k), dim=2)  # rotate q and k in one go: [N, T, heads + kv_heads, D]
+            qk = torch.cat((q, k), dim=1)  # rotate q and k in one go: [M, heads + kv_heads, D]
             qk = qk * cos + torch.cat((qk[..., d // 2:], qk[..., : d // 2]), dim=-1) * sin
-            q, k = qk[:, :, :heads], qk[:, :, heads:]
+            q, k = qk[:, :heads], qk[:, heads:]
             k_buf, v_buf = cache.k[i], cache.v[i]
             k_buf.view(-1, d).index_copy_(0, write, k.reshape(-1, d))
             v_buf.view(-1, d).index_copy_(0, write, v.view(-1, d))
-            keys, values = k_buf[row0 : row0 + n, :, :kv_len], v_buf[row0 : row0 + n, :, :kv_len]
-            if decode:  # one query per row: its heads as [kv_heads, group], each K/V head read once
-                scores = torch.baddbmm(mask, q.reshape(n * kv_heads, self.group, d),
-                                       keys.reshape(n * kv_heads, kv_len, d).transpose(1, 2), alpha=self.scale)
-                o = torch.bmm(torch.softmax(scores, dim=-1), values.reshape(n * kv_heads, kv_len, d))
-                o = o.view(n, 1, heads * d)
-            else:
-                o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
-                                                   scale=self.scale, enable_gqa=self.group > 1)
-                o = o.transpose(1, 2).reshape(n, t, heads * d)
-            h = h + F.linear(o, layer.wo, layer.bo)
+            keys, values = k_buf[row0 : row0 + rows, :, :kv_len], v_buf[row0 : row0 + rows, :, :kv_len]
+            if grid is None:  # one query per row: its heads as [kv_heads, group], each K/V head read once
+                scores = torch.baddbmm(mask, q.reshape(rows * kv_heads, group, d),
+                                       keys.reshape(rows * kv_heads, kv_len, d).transpose(1, 2), alpha=self.scale)
+                o = torch.bmm(torch.softmax(scores, dim=-1), values.reshape(rows * kv_heads, kv_len, d))
+            else:  # queries placed in the padded grid for one attention call, then taken back out
+                qg = q.new_zeros(rows, width, heads, d)
+                qg[grid] = q
+                o = F.scaled_dot_product_attention(qg.transpose(1, 2), keys, values, attn_mask=mask,
+                                                   scale=self.scale, enable_gqa=group > 1)
+                o = o.transpose(1, 2)[grid]
+            h = h + F.linear(o.reshape(m, heads * d), layer.wo, layer.bo)
             x = rms_norm(h, layer.ln2, self.eps)
             h = h + F.linear(F.silu(F.linear(x, layer.wg, layer.bg)) * F.linear(x, layer.wu, layer.bu),
                              layer.wd, layer.bd)

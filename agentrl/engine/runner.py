@@ -20,8 +20,9 @@ Design (measured against transformers' own continuous batching; see docs/archite
   transformers uses as is. Either way ``lm_head`` runs only on the rows that need logits:
   the last real token of each prompt in a prefill, every row in a decode step.
   Sliding-window layers are not supported.
-* **Prefill** runs new (or retracted) requests as one right-padded batch, written straight
-  into their slots; **decode** advances every running row by one token.
+* **Prefill** runs new (or retracted) requests as one batch, written straight into their
+  slots (the functional forward packs their tokens; the generic path pads them to the longest);
+  **decode** advances every running row by one token.
 * **Prefix cache** (SGLang's radix cache, reduced to what multi-turn agents need): when a
   request finishes, the K/V of the tokens it fed is kept (LRU, ``prefix_cache_tokens`` in
   all), keyed by those tokens. The next turn of the same episode sends prompt + output +
@@ -270,12 +271,11 @@ class ModelRunner:
         return named
 
     # -- forward ------------------------------------------------------------------------------
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, allowed: torch.Tensor, row0: int, kv_len: int) -> torch.Tensor:
-        """Hidden states [N, T, hidden] of tokens ``ids`` at positions ``pos`` (both [N, T]) of cache rows
-        ``row0..``, attending to positions ``0..kv_len`` where ``allowed`` ([N, 1, T, kv_len], bool)."""
-        if self.fast is not None:
-            mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, -torch.inf)
-            return self.fast.forward(ids, pos, self.cache, row0, kv_len, mask)
+    def _generic_forward(self, ids: torch.Tensor, pos: torch.Tensor, allowed: torch.Tensor, row0: int,
+                         kv_len: int) -> torch.Tensor:
+        """transformers' decoder over the slot cache: hidden states [N, T, hidden] of tokens ``ids`` at
+        positions ``pos`` (both [N, T]) of rows ``row0..``, attending to positions ``0..kv_len`` where
+        ``allowed`` ([N, 1, T, kv_len], bool)."""
         cache = self.cache
         cache._row0, cache._kv_len, cache._write_pos = row0, kv_len, pos
         cache._rows = (row0 + self._arange[: ids.shape[0]])[:, None].expand_as(pos)
@@ -283,6 +283,9 @@ class ModelRunner:
         out = self.decoder(input_ids=ids, position_ids=pos, attention_mask=allowed, use_cache=True,
                            **{self._cache_kw: cache})
         return out.last_hidden_state
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, -torch.inf)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -298,21 +301,26 @@ class ModelRunner:
         width = max(news)
         kv_len = max(len(s) for s in sequences)  # each row needs its own tokens only
         self.cache.ensure_capacity(kv_len + 1)
-        ids = torch.zeros((len(sequences), width), dtype=torch.long)
-        for i, (s, c) in enumerate(zip(sequences, starts)):
-            ids[i, : len(s) - c] = torch.as_tensor(s[c:], dtype=torch.long)
-        ids = ids.to(self.device)
         lens = torch.as_tensor(news, device=self.device)
         first = torch.as_tensor(starts, device=self.device)
-        # Token j of row i sits at position start_i + j. A padding token (j >= new_i) is parked on
-        # the row's next free position, start_i + new_i, which its first decode step overwrites:
-        # so a row never needs more than its own length + 1 positions, whatever the other rows'
-        # cached parts (sizing by longest cached part + longest new part overflowed the context).
+        # The batch as a right-padded [N, width] grid: token j of row i sits at position start_i + j.
+        # A padding token (j >= new_i) is parked on the row's next free position, start_i + new_i,
+        # which its first decode step overwrites: so a row never needs more than its own length + 1
+        # positions, whatever the other rows' cached parts (sizing by longest cached part + longest
+        # new part overflowed the context).
         pos = first[:, None] + torch.minimum(self._arange[None, :width], lens[:, None])  # [N, width]
         keys = self._arange[:kv_len]
         # Causal and inside the row's own tokens: [N, 1, width, kv_len].
-        allowed = (keys[None, None, :] <= pos[:, :, None]) & (keys[None, None, :] < (first + lens)[:, None, None])
-        hidden = self._forward(ids, pos, allowed[:, None], row0, kv_len)
+        allowed = ((keys[None, None, :] <= pos[:, :, None]) & (keys[None, None, :] < (first + lens)[:, None, None]))[:, None]
+        if self.fast is not None:  # the real tokens only, packed; the grid is for attention
+            grid = (self._arange[None, :width] < lens[:, None]).nonzero(as_tuple=True)
+            ids = torch.tensor([t for s, c in zip(sequences, starts) for t in s[c:]], dtype=torch.long).to(self.device)
+            hidden = self.fast.forward(ids, pos[grid], self.cache, row0, kv_len, self._additive(allowed), grid)
+            return self._logits(hidden[lens.cumsum(0) - 1])
+        ids = torch.zeros((len(sequences), width), dtype=torch.long)
+        for i, (s, c) in enumerate(zip(sequences, starts)):
+            ids[i, : len(s) - c] = torch.as_tensor(s[c:], dtype=torch.long)
+        hidden = self._generic_forward(ids.to(self.device), pos, allowed, row0, kv_len)
         return self._logits(hidden[torch.arange(len(sequences), device=self.device), lens - 1])
 
     def load_prefix(self, row: int, tokens: Sequence[int]) -> int:
@@ -334,10 +342,11 @@ class ModelRunner:
         """Feed one token per running row (rows ``0..B-1``); return next-token logits [B, V] (fp32)."""
         kv_len = max(kv_lens) + 1
         self.cache.ensure_capacity(kv_len)
-        ids, pos = torch.tensor([tokens, kv_lens], dtype=torch.long).to(self.device)[:, :, None]  # [B, 1] each
-        allowed = (self._arange[:kv_len] <= pos)[:, None, None, :]  # [B, 1, 1, kv_len]
-        hidden = self._forward(ids, pos, allowed, 0, kv_len)
-        return self._logits(hidden[:, 0])
+        ids, pos = torch.tensor([tokens, kv_lens], dtype=torch.long).to(self.device)  # [B] each
+        allowed = (self._arange[:kv_len] <= pos[:, None])[:, None, None, :]  # [B, 1, 1, kv_len]
+        if self.fast is not None:
+            return self._logits(self.fast.forward(ids, pos, self.cache, 0, kv_len, self._additive(allowed)))
+        return self._logits(self._generic_forward(ids[:, None], pos[:, None], allowed, 0, kv_len)[:, 0])
 
     # -- sampling -----------------------------------------------------------------------------
     def row_params(self, params: Sequence[Any], generators: Sequence[torch.Generator | None]) -> RowParams:
