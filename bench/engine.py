@@ -299,10 +299,11 @@ def main() -> None:
     flags = ["--num-threads", str(args.threads), "--device", args.device]
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     trees = [str(Path(t).resolve()) for t in args.trees.split(",")] if args.trees else [str(ROOT)]
-    # All servers load at once; the idle ones cost nothing while another is measured.
+    # All servers load at once; the idle ones cost nothing while another is measured. PYTHONSAFEPATH: `python -m`
+    # would otherwise put the working directory before PYTHONPATH, and every engine would run this tree.
     engines = {} if args.skip_throughput else {
         tree: EngineProcess(str(model_path), free_port(), extra=flags, log_path=tmp / f"engine{i}.log",
-                            env={**os.environ, "PYTHONPATH": tree}).start(wait_s=0)
+                            env={**os.environ, "PYTHONPATH": tree, "PYTHONSAFEPATH": "1"}).start(wait_s=0)
         for i, tree in enumerate(trees)}
     push_engine = None if args.skip_push else EngineProcess(str(small_path), free_port(), extra=flags[:2],
                                                             log_path=tmp / "push_engine.log").start(wait_s=0)
