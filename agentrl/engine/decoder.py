@@ -163,7 +163,7 @@ class FunctionalDecoder:
                 q = rms_norm(q, layer.q_norm, self.qk_eps)
                 k = rms_norm(k, layer.k_norm, self.qk_eps)
             qk = torch.cat((q, k), dim=1)  # rotate q and k in one go: [M, heads + kv_heads, D]
-            qk = qk * cos + torch.cat((qk[..., d // 2:], qk[..., : d // 2]), dim=-1) * sin
+            qk = torch.cat((qk[..., d // 2:], qk[..., : d // 2]), dim=-1).mul_(sin).add_(qk.mul_(cos))
             q, k = qk[:, :heads], qk[:, heads:]
             k_buf, v_buf = cache.k[i], cache.v[i]
             k_buf.view(-1, d).index_copy_(0, write, k.reshape(-1, d))
@@ -183,8 +183,8 @@ class FunctionalDecoder:
                 o = F.scaled_dot_product_attention(qg.transpose(1, 2), keys, values, attn_mask=mask,
                                                    scale=self.scale, enable_gqa=group > 1)
                 o = o.transpose(1, 2)[grid]
-            h = h + F.linear(o.reshape(m, heads * d), layer.wo, layer.bo)
+            h.add_(F.linear(o.reshape(m, heads * d), layer.wo, layer.bo))  # h is this forward's own tensor
             x = rms_norm(h, layer.ln2, self.eps)
-            h = h + F.linear(F.silu(F.linear(x, layer.wg, layer.bg)) * F.linear(x, layer.wu, layer.bu),
-                             layer.wd, layer.bd)
+            gate = F.silu(F.linear(x, layer.wg, layer.bg), inplace=True)
+            h.add_(F.linear(gate.mul_(F.linear(x, layer.wu, layer.bu)), layer.wd, layer.bd))
         return rms_norm(h, self.norm, self.eps)
