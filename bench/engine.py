@@ -21,13 +21,19 @@
    ``flush_cache: false`` everywhere plus one ``/flush_cache`` call per engine before ``end``;
    the engine's prefix cache is filled before every push.
 
+Optional ``--breakdown``: each tree's engine core in process (scheduler and runner driven
+directly, no HTTP, one tree per subprocess, trees alternating ``--rounds`` times) on the same
+workloads, thread CPU time per scheduler step split into the decode forward, the prefill
+forward, sampling and the rest -- where a step's time goes, less sensitive to the machine's
+load than wall time. The fastest round of each tree counts.
+
 Optional ``--hf-cb``: transformers' own continuous batching (``ContinuousBatchingManager``)
 on the concurrency-64 workload, the measurement behind the choice of an own scheduler.
 
     python bench/engine.py              # about 2 minutes on a (busy) 2-core CPU
     python bench/engine.py --size 0.5b --device cuda --skip-push   # on a GPU
     git archive main agentrl | tar -x -C /tmp/main-tree   # then, main's engine against this one:
-    python bench/engine.py --skip-push --trees /tmp/main-tree,. --rounds 3
+    python bench/engine.py --skip-push --trees /tmp/main-tree,. --rounds 3 --breakdown
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import asyncio
 import multiprocessing as mp
 import os
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -133,6 +140,101 @@ def bench_throughput(model, engines: dict, rounds: int) -> list[dict]:
             f"{r['cpu_ms_per_step']:.1f} cpu ms/step)" for t, r in best.items()),
             flush=True)
     return rows
+
+
+# Scheduler and runner methods every tree has, timed (thread CPU) by the breakdown worker.
+TIMED = {"decode forward": ("runner", "decode"), "prefill forward": ("runner", "prefill"),
+         "sampling": ("runner", "sample"), "sampling params": ("runner", "row_params")}
+
+
+def breakdown_worker(tree: str, model_path: str, device: str, threads: int) -> dict:
+    """In a subprocess: the engine core of ``tree`` (scheduler + runner, no HTTP, no threads) on each
+    level's workload; thread CPU time per scheduler step, split into the timed methods and the rest."""
+    sys.path.insert(0, tree)
+    import torch
+
+    from agentrl.engine import runner as runner_mod, scheduler as scheduler_mod
+    from agentrl.engine.api import parse_generate
+
+    if threads:
+        torch.set_num_threads(threads)
+    spent: dict[str, int] = {}
+    for label, (module, name) in TIMED.items():
+        cls = runner_mod.ModelRunner if module == "runner" else scheduler_mod.Scheduler
+        original = getattr(cls, name)
+
+        def timed(*a, _f=original, _label=label, **k):
+            t0 = time.thread_time_ns()
+            try:
+                return _f(*a, **k)
+            finally:
+                spent[_label] = spent.get(_label, 0) + time.thread_time_ns() - t0
+
+        setattr(cls, name, timed)
+    out = {}
+    for conc, n in LEVELS.items():
+        runner = runner_mod.ModelRunner(model_path, device=device, max_running_requests=conc, max_context_tokens=256)
+        sched = scheduler_mod.Scheduler(runner)
+        done: list[int] = []
+
+        def run(reqs) -> None:
+            for p, m in reqs:
+                call = parse_generate({"input_ids": p, "return_logprob": True, "sampling_params": {
+                    "max_new_tokens": m, "temperature": 1.0, "ignore_eos": True}}, vocab_size=runner.vocab_size,
+                    context_len=runner.max_context_tokens)
+                sched.submit(scheduler_mod.Request(call.inputs[0], lambda r, c: c.finish_reason and done.append(
+                    len(c.output_ids))))
+            sched._drain_inbox()
+            while sched.waiting or sched.running:
+                sched._step()
+
+        with torch.inference_mode():
+            run(workload(4, seed=98))  # warm-up
+            spent.clear()
+            done.clear()
+            steps0, t0 = sched.num_steps, time.thread_time_ns()
+            run(workload(n, seed=conc))
+            total = time.thread_time_ns() - t0
+        steps = sched.num_steps - steps0
+        parts = {k: v / steps / 1e6 for k, v in spent.items()}
+        parts["scheduler and the rest"] = (total - sum(spent.values())) / steps / 1e6
+        out[conc] = {"tokens_per_cpu_s": sum(done) / (total / 1e9), "ms_per_step": total / steps / 1e6,
+                     "steps": steps, "parts": parts}
+    return out
+
+
+def bench_breakdown(model_path: Path, trees: list[str], device: str, threads: int, rounds: int) -> dict:
+    """Each tree's core in its own process, trees alternating, ``rounds`` times; the round with the
+    least CPU per step counts."""
+    import json
+
+    runs: dict[str, list[dict]] = {t: [] for t in trees}
+    for _ in range(rounds):
+        for tree in trees:
+            out = subprocess.run([sys.executable, __file__, "--breakdown-worker", tree, "--model", str(model_path),
+                                  "--device", device, "--threads", str(threads)], capture_output=True, text=True,
+                                 env={**os.environ, "PYTHONSAFEPATH": "1"}, check=True)
+            runs[tree].append(json.loads(out.stdout.splitlines()[-1]))
+    return {tree: {conc: min((r[conc] for r in rs), key=lambda x: x["ms_per_step"]) for conc in rs[0]}
+            for tree, rs in runs.items()}
+
+
+def print_breakdown(result: dict, trees: list[str]) -> None:
+    print("\nengine core in process (scheduler + runner, no HTTP), same workload: thread CPU ms per scheduler step")
+    labels = [*TIMED, "scheduler and the rest"]
+    print(f"{'concurrency':>11} {'tree':>14} {'steps':>5} " + " ".join(f"{lab[:15]:>15}" for lab in labels)
+          + f" {'total':>7} {'tok/CPU-s':>9}")
+    for conc in result[trees[0]]:
+        for tree in trees:
+            r = result[tree][conc]
+            print(f"{conc:>11} {tree_label(tree)[:14]:>14} {r['steps']:>5} "
+                  + " ".join(f"{r['parts'].get(lab, 0.0):>15.3f}" for lab in labels)
+                  + f" {r['ms_per_step']:>7.2f} {r['tokens_per_cpu_s']:>9.0f}")
+        if len(trees) == 2:
+            old, new = (result[t][conc] for t in trees)
+            print(f"{'':>11} {'new/old':>14} {'':>5} " + " ".join(
+                f"{old['parts'].get(lab, 0.0) / max(new['parts'].get(lab, 0.0), 1e-9):>14.2f}x" for lab in labels)
+                + f" {old['ms_per_step'] / new['ms_per_step']:>6.2f}x {new['tokens_per_cpu_s'] / old['tokens_per_cpu_s']:>8.2f}x")
 
 
 def bench_hf_cb(model, reqs) -> float:
@@ -281,8 +383,16 @@ def main() -> None:
     ap.add_argument("--hf-cb", action="store_true", help="also measure transformers' continuous batching")
     ap.add_argument("--push-model", default="", help="model pushed in the weight-push part (default: build 'small')")
     ap.add_argument("--push-dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the pushed weights")
+    ap.add_argument("--breakdown", action="store_true", help="also time the engine core's pieces per step, in "
+                    "process, for each tree (no HTTP)")
+    ap.add_argument("--breakdown-worker", default="", help=argparse.SUPPRESS)
     ap.add_argument("--json", default="", help="also write the results to this file (bench/gpu_check.sh's table)")
     args = ap.parse_args()
+    if args.breakdown_worker:
+        import json
+
+        print(json.dumps(breakdown_worker(args.breakdown_worker, args.model, args.device, args.threads)))
+        return
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -307,7 +417,7 @@ def main() -> None:
         for i, tree in enumerate(trees)}
     push_engine = None if args.skip_push else EngineProcess(str(small_path), free_port(), extra=flags[:2],
                                                             log_path=tmp / "push_engine.log").start(wait_s=0)
-    rows = []
+    rows, breakdown = [], None
     try:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(args.device).eval()
         for e in [*engines.values(), push_engine]:
@@ -317,6 +427,8 @@ def main() -> None:
             rows = bench_throughput(model, engines, args.rounds)
             for e in engines.values():
                 e.stop()
+        breakdown = bench_breakdown(model_path, trees, args.device, args.threads, args.rounds) if args.breakdown \
+            else None
         if args.hf_cb and rows:
             cb = bench_hf_cb(model, workload(LEVELS[64], seed=64))
         push = None if push_engine is None else bench_push(small_path, push_engine, args.reps,
@@ -341,6 +453,9 @@ def main() -> None:
             if len(trees) == 2:
                 line += f" {engs[1]['tokens_per_s'] / engs[0]['tokens_per_s']:>7.2f}x"
             print(line)
+
+    if breakdown is not None:
+        print_breakdown(breakdown, trees)
 
     if args.hf_cb and rows:
         eng64 = rows[-1]["engines"][trees[-1]]["tokens_per_s"]
