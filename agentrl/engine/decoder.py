@@ -22,8 +22,14 @@ copies into the parameters is seen at the next step -- with fewer, larger tensor
   (``baddbmm`` with the additive mask, softmax, ``bmm``) that read each K/V head once with no
   repeat: 5-7% faster per step than ``scaled_dot_product_attention``'s CPU kernel for one
   query (on other devices decode uses that fused kernel, heads packed the same way). Prefill
-  uses ``scaled_dot_product_attention`` with ``enable_gqa``. Masks are
-  additive (0 / -inf) and built once per forward.
+  uses ``scaled_dot_product_attention`` with ``enable_gqa``. Masks are additive (0 / -inf)
+  and built once per forward.
+* **In place where the tensor is the forward's own.** Rotary, the residual adds and
+  ``silu(gate) * up`` write into their operands: a prefill's activations are megabytes, and
+  each fresh one is an allocation the CPU faults in (1.06-1.17x on prefills).
+
+Measured, and why the rest of transformers' design is not here: ``docs/performance.md``
+("Embedded engine throughput").
 
 Numerics follow transformers' modules op for op (fp32 RMSNorm of the activations, weights
 applied in the model's dtype; the same rotary formula), so logprobs match a transformers
