@@ -6,8 +6,12 @@
    output lengths (``ignore_eos``). Static batches run until their longest member is done,
    so only each request's own tokens count as useful output. Both sides use the same
    number of torch threads; the HTTP client runs in this process, so the engine pays for
-   its serving overhead. The machine may be shared: levels 16 and 64 run twice, alternating
-   generate and engine, and each side's best round counts.
+   its serving overhead. The machine may be shared: levels 16 and 64 run ``--rounds`` times
+   (2), alternating generate and engine, and each side's best round counts. The engine's
+   ``/server_info`` step counter gives its wall time per scheduler step and rows per step.
+   ``--trees OLD,NEW`` serves the same model from two agentrl source trees (one engine
+   process each, ``PYTHONPATH`` = the tree) and alternates between them within each round,
+   so that an optimisation's ratio is measured under one machine load.
 2. Weight push: :class:`agentrl.learner.weight_push.WeightUpdater.push` (pause, begin, HTTP +
    broadcast per bucket, end, continue) to an engine serving the ``small`` model, in both wire
    formats (one broadcast per tensor, the default, and SGLang's flattened buckets), against a
@@ -17,11 +21,19 @@
    ``flush_cache: false`` everywhere plus one ``/flush_cache`` call per engine before ``end``;
    the engine's prefix cache is filled before every push.
 
+Optional ``--breakdown``: each tree's engine core in process (scheduler and runner driven
+directly, no HTTP, one tree per subprocess, trees alternating ``--rounds`` times) on the same
+workloads, thread CPU time per scheduler step split into the decode forward, the prefill
+forward, sampling and the rest -- where a step's time goes, less sensitive to the machine's
+load than wall time. The fastest round of each tree counts.
+
 Optional ``--hf-cb``: transformers' own continuous batching (``ContinuousBatchingManager``)
 on the concurrency-64 workload, the measurement behind the choice of an own scheduler.
 
     python bench/engine.py              # about 2 minutes on a (busy) 2-core CPU
     python bench/engine.py --size 0.5b --device cuda --skip-push   # on a GPU
+    git archive main agentrl | tar -x -C /tmp/main-tree   # then, main's engine against this one:
+    python bench/engine.py --skip-push --trees /tmp/main-tree,. --rounds 3 --breakdown
 """
 
 from __future__ import annotations
@@ -29,16 +41,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
+import os
 import random
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 LEVELS = {1: 4, 16: 32, 64: 96}  # concurrency -> number of requests (two or more waves from 16 up)
-ROUNDS = 2  # each side runs every level this many times, alternating; the best round counts
 
 
 def workload(n: int, seed: int) -> list[tuple[list[int], int]]:
@@ -67,7 +81,13 @@ def bench_generate(model, reqs, batch: int) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
-async def _drive(url: str, reqs, concurrency: int) -> float:
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) a process has used so far (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _drive(url: str, reqs, concurrency: int, pid: int | None = None) -> dict:
     import httpx
 
     sem = asyncio.Semaphore(concurrency)
@@ -79,13 +99,142 @@ async def _drive(url: str, reqs, concurrency: int) -> float:
                 r.raise_for_status()
                 return r.json()["meta_info"]["completion_tokens"]
 
-        t0 = time.perf_counter()
+        before = (await http.get(url + "/server_info")).json()
+        cpu0, t0 = _cpu_s(pid) if pid else 0.0, time.perf_counter()
         done = await asyncio.gather(*[one(p, n) for p, n in reqs])
-        return sum(done) / (time.perf_counter() - t0)
+        elapsed, cpu = time.perf_counter() - t0, (_cpu_s(pid) - cpu0 if pid else 0.0)
+        after = (await http.get(url + "/server_info")).json()
+    steps = max(1, after["num_steps"] - before["num_steps"])
+    return {"tokens_per_s": sum(done) / elapsed, "ms_per_step": 1e3 * elapsed / steps,
+            "cpu_ms_per_step": 1e3 * cpu / steps,
+            "rows_per_step": (after["num_generated_tokens"] - before["num_generated_tokens"]) / steps}
 
 
-def bench_engine(url: str, reqs, concurrency: int) -> float:
-    return asyncio.run(_drive(url, reqs, concurrency))
+def bench_engine(url: str, reqs, concurrency: int, pid: int | None = None) -> dict:
+    """Useful tokens/s over HTTP; the engine's wall and CPU time (``pid``'s, all threads) per scheduler step
+    (prefill + decode), and rows per step."""
+    return asyncio.run(_drive(url, reqs, concurrency, pid))
+
+
+def tree_label(tree: str) -> str:
+    return Path(tree).resolve().name or tree
+
+
+def bench_throughput(model, engines: dict, rounds: int) -> list[dict]:
+    """Every level: ``rounds`` rounds of generate, then each engine in turn (same load for all); best round counts."""
+    for e in engines.values():
+        bench_engine(e.url, workload(16, seed=99), 16)  # warm-up
+    bench_generate(model, workload(4, seed=98), 4)
+    rows = []
+    for conc, n in LEVELS.items():
+        reqs = workload(n, seed=conc)
+        gens, engs = [], {tree: [] for tree in engines}
+        for _ in range(rounds if conc > 1 else 1):
+            gens.append(bench_generate(model, reqs, conc))
+            for tree, e in engines.items():
+                engs[tree].append(bench_engine(e.url, reqs, conc, e.process.pid))
+        best = {tree: max(runs, key=lambda r: r["tokens_per_s"]) for tree, runs in engs.items()}
+        rows.append({"concurrency": conc, "requests": n, "generate": max(gens), "engines": best})
+        print(f"  concurrency {conc:>2}: generate {max(gens):7.0f} tok/s, " + ", ".join(
+            f"{tree_label(t)} {r['tokens_per_s']:7.0f} tok/s ({r['ms_per_step']:.1f} ms/step, "
+            f"{r['cpu_ms_per_step']:.1f} cpu ms/step)" for t, r in best.items()),
+            flush=True)
+    return rows
+
+
+# Scheduler and runner methods every tree has, timed (thread CPU) by the breakdown worker.
+TIMED = {"decode forward": ("runner", "decode"), "prefill forward": ("runner", "prefill"),
+         "sampling": ("runner", "sample"), "sampling params": ("runner", "row_params")}
+
+
+def breakdown_worker(tree: str, model_path: str, device: str, threads: int) -> dict:
+    """In a subprocess: the engine core of ``tree`` (scheduler + runner, no HTTP, no threads) on each
+    level's workload; thread CPU time per scheduler step, split into the timed methods and the rest."""
+    sys.path.insert(0, tree)
+    import torch
+
+    from agentrl.engine import runner as runner_mod, scheduler as scheduler_mod
+    from agentrl.engine.api import parse_generate
+
+    if threads:
+        torch.set_num_threads(threads)
+    spent: dict[str, int] = {}
+    for label, (module, name) in TIMED.items():
+        cls = runner_mod.ModelRunner if module == "runner" else scheduler_mod.Scheduler
+        original = getattr(cls, name)
+
+        def timed(*a, _f=original, _label=label, **k):
+            t0 = time.thread_time_ns()
+            try:
+                return _f(*a, **k)
+            finally:
+                spent[_label] = spent.get(_label, 0) + time.thread_time_ns() - t0
+
+        setattr(cls, name, timed)
+    out = {}
+    for conc, n in LEVELS.items():
+        runner = runner_mod.ModelRunner(model_path, device=device, max_running_requests=conc, max_context_tokens=256)
+        sched = scheduler_mod.Scheduler(runner)
+        done: list[int] = []
+
+        def run(reqs) -> None:
+            for p, m in reqs:
+                call = parse_generate({"input_ids": p, "return_logprob": True, "sampling_params": {
+                    "max_new_tokens": m, "temperature": 1.0, "ignore_eos": True}}, vocab_size=runner.vocab_size,
+                    context_len=runner.max_context_tokens)
+                sched.submit(scheduler_mod.Request(call.inputs[0], lambda r, c: c.finish_reason and done.append(
+                    len(c.output_ids))))
+            sched._drain_inbox()
+            while sched.waiting or sched.running:
+                sched._step()
+
+        with torch.inference_mode():
+            run(workload(4, seed=98))  # warm-up
+            spent.clear()
+            done.clear()
+            steps0, t0 = sched.num_steps, time.thread_time_ns()
+            run(workload(n, seed=conc))
+            total = time.thread_time_ns() - t0
+        steps = sched.num_steps - steps0
+        parts = {k: v / steps / 1e6 for k, v in spent.items()}
+        parts["scheduler and the rest"] = (total - sum(spent.values())) / steps / 1e6
+        out[conc] = {"tokens_per_cpu_s": sum(done) / (total / 1e9), "ms_per_step": total / steps / 1e6,
+                     "steps": steps, "parts": parts}
+    return out
+
+
+def bench_breakdown(model_path: Path, trees: list[str], device: str, threads: int, rounds: int) -> dict:
+    """Each tree's core in its own process, trees alternating, ``rounds`` times; the round with the
+    least CPU per step counts."""
+    import json
+
+    runs: dict[str, list[dict]] = {t: [] for t in trees}
+    for _ in range(rounds):
+        for tree in trees:
+            out = subprocess.run([sys.executable, __file__, "--breakdown-worker", tree, "--model", str(model_path),
+                                  "--device", device, "--threads", str(threads)], capture_output=True, text=True,
+                                 env={**os.environ, "PYTHONSAFEPATH": "1"}, check=True)
+            runs[tree].append(json.loads(out.stdout.splitlines()[-1]))
+    return {tree: {conc: min((r[conc] for r in rs), key=lambda x: x["ms_per_step"]) for conc in rs[0]}
+            for tree, rs in runs.items()}
+
+
+def print_breakdown(result: dict, trees: list[str]) -> None:
+    print("\nengine core in process (scheduler + runner, no HTTP), same workload: thread CPU ms per scheduler step")
+    labels = [*TIMED, "scheduler and the rest"]
+    print(f"{'concurrency':>11} {'tree':>14} {'steps':>5} " + " ".join(f"{lab[:15]:>15}" for lab in labels)
+          + f" {'total':>7} {'tok/CPU-s':>9}")
+    for conc in result[trees[0]]:
+        for tree in trees:
+            r = result[tree][conc]
+            print(f"{conc:>11} {tree_label(tree)[:14]:>14} {r['steps']:>5} "
+                  + " ".join(f"{r['parts'].get(lab, 0.0):>15.3f}" for lab in labels)
+                  + f" {r['ms_per_step']:>7.2f} {r['tokens_per_cpu_s']:>9.0f}")
+        if len(trees) == 2:
+            old, new = (result[t][conc] for t in trees)
+            print(f"{'':>11} {'new/old':>14} {'':>5} " + " ".join(
+                f"{old['parts'].get(lab, 0.0) / max(new['parts'].get(lab, 0.0), 1e-9):>14.2f}x" for lab in labels)
+                + f" {old['ms_per_step'] / new['ms_per_step']:>6.2f}x {new['tokens_per_cpu_s'] / old['tokens_per_cpu_s']:>8.2f}x")
 
 
 def bench_hf_cb(model, reqs) -> float:
@@ -228,11 +377,22 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="weight pushes / raw broadcasts (best is reported)")
     ap.add_argument("--skip-push", action="store_true")
     ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--trees", default="", help="comma-separated agentrl source trees whose engines run side by side "
+                    "(OLD,NEW: each level alternates between them; default: this tree)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds per level from concurrency 16 up (best counts)")
     ap.add_argument("--hf-cb", action="store_true", help="also measure transformers' continuous batching")
     ap.add_argument("--push-model", default="", help="model pushed in the weight-push part (default: build 'small')")
     ap.add_argument("--push-dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the pushed weights")
+    ap.add_argument("--breakdown", action="store_true", help="also time the engine core's pieces per step, in "
+                    "process, for each tree (no HTTP)")
+    ap.add_argument("--breakdown-worker", default="", help=argparse.SUPPRESS)
     ap.add_argument("--json", default="", help="also write the results to this file (bench/gpu_check.sh's table)")
     args = ap.parse_args()
+    if args.breakdown_worker:
+        import json
+
+        print(json.dumps(breakdown_worker(args.breakdown_worker, args.model, args.device, args.threads)))
+        return
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -248,46 +408,57 @@ def main() -> None:
     print(f"model {model_path} on {args.device}, {args.threads} torch thread(s) on each side", flush=True)
     flags = ["--num-threads", str(args.threads), "--device", args.device]
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    # Both servers load at once; the idle one costs nothing while the other is measured.
-    engine = None if args.skip_throughput else EngineProcess(str(model_path), free_port(), extra=flags,
-                                                             log_path=tmp / "engine.log").start(wait_s=0)
+    trees = [str(Path(t).resolve()) for t in args.trees.split(",")] if args.trees else [str(ROOT)]
+    # All servers load at once; the idle ones cost nothing while another is measured. PYTHONSAFEPATH: `python -m`
+    # would otherwise put the working directory before PYTHONPATH, and every engine would run this tree.
+    engines = {} if args.skip_throughput else {
+        tree: EngineProcess(str(model_path), free_port(), extra=flags, log_path=tmp / f"engine{i}.log",
+                            env={**os.environ, "PYTHONPATH": tree, "PYTHONSAFEPATH": "1"}).start(wait_s=0)
+        for i, tree in enumerate(trees)}
     push_engine = None if args.skip_push else EngineProcess(str(small_path), free_port(), extra=flags[:2],
                                                             log_path=tmp / "push_engine.log").start(wait_s=0)
-    rows = []
+    rows, breakdown = [], None
     try:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(args.device).eval()
-        for e in (engine, push_engine):
+        for e in [*engines.values(), push_engine]:
             if e is not None:
                 wait_ready(e.url, 300, process=e.process)
-        if engine is not None:
-            bench_engine(engine.url, workload(16, seed=99), 16)  # warm-up
-            bench_generate(model, workload(4, seed=98), 4)
-            for conc, n in LEVELS.items():
-                reqs = workload(n, seed=conc)
-                gens, engs = [], []
-                for _ in range(ROUNDS if conc > 1 else 1):  # alternate, so both sides see the same load
-                    gens.append(bench_generate(model, reqs, conc))
-                    engs.append(bench_engine(engine.url, reqs, conc))
-                gen, eng = max(gens), max(engs)
-                rows.append((conc, n, gen, eng))
-                print(f"  concurrency {conc:>2}: generate {gen:7.0f} tok/s, engine {eng:7.0f} tok/s", flush=True)
-            engine.stop()
+        if engines:
+            rows = bench_throughput(model, engines, args.rounds)
+            for e in engines.values():
+                e.stop()
+        breakdown = bench_breakdown(model_path, trees, args.device, args.threads, args.rounds) if args.breakdown \
+            else None
         if args.hf_cb and rows:
             cb = bench_hf_cb(model, workload(LEVELS[64], seed=64))
         push = None if push_engine is None else bench_push(small_path, push_engine, args.reps,
                                                            getattr(torch, args.push_dtype))
     finally:
-        for e in (engine, push_engine):
+        for e in [*engines.values(), push_engine]:
             if e is not None:
                 e.stop()
 
-    print("\nthroughput (useful tokens/s; ragged prompts of 8-96 tokens, outputs of 8-64 tokens)")
-    print(f"{'concurrency':>11} {'requests':>8} {'generate':>10} {'engine':>10} {'engine/generate':>16}")
-    for conc, n, gen, eng in rows:
-        print(f"{conc:>11} {n:>8} {gen:>10.0f} {eng:>10.0f} {eng / gen:>15.2f}x")
+    if rows:
+        print("\nthroughput (useful tokens/s; ragged prompts of 8-96 tokens, outputs of 8-64 tokens; "
+              "wall and engine-CPU ms per scheduler step, rows per step)")
+        labels = [tree_label(t) for t in trees]
+        print(f"{'concurrency':>11} {'requests':>8} {'generate':>9} " + " ".join(
+            f"{lab[:12]:>12} {'/generate':>9} {'ms/step':>7} {'cpu ms':>6} {'rows':>5}" for lab in labels)
+            + (f" {'new/old':>8}" if len(trees) == 2 else ""))
+        for r in rows:
+            engs = [r["engines"][t] for t in trees]
+            line = f"{r['concurrency']:>11} {r['requests']:>8} {r['generate']:>9.0f} " + " ".join(
+                f"{e['tokens_per_s']:>12.0f} {e['tokens_per_s'] / r['generate']:>8.2f}x {e['ms_per_step']:>7.1f} "
+                f"{e['cpu_ms_per_step']:>6.1f} {e['rows_per_step']:>5.1f}" for e in engs)
+            if len(trees) == 2:
+                line += f" {engs[1]['tokens_per_s'] / engs[0]['tokens_per_s']:>7.2f}x"
+            print(line)
+
+    if breakdown is not None:
+        print_breakdown(breakdown, trees)
 
     if args.hf_cb and rows:
-        eng64 = rows[-1][3]
+        eng64 = rows[-1]["engines"][trees[-1]]["tokens_per_s"]
         print(f"\ntransformers continuous batching at concurrency 64: {cb:.0f} tok/s "
               f"(embedded engine {eng64:.0f} tok/s, {eng64 / cb:.2f}x)")
 
@@ -316,8 +487,11 @@ def main() -> None:
         import json
 
         result = {"model": Path(model_path).name, "device": args.device,
-                  "throughput": [{"concurrency": c, "requests": n, "generate_tokens_per_s": g, "engine_tokens_per_s": e}
-                                 for c, n, g, e in rows], "push": push}
+                  "throughput": [{"concurrency": r["concurrency"], "requests": r["requests"],
+                                  "generate_tokens_per_s": r["generate"],
+                                  "engine_tokens_per_s": r["engines"][trees[-1]]["tokens_per_s"],
+                                  "engines": {tree_label(t): e for t, e in r["engines"].items()}} for r in rows],
+                  "push": push}
         Path(args.json).write_text(json.dumps(result, indent=2, default=str))
 
 
