@@ -1,0 +1,242 @@
+"""LoRA in the learner (``[learner.lora]``): only adapters train, the KL reference is the base
+with adapters off, the merged push and both exports are what peft and transformers compute,
+checkpoints hold the adapters and resume exactly."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from agentrl.learner.lora import LoraSpec
+from agentrl.learner.loss import PolicyLossConfig
+from tests._learner_helpers import fixed_samples, tiny_model  # noqa: F401
+
+SPEC = LoraSpec(rank=4, alpha=8.0)
+
+
+@pytest.fixture(scope="module")
+def dist_info():
+    from agentrl.learner.distributed import init_distributed
+
+    torch.set_num_threads(1)
+    return init_distributed("cpu")
+
+
+def _trainer(path, dist_info, lora: LoraSpec | None = SPEC, **kw):
+    from agentrl.learner.trainer import Trainer, TrainerSpec
+
+    base = dict(model_path=str(path), lr=2e-2, max_tokens_per_microbatch=96, temperature=1.0, lora=lora)
+    base.update(kw)
+    return Trainer(TrainerSpec(**base), dist_info)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _params(trainer) -> dict[str, torch.Tensor]:
+    return {n: _local(p) for n, p in trainer.policy.named_parameters()}
+
+
+def _peft_model(base_path, trainer):
+    """peft's own model with the trainer's adapter values: the reference for merges and exports."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.learner.lora import adapter_parameters, peft_name
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32),
+                           SPEC.peft_config(str(base_path)))
+    theirs = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, p in adapter_parameters(trainer.policy):
+            theirs[peft_name(name).replace(".weight", ".default.weight")].copy_(_local(p))
+    return model.eval()
+
+
+def _logprobs(model, samples) -> list[torch.Tensor]:
+    out = []
+    with torch.no_grad():
+        for s in samples:
+            ids = torch.from_numpy(s.tokens.astype(np.int64))[None]
+            lp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)[:-1]
+            out.append(lp.gather(-1, ids[0, 1:, None]).squeeze(-1))
+    return out
+
+
+def test_only_the_adapters_train_and_have_optimizer_state(tiny_model, dist_info):
+    trainer = _trainer(tiny_model, dist_info)
+    trainable = {n for n, p in trainer.policy.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    assert {n.split(".lora_")[0] for n in trainable} == {
+        f"model.layers.{i}.{m}" for i in range(4) for m in
+        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    before = _params(trainer)
+    metrics = trainer.rl_step(fixed_samples(0))
+    after = _params(trainer)
+    assert np.isfinite(metrics["loss/total"]) and metrics["grad_norm"] > 0
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    assert changed and changed <= trainable  # the base did not move
+    assert any(".lora_B." in n for n in changed)  # B starts at 0 and moved
+    optimizer_params = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    assert optimizer_params == {id(p) for p in trainer.policy.parameters() if p.requires_grad}
+    assert len(trainer.optimizer.state) == len(trainable)
+    assert all(p.grad is None for p in trainer.policy.parameters() if not p.requires_grad)
+
+
+def test_the_kl_reference_is_the_base_model_with_adapters_off(tiny_model, dist_info):
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.learner.batching import collate
+    from agentrl.learner.model import token_logprobs
+
+    trainer = _trainer(tiny_model, dist_info, loss=PolicyLossConfig(kl_coef=0.1))
+    assert trainer.reference is None and trainer.uses_reference  # no second copy of the model
+    first = trainer.rl_step(fixed_samples(1))
+    assert first["policy/kl"] == pytest.approx(0.0, abs=1e-7)  # B = 0: the policy is the base
+    trainer.rl_step(fixed_samples(2))
+    samples = fixed_samples(3, groups=1)
+    mb = collate(samples, pad_token_id=trainer.pad_token_id)
+    trainable = [n for n, p in trainer.policy.named_parameters() if p.requires_grad]
+    with torch.no_grad():
+        reference = trainer.reference_logprobs(mb)
+        policy, _ = token_logprobs(trainer.policy, mb)
+    assert [n for n, p in trainer.policy.named_parameters() if p.requires_grad] == trainable  # switched back on
+    base = _logprobs(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval(), samples)
+    starts = mb.cu_seqlens.tolist()
+    mask = mb.loss_mask.bool()
+    for j, lp in enumerate(base):
+        sl = slice(starts[j], starts[j + 1] - 1)
+        assert torch.allclose(reference[sl][mask[sl]], lp[mask[sl]], atol=1e-5)
+    assert (policy - reference)[mask].abs().max() > 1e-3  # the adapters did change the policy
+    assert trainer.rl_step(fixed_samples(4))["policy/kl"] > 0
+
+
+def test_the_merged_push_is_peft_merge_under_the_base_names(tiny_model, dist_info):
+    import weakref
+
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.learner.lora import MergedWeight
+    from agentrl.learner.weight_push import iter_full_tensors, tensors_to_push
+
+    trainer = _trainer(tiny_model, dist_info)
+    base_sd = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).state_dict()
+    untrained = dict(iter_full_tensors(trainer.policy))
+    assert set(untrained) == set(base_sd) - {"lm_head.weight"}  # base names, tied head left out
+    assert all(torch.equal(untrained[n], base_sd[n]) for n in untrained)  # B = 0: the base exactly
+    trainer.rl_step(fixed_samples(5))
+    merged_ref = _peft_model(tiny_model, trainer).merge_and_unload().state_dict()
+    bucket = 64 << 10
+    largest = max(t.numel() * 4 for _, t in tensors_to_push(trainer.policy))
+    alive, peak, changed = [], 0, 0
+    for name, tensor in iter_full_tensors(trainer.policy, bucket_bytes=bucket):
+        assert torch.allclose(tensor, merged_ref[name], atol=1e-6), name
+        changed += not torch.equal(tensor, base_sd[name])
+        alive.append((weakref.ref(tensor), tensor.numel() * 4))
+        del tensor
+        peak = max(peak, sum(n for ref, n in alive if ref() is not None))
+    assert changed == 28  # every adapted layer: 7 per decoder layer
+    assert peak <= max(bucket, largest)  # one bucket of merged weights at a time, never the model
+    assert sum(isinstance(t, MergedWeight) for _, t in tensors_to_push(trainer.policy)) == 28
+
+
+def test_checkpoint_holds_the_adapters_and_resumes_the_next_step_exactly(tiny_model, dist_info, tmp_path):
+    from agentrl.learner.checkpoint import checkpoint_meta, dcp_reader, latest_checkpoint, load_checkpoint, \
+        save_checkpoint
+
+    kw = dict(warmup_steps=2, lr_schedule="cosine", total_steps=10, loss=PolicyLossConfig(kl_coef=0.05))
+    first = _trainer(tiny_model, dist_info, **kw)
+    first.rl_step(fixed_samples(6))
+    path = save_checkpoint(tmp_path, first, state={"policy_version": 3})
+    keys = set(dcp_reader(path).read_metadata().state_dict_metadata)
+    policy_keys = {k for k in keys if k.startswith("policy.")}
+    assert policy_keys and all(".lora_A." in k or ".lora_B." in k for k in policy_keys), sorted(policy_keys)[:3]
+    assert checkpoint_meta(path)["lora"] == SPEC.as_dict()
+    expected = first.rl_step(fixed_samples(7))
+    expected_params = _params(first)
+
+    resumed = _trainer(tiny_model, dist_info, **kw)
+    assert load_checkpoint(latest_checkpoint(tmp_path), resumed)["policy_version"] == 3
+    got = resumed.rl_step(fixed_samples(7))
+    assert got["loss/total"] == expected["loss/total"] and got["lr"] == expected["lr"]
+    assert all(torch.equal(t, _params(resumed)[n]) for n, t in expected_params.items())
+
+    for other in (None, LoraSpec(rank=8, alpha=8.0)):  # a run set up otherwise is refused by name
+        with pytest.raises(ValueError, match="learner.lora"):
+            load_checkpoint(path, _trainer(tiny_model, dist_info, lora=other))
+
+
+def test_export_merged_and_as_a_peft_adapter_give_the_learners_logits(tiny_model, dist_info, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    from typer.testing import CliRunner
+
+    from agentrl.cli import app
+    from agentrl.learner.checkpoint import save_checkpoint
+    from agentrl.learner.export import export_checkpoint
+
+    trainer = _trainer(tiny_model, dist_info)
+    trainer.rl_step(fixed_samples(8))
+    trainer.rl_step(fixed_samples(9))
+    save_checkpoint(tmp_path / "ckpt", trainer)
+    samples = fixed_samples(10, groups=1)
+    learner = trainer.sample_logprobs(samples)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    assert max((a - b).abs().max() for a, b in zip(learner, _logprobs(base, samples))) > 1e-3  # it learnt
+
+    merged = export_checkpoint(tmp_path / "ckpt", tmp_path / "merged")
+    assert not (merged / "adapter_config.json").exists()
+    result = CliRunner().invoke(app, ["export", str(tmp_path / "ckpt"), str(tmp_path / "adapter"), "--adapter"])
+    assert result.exit_code == 0, result.output
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8.0 and config["peft_type"] == "LORA"
+
+    plain = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32),
+                                        tmp_path / "adapter").eval()
+    for model in (plain, adapted):
+        for ours, theirs in zip(learner, _logprobs(model, samples)):
+            assert torch.allclose(ours, theirs, atol=1e-5)
+
+    result = CliRunner().invoke(app, ["export", str(tmp_path / "ckpt"), str(tmp_path / "x"), "--base-model",
+                                      str(tmp_path / "nowhere")])
+    assert result.exit_code == 2 and "--base-model" in result.output
+    full = _trainer(tiny_model, dist_info, lora=None)
+    save_checkpoint(tmp_path / "full", full)
+    with pytest.raises(ValueError, match="without LoRA"):
+        export_checkpoint(tmp_path / "full", tmp_path / "y", adapter=True)
+
+
+def test_adapters_only_on_linear_layers_and_never_on_a_tied_head(tiny_model):
+    from agentrl.learner.lora import add_adapters
+    from agentrl.learner.model import load_causal_lm
+
+    with pytest.raises(ValueError, match="embed_tokens"):
+        add_adapters(load_causal_lm(str(tiny_model)), LoraSpec(rank=2, target_modules=("embed_tokens",)))
+    with pytest.raises(ValueError, match="tied"):
+        add_adapters(load_causal_lm(str(tiny_model)), LoraSpec(rank=2, target_modules=("lm_head",)))
+    with pytest.raises(ValueError, match="learner.lora.target_modules"):
+        add_adapters(load_causal_lm(str(tiny_model)), LoraSpec(rank=2, target_modules=("no_such_proj",)))
+
+
+def test_config_section():
+    from agentrl.config import ConfigError, load_config
+
+    cfg = load_config(None, ["learner.lora.rank=8", "learner.lora.alpha=32", 'learner.lora.target_modules=["q_proj"]'])
+    spec = LoraSpec.from_config(cfg.learner.lora)
+    assert spec == LoraSpec(rank=8, alpha=32.0, target_modules=("q_proj",)) and spec.scaling == 4.0
+    assert LoraSpec.from_config(load_config().learner.lora) is None  # rank 0: off
+    assert cfg.learner.lora.served_adapter == ""  # merged pushes name no adapter
+    assert load_config(None, ["learner.lora.rank=8", "learner.lora.sync=adapter"]).learner.lora.served_adapter
+    for bad, needle in ((["learner.lora.sync=adapter"], "rank > 0"), (["learner.lora.rnk=4"], "learner.lora.rnk"),
+                        (["learner.lora.rank=-1"], "learner.lora.rank"),
+                        (["learner.lora.rank=4", "learner.lora.target_modules=[]"], "target_modules")):
+        with pytest.raises(ConfigError, match=needle):
+            load_config(None, bad)
