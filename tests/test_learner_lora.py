@@ -240,3 +240,43 @@ def test_config_section():
                         (["learner.lora.rank=4", "learner.lora.target_modules=[]"], "target_modules")):
         with pytest.raises(ConfigError, match=needle):
             load_config(None, bad)
+
+
+def test_learn_loop_pushes_merged_weights_or_the_adapter_alone(tiny_model, tmp_path):
+    """``agentrl learn``'s loop with [learner.lora]: merged full weights under the base names by
+    default; with ``sync = "adapter"`` a PEFT folder per version, loaded at start (the engines do not
+    hold the adapter the actors' requests name) and after every step."""
+    from agentrl.config import load_config
+    from agentrl.learner.distributed import init_distributed
+    from agentrl.learner.loop import Learner, LearnerIO
+    from tests._learner_helpers import ListSource, Recorder, make_group
+
+    class AdapterRecorder(Recorder):
+        def __init__(self) -> None:
+            super().__init__()
+            self.adapters: list[tuple[int, list[str]]] = []
+
+        def push_adapter(self, folder, version: int) -> dict:
+            self.adapters.append((version, sorted(p.name for p in folder.iterdir())))
+            return {}
+
+    init_distributed("cpu")
+    rng = np.random.default_rng(1)
+    for sync in ("merged", "adapter"):
+        rec = AdapterRecorder()
+        cfg = load_config(None, [f'model.path="{tiny_model}"', f'run.run_dir="{tmp_path / sync}"',
+                                 "learner.groups_per_step=2", "learner.max_tokens_per_microbatch=128",
+                                 "learner.max_steps=1", 'learner.device="cpu"', "tracking.enabled=false",
+                                 "actors.group_size=4", "learner.lora.rank=4", f"learner.lora.sync={sync}"])
+        groups = [make_group(rng, group_id=f"{sync}{i}") for i in range(2)]
+        learner = Learner(cfg, io=LearnerIO(source=ListSource(groups), progress=rec, weights=rec))
+        assert learner.run() == "done"
+        if sync == "merged":
+            assert [v for v, _ in rec.pushes] == [1] and not rec.adapters
+            names = rec.pushes[0][1]
+            assert "model.layers.0.mlp.up_proj.weight" in names
+            assert not [n for n in names if "lora_" in n or "base_layer" in n]
+        else:
+            assert not rec.pushes
+            assert rec.adapters == [(v, ["adapter_config.json", "adapter_model.safetensors"]) for v in (0, 1)]
+            assert sorted(p.name for p in (tmp_path / sync / "lora_adapters").iterdir()) == ["v00000000", "v00000001"]

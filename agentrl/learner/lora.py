@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 from agentrl.peft_format import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
 
 ADAPTER = "default"  # peft's adapter name inside the learner (one adapter)
+INIT_SEED = 0  # the adapters' initial A, the same on every rank and in every run
 
 
 @dataclass(frozen=True)
@@ -77,11 +78,17 @@ def add_adapters(model: "nn.Module", spec: LoraSpec) -> "nn.Module":
     """Inject LoRA adapters (peft) into ``model`` in place and freeze everything else; returns it.
 
     The adapters start as peft initialises them (A random, B = 0): the adapted model computes
-    exactly what the base model computes until the first update."""
+    exactly what the base model computes until the first update. A is drawn from a fixed seed
+    (``INIT_SEED``) in a forked RNG, so every rank and every run starts from the same adapters
+    whatever its RNG state (FSDP2 shards each rank's own values; it broadcasts nothing). Call it
+    on the CPU model, before moving it to its device."""
+    import torch
     from peft import inject_adapter_in_model
 
     try:
-        model = inject_adapter_in_model(spec.peft_config(), model, adapter_name=ADAPTER)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(INIT_SEED)
+            model = inject_adapter_in_model(spec.peft_config(), model, adapter_name=ADAPTER)
     except ValueError as e:  # peft: "Target modules {...} not found in the base model"
         raise ValueError(f"learner.lora.target_modules {list(spec.target_modules)}: {e}") from None
     for name, module in lora_layers(model):

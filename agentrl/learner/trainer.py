@@ -217,9 +217,10 @@ class Trainer:
         self.dist = dist_info
         self.device = dist_info.device
         self.hf_config = AutoConfig.from_pretrained(spec.model_path)
-        policy = load_causal_lm(spec.model_path, device=self.device)
-        if spec.lora is not None:
-            policy = add_adapters(policy, spec.lora)
+        if spec.lora is None:
+            policy = load_causal_lm(spec.model_path, device=self.device)
+        else:  # adapters initialised on the CPU (one seed for every rank), then moved
+            policy = add_adapters(load_causal_lm(spec.model_path), spec.lora).to(self.device)
         self.policy = shard_model(policy, device=self.device, activation_checkpointing=spec.activation_checkpointing)
         self.optimizer = self._adamw(self.policy, spec.lr)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
