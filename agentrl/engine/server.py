@@ -264,15 +264,16 @@ class EngineServer:
             name = inp.lora_path
             if name is None or name == merged:
                 continue
-            if name not in receiver.adapters_seen:
+            if name not in receiver.adapters_seen:  # SGLang's message, with the field named
                 loaded = [merged] if merged else []
-                raise RequestError(f"Got LoRA adapter that has never been loaded: {name}\nAll loaded adapters: {loaded}.")
+                raise RequestError(f"lora_path: Got LoRA adapter that has never been loaded: {show(name)}\n"
+                                   f"All loaded adapters: {loaded}.")
             if merged is not None:
-                raise RequestError(f"LoRA adapter {name} is not loaded: the embedded engine serves one adapter, "
-                                   f"merged into its weights, and {merged} is merged now")
+                raise RequestError(f"lora_path: LoRA adapter {show(name)} is not loaded: the embedded engine serves "
+                                   f"one adapter, merged into its weights, and {merged!r} is merged now")
             if not self.scheduler.paused:
-                raise RequestError(f"LoRA adapter {name} is not loaded (it was unloaded; the embedded engine does "
-                                   "not load it again implicitly as SGLang does)")
+                raise RequestError(f"lora_path: LoRA adapter {show(name)} is not loaded (it was unloaded; the embedded "
+                                   "engine does not load it again implicitly as SGLang does)")
 
     def lora_status(self) -> dict:
         """``loaded_adapters`` of SGLang's LoRA answers: name -> folder."""
