@@ -103,7 +103,7 @@ def test_lora_routes_answer_as_sglang_and_lora_path_is_checked(tiny_model, dist_
 
     url = engine.url
     never = _generate(url, "never-loaded")
-    assert never.status_code == 400 and "has never been loaded: never-loaded" in never.json()["error"]["message"]
+    assert never.status_code == 400 and "has never been loaded: 'never-loaded'" in never.json()["error"]["message"]
     for bad in ({"input_ids": PROMPT, "lora_path": 3}, {"input_ids": [PROMPT, PROMPT], "lora_path": ["a"]}):
         resp = httpx.post(url + "/generate", json=bad, timeout=10)
         assert resp.status_code == 400 and "lora_path" in resp.json()["error"]["message"]
