@@ -14,7 +14,8 @@ synthetic batch, and the script counts, in bytes:
 
 These are the tensors' own sizes (exact, the same on every machine); on a GPU the script also
 reports ``torch.cuda.max_memory_allocated`` per setting (activations included). Step time is the
-median of ``--steps`` steps, by wall clock and CPU time, full and LoRA alternating.
+median of ``--steps`` steps after one warm-up, by wall clock and CPU time, one setting after the
+other (a rough guide on a shared machine; the byte counts are the measurement).
 """
 
 from __future__ import annotations

@@ -114,7 +114,8 @@ def lora_layers(model: "nn.Module") -> list[tuple[str, "nn.Module"]]:
 
 
 def has_adapters(model: "nn.Module") -> bool:
-    return bool(lora_layers(model))
+    """Whether ``model`` carries LoRA factors (by name: no peft import for models without them)."""
+    return any(".lora_A." in name for name, _ in model.named_parameters())
 
 
 @contextmanager
