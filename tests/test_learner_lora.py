@@ -280,3 +280,53 @@ def test_learn_loop_pushes_merged_weights_or_the_adapter_alone(tiny_model, tmp_p
             assert not rec.pushes
             assert rec.adapters == [(v, ["adapter_config.json", "adapter_model.safetensors"]) for v in (0, 1)]
             assert sorted(p.name for p in (tmp_path / sync / "lora_adapters").iterdir()) == ["v00000000", "v00000001"]
+
+
+def test_activation_checkpointing_with_adapters_replays_and_matches(tiny_model, dist_info):
+    results = {}
+    for ac in (False, True):
+        trainer = _trainer(tiny_model, dist_info, activation_checkpointing=ac)
+        calls = []
+        trainer.policy.model.layers[0].self_attn.q_proj.base_layer.register_forward_hook(lambda *a: calls.append(1))
+        metrics = trainer.rl_step(fixed_samples(11, groups=2))
+        results[ac] = (metrics["loss/total"], metrics["grad_norm"], len(calls))
+    assert results[True][2] == 2 * results[False][2]  # replayed in the backward (the base frozen, no input grads)
+    assert results[True][:2] == pytest.approx(results[False][:2], rel=1e-6)
+
+
+def test_a_peft_folder_is_read_only_when_it_is_a_plain_lora(tmp_path):
+    """The embedded engine reads folders named in /load_lora_adapter: what is not a LoRA of linear
+    layers that compose is refused by name, before anything touches the weights."""
+    from safetensors.torch import save_file
+
+    from agentrl.peft_format import read_adapter
+
+    def folder(name: str, tensors: dict, **config) -> str:
+        path = tmp_path / name
+        path.mkdir()
+        (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4, **config}))
+        if tensors is not None:
+            save_file(tensors, str(path / "adapter_model.safetensors"))
+        return str(path)
+
+    layer = "base_model.model.model.layers.0.self_attn.q_proj"
+    a, b = torch.ones(2, 8), torch.ones(16, 2)
+    good = read_adapter(folder("good", {f"{layer}.lora_A.weight": a, f"{layer}.lora_B.weight": b}))
+    assert good.scaling == 2.0 and list(good.factors) == ["model.layers.0.self_attn.q_proj"]
+    assert read_adapter(folder("rs", {f"{layer}.lora_A.weight": a, f"{layer}.lora_B.weight": b},
+                               use_rslora=True)).scaling == pytest.approx(4 / 2 ** 0.5)
+    bad = [
+        (folder("nofile", None), "adapter_model.safetensors"),
+        (folder("half", {f"{layer}.lora_A.weight": a}), "lacks lora_B"),
+        (folder("shape", {f"{layer}.lora_A.weight": a, f"{layer}.lora_B.weight": torch.ones(16, 3)}), "do not compose"),
+        (folder("embed", {"base_model.model.model.embed_tokens.lora_embedding_A": a}), "unexpected tensor"),
+        (folder("prefix", {"model.layers.0.self_attn.q_proj.lora_A.weight": a}), "unexpected tensor"),
+        (folder("dora", {}, use_dora=True), "use_dora"),
+        (folder("rank", {}, r=0), "positive integer"),
+        (folder("ia3", {}, peft_type="IA3"), "only LoRA"),
+        (folder("pattern", {}, rank_pattern={"q_proj": 4}), "rank_pattern"),
+        (str(tmp_path / "missing"), "adapter_config.json"),
+    ]
+    for path, needle in bad:
+        with pytest.raises(ValueError, match=needle):
+            read_adapter(path)

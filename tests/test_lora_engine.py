@@ -116,6 +116,18 @@ def test_lora_routes_answer_as_sglang_and_lora_path_is_checked(tiny_model, dist_
     assert missing.json()["success"] is False and "adapter_config.json" in missing.json()["error_message"]
     no_name = httpx.post(url + "/load_lora_adapter", json={"lora_path": str(folder)})
     assert no_name.status_code == 400 and "lora_name" in no_name.json()["message"]  # SGLang's ErrorResponse
+    before = _logprobs(_generate(url))
+    for name, (a_shape, b_shape), needle in (
+            ("model.layers.99.self_attn.q_proj", ((4, 128), (128, 4)), "no layer"),
+            ("model.layers.0.self_attn.q_proj", ((4, 3), (5, 4)), "the weight is"),
+            ("model.layers.0.self_attn", ((4, 128), (128, 4)), "no layer")):
+        bad = tmp_path / f"bad{len(needle)}{a_shape[1]}"
+        write_adapter(bad, {f"{name}.lora_A.default.weight": torch.ones(a_shape),
+                            f"{name}.lora_B.default.weight": torch.ones(b_shape)}, SPEC)
+        refused = httpx.post(url + "/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(bad)}, timeout=30)
+        assert refused.status_code == 400 and needle in refused.json()["error_message"], refused.text
+    after_out, after_lp = _logprobs(_generate(url))
+    assert after_out == before[0] and max_abs_diff(after_lp, before[1]) <= 1e-5  # nothing was merged
 
     # a turn fills the prefix cache; the load must empty it (K/V of the base weights)
     _generate(url, prompt=PROMPT * 2)

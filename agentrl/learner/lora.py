@@ -33,11 +33,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
+from agentrl.peft_format import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
+
 if TYPE_CHECKING:
     import torch
     from torch import nn
-
-from agentrl.peft_format import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
 
 ADAPTER = "default"  # peft's adapter name inside the learner (one adapter)
 INIT_SEED = 0  # the adapters' initial A, the same on every rank and in every run
