@@ -630,7 +630,7 @@ class WeightUpdater:
         try:
             self._post(url, "/unload_lora_adapter", {"lora_name": name})
         except WeightUpdateError as e:
-            if url in self._adapter_loaded or e.status not in (400, None):
+            if url in self._adapter_loaded or e.status != 400:
                 raise
             log.debug("%s: no adapter %r to unload before the first load (%s)", url, name, e)
         self._adapter_loaded.discard(url)
