@@ -328,12 +328,17 @@ def export_cmd(
     checkpoint: Annotated[Path, typer.Argument(help="A checkpoint folder, a checkpoint root, or a run folder.")],
     out_dir: Annotated[Path, typer.Argument(help="Folder to write the Hugging Face model to.")],
     dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "float32",
+    adapter: Annotated[bool, typer.Option("--adapter", help="LoRA checkpoints: write the PEFT adapter folder "
+                                          "instead of the merged model.")] = False,
+    base_model: Annotated[Optional[Path], typer.Option("--base-model", help="LoRA checkpoints: the base model's "
+                                                       "folder, when not where meta.json's model_path says.")] = None,
 ) -> None:
-    """Write a learner checkpoint as a Hugging Face folder (safetensors, config, tokenizer)."""
+    """Write a learner checkpoint as a Hugging Face folder (safetensors, config, tokenizer); a LoRA
+    checkpoint merged into its base model, or with --adapter as a PEFT adapter folder."""
     from agentrl.learner.export import export_checkpoint
 
     try:
-        path = export_checkpoint(checkpoint, out_dir, dtype=dtype)
+        path = export_checkpoint(checkpoint, out_dir, dtype=dtype, adapter=adapter, base_model=base_model)
     except ValueError as e:
         typer.secho(f"export error: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None

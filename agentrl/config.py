@@ -124,6 +124,35 @@ class SandboxSection(Section):
     max_output_chars: int = Field(default=4000, ge=16)  # stdout/stderr kept per run
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class LoraSection(Section):
+    """LoRA: low-rank adapters trained on a frozen base model (docs/architecture.md, Learner, "LoRA")."""
+
+    rank: int = Field(default=0, ge=0)  # adapter rank r; 0: LoRA off, every parameter is trained
+    alpha: float = Field(default=16.0, gt=0)  # the adapters' output is scaled by alpha / rank
+    dropout: float = Field(default=0.0, ge=0, lt=1)  # dropout on the adapters' input while training (0: none)
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS))  # names of the linear layers that get adapters
+    sync: Literal["merged", "adapter"] = "merged"  # engines get merged full weights (any SGLang), or the adapter alone via /load_lora_adapter (SGLang --enable-lora; a folder the engines can read)
+
+    @property
+    def served_adapter(self) -> str:
+        """The adapter name requests carry in ``lora_path`` (``sync = "adapter"``), else ""."""
+        return LORA_ADAPTER_NAME if self.rank > 0 and self.sync == "adapter" else ""
+
+    @model_validator(mode="after")
+    def _check(self) -> "LoraSection":
+        if self.rank == 0 and self.sync == "adapter":
+            raise ValueError("learner.lora.sync = 'adapter' needs learner.lora.rank > 0")
+        if self.rank > 0 and not self.target_modules:
+            raise ValueError("learner.lora.target_modules is empty: name the linear layers that get adapters")
+        return self
+
+
+LORA_ADAPTER_NAME = "agentrl-policy"  # the adapter's name on the engines with learner.lora.sync = "adapter"
+
+
 class LearnerSection(Section):
     algorithm: Literal["grpo", "ppo"] = "grpo"  # grpo (no critic) or ppo (a critic and GAE)
     nproc: int = Field(default=1, ge=1)  # ranks on this machine (torchrun is used when > 1)
@@ -170,6 +199,7 @@ class LearnerSection(Section):
     resume: Literal["auto", "never"] = "auto"  # auto: continue from the run folder's latest checkpoint; never
     weight_sync_address: str = "127.0.0.1"  # address of rank 0 as the engines see it (weight-update group)
     weight_sync_port: int = Field(default=0, ge=0, le=65535)  # 0: a free port
+    lora: LoraSection = LoraSection()  # [learner.lora]: train low-rank adapters instead of every parameter
 
     @model_validator(mode="after")
     def _check_corrections(self) -> "LearnerSection":

@@ -72,6 +72,9 @@ def section_rows(section: str, cls: type[BaseModel]) -> list[tuple[str, str, str
     meanings = field_comments(cls)
     rows = []
     for name, info in cls.model_fields.items():
+        if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):  # a sub-table
+            rows += section_rows(f"{section}.{name}", info.annotation)
+            continue
         default = info.default if info.default_factory is None else info.default_factory()
         rows.append((f"{section}.{name}", _type_name(info.annotation), _default(default), meanings.get(name, "")))
     return rows

@@ -53,7 +53,9 @@ def evaluate_command(cfg: AgentRLConfig, *, checkpoint: Path | None = None, num_
             data["engine"]["urls"] = [engine.url]
         try:
             eval_cfg = AgentRLConfig.model_validate(data)
-            result = trio.run(evaluate_policy, eval_cfg, num_tasks)
+            # an exported checkpoint (LoRA merged) or model.path is served as the engine's own weights
+            name_adapter = checkpoint is None and bool(cfg.engine.urls)
+            result = trio.run(lambda: evaluate_policy(eval_cfg, num_tasks, name_adapter=name_adapter))
         finally:
             if engine is not None:
                 engine.stop()

@@ -171,8 +171,12 @@ async def start_search(sup: Supervisor, nursery: trio.Nursery, cfg: AgentRLConfi
     await trio.to_thread.run_sync(lambda: wait_ready(url, 120.0), abandon_on_cancel=True)
 
 
-async def evaluate_policy(cfg: AgentRLConfig, num_tasks: int | None = None) -> dict[str, Any]:
-    """Greedy (or sampled) episodes on held-out tasks through the engines in ``engine.urls``."""
+async def evaluate_policy(cfg: AgentRLConfig, num_tasks: int | None = None, *,
+                          name_adapter: bool = True) -> dict[str, Any]:
+    """Greedy (or sampled) episodes on held-out tasks through the engines in ``engine.urls``.
+    ``name_adapter``: with ``learner.lora.sync = "adapter"``, every request names the learner's
+    adapter; False when the engines serve the policy as their own weights (before the learner has
+    loaded the adapter: the base model is the policy at version 0, the adapters start at B = 0)."""
     from transformers import AutoTokenizer
 
     from agentrl.actors.rollout import EpisodeLimits, evaluate, sampling_from_config, toolbox_for
@@ -188,7 +192,8 @@ async def evaluate_policy(cfg: AgentRLConfig, num_tasks: int | None = None) -> d
             break
     sampling = sampling_from_config(cfg, greedy=cfg.eval.greedy)
     sampling["max_new_tokens"] = cfg.actors.max_new_tokens_per_turn
-    async with EngineClient.from_config(cfg.engine) as client:
+    lora_path = cfg.learner.lora.served_adapter if name_adapter else ""
+    async with EngineClient.from_config(cfg.engine, lora_path=lora_path) as client:
         started = time.monotonic()
         result = await evaluate(client, tokenizer, env, tasks, greedy=cfg.eval.greedy,
                                 concurrency=cfg.actors.num_concurrent_episodes, toolbox=toolbox_for(env, cfg),
@@ -431,7 +436,7 @@ async def run_async(cfg: AgentRLConfig, run_dir: Path, *, live_display: bool = T
                 await start_search(sup, outer, cfg, run_dir, placement)
             await start_engines(sup, outer, cfg, run_dir, own_engines, placement)
             state.event("engines", f"ready at {', '.join(cfg.engine.urls)}")
-            state.eval_before = await evaluate_policy(cfg)
+            state.eval_before = await evaluate_policy(cfg, name_adapter=False)
             state.eval_event("before RL", state.eval_before)
             await _train(sup, outer, cfg, run_dir, state, live_display, eval_lock, placement)
             async with eval_lock:

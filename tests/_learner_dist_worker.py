@@ -18,6 +18,7 @@ def run(out: Path, model_path: str, *, world_tag: str) -> dict:
     """Two steps of each recipe; returns (and on rank 0 saves) metrics and full parameters."""
     from agentrl.learner.checkpoint import save_checkpoint
     from agentrl.learner.distributed import init_distributed
+    from agentrl.learner.lora import LoraSpec
     from agentrl.learner.loss import PolicyLossConfig
     from agentrl.learner.trainer import Trainer, TrainerSpec
     from agentrl.learner.weight_push import iter_full_tensors
@@ -46,6 +47,17 @@ def run(out: Path, model_path: str, *, world_tag: str) -> dict:
                 normalize_advantage_std=True,
             ),
             "gae",
+        ),
+        "lora": (  # adapters sharded by FSDP2, the KL reference with adapters off, a merged gather
+            TrainerSpec(
+                model_path=model_path,
+                lr=1e-2,
+                max_tokens_per_microbatch=96,
+                num_minibatches=2,
+                loss=PolicyLossConfig(kl_coef=0.05),
+                lora=LoraSpec(rank=4, alpha=8.0),
+            ),
+            "grpo",
         ),
     }
     for name, (spec, advantage) in recipes.items():

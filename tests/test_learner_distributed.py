@@ -1,4 +1,4 @@
-"""FSDP2 over 2 torchrun ranks (gloo, CPU) matches 1 rank on the same batch."""
+"""FSDP2 over 2 torchrun ranks (gloo, CPU) matches 1 rank on the same batch (GRPO, PPO, GRPO with LoRA)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def test_two_ranks_match_one_rank(two_rank_results, tiny_model):
 
     out, two = two_rank_results
     one = run(out, str(tiny_model), world_tag="world1")  # in this process: a single-rank group
-    for recipe in ("grpo", "ppo"):
+    for recipe in ("grpo", "ppo", "lora"):
         m1, m2 = one[recipe]["metrics"], two[recipe]["metrics"]
         for key in ("loss/total", "grad_norm", "policy/clip_frac", "policy/entropy", "policy/iw_max", "first/grad_norm"):
             if key in m1:

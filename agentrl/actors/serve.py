@@ -87,7 +87,8 @@ def serve_actors(cfg: Any, *, dump_path: Path | None = None, max_groups: int | N
     async def main() -> dict[str, Any]:
         client = client_cls(engine_urls(cfg), router_url=cfg.engine.router_url,
                             max_retries=cfg.engine.request_retries,
-                            health_check_interval_s=cfg.engine.health_check_interval_s)
+                            health_check_interval_s=cfg.engine.health_check_interval_s,
+                            lora_path=cfg.learner.lora.served_adapter)
         sender = progress = None
         try:
             if transport_mod is not None:

@@ -266,6 +266,7 @@ class GenerateInput:
     params: SamplingParams
     return_logprob: bool = False
     return_text_in_logprobs: bool = False
+    lora_path: str | None = None  # the LoRA adapter the request names (SGLang's lora_path); the server checks it
 
 
 @dataclass
@@ -324,7 +325,7 @@ def parse_generate(body: Any, *, vocab_size: int, context_len: int, encode=None)
     has_text, has_ids = body.get("text") is not None, body.get("input_ids") is not None
     if has_text == has_ids:
         raise RequestError("Either text or input_ids should be provided (exactly one of them).")
-    for key in ("input_embeds", "image_data", "audio_data", "video_data", "lora_path"):
+    for key in ("input_embeds", "image_data", "audio_data", "video_data"):
         if body.get(key) is not None:
             raise RequestError(f"{key} is not supported by the embedded engine")
     if has_text:
@@ -364,6 +365,12 @@ def parse_generate(body: Any, *, vocab_size: int, context_len: int, encode=None)
     else:
         raise RequestError("rid must be a string, or a list of strings with one per prompt")
 
+    lora = body.get("lora_path")
+    if batched and isinstance(lora, list) and len(lora) != n:  # SGLang's check and message
+        raise RequestError(f"lora_path list length ({len(lora)}) must match batch size ({n})")
+    lora_paths = _per_item(lora, n, "lora_path", batched)
+    if not all(p is None or isinstance(p, str) for p in lora_paths):
+        raise RequestError(f"lora_path must be a string, null, or in a batch a list of them, got {show(lora)}")
     raw_params = _per_item(body.get("sampling_params"), n, "sampling_params", batched)
     logprob = _per_item(body.get("return_logprob", False), n, "return_logprob", batched)
     text_lp = body.get("return_text_in_logprobs", False)
@@ -374,7 +381,7 @@ def parse_generate(body: Any, *, vocab_size: int, context_len: int, encode=None)
         params = parse_sampling_params(raw_params[i], vocab_size)
         max_new = params.max_new_tokens
         check_context(len(prompts[i]), max_new, context_len)
-        inputs.append(GenerateInput(rids[i], prompts[i], params, logprob[i], text_lp))
+        inputs.append(GenerateInput(rids[i], prompts[i], params, logprob[i], text_lp, lora_paths[i] or None))
     return GenerateCall(inputs=inputs, batched=batched, stream=stream)
 
 

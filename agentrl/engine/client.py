@@ -22,6 +22,9 @@ Usable from trio and asyncio (httpx + anyio). One :class:`EngineClient` spreads
   which balances by itself; control calls (``pause``, ``abort`` ...) still go to each engine
   in ``urls`` because the router does not fan them out. Weight updates are
   :class:`agentrl.learner.weight_push.WeightUpdater`'s job, also engine by engine.
+* **LoRA**: with ``lora_path`` (the adapter's name, ``learner.lora.sync = "adapter"``) every
+  ``/generate`` carries it, SGLang's per-request choice of adapter; without it the engine
+  serves its own weights (merged LoRA pushes need nothing here).
 * **Keys** (SGLang's ``--api-key`` / ``--admin-api-key``, bearer tokens): ``/generate`` and
   ``/model_info`` carry the api key; the control calls (pause, continue, abort) the admin key,
   or the api key when there is no admin key -- SGLang's rules (``sglang/srt/utils/auth.py``).
@@ -134,7 +137,8 @@ class EngineClient:
     def __init__(self, urls: list[str], *, router_url: str = "", max_retries: int = 5,
                  health_check_interval_s: float = 2.0, timeout_s: float = 600.0, health_timeout_s: float = 5.0,
                  backoff_s: float = 0.2, max_backoff_s: float = 5.0, max_affinity_keys: int = 100_000,
-                 api_key: str = "", admin_api_key: str = "", key_hints: tuple[str, str] = ("pass api_key", "pass admin_api_key")):
+                 api_key: str = "", admin_api_key: str = "", key_hints: tuple[str, str] = ("pass api_key", "pass admin_api_key"),
+                 lora_path: str = ""):
         if not urls and not router_url:
             raise ValueError("EngineClient needs engine urls, a router_url, or both")
         self.engines = [_Server(u.rstrip("/")) for u in urls]
@@ -153,6 +157,7 @@ class EngineClient:
         self._api_headers = bearer(api_key)
         self._admin_headers = bearer(admin_api_key or api_key)
         self._key_hints = key_hints  # what to set when /generate, or a control call, is refused
+        self.lora_path = lora_path  # the LoRA adapter every /generate names ("": none)
 
     @classmethod
     def from_config(cls, engine, urls: list[str] | None = None, **kwargs: Any) -> "EngineClient":
@@ -298,6 +303,8 @@ class EngineClient:
         """One ``/generate`` call (a single prompt), balanced, retried and health-aware."""
         payload = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params),
                    "return_logprob": return_logprob, "rid": rid or uuid.uuid4().hex}
+        if self.lora_path:
+            payload["lora_path"] = self.lora_path
         body, url = await self._request("/generate", payload, affinity_key)
         return GenerateResult.from_response(body, url)
 

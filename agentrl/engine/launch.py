@@ -100,14 +100,19 @@ def config_engine_args(cfg, *, secret: Callable[[str], str] | None = None, weigh
 
     e = cfg.engine
     secret = secret or read_secret
+    sglang_args = list(e.sglang_args)
     if e.backend == "sglang":
         keys = {"api_key": secret(e.api_key_env), "admin_api_key": secret(e.admin_api_key_env)}
-    else:
+        lora = cfg.learner.lora
+        if lora.served_adapter:  # adapters loaded later by the learner: SGLang must size its LoRA pool now
+            sglang_args += ["--enable-lora", "--max-lora-rank", str(lora.rank),
+                            "--lora-target-modules", *lora.target_modules]
+    else:  # the embedded engine takes /load_lora_adapter without flags
         keys = {"api_key_env": e.api_key_env, "admin_api_key_env": e.admin_api_key_env}
     return engine_args(e.backend, device=e.device, dtype=cfg.model.dtype, max_running_requests=e.max_running_requests,
                        max_context_tokens=e.max_context_tokens, weight_version=weight_version,
                        num_threads=cfg.run.torch_num_threads, gpus_per_engine=e.gpus_per_engine,
-                       mem_fraction_static=e.mem_fraction_static, sglang_args=e.sglang_args, **keys)
+                       mem_fraction_static=e.mem_fraction_static, sglang_args=sglang_args, **keys)
 
 
 def wait_ready(url: str, timeout_s: float, *, process: subprocess.Popen | None = None) -> None:

@@ -30,6 +30,18 @@ Strict where SGLang 0.5.23 is (``sglang/srt/entrypoints/http_server.py``, ``mana
 A client that disconnects aborts its requests (as SGLang does), so abandoned generations do
 not hold batch slots.
 
+LoRA (``/load_lora_adapter``, ``/unload_lora_adapter``, SGLang's request structs and
+``{success, error_message, loaded_adapters}`` answers): one adapter at a time, merged into the
+weights (``weights.EngineWeightReceiver``), the prefix cache emptied on each load and unload
+(its K/V came from other weights; SGLang keys its radix cache by adapter instead). Every request
+runs on the weights of the moment, so unlike SGLang, which serves each request the adapter its
+``lora_path`` names (or the base model) side by side, a request without ``lora_path`` gets the
+merged adapter too. ``lora_path`` is checked when the request arrives (:meth:`EngineServer.check_lora`):
+the merged adapter; or, while generation is paused and no adapter is merged, one loaded before
+(the learner's unload/load swap happens under a pause); anything else is a 400.
+``/load_lora_adapter_from_tensors`` is not served: its body holds pickled tensors, which SGLang
+reads from shared memory of the same host.
+
 OpenAI-compatible routes, as SGLang's server has them: ``POST /v1/chat/completions`` and
 ``GET /v1/models`` (+ ``/v1/models/{model}``), served by the agent endpoint's own implementation
 (:class:`agentrl.agents.serving.ChatService` over :meth:`EngineServer.generate`, with
@@ -70,6 +82,7 @@ ADMIN_API_KEY_ENV = "AGENTRL_ENGINE_ADMIN_API_KEY"
 # SGLang's messages (managers/tokenizer_control_mixin.py, scheduler_components/weight_updater.py).
 DP_REFUSAL = "data-parallel replicas are not supported for update weights from distributed"
 DP_REFUSAL_DESTROY = "data-parallel replicas are not supported for destroy parameter update group"
+DP_REFUSAL_LORA = "data-parallel replicas are not supported for dynamic lora loading"
 NOT_FLUSHED = ("Weights were updated, but the cache was not flushed because requests are still running or "
                "queued. Retract or finish them, then call /flush_cache.")
 NO_SESSION = "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
@@ -123,6 +136,9 @@ CONTROL_BODIES: dict[str, dict[str, BodyField]] = {
         "keep_pause": _f(bool, False, (False,)), "recapture_cuda_graph": _f(bool, False),
         "token_step": _f(int, 0), "flush_cache": _f(bool, True), "manifest": _f((dict, NONE), None, (None,))},
     "/update_weight_version": {"new_version": _f(str), "abort_all_requests": _f(bool, True)},
+    "/load_lora_adapter": {"lora_name": _f(str), "lora_path": _f(str), "pinned": _f(bool, False),
+                           "lora_id": _f((str, NONE), None)},
+    "/unload_lora_adapter": {"lora_name": _f(str), "lora_id": _f((str, NONE), None)},
 }
 
 _KIND_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false", list: "a list",
@@ -240,6 +256,30 @@ class EngineServer:
             raise
         return GenerateResult.from_response(self.render(completion, call.inputs[0]), url="embedded")
 
+    def check_lora(self, call: GenerateCall) -> None:
+        """RequestError unless every ``lora_path`` of ``call`` can be served (module docstring)."""
+        receiver = self.receiver
+        merged = receiver.adapter.name if receiver.adapter is not None else None
+        for inp in call.inputs:
+            name = inp.lora_path
+            if name is None or name == merged:
+                continue
+            if name not in receiver.adapters_seen:  # SGLang's message, with the field named
+                loaded = [merged] if merged else []
+                raise RequestError(f"lora_path: Got LoRA adapter that has never been loaded: {show(name)}\n"
+                                   f"All loaded adapters: {loaded}.")
+            if merged is not None:
+                raise RequestError(f"lora_path: LoRA adapter {show(name)} is not loaded: the embedded engine serves "
+                                   f"one adapter, merged into its weights, and {merged!r} is merged now")
+            if not self.scheduler.paused:
+                raise RequestError(f"lora_path: LoRA adapter {show(name)} is not loaded (it was unloaded; the embedded "
+                                   "engine does not load it again implicitly as SGLang does)")
+
+    def lora_status(self) -> dict:
+        """``loaded_adapters`` of SGLang's LoRA answers: name -> folder."""
+        a = self.receiver.adapter
+        return {a.name: a.path} if a is not None else {}
+
     def abort(self, rids: list[str]) -> None:
         for rid in rids:
             self.scheduler.call(lambda rid=rid: self.scheduler.abort(rid, "client disconnected"))
@@ -320,6 +360,7 @@ def build_app(server: EngineServer, *, api_key: str = "", admin_api_key: str = "
             body = await _body(request)
             call = parse_generate(body, vocab_size=server.runner.vocab_size,
                                   context_len=server.runner.max_context_tokens, encode=server.encode)
+            server.check_lora(call)
         except RequestError as e:
             return _error(str(e))
         if not sched.alive:
@@ -547,6 +588,53 @@ def build_app(server: EngineServer, *, api_key: str = "", admin_api_key: str = "
         return JSONResponse({"success": True, "message": f"Weight version updated to {version}",
                              "new_version": version})
 
+    # -- LoRA adapters (module docstring) ----------------------------------------------------
+    def _lora_result(success: bool, error: str | None = None) -> JSONResponse:
+        return JSONResponse({"success": success, "error_message": error, "loaded_adapters": server.lora_status()},
+                            status_code=200 if success else 400)
+
+    @auth_level(AuthLevel.ADMIN_OPTIONAL)
+    async def load_lora_adapter(request: HttpRequest) -> Response:
+        if server.dp_size > 1:  # SGLang asserts dp_size == 1 here too
+            return JSONResponse({"success": False, "message": DP_REFUSAL_LORA}, status_code=500)
+        try:
+            b = await _control(request)
+        except RequestError as e:
+            return bad_request(str(e))
+        try:  # reading and checking the folder happens off the scheduler thread
+            adapter = await asyncio.to_thread(server.receiver.read_adapter, b["lora_name"], b["lora_path"])
+        except (ValueError, OSError) as e:
+            return _lora_result(False, f"Failed to load LoRA adapter {b['lora_name']}: {e}")
+
+        def run() -> None:
+            server.receiver.load_adapter(adapter)
+            server.runner.prefix_cache.clear()  # K/V of other weights
+
+        try:
+            await server.call(run)
+        except ValueError as e:
+            return _lora_result(False, str(e))
+        return _lora_result(True)
+
+    @auth_level(AuthLevel.ADMIN_OPTIONAL)
+    async def unload_lora_adapter(request: HttpRequest) -> Response:
+        if server.dp_size > 1:
+            return JSONResponse({"success": False, "message": DP_REFUSAL_LORA}, status_code=500)
+        try:
+            b = await _control(request)
+        except RequestError as e:
+            return bad_request(str(e))
+
+        def run() -> None:
+            server.receiver.unload_adapter(b["lora_name"])
+            server.runner.prefix_cache.clear()
+
+        try:
+            await server.call(run)
+        except ValueError as e:
+            return _lora_result(False, str(e))
+        return _lora_result(True)
+
     # -- OpenAI-compatible routes: the agent endpoint's implementation, over this scheduler, nothing recorded
     openai: list = []
 
@@ -602,6 +690,8 @@ def build_app(server: EngineServer, *, api_key: str = "", admin_api_key: str = "
         Route("/update_weights_from_distributed", update_weights_from_distributed, methods=["POST"]),
         Route("/update_weights_from_disk", update_weights_from_disk, methods=["POST"]),
         Route("/update_weight_version", update_weight_version, methods=["POST"]),
+        Route("/load_lora_adapter", load_lora_adapter, methods=["POST"]),
+        Route("/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
     ]
     if server.weight_update_bracket:
         routes += [Route("/begin_weight_update", begin_weight_update, methods=["POST"]),

@@ -19,6 +19,15 @@ reports the problem in the HTTP answer instead. It leaves the prefix cache alone
 request's ``flush_cache`` decides, in the server). An engine started with ``--tp-size N``
 joins as N ranks, as SGLang does (one per TP rank): the N-1 :class:`ShadowRank` s receive
 every broadcast into scratch and drop it.
+
+**LoRA adapters** (``/load_lora_adapter``, ``/unload_lora_adapter``): the embedded engine merges
+one PEFT adapter into its weights (``W += scaling * B @ A`` per adapted layer, in fp32, cast to
+the engine's dtype) and keeps a CPU copy of the weights it changed, which an unload puts back
+exactly (subtracting the product again would drift in bf16 over many swaps). A full weight update
+while an adapter is merged replaces the base: the updated weights become the new originals and
+the adapter is merged on top again, as SGLang keeps serving an adapter over new base weights.
+SGLang instead keeps adapters apart from the base and applies each request's own adapter (or
+none) in its batched kernels, several at once; see the server for what requests may name.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import math
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -89,6 +99,17 @@ def check_group_args(master_port: int, rank_offset: int, world_size: int) -> Non
                          f"world_size {world_size}")
 
 
+@dataclass
+class MergedAdapter:
+    """The adapter merged into the weights: its name and folder, the factors per weight, and the
+    weights as they were before (CPU copies)."""
+
+    name: str
+    path: str
+    deltas: dict[str, tuple[torch.Tensor, torch.Tensor, float]]  # parameter name -> (A, B, scaling)
+    originals: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
 class EngineWeightReceiver:
     """Engine end: owns the group; receives and applies updates (called in the scheduler thread).
 
@@ -103,6 +124,8 @@ class EngineWeightReceiver:
         self.backend = "gloo"
         self.shadows: list[ShadowRank] = []
         self._shadow_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.adapter: MergedAdapter | None = None  # the LoRA adapter merged into the weights
+        self.adapters_seen: dict[str, str] = {}  # every adapter name loaded so far -> its folder
 
     def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                    group_name: str, backend: str, timeout_s: float = 600.0) -> None:
@@ -207,6 +230,7 @@ class EngineWeightReceiver:
                     problems.append(f"{name}: shape {list(buf.shape)} does not match the model's {list(target.shape)}")
                 else:
                     target.data.copy_(buf)
+            self._merge_again([name for name, _, _ in spec])
         return problems
 
     def _receive_flat(self, spec, device: torch.device) -> list[tuple[str, torch.Tensor]]:
@@ -254,3 +278,60 @@ class EngineWeightReceiver:
         with torch.no_grad():
             for n, t in tensors.items():
                 named[n].data.copy_(t)
+            self._merge_again(list(tensors))
+
+    # -- LoRA adapters (module docstring) ----------------------------------------------------
+    def read_adapter(self, name: str, path: str) -> MergedAdapter:
+        """Read a PEFT folder and check it against the model; no side effects (any thread)."""
+        from agentrl.peft_format import read_adapter
+
+        files = read_adapter(path)
+        named = self.runner.named_tensors()
+        deltas = {}
+        for layer, (a, b) in files.factors.items():
+            weight = f"{layer}.weight"
+            target = named.get(weight)
+            if target is None:
+                raise ValueError(f"{path}: the model has no layer {layer!r} (no parameter {weight!r})")
+            if (b.shape[0], a.shape[1]) != tuple(target.shape):
+                raise ValueError(f"{path}: {layer}: B @ A is {[b.shape[0], a.shape[1]]}, the weight is "
+                                 f"{list(target.shape)}")
+            deltas[weight] = (a.to(target.device, torch.float32), b.to(target.device, torch.float32), files.scaling)
+        return MergedAdapter(name, str(path), deltas)
+
+    def load_adapter(self, adapter: MergedAdapter) -> None:
+        """Merge ``adapter`` into the weights (scheduler thread); ValueError when one is merged already."""
+        if self.adapter is not None:
+            if self.adapter.name == adapter.name:
+                raise ValueError(f"Failed to load LoRA adapter {adapter.name} because it is already loaded")
+            raise ValueError(f"the embedded engine serves one LoRA adapter at a time, merged into its weights: "
+                             f"unload {self.adapter.name!r} first")
+        self.adapter = adapter
+        self._merge_again(list(adapter.deltas))
+        self.adapters_seen[adapter.name] = adapter.path
+
+    def unload_adapter(self, name: str) -> None:
+        """Put back the weights the adapter changed (scheduler thread)."""
+        if self.adapter is None or self.adapter.name != name:
+            loaded = [self.adapter.name] if self.adapter is not None else []
+            raise ValueError(f"LoRA with name {name} does not exist. Loaded LoRAs: {loaded}")
+        named = self.runner.named_tensors()
+        with torch.no_grad():
+            for weight, original in self.adapter.originals.items():
+                named[weight].data.copy_(original)
+        self.adapter = None
+
+    def _merge_again(self, names: list[str]) -> None:
+        """The weights ``names`` were just set (an update, or a load): those the adapter covers keep
+        them as their originals and get the adapter merged on top."""
+        if self.adapter is None:
+            return
+        named = self.runner.named_tensors()
+        with torch.no_grad():
+            for weight in names:
+                if weight not in self.adapter.deltas:
+                    continue
+                target = named[weight]
+                a, b, scaling = self.adapter.deltas[weight]
+                self.adapter.originals[weight] = target.detach().to("cpu", copy=True)
+                target.data.copy_((target.float() + scaling * (b @ a)).to(target.dtype))

@@ -4,7 +4,9 @@ Layout under a checkpoint root (``<run_dir>/checkpoints/learn`` or ``.../sft``):
 
     step_00000010/
         .metadata, __*_*.distcp   DCP: policy, policy_optim (+ critic, critic_optim for PPO),
-                                  saved as shards by every rank; any world size can load them
+                                  saved as shards by every rank; any world size can load them.
+                                  With LoRA, policy holds the adapters only (the trainable
+                                  parameters); the base is model.path's, named in meta.json
         trainer_state.pt          step, LR scheduler, skipped updates, world size, and the
                                   caller's state (policy version, data counters, ledger...)
         rng/rank_<r>.pt           Python, NumPy, torch (and CUDA) RNG state of each rank
@@ -150,10 +152,24 @@ def dcp_reader(path: str | Path) -> Any:
     return SafeReader(str(path))
 
 
+def _policy_options(trainer: Trainer) -> Any:
+    """With LoRA the policy's state is its trainable parameters, the adapters (the frozen base is
+    ``model.path``'s). Loading is not strict then because the state holds the adapters alone; DCP
+    still fails on any adapter missing from the checkpoint."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    if trainer.spec.lora is None:
+        return None
+    return StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
 def _model_state(trainer: Trainer) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    policy, policy_optim = get_state_dict(trainer.policy, trainer.optimizer)
+    policy, policy_optim = get_state_dict(trainer.policy, trainer.optimizer, options=_policy_options(trainer))
+    if trainer.spec.lora is not None:  # a tied head shows up as a key of its own, frozen or not
+        trainable = {n for n, p in trainer.policy.named_parameters() if p.requires_grad}
+        policy = {k: v for k, v in policy.items() if k in trainable}
     state: dict[str, Any] = {"policy": policy, "policy_optim": policy_optim}
     if trainer.critic is not None:
         critic, critic_optim = get_state_dict(trainer.critic, trainer.critic_optimizer)
@@ -257,6 +273,8 @@ def save_checkpoint(
             "world_size": trainer.dist.world_size,
             "algorithm": trainer.spec.algorithm,
             "model_path": str(trainer.spec.model_path),
+            # the adapters' settings (None: the whole policy is in the checkpoint); export and resume read it
+            "lora": trainer.spec.lora.as_dict() if trainer.spec.lora is not None else None,
             "saved_at": time.time(),
             "caller": {k: v for k, v in (state or {}).items() if isinstance(v, (int, float, str, bool))},
         }
@@ -277,6 +295,17 @@ def _prune(root: Path, keep: int, lineage: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _check_lora(path: Path, trainer: Trainer) -> None:
+    """A checkpoint holds the adapters of the LoRA it was trained with, or the whole policy: refuse
+    to load it into a trainer set up otherwise, naming both (DCP would only list missing keys)."""
+    meta = checkpoint_meta(path) or {}
+    saved = meta.get("lora")
+    wanted = trainer.spec.lora.as_dict() if trainer.spec.lora is not None else None
+    if "lora" in meta and saved != wanted:
+        raise ValueError(f"{path} was trained with learner.lora = {saved or 'off'}, but this run has "
+                         f"learner.lora = {wanted or 'off'}: set [learner.lora] as it was, or start a new run folder")
+
+
 def load_checkpoint(path: str | Path, trainer: Trainer) -> dict[str, Any]:
     """Restore ``trainer`` from ``path`` (collective) and return the caller's saved state,
     with ``pending_groups`` (bytes) added."""
@@ -287,11 +316,11 @@ def load_checkpoint(path: str | Path, trainer: Trainer) -> dict[str, Any]:
     if not (path / ".metadata").exists():
         raise ValueError(f"{path} is not a checkpoint (no .metadata)")
     rank = dist.get_rank() if dist.is_initialized() else 0
+    _check_lora(path, trainer)
     state = _model_state(trainer)
     dcp.load(state, storage_reader=dcp_reader(path))
-    set_state_dict(
-        trainer.policy, trainer.optimizer, model_state_dict=state["policy"], optim_state_dict=state["policy_optim"]
-    )
+    set_state_dict(trainer.policy, trainer.optimizer, model_state_dict=state["policy"],
+                   optim_state_dict=state["policy_optim"], options=_policy_options(trainer))
     if trainer.critic is not None:
         set_state_dict(
             trainer.critic,

@@ -7,14 +7,25 @@ the checkpoint's ``hf/`` copy of the original model folder.
 
 DCP reads the sharded checkpoint into a plain single-process model, whatever world size
 wrote it, so exporting needs neither torchrun nor the training machine.
+
+A LoRA checkpoint (``meta.json`` names its ``lora`` settings) holds the adapters only; the
+base weights are read from the model it was trained on (``meta.json``'s ``model_path``, or
+``base_model``). By default the adapters are merged into the base weights (the same merge the
+weight push sends to the engines, ``agentrl.learner.lora.push_items``) and the result is a plain
+Hugging Face folder; with ``adapter=True`` the output is a PEFT adapter folder
+(``adapter_config.json``, ``adapter_model.safetensors``) for ``PeftModel.from_pretrained`` or
+SGLang's ``--lora-paths`` / ``/load_lora_adapter`` on the base model.
 """
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
-from agentrl.learner.checkpoint import latest_checkpoint
+import torch.distributed.checkpoint as dcp
+
+from agentrl.learner.checkpoint import dcp_reader, latest_checkpoint
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -29,11 +40,14 @@ def resolve_checkpoint(path: str | Path) -> Path:
     raise ValueError(f"no checkpoint at {p}: expected a step_* folder, a checkpoint root with 'latest', or a run folder")
 
 
-def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: str = "float32") -> Path:
-    """Write the checkpoint's policy to ``out_dir`` as a Hugging Face folder; returns it."""
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: str = "float32", adapter: bool = False,
+                      base_model: str | Path | None = None) -> Path:
+    """Write the checkpoint's policy to ``out_dir`` as a Hugging Face folder (a LoRA checkpoint:
+    merged, or with ``adapter`` as a PEFT adapter folder); returns it."""
     import torch
-    import torch.distributed.checkpoint as dcp
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from agentrl.learner.checkpoint import checkpoint_meta
 
     ckpt = resolve_checkpoint(checkpoint)
     hf = ckpt / "hf"
@@ -41,16 +55,54 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: str
         raise ValueError(f"{ckpt} has no hf/config.json; it was not written by agentrl's learner")
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
-    config = AutoConfig.from_pretrained(hf)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state = {"policy": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(ckpt))
-    model.load_state_dict(state["policy"])
-    model = model.to(getattr(torch, dtype))
+    meta = checkpoint_meta(ckpt) or {}
     out = Path(out_dir)
+    if meta.get("lora"):
+        model = _merged_or_adapter(ckpt, meta, out, adapter=adapter, base_model=base_model)
+        if model is None:
+            return out
+    else:
+        if adapter:
+            raise ValueError(f"{ckpt} was trained without LoRA (learner.lora.rank = 0): it has no adapter to export")
+        config = AutoConfig.from_pretrained(hf)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        state = {"policy": model.state_dict()}
+        dcp.load(state, storage_reader=dcp_reader(ckpt))
+        model.load_state_dict(state["policy"])
+    model = model.to(getattr(torch, dtype))
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     AutoTokenizer.from_pretrained(hf).save_pretrained(out)
     if (hf / "generation_config.json").exists():
         shutil.copy2(hf / "generation_config.json", out / "generation_config.json")
     return out
+
+
+def _merged_or_adapter(ckpt: Path, meta: dict, out: Path, *, adapter: bool, base_model: str | Path | None) -> Any:
+    """A LoRA checkpoint: the base model with the checkpoint's adapters; returns the merged plain
+    model, or writes the PEFT folder to ``out`` and returns None."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.learner.lora import LoraSpec, MergedWeight, add_adapters, adapter_parameters, push_items, write_adapter
+
+    base = Path(base_model or meta.get("model_path", ""))
+    if not (base / "config.json").exists():
+        raise ValueError(f"{ckpt} holds LoRA adapters; their base model {str(base)!r} (meta.json model_path) has no "
+                         "config.json here: pass the base model's folder (--base-model)")
+    spec = LoraSpec(**{**meta["lora"], "target_modules": tuple(meta["lora"]["target_modules"])})
+    model = add_adapters(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), spec)
+    state = {"policy": {n: p.detach() for n, p in adapter_parameters(model)}}
+    dcp.load(state, storage_reader=dcp_reader(ckpt))
+    with torch.no_grad():
+        for name, param in adapter_parameters(model):
+            param.copy_(state["policy"][name])
+    if adapter:
+        write_adapter(out, dict(adapter_parameters(model)), spec, str(base))
+        return None
+    merged = {n: (t.merged() if isinstance(t, MergedWeight) else t.detach()) for n, t in push_items(model)}
+    plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict(merged, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise ValueError(f"merging {ckpt}'s adapters: unexpected {unexpected[:5]}, missing {missing[:5]}")
+    return plain

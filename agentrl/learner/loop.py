@@ -43,7 +43,9 @@ brings back what came after it, so a restarted learner's budget matches what its
 actors have used (each actor counts what the learner holds from it, see the actors).
 
 **Weights.** Every ``sync_every_steps`` steps the version is bumped and the weights are
-pushed (``agentrl.learner.weight_push``) when ``engine.urls`` is set. At start, before the
+pushed (``agentrl.learner.weight_push``) when ``engine.urls`` is set: full weights (with LoRA,
+the adapters merged into them), or with ``learner.lora.sync = "adapter"`` the adapter alone,
+which is also loaded at start. At start, before the
 first progress message, the engines are brought to the learner's policy
 (``WeightUpdater.align_versions``): an engine that reports ``"default"`` is told version 0, and
 after a resume (or when an engine reports another policy's number) the weights are pushed,
@@ -439,18 +441,19 @@ class Learner:
     def _push(self) -> float:
         import torch
 
-        from agentrl.learner.weight_push import push_weights
+        from agentrl.learner.weight_push import push_adapter, push_weights
 
         if not self.push_enabled:
             return 0.0
         started = time.perf_counter()
-        push_weights(
-            self.trainer.policy,
-            self.io.weights if self.io is not None else None,
-            self.version,
-            bucket_bytes=int(self.cfg.engine.weight_bucket_mb * (1 << 20)),
-            dtype=getattr(torch, self.cfg.model.dtype),
-        )
+        updater = self.io.weights if self.io is not None else None
+        if self.cfg.learner.lora.served_adapter:  # LoRA, adapter only: a PEFT folder through /load_lora_adapter
+            push_adapter(self.trainer.policy, updater, self.version, folder_root=self.run_dir / "lora_adapters",
+                         spec=self.trainer.spec.lora, base_model_path=self.trainer.spec.model_path)
+        else:  # full weights, LoRA merged into them
+            push_weights(self.trainer.policy, updater, self.version,
+                         bucket_bytes=int(self.cfg.engine.weight_bucket_mb * (1 << 20)),
+                         dtype=getattr(torch, self.cfg.model.dtype))
         seconds = time.perf_counter() - started
         if self.dist.is_main:
             log.info("pushed weights of policy version %d in %.2f s", self.version, seconds)
@@ -465,7 +468,8 @@ class Learner:
         if not self.push_enabled:
             return
         needs_push = self.io.weights.align_versions(self.version) if self.io is not None else None
-        if broadcast_object(needs_push):
+        # LoRA adapter updates: the engines start without the adapter the actors' requests name
+        if broadcast_object(needs_push) or self.cfg.learner.lora.served_adapter:
             self._push()
 
     # ------------------------------------------------------------------ checkpoints

@@ -11,7 +11,8 @@ A step (:meth:`Trainer.rl_step`) reads top to bottom:
 2. **Prepare** (no gradient, weights as at the start of the step): PPO runs the critic and
    computes GAE advantages and returns; when the step makes more than one optimiser
    update, the proximal logprobs are recomputed over the whole batch; with a KL term the
-   reference model scores the batch. With a single update the proximal policy *is* the
+   reference model scores the batch (with LoRA: the policy with its adapters switched off,
+   which is the base model, instead of a second copy). With a single update the proximal policy *is* the
    current policy, so its logprobs are the detached logprobs of the update's own forward
    (bit-identical to a recompute, one forward cheaper).
 3. **Update.** For each optimiser batch: forward/backward on every micro-batch (the loss
@@ -20,6 +21,11 @@ A step (:meth:`Trainer.rl_step`) reads top to bottom:
    gradient norm is not finite is skipped and counted, not applied.
 4. **Critic** (PPO): the same micro-batches, clipped value loss, its own AdamW.
 5. Scheduler step, metrics reduced over micro-batches and ranks.
+
+**LoRA** (``spec.lora``, ``agentrl.learner.lora``): adapters are injected into the policy before
+FSDP2 shards it and everything else is frozen, so only the adapters have gradients and AdamW
+state. The forward is the same function with or without adapters, so behaviour, proximal and
+reference logprobs are computed as without LoRA. PPO's critic stays a full model.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from torch import Tensor, nn
 
 from agentrl.learner.batching import MicroBatch, Sample, collate, loss_normalizer, plan_microbatches
 from agentrl.learner.distributed import DistInfo
+from agentrl.learner.lora import LoraSpec, adapters_disabled, add_adapters
 from agentrl.learner.loss import PolicyLossConfig, gae_advantages, policy_loss, sft_loss, value_loss
 from agentrl.learner.model import (
     load_causal_lm,
@@ -70,6 +77,7 @@ class TrainerSpec:
     gamma: float = 1.0
     gae_lambda: float = 0.95
     normalize_advantage_std: bool = False  # PPO: whiten GAE advantages over the batch
+    lora: LoraSpec | None = None  # train adapters on the frozen policy (None: every parameter)
 
     @classmethod
     def for_learn(cls, cfg: Any, model_path: str | None = None) -> "TrainerSpec":
@@ -94,6 +102,7 @@ class TrainerSpec:
             gamma=lc.gamma,
             gae_lambda=lc.gae_lambda,
             normalize_advantage_std=lc.normalize_advantage_std,
+            lora=LoraSpec.from_config(lc.lora),
         )
 
 
@@ -208,11 +217,11 @@ class Trainer:
         self.dist = dist_info
         self.device = dist_info.device
         self.hf_config = AutoConfig.from_pretrained(spec.model_path)
-        self.policy = shard_model(
-            load_causal_lm(spec.model_path, device=self.device),
-            device=self.device,
-            activation_checkpointing=spec.activation_checkpointing,
-        )
+        if spec.lora is None:
+            policy = load_causal_lm(spec.model_path, device=self.device)
+        else:  # adapters initialised on the CPU (one seed for every rank), then moved
+            policy = add_adapters(load_causal_lm(spec.model_path), spec.lora).to(self.device)
+        self.policy = shard_model(policy, device=self.device, activation_checkpointing=spec.activation_checkpointing)
         self.optimizer = self._adamw(self.policy, spec.lr)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
@@ -227,8 +236,8 @@ class Trainer:
                 activation_checkpointing=spec.activation_checkpointing,
             )
             self.critic_optimizer = self._adamw(self.critic, spec.critic_lr)
-        self.reference: nn.Module | None = None
-        if spec.algorithm != "sft" and spec.loss.kl_coef > 0:
+        self.reference: nn.Module | None = None  # with LoRA: the policy's base (adapters off), see reference_logprobs
+        if spec.algorithm != "sft" and spec.loss.kl_coef > 0 and spec.lora is None:
             self.reference = shard_model(
                 load_causal_lm(spec.model_path, device=self.device), device=self.device, trainable=False
             )
@@ -243,6 +252,19 @@ class Trainer:
             eps=1e-8,
             weight_decay=self.spec.weight_decay,
         )
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the loss has a KL term against the reference policy (``model.path``)."""
+        return self.spec.algorithm != "sft" and self.spec.loss.kl_coef > 0
+
+    def reference_logprobs(self, mb: MicroBatch) -> Tensor:
+        """Logprobs under the reference policy: the frozen copy, or with LoRA the policy with its
+        adapters off (the same base weights, no second model)."""
+        if self.reference is not None:
+            return token_logprobs(self.reference, mb, temperature=self.spec.temperature)[0]
+        with adapters_disabled(self.policy):
+            return token_logprobs(self.policy, mb, temperature=self.spec.temperature)[0]
 
     @property
     def pad_token_id(self) -> int:
@@ -290,9 +312,9 @@ class Trainer:
             if len(minibatches) > 1 and self.spec.loss.uses_proximal:
                 for mb in every_mb:
                     mb.extras["proximal"] = token_logprobs(self.policy, mb, temperature=self.spec.temperature)[0]
-            if self.reference is not None:
+            if self.uses_reference:
                 for mb in every_mb:
-                    mb.extras["reference"] = token_logprobs(self.reference, mb, temperature=self.spec.temperature)[0]
+                    mb.extras["reference"] = self.reference_logprobs(mb)
 
         grad_norms = []
         for micro_batches, normalizer in minibatches:

@@ -6,6 +6,10 @@ The learner reaches the engines over HTTP (SGLang's native API) and the broadcas
 **What is sent.** The model's parameters in ``named_parameters()`` order, under their Hugging
 Face names, in the engines' dtype (``model.dtype``). With tied embeddings ``lm_head.weight`` is
 not sent (:func:`without_tied_head`, the one rule; engines tie it themselves, as SGLang does).
+A policy with LoRA adapters sends the base model's parameters with each adapter merged into its
+layer's weight (``agentrl.learner.lora.push_items``: ``W + scaling * B @ A``, computed when its
+bucket is gathered), so any engine takes it as a full update. The other way, the adapter alone
+through SGLang's ``/load_lora_adapter``, is :meth:`WeightUpdater.push_adapter`.
 
 **Buckets** (:func:`plan_buckets`, the one bucketing pass): consecutive tensors up to
 ``bucket_bytes`` per bucket (a larger tensor is a bucket of its own), one dtype per bucket.
@@ -64,6 +68,20 @@ fresh allocation and a copy of every byte on each side, more than it saves on CP
 
 :meth:`WeightUpdater.push_from_disk` is the fallback: pause, ``/update_weights_from_disk`` on
 every engine, continue.
+
+**LoRA adapters alone** (``learner.lora.sync = "adapter"``, :func:`push_adapter`): every rank
+gathers the adapters' factors (a few MB), rank 0 writes them as a PEFT folder
+(``<run_dir>/lora_adapters/v<version>``, the last two kept) and
+:meth:`WeightUpdater.push_adapter` swaps the engines' adapter: pause (``abort``) ->
+``/unload_lora_adapter`` -> ``/load_lora_adapter`` (SGLang's request structs: ``lora_name``,
+``lora_path``) -> ``/update_weight_version`` -> continue. The name stays the same
+(``agentrl-policy``), so requests name it in ``lora_path`` whatever the version. SGLang waits in
+the unload for every request that uses the adapter; paused with ``retract`` or ``in_place``
+those requests keep it and the unload would never return, so only ``abort`` is accepted. The
+folder must be readable by the engines (one machine, or a shared file system). SGLang's
+``/load_lora_adapter_from_tensors`` is not used: its tensors are pickled ``torch`` tensors
+(``MultiprocessingSerializer``), which SGLang reads through shared memory or CUDA IPC of the same
+host, like ``/update_weights_from_tensor``.
 """
 
 from __future__ import annotations
@@ -72,8 +90,10 @@ import concurrent.futures
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
+from agentrl.config import LORA_ADAPTER_NAME
 from agentrl.secrets import bearer
 from agentrl.weight_group import bind_store_socket, destroy_weight_group, dtype_name, init_weight_group
 
@@ -110,16 +130,22 @@ def without_tied_head(named: Iterable[tuple[str, T]], tied: bool = False) -> lis
 def _identity(t: Any) -> set[tuple]:
     from torch.distributed.tensor import DTensor
 
+    import torch
+
     keys = {("object", id(t))}
-    if not isinstance(t, DTensor):  # a DTensor's memory is its local shard: identity only
+    if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):  # a DTensor's memory is its local shard
         keys.add(("memory", t.data_ptr(), tuple(t.shape), t.dtype))
     return keys
 
 
-def tensors_to_push(model: "nn.Module") -> list[tuple[str, "nn.Parameter"]]:
-    """The model's parameters to send, in a fixed order (the same on every learner rank)."""
+def tensors_to_push(model: "nn.Module") -> list[tuple[str, Any]]:
+    """The model's parameters to send, in a fixed order (the same on every learner rank); with
+    LoRA adapters the base model's, adapted weights as ``MergedWeight`` s (merged when gathered)."""
+    from agentrl.learner.lora import has_adapters, push_items
+
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
-    return without_tied_head(model.named_parameters(), tied)
+    named = push_items(model) if has_adapters(model) else model.named_parameters()
+    return without_tied_head(named, tied)
 
 
 def plan_buckets(named: Sequence[tuple[str, T]], bucket_bytes: int,
@@ -148,15 +174,20 @@ def plan_buckets(named: Sequence[tuple[str, T]], bucket_bytes: int,
 def full_tensors(bucket: Sequence[tuple[str, Any]], dtype: "torch.dtype | None" = None,
                  device: "torch.device | None" = None) -> list[tuple[str, "torch.Tensor"]]:
     """The bucket's full tensors: DTensor shards are all-gathered (a collective: every learner
-    rank must call this for the same bucket), then cast to ``dtype`` and moved to ``device``."""
+    rank must call this for the same bucket), LoRA-adapted weights merged, then cast to ``dtype``
+    and moved to ``device``."""
     import torch
     from torch.distributed.tensor import DTensor
+
+    from agentrl.learner.lora import MergedWeight
 
     out = []
     with torch.no_grad():
         for name, t in bucket:
             data = t.data if isinstance(t, torch.nn.Parameter) else t
-            if isinstance(data, DTensor):
+            if isinstance(data, MergedWeight):
+                data = data.merged()
+            elif isinstance(data, DTensor):
                 data = data.full_tensor()
             data = data.detach()
             if dtype is not None and data.dtype != dtype:
@@ -196,6 +227,31 @@ def push_weights(model: "nn.Module", updater: "WeightUpdater | None", version: i
     for bucket in plan:
         full_tensors(bucket, dtype)
     return {}
+
+
+def push_adapter(model: "nn.Module", updater: "WeightUpdater | None", version: int, *, folder_root: str | Path,
+                 spec: Any, base_model_path: str, keep: int = 2) -> dict:
+    """LoRA, adapter only: call on every learner rank (they take part in the gathers); rank 0 writes
+    ``folder_root/v<version>`` as a PEFT folder and loads it into the engines through ``updater``."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from agentrl.learner.lora import adapter_parameters, write_adapter
+
+    tensors = dict(full_tensors(adapter_parameters(model)))  # small: the factors only
+    is_main = not dist.is_initialized() or dist.get_rank() == 0
+    if not is_main or updater is None:
+        return {}
+    t0 = time.perf_counter()
+    root = Path(folder_root)
+    folder = write_adapter(root / f"v{version:08d}", tensors, spec, base_model_path)
+    write_s = time.perf_counter() - t0
+    stats = updater.push_adapter(folder, version)
+    for old in sorted(p for p in root.glob("v*") if p.is_dir())[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return {**stats, "write_s": write_s, "total_s": time.perf_counter() - t0,
+            "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
 
 
 # ----------------------------------------------------------------------------- the updater
@@ -257,6 +313,7 @@ class WeightUpdater:
         self.rank_offsets: list[int] = []
         self.world_size = 0
         self._no_begin_end: set[str] = set()  # engines that answered 404 (SGLang before 0.5.23)
+        self._adapter_loaded: set[str] = set()  # engines this updater has loaded the LoRA adapter into
         self._http = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0))
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(4, 2 * len(self.engine_urls)),
                                                            thread_name_prefix="weight-http")
@@ -311,7 +368,8 @@ class WeightUpdater:
                                     f"({self._key_hint})", resp.status_code)
         if resp.status_code != 200 or data.get("success") is False:
             err = data.get("error")
-            msg = data.get("message") or (err.get("message") if isinstance(err, dict) else err) or resp.text
+            msg = data.get("message") or data.get("error_message") or (  # error_message: LoRA routes
+                err.get("message") if isinstance(err, dict) else err) or resp.text
             raise WeightUpdateError(f"{url}{path} answered {resp.status_code}: {msg}", resp.status_code)
         return data
 
@@ -544,6 +602,38 @@ class WeightUpdater:
         stats["num_tensors"] += len(bucket)
         stats["num_buckets"] += 1
         self._collect(futures)
+
+    def push_adapter(self, folder: str | Path, version: int, name: str = LORA_ADAPTER_NAME) -> dict:
+        """Load the PEFT adapter ``folder`` as ``name`` on every engine (module docstring, "LoRA
+        adapters alone") and set their ``weight_version``; returns timings."""
+        if self.pause_mode != "abort":
+            raise ValueError(f"adapter updates need pause_mode 'abort', got {self.pause_mode!r}: SGLang's unload waits "
+                             "for every request that uses the adapter, and paused requests keep it")
+        t0 = time.perf_counter()
+        try:
+            self._all("/pause_generation", {"mode": self.pause_mode})
+            t_paused = time.perf_counter()
+            self._collect([self._pool.submit(self._unload_adapter, url, name) for url in self.engine_urls])
+            self._all("/load_lora_adapter", {"lora_name": name, "lora_path": str(Path(folder).resolve())})
+            self._adapter_loaded.update(self.engine_urls)
+            self._all("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
+        finally:
+            t_updated = time.perf_counter()
+            self._finish("/continue_generation")
+        t1 = time.perf_counter()
+        return {"pause_s": t_paused - t0, "update_s": t_updated - t_paused, "continue_s": t1 - t_updated,
+                "total_s": t1 - t0}
+
+    def _unload_adapter(self, url: str, name: str) -> None:
+        """``/unload_lora_adapter``; before this updater's first load the engine may not hold it
+        (a fresh engine) or may (a restarted learner): a refusal then is no error."""
+        try:
+            self._post(url, "/unload_lora_adapter", {"lora_name": name})
+        except WeightUpdateError as e:
+            if url in self._adapter_loaded or e.status != 400:
+                raise
+            log.debug("%s: no adapter %r to unload before the first load (%s)", url, name, e)
+        self._adapter_loaded.discard(url)
 
     def push_from_disk(self, model_path: str, version: int) -> None:
         """Fallback: every engine loads ``model_path`` (a folder visible to it) between pause and continue."""
