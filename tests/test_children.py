@@ -73,7 +73,9 @@ def test_colocated_children_share_the_gpu_and_push_weights_over_gloo(tmp_path):
 
 def test_dry_run_prints_the_placement_and_every_childs_command(tmp_path, monkeypatch):
     config = tmp_path / "run.toml"
-    config.write_text("[engine]\nbackend = 'sglang'\nnum_engines = 2\n[learner]\ngpus = 2\n")
+    # no model folder yet (as before a first run): the env check does not load a tokenizer
+    config.write_text(f"[model]\npath = '{tmp_path / 'model'}'\n[engine]\nbackend = 'sglang'\nnum_engines = 2\n"
+                      "[learner]\ngpus = 2\n")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-a,GPU-b,GPU-c,GPU-d")
     monkeypatch.setenv("AGENTRL_ENGINE_API_KEY", "never-printed")
     rc, text, heavy, err = run_cli("run", str(config), "--dry-run", "--run-dir", str(tmp_path / "r"))
