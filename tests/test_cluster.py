@@ -77,7 +77,8 @@ def test_slurm_script_and_its_logic(tmp_path):
     bin_dir.mkdir()
     _stub(bin_dir, "scontrol", 'printf "gpu-b10\\ngpu-b02\\ngpu-a7\\ngpu-a12\\n"')  # engine nodes first, then learner
     _stub(bin_dir, "curl", "exit 0")
-    _stub(bin_dir, "srun", f'printf "%q " "$@" >> {log}; echo >> {log}')
+    # one write per step (background steps run concurrently: two writes per line interleaved)
+    _stub(bin_dir, "srun", f'line=$(printf "%q " "$@"); echo "$line" >> {log}')
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu-[a7,a12,b02,b10]",
            "SLURM_JOB_ID": "77"}
     run = subprocess.run(["bash", str(sbatch)], env=env, capture_output=True, text=True, timeout=60)
