@@ -27,14 +27,11 @@ the sequence that generated them). Likewise when two calls extend the same seque
 the one committed second becomes a branch. A later call that extends any branch's reply extends
 that branch.
 
-**Reward and advantages.** Every sequence of an episode carries the episode's reward. For GRPO the
-group is the ``n`` *episodes* of a task, not their sequences: normalise the episodes' rewards within
-the group and give each sequence its episode's advantage (:func:`episode_index` maps trajectories to
-episodes; the learner applies its advantage function to one reward per episode). Normalising over
-sequences instead would count an episode once per sequence and bias the baseline toward agents
-that branch or compact often. With token-mean loss normalisation each token weighs the same, as in
-the actors' own episodes; for a sequence-mean loss, weight each sequence by ``1 / num_sequences``
-so that an episode counts once.
+**Reward and advantages.** Every sequence of an episode carries the episode's reward and
+``episode_id``. The learner's group is the ``n`` *episodes* of a task, not their sequences: it
+normalises one reward per episode and gives each sequence its episode's advantage
+(:func:`agentrl.learner.batching.episode_index`, and "Episodes and sequences" there, which also
+says how the loss weighs an episode of several sequences).
 """
 
 from __future__ import annotations
@@ -201,19 +198,3 @@ class Episode:
 def copy_chat(chat: TokenChat) -> TokenChat:
     return clone_chats(chat, 2)[1]
 
-
-def episode_index(trajectories: list[Trajectory]) -> tuple[list[float], list[int]]:
-    """(one reward per episode, the episode of each trajectory), by ``metadata["episode_id"]`` in order of
-    first appearance; a trajectory without an episode id is an episode of its own. The learner applies
-    its advantage function (GRPO, RLOO) to the episode rewards and gives each trajectory its episode's."""
-    rewards: list[float] = []
-    where: dict[str, int] = {}
-    index = []
-    for k, t in enumerate(trajectories):
-        key = t.metadata.get("episode_id")
-        key = f"\x00{k}" if key is None else str(key)
-        if key not in where:
-            where[key] = len(rewards)
-            rewards.append(t.reward)
-        index.append(where[key])
-    return rewards, index
