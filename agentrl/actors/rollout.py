@@ -122,12 +122,14 @@ class EpisodeLimits:
     max_abs_reward: float = math.inf  # a larger reward is an env bug: scored 0 with reward_error
 
     @classmethod
-    def from_config(cls, cfg: Any, env: Env | None = None) -> "EpisodeLimits":
-        """``[env]`` limits, overridden by an env's own ``max_turns``/``max_total_tokens`` attributes
-        when it sets them, and never above ``engine.max_context_tokens``."""
-        turns = getattr(env, "max_turns", None) or cfg.env.max_turns
-        tokens = getattr(env, "max_total_tokens", None) or cfg.env.max_total_tokens
-        return cls(max_turns=turns, max_total_tokens=min(tokens, cfg.engine.max_context_tokens),
+    def from_config(cls, cfg: Any, env: Env | None = None, section: Any = None) -> "EpisodeLimits":
+        """The env section's limits (default: the run's only env), overridden by an env's own
+        ``max_turns``/``max_total_tokens`` attributes when it sets them, and never above
+        ``engine.max_context_tokens`` (:func:`agentrl.envs.episode_limits`)."""
+        from agentrl.envs import episode_limits
+
+        turns, tokens = episode_limits(env if env is not None else Env(), cfg, section)
+        return cls(max_turns=turns, max_total_tokens=tokens,
                    max_new_tokens_per_turn=cfg.actors.max_new_tokens_per_turn,
                    max_abs_reward=cfg.learner.max_abs_reward)
 
@@ -139,11 +141,11 @@ def sampling_from_config(cfg: Any, greedy: bool = False) -> dict[str, Any]:
     return {"temperature": cfg.actors.temperature, "top_p": cfg.actors.top_p, "top_k": cfg.actors.top_k}
 
 
-def toolbox_for(env: Env, cfg: Any = None) -> ToolBox:
-    """The env's tools with the ``[env]`` time and output limits."""
-    if cfg is None:
-        return ToolBox(env.tools())
-    return ToolBox(env.tools(), timeout_s=cfg.env.tool_timeout_s, max_output_chars=cfg.env.tool_max_output_chars)
+def toolbox_for(env: Env, cfg: Any = None, section: Any = None) -> ToolBox:
+    """The env's tools with its section's time and output limits (:func:`agentrl.envs.make_toolbox`)."""
+    from agentrl.envs import make_toolbox
+
+    return make_toolbox(env, cfg, section)
 
 
 @dataclass
