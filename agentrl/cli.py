@@ -219,24 +219,29 @@ def make_demos_cmd(
     num: Annotated[int, typer.Option("--num", "-n", help="Number of demonstrations.")] = 1000,
     overrides: OverrideOpt = None,
 ) -> None:
-    """Write the configured env's demonstration episodes (correct tool use) as JSONL for SFT."""
+    """Write the configured env's demonstration episodes (correct tool use) as JSONL for SFT
+    (with [[envs]], each env's share of NUM by weight)."""
     import json
 
-    from agentrl.envs import demonstrations, make_env
+    from agentrl.envs import close_quietly, demonstrations, make_envs
 
     cfg = _load(config, overrides)
     try:
-        env = make_env(cfg)
+        envs = make_envs(cfg)
     except ValueError as e:
         typer.secho(f"make-demos: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
     out.parent.mkdir(parents=True, exist_ok=True)
-    count = 0
+    total_weight = sum(section.weight for section, _ in envs)
     with out.open("w") as f:
-        for record in demonstrations(env, num, seed=cfg.run.seed):
-            f.write(json.dumps(record) + "\n")
-            count += 1
-    typer.echo(f"wrote {count} demonstrations of {type(env).__name__} to {out}")
+        for section, env in envs:
+            share = num if len(envs) == 1 else round(num * section.weight / total_weight)
+            count = 0
+            for record in demonstrations(env, share, seed=cfg.run.seed):
+                f.write(json.dumps(record) + "\n")
+                count += 1
+            close_quietly(env)
+            typer.echo(f"wrote {count} demonstrations of {type(env).__name__} to {out}")
 
 
 @app.command("serve-actors")

@@ -56,13 +56,14 @@ def build_actor_envs(cfg: Any) -> list[Any]:
             for section, env in make_envs(cfg)]
 
 
-def agent_runner(cfg: Any, tokenizer: Any, client_factory: Any, *, greedy: bool = False) -> Any:
+def agent_runner(cfg: Any, tokenizer: Any, client_factory: Any, *, evaluation: bool = False,
+                 greedy: bool = False) -> Any:
     """The process's :class:`agentrl.agents.runner.AgentRunner` for ``cfg``: training (versions on, the
-    run's sampling forced) or, with ``greedy``, evaluation (any version, temperature 0)."""
+    run's sampling forced) or ``evaluation`` (any version; temperature 0 when ``greedy``)."""
     from agentrl.actors.rollout import sampling_from_config
     from agentrl.agents.runner import AgentRunner
 
-    return AgentRunner(tokenizer, client_factory, versioned=not greedy,
+    return AgentRunner(tokenizer, client_factory, versioned=not evaluation,
                        forced_sampling=sampling_from_config(cfg, greedy=greedy),
                        default_max_tokens=cfg.actors.max_new_tokens_per_turn,
                        max_tokens_cap=cfg.actors.max_new_tokens_per_turn,
