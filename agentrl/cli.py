@@ -92,7 +92,7 @@ def run_cmd(
     from agentrl.supervisor import ChildFailed
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    for noisy in ("httpx", "httpcore", "mlflow"):  # one line per request otherwise
+    for noisy in ("httpx", "httpx2", "httpcore", "mlflow"):  # one line per request otherwise
         logging.getLogger(noisy).setLevel(logging.WARNING)
     typer.echo(f"run folder: {folder}")
     try:

@@ -62,18 +62,26 @@ def play_both(tokenizer, script, task):
         return trio.run(main)
 
 
-@pytest.mark.parametrize("case", ["right", "sloppy", "tool_error"])
+def truncated(turn: int, prompt: str) -> str:
+    """A tool call the per-turn token limit cuts open (the Agents SDK raises ModelBehaviorError)."""
+    return '<tool_call>\n{"name": "calculator", "arguments": {"expression": "' + "1 + " * 30 + TurnScript.NO_STOP
+
+
+@pytest.mark.parametrize("case", ["right", "sloppy", "tool_error", "truncated"])
 def test_the_agent_records_the_quickstarts_tokens(tokenizer, case):
     env = CalculatorEnv(max_ops=3)
     task = next(t for t in env.tasks("test") if t.data["num_ops"] == 2)
     expression_of = {"right": lambda q: q, "sloppy": lambda q: " ".join(q.split()[:3]),
-                     "tool_error": lambda q: q + " / 0"}[case]
-    own, agent = play_both(tokenizer, demonstrator(expression_of), task)
+                     "tool_error": lambda q: q + " / 0", "truncated": None}[case]
+    own, agent = play_both(tokenizer, truncated if case == "truncated" else demonstrator(expression_of), task)
     assert agent.tokens.tolist() == own.tokens.tolist()
     assert agent.loss_mask.tolist() == own.loss_mask.tolist()
     assert agent.behavior_logprobs.tolist() == pytest.approx(own.behavior_logprobs.tolist())
     assert agent.reward == own.reward == (1.0 if case == "right" else 0.0)
-    assert agent.metadata["num_sequences"] == 1 and agent.metadata["num_calls"] == 2
+    assert agent.metadata["num_sequences"] == 1
+    assert agent.metadata["num_calls"] == (1 if case == "truncated" else 2)
+    if case == "truncated":
+        assert own.metadata["finish_reason"] == "truncated_tool_call" and agent.metadata["finish_reason"] == "length"
     if case == "tool_error":
         assert "Error: calculator failed: CalculatorError" in tokenizer.decode(own.tokens.tolist())
 

@@ -153,6 +153,19 @@ def test_live_table_shows_rl_rates(tmp_path: Path) -> None:
     assert "3 / 20" in text and "0.250" in text and "0.50" in text
     rate = float(text.split("episodes/s (received)")[1].split("│")[1])
     assert 15.0 < rate <= 16.0
+    # one row per env: the learner's recent reward and success, groups, and the evaluations
+    state.last_metrics.update({"env/calculator/received": 12, "env/calculator/accepted": 9,
+                               "env/calculator/dropped_zero_variance": 3, "env/calculator/reward_recent": 0.4,
+                               "env/calculator/success_recent": 0.375, "env/calc agent/received": 8,
+                               "env/calc agent/accepted": 8, "env/calc agent/reward_recent": 0.5})
+    state.eval_before = {"success_rate": 0.3, "reward_mean": 0.3, "n": 4,
+                         "by_env": {"calculator": {"success_rate": 0.25}, "calc agent": {"success_rate": 0.35}}}
+    console = Console(record=True, width=140)
+    console.print(_table(state, cfg))
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in console.export_text().splitlines()
+            if line.count("│") == 3}
+    assert rows["env calculator"] == ("reward 0.400 · success 37.5% · groups 9 / dropped 3 · eval before 25.0%")
+    assert rows["env calc agent"] == "reward 0.500 · groups 8 / dropped 0 · eval before 35.0%"
 
 
 @pytest.mark.parametrize("signum, wait_for", [(15, "learner.log"), (1, "engine0.log")])

@@ -90,7 +90,7 @@ def serve_actors(cfg: Any, *, dump_path: Path | None = None, max_groups: int | N
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("httpx", "httpcore"):  # one line per request otherwise
+    for noisy in ("httpx", "httpx2", "httpcore"):  # one line per request otherwise
         logging.getLogger(noisy).setLevel(logging.WARNING)
     num_actors = num_actors or cfg.actors.num_processes
     settings = ActorSettings(

@@ -58,6 +58,7 @@ from agentrl.envs.base import Env, Task, score_episode, total_reward
 from agentrl.protocol import Trajectory, TrajectoryGroup
 
 log = logging.getLogger(__name__)
+_URL_LOGGERS = ("httpx", "httpx2")  # the HTTP clients of openai 1.x/2.x and 3.x
 
 
 class AgentRunner:
@@ -98,6 +99,10 @@ class AgentRunner:
 
     # -- lifecycle (trio) ---------------------------------------------------------------------
     async def __aenter__(self) -> "AgentRunner":
+        for name in _URL_LOGGERS:  # their per-request INFO lines would log the episode keys in the URLs
+            logger = logging.getLogger(name)
+            if logger.getEffectiveLevel() < logging.WARNING:
+                logger.setLevel(logging.WARNING)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self._host, self._port))

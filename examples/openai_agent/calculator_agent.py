@@ -67,14 +67,17 @@ class CalculatorAgentEnv(AgentEnv):
         self.calculator = CalculatorEnv(**kwargs)
 
     async def run(self, task: Task, client: Any) -> None:
-        from agents import Agent, MaxTurnsExceeded, OpenAIChatCompletionsModel, RunConfig, Runner
+        from agents import Agent, MaxTurnsExceeded, ModelBehaviorError, OpenAIChatCompletionsModel, RunConfig, Runner
 
         agent = Agent(name="calculator", instructions=self.calculator.system_prompt, tools=[calculator_tool()],
                       model=OpenAIChatCompletionsModel(model="policy", openai_client=client))
         try:
             await Runner.run(agent, task.data["question"], max_turns=10, run_config=RunConfig(tracing_disabled=True))
-        except MaxTurnsExceeded:
-            pass  # scored as it stands, like an episode that reached max_turns
+        except (MaxTurnsExceeded, ModelBehaviorError):
+            # The policy misbehaved (a reply cut by the token limit with nothing usable in it, too many
+            # turns): that is an episode to score, not a bug -- reward() scores it as it stands, as the
+            # quickstart scores a truncated tool call. Anything else the agent raises fails the episode.
+            pass
         return None  # reward() scores the conversation of the last call
 
     # -- the calculator env's tasks, scoring and demonstrations -------------------------------
