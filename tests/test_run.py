@@ -201,3 +201,73 @@ def test_sigterm_and_sighup_stop_a_real_run_like_ctrl_c(signum: int, wait_for: s
     assert any(f"{name} received" in e for e in summary["events"])
     pids = [int(line.split("pid ")[1].rstrip(")")) for line in summary["events"] if "started (pid" in line]
     assert pids and not any(_alive(p) for p in pids)
+
+
+MIXED = """
+[run]
+name = "mixed"
+torch_num_threads = 1
+[engine]
+max_context_tokens = 256
+max_running_requests = 64
+[actors]
+num_concurrent_episodes = 16
+group_size = 4
+max_new_tokens_per_turn = 24
+max_staleness = 0          # synchronous: each step waits for exactly the groups its budget started
+[[envs]]
+cls = "agentrl.envs.calculator:CalculatorEnv"
+name = "calc"
+max_turns = 3
+max_total_tokens = 256
+kwargs = { max_ops = 2 }
+[[envs]]
+cls = "examples/openai_agent/calculator_agent.py:CalculatorAgentEnv"
+max_turns = 3
+max_total_tokens = 256
+kwargs = { max_ops = 2 }
+[learner]
+max_steps = 2
+groups_per_step = 4        # the actor's first four draws (seed 0): calc, agent, calc, calc
+max_staleness = 0
+dynamic_sampling = false
+checkpoint_every_steps = 0
+[sft]
+enabled = false
+[eval]
+num_tasks = 4
+"""
+
+
+@pytest.mark.timeout(600)
+def test_a_run_mixes_the_calculator_and_its_agent_env_and_reports_each(tiny_model: Path, tmp_path: Path) -> None:
+    """`agentrl run` with [[envs]]: agentrl's own calculator env next to the Agents SDK agent env; both
+    train in one learner, and evaluations, summary, learner metrics and MLflow report each env."""
+    config = tmp_path / "mixed.toml"
+    config.write_text(MIXED)
+    cfg = load_config(config, [f"model.path={tiny_model}"])
+    cwd = os.getcwd()
+    os.chdir(ROOT)  # the agent env's path is relative to the repository root
+    try:
+        summary = run(cfg, tmp_path / "run", live_display=False)
+    finally:
+        os.chdir(cwd)
+    assert summary["learner_steps"] == 2
+    for when in ("eval_before", "eval_after"):
+        by_env = summary[when]["by_env"]
+        assert set(by_env) == {"calc", "calculator-agent"}
+        assert all(r["n"] + r["n_failed"] == 4 for r in by_env.values()) and summary[when]["n"] == 8 - summary[when]["n_failed"]
+    assert set(summary["success_rise_by_env"]) == {"calc", "calculator-agent"}
+    rows = [json.loads(line) for line in (tmp_path / "run" / "learner_metrics.jsonl").read_text().splitlines()]
+    received = {env: rows[-1].get(f"env/{env}/received", 0) for env in ("calc", "calculator-agent")}
+    assert all(n >= 1 for n in received.values()), received  # both envs' groups reached the learner
+    assert sum(received.values()) == rows[-1]["data/received"]
+    batches = [json.loads(line) for line in (tmp_path / "run" / "learner_batches.jsonl").read_text().splitlines()]
+    assert len(batches) == 2
+    from mlflow import MlflowClient
+
+    planned = load_config(tmp_path / "run" / "config.toml")
+    metrics = MlflowClient(tracking_uri=planned.tracking.uri).get_run(planned.tracking.run_id).data.metrics
+    for env in ("calc", "calculator-agent"):
+        assert f"eval_after/env/{env}/success_rate" in metrics and f"env/{env}/received" in metrics
+        assert f"eval/env/{env}/success_rise" in metrics
