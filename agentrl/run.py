@@ -162,8 +162,6 @@ async def evaluate_policy(cfg: AgentRLConfig, num_tasks: int | None = None) -> d
     ``engine.urls``: ``eval.num_tasks`` tasks per env, each env's result under ``by_env`` and the
     rates over all of them at the top (:func:`agentrl.actors.rollout.combine_evaluations`). An
     AgentEnv is played by its agent through an agent endpoint opened for the evaluation."""
-    from contextlib import AsyncExitStack
-
     from transformers import AutoTokenizer
 
     from agentrl.actors.rollout import EpisodeLimits, combine_evaluations, evaluate, sampling_from_config, toolbox_for
@@ -184,7 +182,7 @@ async def evaluate_policy(cfg: AgentRLConfig, num_tasks: int | None = None) -> d
     by_env: dict[str, dict[str, Any]] = {}
     started = time.monotonic()
     try:
-        async with AsyncExitStack() as stack:
+        async with contextlib.AsyncExitStack() as stack:
             client = await stack.enter_async_context(new_client())
             agents = None
             if any(isinstance(env, AgentEnv) for _, env in envs):
