@@ -62,8 +62,9 @@ def plan_config(cfg: AgentRLConfig, run_dir: Path, policy_path: str, placement: 
         data["engine"]["urls"] = [f"http://{cfg.engine.host}:{_free_port()}" for _ in range(cfg.engine.num_engines)]
     if placement is not None:
         data["engine"]["weight_group_backend"] = weight_group_backend(cfg.engine.weight_group_backend, placement)
-    if cfg.env.kwargs.get("search_url") == "auto":  # this run starts the retrieval server
-        data["env"]["kwargs"]["search_url"] = f"http://127.0.0.1:{_free_port()}"
+    for section in [data["env"]] if data["env"] is not None else data["envs"]:
+        if section["kwargs"].get("search_url") == "auto":  # this run starts the retrieval server
+            section["kwargs"]["search_url"] = f"http://127.0.0.1:{_free_port()}"
     data["actors"]["trajectory_endpoint"] = f"tcp://127.0.0.1:{_free_port()}"
     data["actors"]["progress_endpoint"] = f"tcp://127.0.0.1:{_free_port()}"
     return AgentRLConfig.model_validate(data)

@@ -92,7 +92,7 @@ def run_cmd(
     from agentrl.supervisor import ChildFailed
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    for noisy in ("httpx", "httpcore", "mlflow"):  # one line per request otherwise
+    for noisy in ("httpx", "httpx2", "httpcore", "mlflow"):  # one line per request otherwise
         logging.getLogger(noisy).setLevel(logging.WARNING)
     typer.echo(f"run folder: {folder}")
     try:
@@ -219,24 +219,29 @@ def make_demos_cmd(
     num: Annotated[int, typer.Option("--num", "-n", help="Number of demonstrations.")] = 1000,
     overrides: OverrideOpt = None,
 ) -> None:
-    """Write the configured env's demonstration episodes (correct tool use) as JSONL for SFT."""
+    """Write the configured env's demonstration episodes (correct tool use) as JSONL for SFT
+    (with [[envs]], each env's share of NUM by weight)."""
     import json
 
-    from agentrl.envs import demonstrations, make_env
+    from agentrl.envs import close_quietly, demonstrations, make_envs
 
     cfg = _load(config, overrides)
     try:
-        env = make_env(cfg)
+        envs = make_envs(cfg)
     except ValueError as e:
         typer.secho(f"make-demos: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
     out.parent.mkdir(parents=True, exist_ok=True)
-    count = 0
+    total_weight = sum(section.weight for section, _ in envs)
     with out.open("w") as f:
-        for record in demonstrations(env, num, seed=cfg.run.seed):
-            f.write(json.dumps(record) + "\n")
-            count += 1
-    typer.echo(f"wrote {count} demonstrations of {type(env).__name__} to {out}")
+        for section, env in envs:
+            share = num if len(envs) == 1 else round(num * section.weight / total_weight)
+            count = 0
+            for record in demonstrations(env, share, seed=cfg.run.seed):
+                f.write(json.dumps(record) + "\n")
+                count += 1
+            close_quietly(env)
+            typer.echo(f"wrote {count} demonstrations of {type(env).__name__} to {out}")
 
 
 @app.command("serve-actors")
@@ -258,8 +263,6 @@ def serve_actors_cmd(
     ] = False,
     split: Annotated[str, typer.Option("--split", help="Task split: train (cycles) or test (one pass).")] = "train",
     log_interval_s: Annotated[float, typer.Option("--log-interval-s", help="Seconds between metric lines.")] = 30.0,
-    engine_client: Annotated[str, typer.Option("--engine-client", hidden=True)] = "agentrl.engine.client:EngineClient",
-    transport: Annotated[str, typer.Option("--transport", hidden=True)] = "agentrl.transport",
 ) -> None:
     """Run many concurrent episodes against the engines and send them to the learner as groups."""
     cfg = _load(config, overrides)
@@ -268,7 +271,7 @@ def serve_actors_cmd(
     try:
         code = serve_actors(cfg, dump_path=dump_trajectories, max_groups=max_groups, index=index,
                             num_actors=num_actors, send=send, wait_for_learner=wait_for_learner, split=split,
-                            log_interval_s=log_interval_s, engine_client=engine_client, transport=transport)
+                            log_interval_s=log_interval_s)
     except ValueError as e:
         typer.secho(f"serve-actors: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None

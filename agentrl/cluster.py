@@ -92,7 +92,7 @@ def ports_for(cfg: AgentRLConfig, opts: ClusterOptions) -> Ports:
 def check_config(cfg: AgentRLConfig) -> None:
     if cfg.engine.backend != "sglang":
         raise PlacementError("agentrl launch starts SGLang servers: set engine.backend = 'sglang'")
-    if cfg.env.kwargs.get("search_url") == "auto":
+    if any(s.kwargs.get("search_url") == "auto" for s in cfg.env_sections):
         raise PlacementError("env.kwargs.search_url = 'auto' starts a retrieval server next to a one-machine run; "
                              "on a cluster start `agentrl serve-search --host 0.0.0.0` where the actors can reach it "
                              "and set env.kwargs.search_url to its URL")

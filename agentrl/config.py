@@ -5,6 +5,9 @@ Rules (see docs/architecture.md):
 * Sections: ``[run]``, ``[model]``, ``[engine]``, ``[actors]``, ``[env]``, ``[sandbox]``,
   ``[learner]``, ``[sft]``, ``[eval]``, ``[tracking]``. At most three levels deep
   (``env.kwargs.x``).
+* Environments: ``[env]`` for a run of one env, or ``[[envs]]`` entries (the same keys each,
+  plus ``weight``) for a run of several; never both. :attr:`AgentRLConfig.env_sections` gives
+  the list either way.
 * Unknown keys are an error that names the dotted key and the file; nothing is silently
   ignored. Cross-field rules live inside the schema (``model_validator``).
 * CLI overrides are ``section.key=value``; the value is parsed as a TOML value when it
@@ -101,12 +104,16 @@ class ActorsSection(Section):
 
 
 class EnvSection(Section):
-    cls: str = "agentrl.envs.calculator:CalculatorEnv"  # import path "module:Class"
-    kwargs: dict[str, Any] = {}  # keyword arguments of the env's constructor
-    max_turns: int = Field(default=4, ge=1)  # model turns per episode at most (an env may set its own)
-    max_total_tokens: int = Field(default=1024, ge=16)  # tokens per episode at most, prompt included; at most engine.max_context_tokens
-    tool_timeout_s: float = Field(default=10.0, gt=0)  # time limit of one tool call (a tool may set its own)
-    tool_max_output_chars: int = Field(default=2000, ge=16)  # longer tool output is cut, with a note the model sees
+    """An environment: ``[env]`` (one per run) or each ``[[envs]]`` entry (several, sampled by weight)."""
+
+    cls: str = "agentrl.envs.calculator:CalculatorEnv"  # import path "module:Class" (or "path/to/file.py:Class")
+    kwargs: dict[str, Any] = {}  # passed to the env's constructor
+    name: str = ""  # the env's name in groups, metrics and evaluations (unique in a run); empty: the class's `name`
+    weight: float = Field(default=1.0, gt=0)  # [[envs]]: relative share of the groups an actor starts from this env
+    max_turns: int = Field(default=4, ge=1)  # model turns per episode (an AgentEnv: calls to the model per episode)
+    max_total_tokens: int = Field(default=1024, ge=16)  # tokens per episode (an AgentEnv: per sequence of an episode)
+    tool_timeout_s: float = Field(default=10.0, gt=0)  # per tool call (agentrl's own loop; an AgentEnv runs its own tools)
+    tool_max_output_chars: int = Field(default=2000, ge=16)  # a longer tool result is cut (agentrl's own loop)
     search_corpus: str = ""  # JSONL corpus `agentrl run` serves when env.kwargs.search_url = "auto"
     # the search tool reads env.kwargs.search_token_env (same default)
     search_token_env: str = "AGENTRL_SEARCH_TOKEN"  # NAME of the variable (or <NAME>_FILE) holding the token of the search server `agentrl run` starts
@@ -243,17 +250,47 @@ class AgentRLConfig(Section):
     model: ModelSection = ModelSection()
     engine: EngineSection = EngineSection()
     actors: ActorsSection = ActorsSection()
-    env: EnvSection = EnvSection()
+    env: EnvSection | None = None  # one env ([env]); None when the run has [[envs]]
+    envs: list[EnvSection] = []  # several envs ([[envs]] entries), sampled by weight per group; never with [env]
     sandbox: SandboxSection = SandboxSection()
     learner: LearnerSection = LearnerSection()
     sft: SftSection = SftSection()
     eval: EvalSection = EvalSection()
     tracking: TrackingSection = TrackingSection()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one_env_form(cls, data: Any) -> Any:
+        """``[env]`` or ``[[envs]]``, never both; neither is the default ``[env]``."""
+        if not isinstance(data, dict):
+            return data
+        has_env, has_envs = data.get("env") is not None, bool(data.get("envs"))
+        if has_env and has_envs:
+            raise ValueError("the config has both [env] and [[envs]]: use [env] for a run of one env, or only "
+                             "[[envs]] entries for several (an override env.x=... on a config with [[envs]] "
+                             "adds an [env]; address an entry as envs.<index>.x=...)")
+        if not has_env and not has_envs:
+            data = {**data, "env": {}}
+        return data
+
+    @property
+    def env_sections(self) -> list[EnvSection]:
+        """The run's environments: ``[[envs]]``, or ``[env]`` alone."""
+        return list(self.envs) if self.envs else [self.env or EnvSection()]
+
     @model_validator(mode="after")
     def _cross_field_checks(self) -> "AgentRLConfig":
-        if ":" not in self.env.cls:
-            raise ValueError(f"env.cls must be 'module:Class', got {self.env.cls!r}")
+        for key, section in self._env_keys():
+            if ":" not in section.cls:
+                raise ValueError(f"{key}.cls must be 'module:Class', got {section.cls!r}")
+            if section.max_total_tokens > self.engine.max_context_tokens:
+                raise ValueError(f"{key}.max_total_tokens ({section.max_total_tokens}) exceeds "
+                                 f"engine.max_context_tokens ({self.engine.max_context_tokens})")
+        names = [s.name for s in self.envs if s.name]
+        if len(names) != len(set(names)):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"[[envs]] names must be unique in a run; {', '.join(map(repr, twice))} appear more "
+                             "than once")
         if self.learner.dual_clip and self.learner.dual_clip <= 1.0:
             raise ValueError("learner.dual_clip must be 0 (off) or > 1")
         if self.learner.algorithm == "ppo" and self.learner.advantage != "gae":
@@ -283,12 +320,13 @@ class AgentRLConfig(Section):
         if lc.gpus and lc.nproc > 1 and lc.nproc != lc.gpus:
             raise ValueError(f"learner.gpus ({lc.gpus}) and learner.nproc ({lc.nproc}) disagree: the learner runs "
                              "one rank per GPU; set only learner.gpus")
-        if self.env.max_total_tokens > self.engine.max_context_tokens:
-            raise ValueError(
-                f"env.max_total_tokens ({self.env.max_total_tokens}) exceeds "
-                f"engine.max_context_tokens ({self.engine.max_context_tokens})"
-            )
         return self
+
+    def _env_keys(self) -> list[tuple[str, EnvSection]]:
+        """(the key path a message names, section) of every env."""
+        if self.envs:
+            return [(f"envs.{i}", s) for i, s in enumerate(self.envs)]
+        return [("env", self.env or EnvSection())]
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -318,19 +356,34 @@ def _is_text(value: str) -> bool:
 
 
 def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
-    node = tree
-    for part in path[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"cannot override {'.'.join(path)}: {part} is not a table")
-    node[path[-1]] = value
+    """Set ``value`` at ``path``; a number addresses an entry of an array of tables (``envs.1.weight``)."""
+    node: Any = tree
+    for i, part in enumerate(path):
+        last = i == len(path) - 1
+        if isinstance(node, list):
+            if not (part.isdigit() and int(part) < len(node)):
+                raise ConfigError(f"cannot override {'.'.join(path)}: {'.'.join(path[:i])} has {len(node)} "
+                                  f"entries, addressed as 0..{len(node) - 1}")
+            if last:
+                node[int(part)] = value
+                return
+            node = node[int(part)]
+        elif isinstance(node, dict):
+            if last:
+                node[part] = value
+                return
+            node = node.setdefault(part, {})
+        else:
+            raise ConfigError(f"cannot override {'.'.join(path)}: {'.'.join(path[:i])} is not a table")
 
 
 def _format_errors(err: ValidationError, source: str) -> str:
     lines = []
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "(root)"
-        if e["type"] == "extra_forbidden":
+        key = ".".join(str(p) for p in e["loc"])
+        if not key:  # a rule across sections: its message names the keys
+            lines.append(f"{e['msg'].removeprefix('Value error, ')} (in {source})")
+        elif e["type"] == "extra_forbidden":
             lines.append(f"unknown key '{key}' in {source}")
         else:
             lines.append(f"invalid value for '{key}' in {source}: {e['msg']}")
@@ -372,19 +425,27 @@ def dump_toml(cfg: AgentRLConfig) -> str:
     """Render a config back to TOML (the resolved config of a run); it loads back to an equal config."""
     out: list[str] = []
     for section, body in cfg.model_dump().items():
-        out.append(f"[{section}]")
-        nested = {}
-        for key, value in body.items():
-            if isinstance(value, dict):
-                nested[key] = value
-            else:
-                out.append(f"{key} = {_toml_value(value)}")
-        for key, table in nested.items():
-            out.append(f"\n[{section}.{key}]")
-            for k, v in table.items():
-                out.append(f"{_toml_key(k)} = {_toml_value(v)}")
-        out.append("")
+        if body is None or body == []:  # the env form the config does not use
+            continue
+        for entry in body if isinstance(body, list) else [body]:
+            out += _toml_table(section, entry, array=isinstance(body, list))
     return "\n".join(out)
+
+
+def _toml_table(section: str, body: dict[str, Any], array: bool) -> list[str]:
+    out = [f"[[{section}]]" if array else f"[{section}]"]
+    nested = {}
+    for key, value in body.items():
+        if isinstance(value, dict):
+            nested[key] = value
+        else:
+            out.append(f"{key} = {_toml_value(value)}")
+    for key, table in nested.items():
+        out.append(f"\n[{section}.{key}]")
+        for k, v in table.items():
+            out.append(f"{_toml_key(k)} = {_toml_value(v)}")
+    out.append("")
+    return out
 
 
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")

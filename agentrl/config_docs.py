@@ -80,15 +80,34 @@ def section_rows(section: str, cls: type[BaseModel]) -> list[tuple[str, str, str
     return rows
 
 
-def reference() -> str:
-    """The whole of ``docs/config.md``."""
+def section_class(annotation: Any) -> type[BaseModel]:
+    """The section model of a top-level field (``EnvSection | None`` and ``list[EnvSection]`` too)."""
+    for arg in (annotation, *typing.get_args(annotation)):
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    raise TypeError(f"{annotation!r} is not a config section")
+
+
+def sections() -> list[tuple[str, str, type[BaseModel], str]]:
+    """(name, TOML header, section class, the field's own comment) of every top-level field."""
     from agentrl.config import AgentRLConfig
 
+    comments = field_comments(AgentRLConfig)
+    out = []
+    for name, info in AgentRLConfig.model_fields.items():
+        header = f"[[{name}]]" if typing.get_origin(info.annotation) is list else f"[{name}]"
+        out.append((name, header, section_class(info.annotation), comments.get(name, "")))
+    return out
+
+
+def reference() -> str:
+    """The whole of ``docs/config.md``."""
     out = [HEADER]
-    for section, info in AgentRLConfig.model_fields.items():
-        cls = info.annotation
+    for section, header, cls, comment in sections():
         doc = inspect.cleandoc(cls.__doc__ or "").split("\n\n")[0].replace("\n", " ")
-        out.append(f"## `[{section}]`\n")
+        out.append(f"## `{header}`\n")
+        if comment:
+            out.append(comment + "\n")
         if doc:
             out.append(doc + "\n")
         out.append("| key | type | default | meaning |\n| --- | --- | --- | --- |")
@@ -101,10 +120,8 @@ def reference() -> str:
 
 def undocumented() -> list[str]:
     """Keys with no meaning written next to them."""
-    from agentrl.config import AgentRLConfig
-
-    return [key for section, info in AgentRLConfig.model_fields.items()
-            for key, _, _, meaning in section_rows(section, info.annotation) if not meaning]
+    return [key for section, _, cls, _ in sections()
+            for key, _, _, meaning in section_rows(section, cls) if not meaning]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,11 +1,14 @@
-"""``agentrl eval CONFIG [--checkpoint PATH]``: success and reward on held-out tasks.
+"""``agentrl eval CONFIG [--checkpoint PATH]``: success and reward on held-out tasks, per env.
 
 The policy is ``model.path``, or a learner checkpoint exported to a temporary Hugging Face
 folder first. Episodes are played exactly as in training (same agent loop, tools and
 limits) through the engines in ``engine.urls``, or through one embedded engine started for
 the evaluation and stopped afterwards. Greedy by default (temperature 0); ``--sampled``
-uses ``actors.temperature``. The result is printed and, when tracking is enabled, logged as
-``eval/*`` metrics to a new MLflow run (or ``tracking.run_id``).
+uses ``actors.temperature``. Every env of the config is evaluated on ``eval.num_tasks`` tasks
+(each env's result under ``by_env``, the rates over all episodes at the top; an AgentEnv is
+played by its agent through an agent endpoint). The result is printed and, when tracking is
+enabled, logged as ``eval/*`` metrics (``eval/env/<name>/*`` per env) to a new MLflow run (or
+``tracking.run_id``).
 
 An evaluation also counts what went wrong without failing an episode -- episodes the engine
 aborted, rewards that raised, tool calls that crashed or timed out -- with the first messages
@@ -81,10 +84,14 @@ def _log(cfg: AgentRLConfig, result: dict[str, Any]) -> None:
 
 def eval_metrics(result: dict[str, Any], prefix: str) -> dict[str, float]:
     """An evaluation's numbers as MLflow metrics under ``prefix/``: rates, counts of problems and
-    success per eval group."""
+    success per eval group, and the same per env under ``prefix/env/<name>/``."""
+    from agentrl.learner.batching import metric_name
+
     metrics = {f"{prefix}/success_rate": result["success_rate"], f"{prefix}/reward_mean": result["reward_mean"]}
     for key in ("n", "n_failed", "n_aborted", "n_reward_errors", "n_tool_faults"):
         metrics[f"{prefix}/{key}"] = float(result.get(key, 0))
     for group, rate in (result.get("success_by_group") or {}).items():
-        metrics[f"{prefix}/success/{group}"] = rate
+        metrics[f"{prefix}/success/{metric_name(group)}"] = rate
+    for env, sub in (result.get("by_env") or {}).items():
+        metrics.update(eval_metrics(sub, f"{prefix}/env/{metric_name(env)}"))
     return metrics

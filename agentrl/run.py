@@ -8,7 +8,7 @@ Stages, in order, all under one trio nursery (:class:`agentrl.supervisor.Supervi
    folder already exists (a restarted run does not redo it).
 3. **Engines.** ``engine.num_engines`` embedded (or SGLang) servers on free ports, unless
    ``engine.urls`` points at servers that already run. A retrieval server (``agentrl
-   serve-search``) when ``env.kwargs.search_url = "auto"``, restarted if it dies.
+   serve-search``) for each env with ``kwargs.search_url = "auto"``, restarted if it dies.
 4. **Evaluation before** RL: greedy episodes on ``eval.num_tasks`` held-out tasks, played by
    this process through the same engines.
 5. **RL.** ``agentrl learn`` (critical: its failure ends the run) and
@@ -32,7 +32,9 @@ child and quoting the end of its log.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import itertools
 import json
 import logging
 import os
@@ -48,7 +50,7 @@ import trio
 
 from agentrl.children import (ChildSpec, actor_specs, agentrl_argv, engine_specs, learner_spec, plan_config,
                               write_config)
-from agentrl.config import AgentRLConfig
+from agentrl.config import AgentRLConfig, EnvSection
 from agentrl.placement import Placement, placement_for, visible_gpus
 from agentrl.supervisor import ChildFailed, Supervisor
 
@@ -111,8 +113,11 @@ async def warm_start(sup: Supervisor, nursery: trio.Nursery, cfg: AgentRLConfig,
                      state: RunState, placement: Placement) -> str:
     """Run ``agentrl sft`` unless its exported model exists; return the policy path."""
     out = run_dir / "sft" / "model"
-    state.warm_start = {"enabled": cfg.sft.enabled, "data": cfg.sft.data or f"demonstrations of {cfg.env.cls}",
-                        "env_kwargs": dict(cfg.env.kwargs), "num_demonstrations": cfg.sft.num_demonstrations,
+    sections = cfg.env_sections
+    state.warm_start = {"enabled": cfg.sft.enabled,
+                        "data": cfg.sft.data or f"demonstrations of {', '.join(s.cls for s in sections)}",
+                        "env_kwargs": dict(sections[0].kwargs) if len(sections) == 1 else [s.kwargs for s in sections],
+                        "num_demonstrations": cfg.sft.num_demonstrations,
                         "max_steps": cfg.sft.max_steps, "epochs": cfg.sft.epochs}
     if not cfg.sft.enabled:
         return cfg.model.path
@@ -144,60 +149,86 @@ async def start_engines(sup: Supervisor, nursery: trio.Nursery, cfg: AgentRLConf
         await trio.to_thread.run_sync(lambda u=url: wait_ready(u, 300.0), abandon_on_cancel=True)
 
 
-def search_corpus(cfg: AgentRLConfig) -> str:
-    """``env.search_corpus``, or the corpus the env's module ships (``corpus_path()``)."""
-    if cfg.env.search_corpus:
-        return cfg.env.search_corpus
+def search_corpus(section: EnvSection) -> str:
+    """The env section's ``search_corpus``, or the corpus the env's module ships (``corpus_path()``)."""
+    if section.search_corpus:
+        return section.search_corpus
     from agentrl.envs.base import _import_module_or_file
 
-    module = _import_module_or_file(cfg.env.cls.rsplit(":", 1)[0])
+    module = _import_module_or_file(section.cls.rsplit(":", 1)[0])
     if not hasattr(module, "corpus_path"):
-        raise ValueError("env.kwargs.search_url = 'auto' needs env.search_corpus (a JSONL corpus) "
-                         f"or a corpus_path() in the env's module {cfg.env.cls!r}")
+        raise ValueError("kwargs.search_url = 'auto' needs the env's search_corpus (a JSONL corpus) "
+                         f"or a corpus_path() in the env's module {section.cls!r}")
     return str(module.corpus_path())
 
 
-async def start_search(sup: Supervisor, nursery: trio.Nursery, cfg: AgentRLConfig, run_dir: Path,
+async def start_search(sup: Supervisor, nursery: trio.Nursery, section: EnvSection, name: str, run_dir: Path,
                        placement: Placement) -> None:
-    """The retrieval server of ``env.kwargs.search_url``: stateless, so restarted on failure."""
+    """The retrieval server of a (planned) env section's ``kwargs.search_url``: stateless, so
+    restarted on failure."""
     from agentrl.engine.launch import wait_ready
 
-    url = cfg.env.kwargs["search_url"]
+    url = section.kwargs["search_url"]
     host, port = url.rsplit("//", 1)[1].rsplit(":", 1)
-    argv = agentrl_argv("serve-search", "--corpus", search_corpus(cfg), "--host", host, "--port", port,
-                        "--token-env", cfg.env.search_token_env)
-    await sup.start(nursery, ChildSpec("search", argv, run_dir / "logs" / "search.log", env=placement.cpu_env(),
+    argv = agentrl_argv("serve-search", "--corpus", search_corpus(section), "--host", host, "--port", port,
+                        "--token-env", section.search_token_env)
+    await sup.start(nursery, ChildSpec(name, argv, run_dir / "logs" / f"{name}.log", env=placement.cpu_env(),
                                        max_restarts=3))
     await trio.to_thread.run_sync(lambda: wait_ready(url, 120.0), abandon_on_cancel=True)
 
 
 async def evaluate_policy(cfg: AgentRLConfig, num_tasks: int | None = None, *,
                           name_adapter: bool = True) -> dict[str, Any]:
-    """Greedy (or sampled) episodes on held-out tasks through the engines in ``engine.urls``.
+    """Greedy (or sampled) episodes on held-out tasks of every env through the engines in
+    ``engine.urls``: ``eval.num_tasks`` tasks per env, each env's result under ``by_env`` and the
+    rates over all of them at the top (:func:`agentrl.actors.rollout.combine_evaluations`). An
+    AgentEnv is played by its agent through an agent endpoint opened for the evaluation.
     ``name_adapter``: with ``learner.lora.sync = "adapter"``, every request names the learner's
     adapter; False when the engines serve the policy as their own weights (before the learner has
     loaded the adapter: the base model is the policy at version 0, the adapters start at B = 0)."""
     from transformers import AutoTokenizer
 
-    from agentrl.actors.rollout import EpisodeLimits, evaluate, sampling_from_config, toolbox_for
+    from agentrl.actors.rollout import EpisodeLimits, combine_evaluations, evaluate, sampling_from_config, toolbox_for
+    from agentrl.actors.serve import agent_runner
+    from agentrl.agents import AgentEnv
     from agentrl.engine.client import EngineClient
-    from agentrl.envs import make_env
+    from agentrl.envs import make_envs
 
-    env = make_env(cfg)
+    envs = make_envs(cfg)
     tokenizer = await trio.to_thread.run_sync(AutoTokenizer.from_pretrained, cfg.model.path)
-    tasks = []
-    for task in env.tasks(cfg.eval.split, seed=cfg.run.seed):
-        tasks.append(task)
-        if len(tasks) >= (num_tasks or cfg.eval.num_tasks):
-            break
     sampling = sampling_from_config(cfg, greedy=cfg.eval.greedy)
     sampling["max_new_tokens"] = cfg.actors.max_new_tokens_per_turn
+
     lora_path = cfg.learner.lora.served_adapter if name_adapter else ""
-    async with EngineClient.from_config(cfg.engine, lora_path=lora_path) as client:
-        started = time.monotonic()
-        result = await evaluate(client, tokenizer, env, tasks, greedy=cfg.eval.greedy,
-                                concurrency=cfg.actors.num_concurrent_episodes, toolbox=toolbox_for(env, cfg),
-                                limits=EpisodeLimits.from_config(cfg), sampling=sampling)
+
+    def new_client() -> EngineClient:
+        return EngineClient.from_config(cfg.engine, lora_path=lora_path)
+
+    by_env: dict[str, dict[str, Any]] = {}
+    started = time.monotonic()
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            client = await stack.enter_async_context(new_client())
+            agents = None
+            if any(isinstance(env, AgentEnv) for _, env in envs):
+                agents = await stack.enter_async_context(
+                    agent_runner(cfg, tokenizer, new_client, evaluation=True, greedy=cfg.eval.greedy))
+            for section, env in envs:
+                tasks = list(itertools.islice(env.tasks(cfg.eval.split, seed=cfg.run.seed), num_tasks or cfg.eval.num_tasks))
+                env_started = time.monotonic()
+                result = await evaluate(client, tokenizer, env, tasks, greedy=cfg.eval.greedy,
+                                        concurrency=cfg.actors.num_concurrent_episodes,
+                                        toolbox=toolbox_for(env, cfg, section),
+                                        limits=EpisodeLimits.from_config(cfg, env, section), sampling=sampling,
+                                        agents=agents)
+                result["seconds"] = round(time.monotonic() - env_started, 2)
+                by_env[env.name] = result
+    finally:
+        with trio.CancelScope(shield=True):
+            for _, env in envs:
+                with contextlib.suppress(Exception):
+                    await env.aclose()
+    result = combine_evaluations(by_env)
     result["seconds"] = round(time.monotonic() - started, 2)
     result["greedy"] = cfg.eval.greedy
     return result
@@ -265,6 +296,7 @@ def _table(state: RunState, cfg: AgentRLConfig) -> Any:
         ("last eval", _fmt_eval(state.evals[-1] if state.evals else None)),
         ("actor restarts", str(state.actor_restarts)),
     ]
+    rows += _env_rows(state)
     if state.data["warning"]:
         rows.append(("[bold yellow]warning", f"[yellow]{state.data['warning']}"))
     for key, value in rows:
@@ -311,6 +343,32 @@ def _fmt_learner(data: dict[str, Any]) -> str:
     return "training" if data["received"] else "starting"
 
 
+def _env_rows(state: RunState) -> list[tuple[str, str]]:
+    """One row per env: its recent reward and success (the learner's ``env/<name>/*``: the last
+    episodes received, before dynamic sampling), its groups accepted and dropped, its evaluations."""
+    from agentrl.learner.batching import metric_name
+
+    m = state.last_metrics
+    names = {k.split("/")[1] for k in m if k.startswith("env/") and k.count("/") == 2}
+    evals = {metric_name(env): env for e in (state.eval_before, *state.evals[-1:]) if e for env in e.get("by_env", {})}
+    rows = []
+    for key in sorted(names | set(evals)):
+        parts = []
+        if f"env/{key}/reward_recent" in m:
+            parts.append(f"reward {m[f'env/{key}/reward_recent']:.3f}")
+        if f"env/{key}/success_recent" in m:
+            parts.append(f"success {m[f'env/{key}/success_recent']:.1%}")
+        dropped = sum(v for k, v in m.items() if k.startswith(f"env/{key}/dropped_"))
+        if f"env/{key}/received" in m:
+            parts.append(f"groups {int(m.get(f'env/{key}/accepted', 0))} / dropped {int(dropped)}")
+        for label, result in (("eval before", state.eval_before), ("last eval", state.evals[-1] if state.evals else None)):
+            sub = (result or {}).get("by_env", {}).get(evals.get(key, key))
+            if sub:
+                parts.append(f"{label} {sub['success_rate']:.1%}")
+        rows.append((f"env {evals.get(key, key)}", " · ".join(parts) or "-"))
+    return rows
+
+
 def _episodes_per_s(state: RunState, cfg: AgentRLConfig) -> float:
     """Episodes the learner has received (in groups) per second of RL so far."""
     if state.rl_started is None:
@@ -336,6 +394,7 @@ def summarize(state: RunState, cfg: AgentRLConfig, run_dir: Path) -> dict[str, A
         "eval_after": state.eval_after,
         "success_rise": (state.eval_after["success_rate"] - state.eval_before["success_rate"]
                          if state.eval_after and state.eval_before else None),
+        "success_rise_by_env": _rise_by_env(state.eval_before, state.eval_after),
         "evals_during_training": state.evals,
         "eval_recent_mean_success": statistics.fmean(recent) if recent else None,
         "learner_steps": int(m.get("step", 0)),
@@ -352,6 +411,13 @@ def summarize(state: RunState, cfg: AgentRLConfig, run_dir: Path) -> dict[str, A
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
+
+
+def _rise_by_env(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, float] | None:
+    if not (before and after):
+        return None
+    b, a = before.get("by_env") or {}, after.get("by_env") or {}
+    return {env: a[env]["success_rate"] - b[env]["success_rate"] for env in a if env in b}
 
 
 def _actor_totals(run_dir: Path) -> dict[str, int]:
@@ -372,6 +438,7 @@ def _actor_totals(run_dir: Path) -> dict[str, int]:
 
 def log_to_mlflow(cfg: AgentRLConfig, run_dir: Path, summary: dict[str, Any], status: str = "FINISHED") -> None:
     from agentrl.evaluate import eval_metrics
+    from agentrl.learner.batching import metric_name
     from agentrl.tracking import open_tracker
 
     tracker = open_tracker(cfg.tracking, run_dir, run_name=cfg.run.name, resume_run_id=cfg.tracking.run_id or None)
@@ -382,6 +449,8 @@ def log_to_mlflow(cfg: AgentRLConfig, run_dir: Path, summary: dict[str, Any], st
                 metrics.update(eval_metrics(summary[name], name))
         if summary.get("success_rise") is not None:
             metrics["eval/success_rise"] = summary["success_rise"]
+        for env, rise in (summary.get("success_rise_by_env") or {}).items():
+            metrics[f"eval/env/{metric_name(env)}/success_rise"] = rise
         tracker.log_metrics(metrics, step=summary.get("learner_steps", 0))
         tracker.log_artifact(run_dir / "summary.json")
         if (run_dir / "config.toml").exists():
@@ -397,7 +466,7 @@ def create_mlflow_run(cfg: AgentRLConfig, run_dir: Path) -> str:
     if not cfg.tracking.enabled:
         return ""
     tracker = open_tracker(cfg.tracking, run_dir, run_name=cfg.run.name)
-    tracker.log_params({"run.run_dir": str(run_dir), "env.cls": cfg.env.cls})
+    tracker.log_params({"run.run_dir": str(run_dir), "env.cls": ", ".join(s.cls for s in cfg.env_sections)})
     return tracker.run_id or ""  # left RUNNING: the learner and the final summary log to it
 
 
@@ -429,11 +498,11 @@ async def run_async(cfg: AgentRLConfig, run_dir: Path, *, live_display: bool = T
             outer.start_soon(sup.wait_for_failure)
             outer.start_soon(_stop_on_signal, state)
             policy = await warm_start(sup, outer, cfg, run_dir, state, placement)
-            starts_search = cfg.env.kwargs.get("search_url") == "auto"
-            cfg = plan_config(cfg, run_dir, policy, placement)
+            searches = [i for i, s in enumerate(cfg.env_sections) if s.kwargs.get("search_url") == "auto"]
+            cfg = plan_config(cfg, run_dir, policy, placement)  # gives each of them a URL
             write_config(cfg, run_dir / "config.toml")
-            if starts_search:
-                await start_search(sup, outer, cfg, run_dir, placement)
+            for k, i in enumerate(searches):  # "search", then "search1", ... when several envs search
+                await start_search(sup, outer, cfg.env_sections[i], f"search{k or ''}", run_dir, placement)
             await start_engines(sup, outer, cfg, run_dir, own_engines, placement)
             state.event("engines", f"ready at {', '.join(cfg.engine.urls)}")
             state.eval_before = await evaluate_policy(cfg, name_adapter=False)

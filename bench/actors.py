@@ -231,7 +231,7 @@ async def bare_loop(client, script, prompt_ids, observation_ids, episodes: int, 
 
 async def framework_loop(client, tokenizer, env, episodes: int, concurrency: int, group_size: int) -> dict:
     from agentrl.actors.rollout import EpisodeLimits, toolbox_for
-    from agentrl.actors.service import ActorService, ActorSettings
+    from agentrl.actors.service import ActorEnv, ActorService, ActorSettings
 
     class Discard:
         async def send(self, group):
@@ -239,10 +239,9 @@ async def framework_loop(client, tokenizer, env, episodes: int, concurrency: int
 
     settings = ActorSettings(group_size=group_size, num_concurrent_episodes=concurrency,
                              max_groups=max(1, episodes // group_size), log_interval_s=0)
-    service = ActorService(client=client, tokenizer=tokenizer, env=env, toolbox=toolbox_for(env),
-                           sampling={"temperature": 1.0}, limits=EpisodeLimits(max_turns=8, max_total_tokens=2048,
-                                                                               max_new_tokens_per_turn=64),
-                           settings=settings, sender=Discard())
+    limits = EpisodeLimits(max_turns=8, max_total_tokens=2048, max_new_tokens_per_turn=64)
+    service = ActorService(client=client, tokenizer=tokenizer, envs=[ActorEnv(env, toolbox_for(env), limits)],
+                           sampling={"temperature": 1.0}, settings=settings, sender=Discard())
     peak = [0]
 
     async def watch():

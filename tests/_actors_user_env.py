@@ -10,6 +10,7 @@ from typing import Any, Iterator
 
 import trio
 
+from agentrl.agents import AgentEnv
 from agentrl.envs.base import Env, Message, Task
 from agentrl.tools.base import Tool, tool
 
@@ -83,3 +84,51 @@ def solver(turn: int, prompt: str) -> str:
         return call("add", a=int(a), b=int(b))
     result = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", prompt, flags=re.S)[-1]
     return f"The answer is {result}."
+
+
+ADD_SCHEMA = add.schema()
+
+
+class AddAgentEnv(AgentEnv):
+    """AddEnv's tasks played by agent code with the OpenAI SDK: ask, run the ``add`` tool it calls, answer.
+
+    ``rewrite_history``: the second call sends a fresh conversation (the question and the tool's
+    result in one user message), as an agent that compacts its context does: every episode is then
+    two sequences.
+    """
+
+    name = "add-agent"
+
+    def __init__(self, num_tasks: int = 1000, rewrite_history: bool = False):
+        self.tasks_of = AddEnv(num_tasks=num_tasks)
+        self.rewrite_history = rewrite_history
+
+    def tasks(self, split: str = "train", seed: int = 0) -> Iterator[Task]:
+        return self.tasks_of.tasks(split, seed)
+
+    def eval_group(self, task: Task) -> str:
+        return self.tasks_of.eval_group(task)
+
+    async def run(self, task: Task, client: Any) -> float:
+        a, b = task.data["a"], task.data["b"]
+        messages = [{"role": "system", "content": "Use the tools."}, {"role": "user", "content": f"What is {a} + {b}?"}]
+        for _ in range(4):
+            reply = await client.chat.completions.create(model="policy", messages=messages, tools=[ADD_SCHEMA])
+            message = reply.choices[0].message
+            if not message.tool_calls:
+                return 1.0 if re.search(rf"\b{a + b}\b", message.content or "") else 0.0
+            call = message.tool_calls[0]
+            result = str(sum(json.loads(call.function.arguments).values()))
+            if self.rewrite_history:
+                messages = messages[:1] + [{"role": "user", "content": f"What is {a} + {b}? The add tool says:\n"
+                                                                      f"<tool_response>\n{result}\n</tool_response>"}]
+            else:
+                messages += [message.model_dump(exclude_none=True),
+                             {"role": "tool", "tool_call_id": call.id, "content": result}]
+        return 0.0
+
+
+def prompt_solver(turn: int, prompt: str) -> str:
+    """:func:`solver` that answers once a tool result is in the prompt, whatever the turn (for agents
+    that start a fresh conversation with the result)."""
+    return solver(1 if "<tool_response>" in prompt.rsplit("<|im_start|>user", 1)[-1] else 0, prompt)

@@ -86,6 +86,32 @@ def make_group(
                            session=session, seq=seq)
 
 
+def make_agent_group(
+    rng: np.random.Generator,
+    sequences: list[int],
+    rewards: list[float],
+    *,
+    env: str = "agent",
+    group_id: str = "ag",
+    success: bool = False,
+    **kw,
+) -> TrajectoryGroup:
+    """A group of agent episodes: episode ``i`` is ``sequences[i]`` trajectories, each with the
+    episode's reward and ``metadata`` as :mod:`agentrl.agents.episodes` writes it."""
+    per_trajectory = [r for n, r in zip(sequences, rewards) for _ in range(n)]
+    group = make_group(rng, group_size=len(per_trajectory), rewards=per_trajectory, group_id=group_id, **kw)
+    group.env = env
+    k = 0
+    for i, n in enumerate(sequences):
+        for j in range(n):
+            meta = {"episode_id": f"{group_id}-{i}", "sequence_index": j, "num_sequences": n, "env": env}
+            if success:
+                meta["success"] = rewards[i] >= 1.0
+            group.trajectories[k].metadata = meta
+            k += 1
+    return group
+
+
 def fixed_samples(seed: int, groups: int = 4, policy_version: int = 0, advantage: str = "grpo") -> list:
     """A deterministic batch of samples (the same on every rank and in every process)."""
     from agentrl.learner.batching import samples_from_group

@@ -149,3 +149,59 @@ def test_serve_actors_config_errors(tmp_path):
                           "--dump-trajectories", str(tmp_path / "d.jsonl")], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "no tokenizer at model.path" in res.stderr
+
+
+def test_serve_actors_runs_several_envs_one_an_agent_env(tmp_path_factory, tmp_path):
+    """[[envs]] with a built-in-style env and an AgentEnv in one real actor process (the real engine client
+    and agent endpoint, no learner): both envs' groups are dumped, each from one env; a name clash is refused."""
+    from tests._actors_user_env import prompt_solver
+
+    tok_dir = tiny_tokenizer_dir(tmp_path_factory)
+    tokenizer = load_tokenizer(tok_dir)
+    dump = tmp_path / "groups.jsonl"
+    envs = """
+[[envs]]
+cls = "tests._actors_user_env:AddEnv"
+weight = 1.0
+[[envs]]
+cls = "tests._actors_user_env:AddAgentEnv"
+kwargs = { rewrite_history = true }
+weight = 1.0
+max_turns = 3
+"""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    with ScriptedEngine(TurnScript(tokenizer, prompt_solver), version=4) as engine:
+        config = tmp_path / "run.toml"
+        config.write_text(f"""
+[model]
+path = "{tok_dir}"
+[engine]
+urls = ["{engine.url}"]
+request_retries = 0
+[actors]
+group_size = 2
+num_concurrent_episodes = 4
+max_new_tokens_per_turn = 64
+{envs}""")
+        res = subprocess.run([sys.executable, "-m", "agentrl", "serve-actors", "--config", str(config), "--no-send",
+                              "--dump-trajectories", str(dump), "--max-groups", "8"], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    dumped = [json.loads(line) for line in dump.read_text().splitlines()]
+    assert len(dumped) == 8 == report["groups_delivered"] and report["groups_lost"] == 0
+    assert {d["env"] for d in dumped} == {"add", "add-agent"}
+    for d in dumped:
+        assert {t["metadata"]["env"] for t in d["trajectories"]} == {d["env"]}
+        assert all(t["metadata"]["success"] and t["reward"] == 1.0 for t in d["trajectories"])
+        assert all(set(t["weight_versions"]) == {-1, 4} for t in d["trajectories"])
+        if d["env"] == "add-agent":
+            assert [t["metadata"]["sequence_index"] for t in d["trajectories"]] == [0, 1, 0, 1]
+    assert sum(r["episodes"] for r in report["by_env"].values()) == report["episodes"] == 16
+    assert "env(s) add (weight 1), add-agent (weight 1)" in res.stderr
+
+    config.write_text(config.read_text().replace("max_turns = 3", 'max_turns = 3\nname = "add"'))
+    res = subprocess.run([sys.executable, "-m", "agentrl", "serve-actors", "--config", str(config), "--no-send",
+                          "--dump-trajectories", str(dump)], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 2 and "env names must be unique" in res.stderr and "'add'" in res.stderr

@@ -10,11 +10,11 @@ import pytest
 import trio
 
 from agentrl.actors.rollout import EpisodeLimits, toolbox_for
-from agentrl.actors.service import ActorService, ActorSettings, budget_share
+from agentrl.actors.service import ActorEnv, ActorService, ActorSettings, budget_share
 from agentrl.protocol import ActorAck, Progress
 from tests._actors_helpers import (HttpEngineClient, MemoryProgress, MemorySender, ScriptedEngine, TurnScript,
                                    load_tokenizer, tiny_tokenizer_dir)
-from tests._actors_user_env import AddEnv, solver
+from tests._actors_user_env import AddAgentEnv, AddEnv, prompt_solver, solver
 
 LIMITS = EpisodeLimits(max_turns=4, max_total_tokens=1024, max_new_tokens_per_turn=64)
 
@@ -24,12 +24,14 @@ def tokenizer(tmp_path_factory):
     return load_tokenizer(tiny_tokenizer_dir(tmp_path_factory))
 
 
-def service(client, tokenizer, env=None, sender=None, progress=None, dump_path=None, **settings) -> ActorService:
+def service(client, tokenizer, env=None, sender=None, progress=None, dump_path=None, envs=None, agents=None,
+            **settings) -> ActorService:
     env = env or AddEnv()
+    envs = envs or [ActorEnv(env, toolbox_for(env), LIMITS)]
     defaults = dict(group_size=2, num_concurrent_episodes=4, log_interval_s=0, drain_timeout_s=1.0)
-    return ActorService(client=client, tokenizer=tokenizer, env=env, toolbox=toolbox_for(env), sampling={},
-                        limits=LIMITS, settings=ActorSettings(**{**defaults, **settings}), sender=sender,
-                        progress=progress, dump_path=dump_path)
+    return ActorService(client=client, tokenizer=tokenizer, envs=envs, agents=agents, sampling={},
+                        settings=ActorSettings(**{**defaults, **settings}), sender=sender, progress=progress,
+                        dump_path=dump_path)
 
 
 async def wait_for(predicate, timeout_s: float = 20.0) -> None:
@@ -306,3 +308,89 @@ def test_finite_split_then_blocked_send_still_stops(tokenizer):
 
         report = trio.run(main)
     assert report["groups_started"] == 3 and report["groups_unsent"] == 3 and report["groups_delivered"] == 0
+
+
+# ----------------------------------------------------------------------------- agent envs and several envs
+
+
+def agent_runner(tokenizer, url: str):
+    from agentrl.agents.runner import AgentRunner
+
+    return AgentRunner(tokenizer, lambda: HttpEngineClient([url]), forced_sampling={"temperature": 1.0},
+                       default_max_tokens=64)
+
+
+def test_two_envs_one_of_them_an_agent_env_share_one_actor(tokenizer, tmp_path):
+    """An AgentEnv (whose episodes are two sequences each) next to a built-in-style env: groups are picked by
+    weight and never mix envs, stamping is exactly-once in one sequence, counts are per episode and per env."""
+    sender = MemorySender()
+    add, agent = AddEnv(), AddAgentEnv(rewrite_history=True)
+    envs = [ActorEnv(add, toolbox_for(add), LIMITS, weight=1.0), ActorEnv(agent, toolbox_for(agent), LIMITS, weight=3.0)]
+    with ScriptedEngine(TurnScript(tokenizer, prompt_solver), version=2) as engine:
+        async def main():
+            async with HttpEngineClient([engine.url]) as client, agent_runner(tokenizer, engine.url) as runner:
+                return await service(client, tokenizer, envs=envs, agents=runner, sender=sender, max_groups=16,
+                                     dump_path=tmp_path / "groups.jsonl").run()
+
+        report = trio.run(main)
+    by_env = {}
+    for g in sender.groups:
+        by_env.setdefault(g.env, []).append(g)
+        assert {t.metadata["env"] for t in g.trajectories} == {g.env}  # a group never mixes envs
+        assert all(t.metadata["success"] is True and t.reward == 1.0 for t in g.trajectories)
+    assert set(by_env) == {"add", "add-agent"} and len(by_env["add-agent"]) > len(by_env["add"])  # weight 3 : 1
+    assert [g.seq for g in sender.groups] == list(range(16)) and len({g.session for g in sender.groups}) == 1
+    for g in by_env["add-agent"]:
+        assert len(g.trajectories) == 4 and len({t.metadata["episode_id"] for t in g.trajectories}) == 2
+        assert [t.metadata["new_sequence_reason"] for t in g.trajectories] == ["first_call", "history_differs"] * 2
+        assert all(set(t.weight_versions[t.loss_mask == 1].tolist()) == {2} for t in g.trajectories)
+        assert all(t.metadata["policy_version_at_start"] == -1 for t in g.trajectories)
+    assert report["groups_delivered"] == 16 and report["episodes"] == 32  # episodes, not sequences
+    assert report["by_env"]["add-agent"]["episodes"] == 2 * len(by_env["add-agent"])
+    assert report["by_env"]["add"]["success_rate"] == report["by_env"]["add-agent"]["success_rate"] == 1.0
+    dumped = [json.loads(line) for line in (tmp_path / "groups.jsonl").read_text().splitlines()]
+    assert [d["env"] for d in dumped] == [g.env for g in sender.groups]
+
+
+def test_an_agent_env_is_gated_and_survives_weight_updates_like_any_env(tokenizer):
+    """max_staleness = 0 with an AgentEnv: exactly one step's groups per policy version, and a turn aborted by
+    a weight update is continued (its tokens carry both versions)."""
+    sender, progress = MemorySender(), MemoryProgress()
+    agent = AddAgentEnv()
+    with ScriptedEngine(TurnScript(tokenizer, solver), version=0) as engine:
+        engine.abort_plan = [4]  # the first request is cut by a weight update, version 0 -> 1
+
+        async def main():
+            async with HttpEngineClient([engine.url]) as client, agent_runner(tokenizer, engine.url) as runner:
+                svc = service(client, tokenizer, envs=[ActorEnv(agent, toolbox_for(agent), LIMITS)], agents=runner,
+                              sender=sender, progress=progress, wait_for_learner=True, max_staleness=0,
+                              num_concurrent_episodes=8, group_size=1)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(svc.run)
+                    await trio.sleep(0.3)
+                    assert svc.stats.groups_started == 0  # waits for the learner
+                    for step in range(2):
+                        progress.publish(Progress(policy_version=step + 1, accept_groups=2 * (step + 1), step=step,
+                                                  max_staleness=0))
+                        await wait_for(lambda: len(sender.groups) == 2 * (step + 1))
+                        await trio.sleep(0.3)
+                        assert svc.stats.groups_started == 2 * (step + 1)  # nothing beyond the budget
+                        engine.version = step + 2
+                    progress.publish(Progress(policy_version=3, accept_groups=4, step=2, max_staleness=0, done=True))
+                return svc
+
+        svc = trio.run(main)
+    assert svc.stop_reason == "the learner is done" and len(sender.groups) == 4
+    versions = [sorted(set(t.weight_versions[t.loss_mask == 1].tolist())) for g in sender.groups
+                for t in g.trajectories]
+    assert [0, 1] in versions  # the interrupted turn went on under the new weights
+    assert sum(t.metadata["num_aborts"] for g in sender.groups for t in g.trajectories) == 1
+    assert all(t.reward == 1.0 for g in sender.groups for t in g.trajectories)
+
+
+def test_an_agent_env_needs_a_runner_and_env_names_are_unique(tokenizer):
+    agent = AddAgentEnv()
+    with pytest.raises(ValueError, match="AgentEnv"):
+        service(None, tokenizer, envs=[ActorEnv(agent, toolbox_for(agent), LIMITS)])
+    with pytest.raises(ValueError, match="unique"):
+        service(None, tokenizer, envs=[ActorEnv(AddEnv(), toolbox_for(AddEnv()), LIMITS)] * 2)

@@ -70,7 +70,8 @@ class Agent(AgentEnv):
         return self._reward(messages)
 
 
-def play(tokenizer, url: str, env: AgentEnv, task: Task = TASK, *, n_episodes: int = 1, **runner_kwargs):
+def play(tokenizer, url: str, env: AgentEnv, task: Task = TASK, *, n_episodes: int = 1, limits=None,
+         **runner_kwargs):
     """Run ``n_episodes`` episodes of ``env`` as one group (concurrently); their trajectory lists."""
     runner_kwargs.setdefault("default_max_tokens", 48)
 
@@ -78,8 +79,9 @@ def play(tokenizer, url: str, env: AgentEnv, task: Task = TASK, *, n_episodes: i
         with trio.fail_after(180):
             async with AgentRunner(tokenizer, lambda: EngineClient([url], health_check_interval_s=0.5),
                                    **runner_kwargs) as runner:
-                trajectories = await runner.play_group(env, task, n_episodes, group_id="ep")
-        return [[t for t in trajectories if t.metadata["episode_id"] == f"ep-{i}"] for i in range(n_episodes)]
+                group = await runner.play_group(env, task, n_episodes, group_id="ep", actor_id="a0", limits=limits)
+        assert (group.group_id, group.task_id, group.env, group.actor_id) == ("ep", task.id, env.name, "a0")
+        return [[t for t in group.trajectories if t.metadata["episode_id"] == f"ep-{i}"] for i in range(n_episodes)]
 
     return trio.run(main)
 
@@ -628,3 +630,56 @@ def test_a_failed_episode_loses_its_group_and_cancels_the_others(tokenizer):
         with pytest.raises(GroupLost, match="episode 3 breaks"):
             play(tokenizer, engine.url, Agent(agent), n_episodes=3)
     assert len(cancelled) == 2
+
+
+def test_an_episode_ends_at_the_envs_limits_and_is_scored_as_played(tokenizer, codec):
+    """max_turns bounds the calls of an episode, max_total_tokens each sequence: the call past a limit is a
+    400, and an agent that raises on it has not failed -- its episode is scored by env.reward."""
+    from agentrl.actors.rollout import EpisodeLimits
+
+    async def loop_forever(task, client):  # an agent that never stops calling the tool
+        messages = list(USER)
+        while True:
+            reply = await client.chat.completions.create(model="m", messages=messages, tools=[ADD])
+            message = reply.choices[0].message.model_dump(exclude_none=True)
+            messages += [message] + [{"role": "tool", "tool_call_id": c["id"], "content": "5"}
+                                     for c in message.get("tool_calls", [])]
+
+    with scripted(tokenizer, (CALL,)) as engine:
+        [[traj]] = play(tokenizer, engine.url, Agent(loop_forever, reward=lambda messages: 0.25),
+                        limits=EpisodeLimits(max_turns=3, max_total_tokens=1024))
+        assert len(engine.requests) == 3
+    assert traj.metadata["num_calls"] == 3 and traj.metadata["episode_limit"] == "max_turns"
+    assert traj.reward == 0.25 and "reward_error" not in traj.metadata
+
+    class NoReward(AgentEnv):  # its reward comes from run(); at a limit it scores 0, without a reward error
+        async def run(self, task, client):
+            return await loop_forever(task, client)
+
+    prompt = len(codec.prompt(USER, [ADD])[0])
+    with scripted(tokenizer, (CALL,)) as engine:
+        [[traj]] = play(tokenizer, engine.url, NoReward(), limits=EpisodeLimits(max_turns=10, max_total_tokens=prompt + 30))
+        asked = [r["sampling_params"]["max_new_tokens"] for r in engine.requests]
+    assert traj.metadata["episode_limit"] == "context_full" and traj.reward == 0.0
+    assert "reward_error" not in traj.metadata and len(traj.tokens) <= prompt + 30
+    assert asked[0] <= 30 - 1 - codec.reserve_tokens  # a completion never runs past the episode's limit
+
+    async def raises(task, client):  # a failure that is not a limit still fails the episode
+        await client.chat.completions.create(model="m", messages=USER)
+        raise RuntimeError("the agent's own bug")
+
+    with scripted(tokenizer, (ANSWER,)) as engine:
+        with pytest.raises(GroupLost, match="the agent's own bug"):
+            play(tokenizer, engine.url, Agent(raises), limits=EpisodeLimits(max_turns=3))
+
+
+def test_a_reward_beyond_max_abs_reward_scores_zero_with_the_error(tokenizer):
+    from agentrl.actors.rollout import EpisodeLimits
+
+    async def agent(task, client):
+        await client.chat.completions.create(model="m", messages=USER)
+        return {"correct": 1.0, "bonus": 1e9}
+
+    with scripted(tokenizer, (ANSWER,)) as engine:
+        [[traj]] = play(tokenizer, engine.url, Agent(agent), limits=EpisodeLimits(max_abs_reward=100.0))
+    assert traj.reward == 0.0 and "max_abs_reward=100" in traj.metadata["reward_error"]

@@ -9,13 +9,12 @@ import json
 import pytest
 
 from agentrl.actors.chat import ChatCodec
-from agentrl.agents.episodes import Episode, episode_index
+from agentrl.agents.episodes import Episode
 from agentrl.agents.openai_api import (
     ALL_FIELDS, DEFAULT_ONLY_FIELDS, ChoiceOut, OpenAIRequestError, chat_completion_chunks, convert_message,
     message_view, parse_chat_request, split_reasoning, split_tool_calls,
 )
 from agentrl.agents.serving import ChoiceResult
-from agentrl.protocol import Trajectory
 from agentrl.tools.parsing import HermesToolCallParser
 from tests._actors_helpers import load_tokenizer, tiny_tokenizer_dir
 
@@ -275,14 +274,3 @@ def test_a_closed_episode_refuses_plans_and_commits(codec):
         assert info.value.status == 401
     assert ep.sequences == [] and ep.num_calls == 0
 
-
-def test_episode_index_gives_each_sequence_its_episodes_reward():
-    def traj(episode: str | None, reward: float) -> Trajectory:
-        return Trajectory(tokens=[1], loss_mask=[1], behavior_logprobs=[0.0], weight_versions=[0], reward=reward,
-                          metadata={} if episode is None else {"episode_id": episode})
-
-    rewards, index = episode_index([traj("a", 1.0), traj("b", 0.0), traj("a", 1.0), traj(None, 0.5), traj(None, 0.5)])
-    assert rewards == [1.0, 0.0, 0.5, 0.5] and index == [0, 1, 0, 2, 3]
-    # the advantage of an episode does not depend on how many sequences it has
-    mean = sum(rewards) / len(rewards)
-    assert [rewards[i] - mean for i in index][:3] == [0.5, -0.5, 0.5]

@@ -179,3 +179,61 @@ def test_the_config_reference_is_complete_and_up_to_date() -> None:
 
     assert undocumented() == [], "add a comment at the end of these keys' lines in agentrl/config.py"
     assert DOC_PATH.read_text() == reference(), "run: python -m agentrl.config_docs --write"
+
+
+MULTI = """
+[[envs]]
+cls = "agentrl.envs.calculator:CalculatorEnv"
+weight = 3.0
+max_turns = 2
+[envs.kwargs]
+max_ops = 2
+
+[[envs]]
+cls = "tests._actors_user_env:AddAgentEnv"
+name = "adder"
+max_total_tokens = 512
+"""
+
+
+def test_several_envs_and_the_single_env_shorthand(tmp_path) -> None:
+    cfg = load_config(write(tmp_path, MULTI))
+    assert cfg.env is None and [s.cls.rsplit(":", 1)[1] for s in cfg.env_sections] == ["CalculatorEnv", "AddAgentEnv"]
+    assert [s.weight for s in cfg.envs] == [3.0, 1.0] and cfg.envs[0].max_turns == 2 and cfg.envs[1].max_turns == 4
+    assert cfg.envs[0].kwargs == {"max_ops": 2} and cfg.envs[1].name == "adder"
+    # [env] (or nothing) is one env
+    assert load_config().env_sections == [load_config().env] and load_config().envs == []
+    # entries are addressed by index on the command line
+    cfg = load_config(write(tmp_path, MULTI), ["envs.1.weight=2", "envs.0.kwargs.max_operand=9"])
+    assert cfg.envs[1].weight == 2.0 and cfg.envs[0].kwargs == {"max_ops": 2, "max_operand": 9}
+    # the resolved config round-trips as TOML with [[envs]]
+    text = dump_toml(cfg)
+    assert text.count("[[envs]]") == 2 and "\n[env]" not in text
+    assert load_config(write(tmp_path, text, "again.toml")) == cfg
+
+
+@pytest.mark.parametrize("text, overrides, match", [
+    (MULTI + "\n[env]\ncls = 'a:B'\n", [], r"both \[env\] and \[\[envs\]\]"),
+    (MULTI, ["env.max_turns=3"], r"both \[env\] and \[\[envs\]\]"),
+    (MULTI, ["envs.2.weight=1"], "envs has 2 entries"),
+    (MULTI.replace('name = "adder"', 'name = "x"').replace("weight = 3.0", 'weight = 3.0\nname = "x"'), [],
+     r"names must be unique.*'x'"),
+    (MULTI.replace("weight = 3.0", "weight = 0"), [], r"envs\.0\.weight"),
+    (MULTI.replace("max_total_tokens = 512", "max_total_tokens = 4096"), [], r"envs\.1\.max_total_tokens \(4096\) exceeds"),
+    (MULTI.replace("tests._actors_user_env:AddAgentEnv", "nocolon"), [], r"envs\.1\.cls must be 'module:Class'"),
+    (MULTI.replace("max_turns = 2", "max_turn = 2"), [], r"unknown key 'envs\.0\.max_turn'"),
+])
+def test_several_envs_are_checked_by_entry(tmp_path, text, overrides, match) -> None:
+    with pytest.raises(ConfigError, match=match):
+        load_config(write(tmp_path, text), overrides)
+
+
+def test_env_names_are_unique_once_built(tmp_path) -> None:
+    """Two entries of one class without names: the clash is found when the envs are built, and named."""
+    from agentrl.envs import make_envs
+
+    twice = '[[envs]]\ncls = "tests._actors_user_env:AddEnv"\n[[envs]]\ncls = "tests._actors_user_env:AddEnv"\n'
+    with pytest.raises(ValueError, match=r"unique.*'add': tests._actors_user_env:AddEnv, tests._actors_user_env:AddEnv"):
+        make_envs(load_config(write(tmp_path, twice)))
+    named = twice.replace('AddEnv"\n[[envs]]', 'AddEnv"\nname = "add2"\n[[envs]]', 1)
+    assert [env.name for _, env in make_envs(load_config(write(tmp_path, named)))] == ["add2", "add"]

@@ -17,10 +17,11 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from agentrl.config import AgentRLConfig, ConfigError, _toml_key, _toml_value, dump_toml, load_config
+from agentrl.config_docs import section_class
 from tests._fuzz import fuzz, texts
 
-SECTIONS = {name: list(info.annotation.model_fields) for name, info in AgentRLConfig.model_fields.items()}
-DOTTED = [f"{s}.{k}" for s, keys in SECTIONS.items() for k in keys] + ["env.kwargs.x", "env.kwargs.a.b"]
+SECTIONS = {name: list(section_class(info.annotation).model_fields) for name, info in AgentRLConfig.model_fields.items()}
+DOTTED = [f"{s}.{k}" for s, keys in SECTIONS.items() for k in keys] + ["env.kwargs.x", "env.kwargs.a.b", "envs.0.weight"]
 
 
 def same(a, b) -> bool:
@@ -102,6 +103,10 @@ def test_toml_values_and_keys_round_trip(value, key):
 @example({"run": {"seed": 10**30}})
 @example({"env": "calculator"})
 @example({"engine": {"urls": {"a": 1}}})
+@example({"envs": [{"cls": "a:B", "weight": 2.0, "kwargs": {"x": [1]}}, {"cls": "c:D", "name": "d"}]})
+@example({"envs": [{"cls": "a:B"}], "env": {"max_turns": 2}})  # both forms: refused
+@example({"envs": [{"cls": "a:B", "weight": -1}]})
+@example({"envs": [], "env": {"cls": "a:B"}})
 def test_any_toml_tree_is_a_config_or_an_error_naming_file_and_key(tmp_path_factory, tree):
     tmp_path = tmp_path_factory.mktemp("cfg")
     path = tmp_path / "run.toml"

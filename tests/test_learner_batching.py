@@ -10,12 +10,13 @@ from agentrl.learner.batching import (
     GroupBuffer,
     Sample,
     collate,
+    episode_index,
     loss_normalizer,
     plan_microbatches,
     samples_from_group,
     validate_group,
 )
-from tests._learner_helpers import make_group, tiny_model  # noqa: F401
+from tests._learner_helpers import make_agent_group, make_group, tiny_model  # noqa: F401
 
 
 def _buffer(**kw) -> GroupBuffer:
@@ -96,6 +97,80 @@ def test_samples_carry_group_advantages():
     assert all(s.staleness == 1 for s in samples)
     rloo = samples_from_group(g, policy_version=3, advantage="rloo")
     assert rloo[0].advantage == pytest.approx(1 - 1 / 3)
+
+
+def test_episode_index_gives_each_sequence_its_episode():
+    rng = np.random.default_rng(7)
+    g = make_agent_group(rng, [2, 1, 3], [1.0, 0.0, 0.5])
+    g.trajectories[3].metadata = {}  # no episode id: an episode of its own
+    rewards, index = episode_index(g.trajectories)
+    assert rewards == [1.0, 0.0, 0.5, 0.5] and index == [0, 0, 1, 2, 3, 3]
+
+
+def test_advantages_are_normalised_over_episodes_and_shared_by_their_sequences():
+    """Episode 0 branched into three sequences, episode 3 into two: per episode, the baseline is the
+    mean of four episode rewards (0.5); per sequence it would be 5/7 and episode 0 would count thrice."""
+    rng = np.random.default_rng(8)
+    g = make_agent_group(rng, [3, 1, 1, 2], [1.0, 0.0, 0.0, 1.0])
+    grpo = samples_from_group(g, policy_version=0, advantage="grpo")
+    assert [s.advantage for s in grpo] == [0.5, 0.5, 0.5, -0.5, -0.5, 0.5, 0.5]
+    assert [s.episode_weight for s in grpo] == pytest.approx([1 / 3] * 3 + [1.0, 1.0, 0.5, 0.5])
+    whitened = samples_from_group(g, policy_version=0, advantage="grpo", normalize_std=True)
+    assert [s.advantage for s in whitened] == pytest.approx([1.0] * 3 + [-1.0, -1.0, 1.0, 1.0], abs=1e-5)
+    rloo = samples_from_group(g, policy_version=0, advantage="rloo")  # 4 episodes: r_i - mean of the 3 others
+    assert [s.advantage for s in rloo] == pytest.approx([1 - 1 / 3] * 3 + [-2 / 3, -2 / 3, 2 / 3, 2 / 3])
+    # an episode counts once in a sequence-mean loss: the normaliser is the number of episodes
+    assert loss_normalizer(grpo, "sequence") == pytest.approx(4.0)
+    assert loss_normalizer(grpo, "token") == sum(int(s.loss_mask[1:].sum()) for s in grpo)
+    # one-sequence episodes (agentrl's own loop) are unchanged: one trajectory, one episode
+    plain = make_group(rng, rewards=[1, 0, 0, 1])
+    assert [s.advantage for s in samples_from_group(plain, 0)] == [0.5, -0.5, -0.5, 0.5]
+
+
+def test_sequence_mean_loss_weighs_each_episode_once():
+    """Two sequences of one episode (weight 1/2 each) and a one-sequence episode: the loss is the mean
+    of the two episodes' token means, not of three sequences."""
+    from agentrl.learner.loss import masked_reduce
+
+    def sample(n: int, weight: float) -> Sample:
+        return Sample(tokens=np.arange(n, dtype=np.int32), loss_mask=np.ones(n, np.uint8),
+                      behavior_logprobs=np.zeros(n, np.float32), episode_weight=weight)
+
+    samples = [sample(3, 0.5), sample(5, 0.5), sample(4, 1.0)]
+    mb = collate(samples)
+    assert mb.seq_weights.tolist() == [0.5, 0.5, 1.0]
+    per_token = torch.where(mb.seq_ids == 2, 3.0, 1.0)  # episode 0's tokens cost 1, episode 1's cost 3
+    loss = masked_reduce(per_token, mb.loss_mask, normalization="sequence", seq_ids=mb.seq_ids, num_seqs=3,
+                         seq_weights=mb.seq_weights, normalizer=loss_normalizer(samples, "sequence"))
+    assert loss.item() == pytest.approx((1 + 3) / 2)
+    unweighted = masked_reduce(per_token, mb.loss_mask, normalization="sequence", seq_ids=mb.seq_ids, num_seqs=3)
+    assert unweighted.item() == pytest.approx((1 + 1 + 3) / 3)  # what an episode of many sequences would tilt
+
+
+def test_dynamic_sampling_and_env_metrics_work_on_episodes():
+    rng = np.random.default_rng(9)
+    buf = _buffer(max_sequence_tokens=64)
+    same = make_agent_group(rng, [3, 1, 2, 1], [1.0, 1.0, 1.0, 1.0], env="agent", success=True)
+    assert buf.add(same, policy_version=0) == "zero_variance"
+    varied = make_agent_group(rng, [3, 1, 1, 1], [1.0, 0.0, 0.0, 0.0], env="agent", success=True)
+    assert buf.add(varied, policy_version=0) is None
+    assert buf.add(make_group(rng, rewards=[1, 0, 0, 0]), policy_version=0) is None  # env "test"
+    stale = make_agent_group(rng, [1, 1], [0.0, 1.0], env="agent", version=0)
+    assert buf.add(stale, policy_version=5) == "stale"
+    m = buf.env_metrics()
+    assert (m["env/agent/received"], m["env/agent/accepted"]) == (3, 1)
+    assert (m["env/agent/dropped_zero_variance"], m["env/agent/dropped_stale"]) == (1, 1)
+    assert m["env/test/received"] == m["env/test/accepted"] == 1
+    # recent rewards count episodes (not sequences) of every valid group, dropped ones included
+    assert m["env/agent/reward_recent"] == pytest.approx((4 + 1 + 1) / 10)
+    assert m["env/agent/success_recent"] == pytest.approx(5 / 8)  # the stale group says nothing of success
+    assert "env/test/success_recent" not in m and m["env/test/reward_recent"] == 0.25
+    # a sender cannot grow the metrics without bound
+    for i in range(GroupBuffer.MAX_ENVS + 5):
+        g = make_group(rng, rewards=[1, 0, 0, 0], group_id=f"n{i}")
+        g.env = f"env{i}"
+        buf.add(g, policy_version=0)
+    assert len(buf.env_counters) == GroupBuffer.MAX_ENVS + 1 and buf.env_counters["other"]["received"] > 0
 
 
 def test_plan_is_even_and_within_budget():

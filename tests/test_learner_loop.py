@@ -10,9 +10,11 @@ import subprocess
 import time
 
 import numpy as np
+import pytest
 
 from agentrl.protocol import ActorAck, Progress, decode, encode
-from tests._learner_helpers import PYTHON, ListSource, Recorder, make_group, subprocess_env, tiny_model  # noqa: F401
+from tests._learner_helpers import (PYTHON, ListSource, Recorder, make_agent_group, make_group,  # noqa: F401
+                                    subprocess_env, tiny_model)
 
 
 def _overrides(tiny_model, run_dir, **extra) -> list[str]:
@@ -75,6 +77,38 @@ def test_loop_keeps_pending_groups_and_pushes_weights(tiny_model, tmp_path):
     assert len(second.buffer) == 1  # "late" waits for the next step (and is in the checkpoint)
     for key in ("reward/mean", "advantage/std", "policy/clip_frac", "time/wait_data_s", "throughput/tokens_per_s"):
         assert key in rows[-1]
+
+
+def test_loop_trains_agent_groups_per_episode_and_reports_per_env(tiny_model, tmp_path):
+    """Groups of agent episodes (several sequences each) next to one-sequence groups of another env:
+    rewards and advantages are per episode, metrics per env, and both kinds train in one step."""
+    from agentrl.config import load_config
+    from agentrl.learner.distributed import init_distributed
+    from agentrl.learner.loop import Learner, LearnerIO
+
+    init_distributed("cpu")
+    rng = np.random.default_rng(11)
+    cfg = load_config(None, _overrides(tiny_model, tmp_path, **{"learner.max_steps": 1, "learner.groups_per_step": 3,
+                                                                 "learner.loss_normalization": '"sequence"'}))
+    agent = [make_agent_group(rng, [3, 1, 2, 1], [1.0, 0.0, 0.0, 0.0], env="calc-agent", group_id=f"a{i}",
+                              success=True) for i in range(2)]
+    uniform = make_agent_group(rng, [2, 2, 1, 1], [1.0, 1.0, 1.0, 1.0], env="calc-agent", group_id="u", success=True)
+    plain = make_group(rng, rewards=[1, 0, 1, 0], group_id="p")
+    plain.env = "calculator"
+    rec = Recorder()
+    learner = Learner(cfg, io=LearnerIO(source=ListSource([agent[0], uniform, plain, agent[1]]), progress=rec,
+                                        weights=rec))
+    assert learner.run() == "done" and learner.trainer.step == 1
+    [row] = [json.loads(line) for line in (tmp_path / "learner_metrics.jsonl").read_text().splitlines()]
+    assert row["batch/groups"] == 3 and row["batch/episodes"] == 12 and row["batch/sequences"] == 7 + 7 + 4
+    assert row["reward/mean"] == (0.25 + 0.25 + 0.5) / 3  # per episode; per sequence it would be 3/7 per agent group
+    # episode 0 (three sequences, +0.75 each) outnumbers the others' sequences: per-sequence GRPO would average 0
+    assert row["advantage/mean"] == pytest.approx(2 * (3 * 0.75 - 3 * 0.25 - 0.25) / 18, abs=1e-6)
+    assert (row["env/calc-agent/received"], row["env/calc-agent/accepted"]) == (3, 2)
+    assert row["env/calc-agent/dropped_zero_variance"] == 1  # its episodes all scored 1 (its sequences too)
+    assert row["env/calc-agent/success_recent"] == pytest.approx((1 + 1 + 4) / 12)
+    assert row["env/calculator/accepted"] == 1 and row["env/calculator/reward_recent"] == 0.5
+    assert np.isfinite(row["loss/total"])
 
 
 def test_loop_waits_for_data_then_gives_up_cleanly(tiny_model, tmp_path):

@@ -201,6 +201,19 @@ def test_live_table_shows_rl_rates(tmp_path: Path) -> None:
     assert "20 / 12" in text and "4 (stale 1, zero_variance 3)" in text
     rate = float(text.split("episodes/s (received)")[1].split("│")[1])
     assert 15.0 < rate <= 16.0
+    # one row per env: the learner's recent reward and success, groups, and the evaluations
+    state.last_metrics.update({"env/calculator/received": 12, "env/calculator/accepted": 9,
+                               "env/calculator/dropped_zero_variance": 3, "env/calculator/reward_recent": 0.4,
+                               "env/calculator/success_recent": 0.375, "env/calc agent/received": 8,
+                               "env/calc agent/accepted": 8, "env/calc agent/reward_recent": 0.5})
+    state.eval_before = {"success_rate": 0.3, "reward_mean": 0.3, "n": 4,
+                         "by_env": {"calculator": {"success_rate": 0.25}, "calc agent": {"success_rate": 0.35}}}
+    console = Console(record=True, width=140)
+    console.print(_table(state, cfg))
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in console.export_text().splitlines()
+            if line.count("│") == 3}
+    assert rows["env calculator"] == ("reward 0.400 · success 37.5% · groups 9 / dropped 3 · eval before 25.0%")
+    assert rows["env calc agent"] == "reward 0.500 · groups 8 / dropped 0 · eval before 35.0%"
 
 
 def test_live_table_and_summary_show_drops_and_the_learner_s_warning_before_any_step(tmp_path: Path) -> None:
@@ -288,3 +301,73 @@ def test_without_a_terminal_the_live_view_is_a_plain_line_every_few_seconds(tmp_
     assert len(out) == 2
     assert "step 5/20 | policy v5 | reward 0.500 | groups received 40 consumed 32 dropped 2 (zero_variance 2)" in out[0]
     assert out[0].endswith("WARNING: too flat")
+
+
+MIXED = """
+[run]
+name = "mixed"
+torch_num_threads = 1
+[engine]
+max_context_tokens = 256
+max_running_requests = 64
+[actors]
+num_concurrent_episodes = 16
+group_size = 4
+max_new_tokens_per_turn = 24
+max_staleness = 0          # synchronous: each step waits for exactly the groups its budget started
+[[envs]]
+cls = "agentrl.envs.calculator:CalculatorEnv"
+name = "calc"
+max_turns = 3
+max_total_tokens = 256
+kwargs = { max_ops = 2 }
+[[envs]]
+cls = "examples/openai_agent/calculator_agent.py:CalculatorAgentEnv"
+max_turns = 3
+max_total_tokens = 256
+kwargs = { max_ops = 2 }
+[learner]
+max_steps = 2
+groups_per_step = 4        # the actor's first four draws (seed 0): calc, agent, calc, calc
+max_staleness = 0
+dynamic_sampling = false
+checkpoint_every_steps = 0
+[sft]
+enabled = false
+[eval]
+num_tasks = 4
+"""
+
+
+@pytest.mark.timeout(600)
+def test_a_run_mixes_the_calculator_and_its_agent_env_and_reports_each(tiny_model: Path, tmp_path: Path) -> None:
+    """`agentrl run` with [[envs]]: agentrl's own calculator env next to the Agents SDK agent env; both
+    train in one learner, and evaluations, summary, learner metrics and MLflow report each env."""
+    config = tmp_path / "mixed.toml"
+    config.write_text(MIXED)
+    cfg = load_config(config, [f"model.path={tiny_model}"])
+    cwd = os.getcwd()
+    os.chdir(ROOT)  # the agent env's path is relative to the repository root
+    try:
+        summary = run(cfg, tmp_path / "run", live_display=False)
+    finally:
+        os.chdir(cwd)
+    assert summary["learner_steps"] == 2
+    for when in ("eval_before", "eval_after"):
+        by_env = summary[when]["by_env"]
+        assert set(by_env) == {"calc", "calculator-agent"}
+        assert all(r["n"] + r["n_failed"] == 4 for r in by_env.values()) and summary[when]["n"] == 8 - summary[when]["n_failed"]
+    assert set(summary["success_rise_by_env"]) == {"calc", "calculator-agent"}
+    rows = [json.loads(line) for line in (tmp_path / "run" / "learner_metrics.jsonl").read_text().splitlines()]
+    received = {env: rows[-1].get(f"env/{env}/received", 0) for env in ("calc", "calculator-agent")}
+    assert all(n >= 1 for n in received.values()), received  # both envs' groups reached the learner
+    assert sum(received.values()) == rows[-1]["data/received"]
+    batches = [json.loads(line) for line in (tmp_path / "run" / "learner_batches.jsonl").read_text().splitlines()]
+    assert len(batches) == 2
+    from mlflow import MlflowClient
+
+    planned = load_config(tmp_path / "run" / "config.toml")
+    metrics = MlflowClient(tracking_uri=planned.tracking.uri).get_run(planned.tracking.run_id).data.metrics
+    for env in ("calc", "calculator-agent"):
+        assert f"eval_after/env/{env}/success_rate" in metrics and f"env/{env}/received" in metrics
+        assert f"eval/env/{env}/success_rise" in metrics

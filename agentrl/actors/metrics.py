@@ -4,6 +4,12 @@ Every trajectory carries its own numbers in ``metadata`` (turns, tool calls and 
 latencies, finish reason, aborts survived); :class:`ActorStats` sums them so that the actor can
 print a one-line summary every few seconds and a report when it stops. Counters only grow;
 ``window()`` gives the rates since the previous call.
+
+Episodes are counted as episodes, not trajectories: an agent episode may be several sequences
+(:mod:`agentrl.agents.episodes`), each a trajectory with the episode's ``episode_id``. Rewards
+and success are per episode; tokens and the summed per-trajectory numbers (turns, latencies,
+finish reasons) are over trajectories. ``by_env`` holds groups, episodes, reward and success
+per env name.
 """
 
 from __future__ import annotations
@@ -17,6 +23,24 @@ from agentrl.protocol import TrajectoryGroup
 
 _SUMMED = ("num_turns", "num_tool_calls", "num_tool_errors", "num_aborts", "num_generate_calls",
            "tool_latency_s", "tool_wall_s", "generation_latency_s", "episode_wall_s", "num_model_tokens")
+
+
+@dataclass
+class EnvStats:
+    """One env's share of an actor's work."""
+
+    groups_started: int = 0
+    groups_completed: int = 0
+    groups_lost: int = 0
+    episodes: int = 0
+    reward_sum: float = 0.0
+    successes: int = 0
+
+    def summary(self) -> dict[str, Any]:
+        n = max(1, self.episodes)
+        return {"groups_started": self.groups_started, "groups_completed": self.groups_completed,
+                "groups_lost": self.groups_lost, "episodes": self.episodes, "reward_mean": self.reward_sum / n,
+                "success_rate": self.successes / n}
 
 
 @dataclass
@@ -35,25 +59,40 @@ class ActorStats:
     sums: Counter = field(default_factory=Counter)
     finish_reasons: Counter = field(default_factory=Counter)
     lost_reasons: Counter = field(default_factory=Counter)
+    by_env: dict[str, EnvStats] = field(default_factory=dict)
     _window_at: float = field(default_factory=time.monotonic)
     _window_turns: float = 0.0
     _window_groups: int = 0
 
+    def env(self, name: str) -> EnvStats:
+        return self.by_env.setdefault(name, EnvStats())
+
     def add_group(self, group: TrajectoryGroup) -> None:
         self.groups_completed += 1
-        for t in group.trajectories:
-            self.episodes += 1
+        per_env = self.env(group.env)
+        per_env.groups_completed += 1
+        seen: set[Any] = set()
+        for k, t in enumerate(group.trajectories):
             self.tokens += t.num_tokens
-            self.reward_sum += t.reward
             md = t.metadata
-            self.reward_errors += int("reward_error" in md)
+            episode = md.get("episode_id", ("trajectory", k))
+            if episode not in seen:  # the first sequence of an episode stands for it
+                seen.add(episode)
+                self.episodes += 1
+                self.reward_sum += t.reward
+                self.reward_errors += int("reward_error" in md)
+                per_env.episodes += 1
+                per_env.reward_sum += t.reward
+                per_env.successes += int(md.get("success") is True)
             self.finish_reasons[md.get("finish_reason", "?")] += 1
             for key in _SUMMED:
                 self.sums[key] += md.get(key, 0)
 
-    def add_lost(self, reason: str) -> None:
+    def add_lost(self, reason: str, env: str = "") -> None:
         self.groups_lost += 1
         self.lost_reasons[reason[:120]] += 1
+        if env:
+            self.env(env).groups_lost += 1
 
     def summary(self) -> dict[str, Any]:
         n = max(1, self.episodes)
@@ -80,6 +119,7 @@ class ActorStats:
             "tokens_mean": self.tokens / n, "model_tokens_mean": self.sums["num_model_tokens"] / n,
             "finish_reasons": dict(self.finish_reasons),
             "lost_reasons": dict(self.lost_reasons),
+            "by_env": {name: stats.summary() for name, stats in sorted(self.by_env.items())},
         }
 
     def window(self) -> dict[str, float]:

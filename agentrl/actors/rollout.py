@@ -122,12 +122,14 @@ class EpisodeLimits:
     max_abs_reward: float = math.inf  # a larger reward is an env bug: scored 0 with reward_error
 
     @classmethod
-    def from_config(cls, cfg: Any, env: Env | None = None) -> "EpisodeLimits":
-        """``[env]`` limits, overridden by an env's own ``max_turns``/``max_total_tokens`` attributes
-        when it sets them, and never above ``engine.max_context_tokens``."""
-        turns = getattr(env, "max_turns", None) or cfg.env.max_turns
-        tokens = getattr(env, "max_total_tokens", None) or cfg.env.max_total_tokens
-        return cls(max_turns=turns, max_total_tokens=min(tokens, cfg.engine.max_context_tokens),
+    def from_config(cls, cfg: Any, env: Env | None = None, section: Any = None) -> "EpisodeLimits":
+        """The env section's limits (default: the run's only env), overridden by an env's own
+        ``max_turns``/``max_total_tokens`` attributes when it sets them, and never above
+        ``engine.max_context_tokens`` (:func:`agentrl.envs.episode_limits`)."""
+        from agentrl.envs import episode_limits
+
+        turns, tokens = episode_limits(env if env is not None else Env(), cfg, section)
+        return cls(max_turns=turns, max_total_tokens=tokens,
                    max_new_tokens_per_turn=cfg.actors.max_new_tokens_per_turn,
                    max_abs_reward=cfg.learner.max_abs_reward)
 
@@ -139,11 +141,11 @@ def sampling_from_config(cfg: Any, greedy: bool = False) -> dict[str, Any]:
     return {"temperature": cfg.actors.temperature, "top_p": cfg.actors.top_p, "top_k": cfg.actors.top_k}
 
 
-def toolbox_for(env: Env, cfg: Any = None) -> ToolBox:
-    """The env's tools with the ``[env]`` time and output limits."""
-    if cfg is None:
-        return ToolBox(env.tools())
-    return ToolBox(env.tools(), timeout_s=cfg.env.tool_timeout_s, max_output_chars=cfg.env.tool_max_output_chars)
+def toolbox_for(env: Env, cfg: Any = None, section: Any = None) -> ToolBox:
+    """The env's tools with its section's time and output limits (:func:`agentrl.envs.make_toolbox`)."""
+    from agentrl.envs import make_toolbox
+
+    return make_toolbox(env, cfg, section)
 
 
 @dataclass
@@ -429,16 +431,23 @@ async def run_group(client: EngineClientLike, tokenizer: Any, env: Env, toolbox:
 
 async def evaluate(client: EngineClientLike, tokenizer: Any, env: Env, tasks: list[Task], greedy: bool = True,
                    concurrency: int = 64, *, toolbox: ToolBox | None = None, limits: EpisodeLimits | None = None,
-                   sampling: dict[str, Any] | None = None) -> dict[str, Any]:
+                   sampling: dict[str, Any] | None = None, agents: Any = None) -> dict[str, Any]:
     """Play one episode per task and report ``success_rate`` and ``reward_mean`` over the episodes
     that completed (``n``); episodes that failed (engine unreachable...) are counted in ``n_failed``
-    and left out of the rates, so an outage does not read as a bad policy.
+    and left out of the rates, so an outage does not read as a bad policy. An
+    :class:`agentrl.agents.AgentEnv` is played by its agent through ``agents`` (an entered
+    :class:`agentrl.agents.runner.AgentRunner` that samples as the evaluation asks); its finish
+    reason is the limit it reached, else its last call's.
 
     What went wrong without failing an episode is counted too, because it silently lowers the
     rates: episodes the engine ``aborted`` (they score like a wrong answer), episodes whose
     reward raised (scored 0) and tool calls that crashed or timed out. ``problems`` holds each
     kind's count and first messages; :func:`describe_problems` says it in words.
     """
+    from agentrl.agents.env import AgentEnv
+
+    if isinstance(env, AgentEnv) and agents is None:
+        raise ValueError(f"{type(env).__name__} is an AgentEnv: evaluating it needs an AgentRunner (agents=...)")
     toolbox = toolbox or toolbox_for(env)
     limits = limits or EpisodeLimits()
     sampling = dict(sampling or {})
@@ -451,19 +460,27 @@ async def evaluate(client: EngineClientLike, tokenizer: Any, env: Env, tasks: li
     problems = {kind: _Problem() for kind in PROBLEM_KINDS}
     by_group: dict[str, list[bool]] = {}
 
+    async def play(task: Task) -> tuple[float, dict[str, Any]]:
+        if isinstance(env, AgentEnv):
+            sequences = await agents.play(env, task, limits=limits)
+            meta = dict(sequences[-1].metadata)
+            meta["finish_reason"] = meta.get("episode_limit") or meta.get("finish_reason", "?")
+            return sequences[0].reward, meta
+        traj = await run_episode(client, tokenizer, env, toolbox, task, sampling, limits, versioned=False)
+        return traj.reward, traj.metadata
+
     async def one(task: Task) -> None:
         async with limiter:
             try:
-                traj = await run_episode(client, tokenizer, env, toolbox, task, sampling, limits, versioned=False)
+                reward, meta = await play(task)
             except EpisodeFailed as e:
                 problems["failed"].add(str(e))
                 return
-        rewards.append(traj.reward)
-        successes.append(bool(env.is_success(task, traj.reward)))
+        rewards.append(reward)
+        successes.append(bool(env.is_success(task, reward)))
         group = env.eval_group(task)
         if group is not None:
             by_group.setdefault(group, []).append(successes[-1])
-        meta = traj.metadata
         finish[meta["finish_reason"]] = finish.get(meta["finish_reason"], 0) + 1
         if meta["finish_reason"] == "aborted":
             problems["aborted"].add(meta.get("abort_message") or "aborted by the engine")
@@ -488,6 +505,34 @@ async def evaluate(client: EngineClientLike, tokenizer: Any, env: Env, tasks: li
         "errors": problems["failed"].first,
         "problems": {kind: p.as_dict() for kind, p in problems.items() if p.count},
     }
+
+
+def combine_evaluations(by_env: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One evaluation of several envs: counts summed, rates over all their episodes (each env's
+    result under ``by_env``). ``success_by_group`` keeps one env's labels as they are and prefixes
+    them with the env's name when there are several."""
+    n = sum(r["n"] for r in by_env.values())
+    out: dict[str, Any] = {key: sum(r[key] for r in by_env.values())
+                           for key in ("n", "n_failed", "n_aborted", "n_reward_errors", "n_tool_faults")}
+    out["success_rate"] = sum(r["success_rate"] * r["n"] for r in by_env.values()) / n if n else 0.0
+    out["reward_mean"] = sum(r["reward_mean"] * r["n"] for r in by_env.values()) / n if n else 0.0
+    several = len(by_env) > 1
+    out["success_by_group"] = {(f"{env}/{g}" if several else g): rate for env, r in by_env.items()
+                               for g, rate in r["success_by_group"].items()}
+    finish: dict[str, int] = {}
+    problems: dict[str, _Problem] = {}
+    for r in by_env.values():
+        for reason, count in r["finish_reasons"].items():
+            finish[reason] = finish.get(reason, 0) + count
+        for kind, p in r["problems"].items():
+            merged = problems.setdefault(kind, _Problem())
+            merged.count += p["count"]
+            merged.first += [m for m in p["first"] if m not in merged.first][:3 - len(merged.first)]
+    out["finish_reasons"] = finish
+    out["errors"] = problems["failed"].first if "failed" in problems else []
+    out["problems"] = {kind: p.as_dict() for kind, p in problems.items()}
+    out["by_env"] = by_env
+    return out
 
 
 # what an evaluation counts besides success, and how it is said in words

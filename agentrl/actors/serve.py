@@ -1,13 +1,19 @@
 """``agentrl serve-actors``: build the parts of one actor process from the config and run it.
 
-The engine client and the transport are looked up by import path (defaults: the project's
-``agentrl.engine.client:EngineClient`` and ``agentrl.transport``) so that tests and users can
-plug in their own implementations of the same interfaces.
+The engine client (``EngineClient.from_config``: keys, retries, health checks, the served
+LoRA adapter) and the ZMQ channels of ``agentrl.transport`` (with the run's CURVE security) are
+the real ones; tests of the logic above them use ``ActorService`` with in-memory channels.
+
+Every env of the config (``[env]``, or each ``[[envs]]`` entry) is built with its section's
+tools and limits. When one is an :class:`agentrl.agents.AgentEnv`, the process also runs one
+:class:`agentrl.agents.runner.AgentRunner` (the agent endpoint and its asyncio thread) for all
+its agent episodes, with the run's sampling forced (the learner trains on
+``actors.temperature``), ``actors.max_new_tokens_per_turn`` as every call's default and cap,
+and its own client of the same engines.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import sys
@@ -24,36 +30,33 @@ def engine_urls(cfg: Any) -> list[str]:
     return [f"http://{cfg.engine.host}:{cfg.engine.base_port + i}" for i in range(cfg.engine.num_engines)]
 
 
-def import_object(path: str) -> Any:
-    """``"module:attr"`` -> the attribute, ``"module"`` -> the module; errors name the path."""
-    module_name, _, attr = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"cannot import {module_name!r}: {e}") from e
-    if not attr:
-        return module
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise ValueError(f"module {module_name!r} has no attribute {attr!r}") from None
+def build_actor_envs(cfg: Any) -> list[Any]:
+    """Every env of the config as an :class:`agentrl.actors.service.ActorEnv` (tools, limits, weight)."""
+    from agentrl.actors.rollout import EpisodeLimits, toolbox_for
+    from agentrl.actors.service import ActorEnv
+    from agentrl.envs import make_envs
+
+    return [ActorEnv(env, toolbox_for(env, cfg, section), EpisodeLimits.from_config(cfg, env, section), section.weight)
+            for section, env in make_envs(cfg)]
 
 
-def build_env(cfg: Any) -> Any:
-    """The configured env: ``agentrl.envs.make_env(cfg)`` where the envs package provides it (it
-    passes the ``[sandbox]`` section to envs that take one), else ``load_env(env.cls, env.kwargs)``."""
-    import agentrl.envs
-    from agentrl.envs.base import load_env
+def agent_runner(cfg: Any, tokenizer: Any, client_factory: Any, *, evaluation: bool = False,
+                 greedy: bool = False) -> Any:
+    """The process's :class:`agentrl.agents.runner.AgentRunner` for ``cfg``: training (versions on, the
+    run's sampling forced) or ``evaluation`` (any version; temperature 0 when ``greedy``)."""
+    from agentrl.actors.rollout import sampling_from_config
+    from agentrl.agents.runner import AgentRunner
 
-    make_env = getattr(agentrl.envs, "make_env", None)
-    return make_env(cfg) if make_env is not None else load_env(cfg.env.cls, cfg.env.kwargs)
+    return AgentRunner(tokenizer, client_factory, versioned=not evaluation,
+                       forced_sampling=sampling_from_config(cfg, greedy=greedy),
+                       default_max_tokens=cfg.actors.max_new_tokens_per_turn,
+                       max_tokens_cap=cfg.actors.max_new_tokens_per_turn,
+                       max_model_len=cfg.engine.max_context_tokens)
 
 
 def serve_actors(cfg: Any, *, dump_path: Path | None = None, max_groups: int | None = None, index: int = 0,
                  num_actors: int | None = None, send: bool = True, wait_for_learner: bool = False,
-                 split: str = "train", log_interval_s: float = 30.0,
-                 engine_client: str = "agentrl.engine.client:EngineClient",
-                 transport: str = "agentrl.transport") -> int:
+                 split: str = "train", log_interval_s: float = 30.0) -> int:
     """Run one actor process until it stops; print the report as JSON; return the exit code."""
     if not send and dump_path is None:
         raise ValueError("--no-send without --dump-trajectories would throw every group away")
@@ -63,12 +66,13 @@ def serve_actors(cfg: Any, *, dump_path: Path | None = None, max_groups: int | N
     import trio
     from transformers import AutoTokenizer
 
-    from agentrl.actors.rollout import EpisodeLimits, sampling_from_config, toolbox_for
+    from agentrl.actors.rollout import sampling_from_config
     from agentrl.actors.service import ActorService, ActorSettings
+    from agentrl.agents import AgentEnv
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("httpx", "httpcore"):  # one line per request otherwise
+    for noisy in ("httpx", "httpx2", "httpcore"):  # one line per request otherwise
         logging.getLogger(noisy).setLevel(logging.WARNING)
     num_actors = num_actors or cfg.actors.num_processes
     settings = ActorSettings(
@@ -79,35 +83,40 @@ def serve_actors(cfg: Any, *, dump_path: Path | None = None, max_groups: int | N
         log_interval_s=log_interval_s,
     )
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    env = build_env(cfg)
-    toolbox = toolbox_for(env, cfg)
-    client_cls = import_object(engine_client)
-    transport_mod = import_object(transport) if send else None
+    envs = build_actor_envs(cfg)
+    from agentrl.engine.client import EngineClient
+    from agentrl.transport import GroupSender, ProgressSubscriber, security_from_config
+
+    def new_client() -> Any:
+        return EngineClient.from_config(cfg.engine, urls=engine_urls(cfg), lora_path=cfg.learner.lora.served_adapter)
 
     async def main() -> dict[str, Any]:
-        client = client_cls(engine_urls(cfg), router_url=cfg.engine.router_url,
-                            max_retries=cfg.engine.request_retries,
-                            health_check_interval_s=cfg.engine.health_check_interval_s,
-                            lora_path=cfg.learner.lora.served_adapter)
+        from contextlib import AsyncExitStack
+
         sender = progress = None
         try:
-            if transport_mod is not None:
-                security = transport_mod.security_from_config(cfg.actors)
-                sender = transport_mod.GroupSender(cfg.actors.trajectory_endpoint,
-                                                   max_queued_groups=cfg.actors.send_queue_groups, security=security)
-                progress = transport_mod.ProgressSubscriber(cfg.actors.progress_endpoint, security=security)
-            async with client:
-                service = ActorService(client=client, tokenizer=tokenizer, env=env, toolbox=toolbox,
-                                       sampling=sampling_from_config(cfg), limits=EpisodeLimits.from_config(cfg, env),
-                                       settings=settings, sender=sender, progress=progress, dump_path=dump_path)
-                log.info("actor %s: %d engine(s), %d groups of %d open at most, env %s, split %s",
+            if send:
+                security = security_from_config(cfg.actors)
+                sender = GroupSender(cfg.actors.trajectory_endpoint, max_queued_groups=cfg.actors.send_queue_groups,
+                                     security=security)
+                progress = ProgressSubscriber(cfg.actors.progress_endpoint, security=security)
+            async with AsyncExitStack() as stack:
+                client = await stack.enter_async_context(new_client())
+                agents = None
+                if any(isinstance(e.env, AgentEnv) for e in envs):  # its own engine client, in its own thread
+                    agents = await stack.enter_async_context(agent_runner(cfg, tokenizer, new_client))
+                service = ActorService(client=client, tokenizer=tokenizer, envs=envs, agents=agents,
+                                       sampling=sampling_from_config(cfg), settings=settings, sender=sender,
+                                       progress=progress, dump_path=dump_path)
+                log.info("actor %s: %d engine(s), %d groups of %d open at most, env(s) %s, split %s",
                          settings.actor_id, len(engine_urls(cfg)), settings.max_open_groups, settings.group_size,
-                         env.name, split)
+                         ", ".join(f"{e.name} (weight {e.weight:g})" for e in envs), split)
                 return await service.run(handle_signals=True)
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(10):
-                for closable in (sender, progress, env):  # env.aclose: process-wide resources (sandbox pools)
-                    if getattr(closable, "aclose", None) is not None:
+                # env.aclose: process-wide resources (sandbox pools)
+                for closable in (sender, progress, *(e.env for e in envs)):
+                    if closable is not None:
                         await closable.aclose()
 
     report = trio.run(main)

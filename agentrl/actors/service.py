@@ -1,7 +1,12 @@
 """One actor process: many concurrent episodes, gated by the learner's budget, sent as groups.
 
-Scheduling. The unit of work is a *group*: the ``group_size`` samples of one task, run
-concurrently (:func:`agentrl.actors.rollout.run_group`). At most
+Scheduling. The unit of work is a *group*: the ``group_size`` samples of one task of one env,
+run concurrently (:func:`agentrl.actors.rollout.run_group`, or for an
+:class:`agentrl.agents.AgentEnv` :meth:`agentrl.agents.runner.AgentRunner.play_group`, which
+plays the env's own agent code against the process's one agent endpoint). A run of several
+envs (``[[envs]]``) picks the env of each new group at random by the envs' ``weight`` (a
+seeded generator per actor); a group never mixes envs. Everything below -- gating, budget,
+delivery, stopping -- is the same for every env. At most
 ``num_concurrent_episodes // group_size`` groups are *open* at a time, where open means started
 and not yet delivered (running, or finished and waiting to be sent). Counting waiting groups
 too is what bounds memory: when the learner stops reading, sending blocks, open groups pile
@@ -26,9 +31,12 @@ the :class:`~agentrl.transport.delivery.Outbox` until the learner acknowledges i
 learner lost (it restarted, or a later group arrived first) is sent again by a second task.
 Both send under one lock, so the order the outbox records is the order on the wire.
 
-Tasks. Every actor iterates the same ``env.tasks(split, seed + epoch)`` sequence and takes
-every ``k``-th task from position ``i``, so that the actors together cover the env's sequence
-once per epoch; the "train" split cycles with a new seed per epoch, other splits run once.
+Tasks. Per env, every actor iterates the same ``env.tasks(split, seed + epoch)`` sequence and
+takes every ``k``-th task from position ``i``, so that the actors together cover the env's
+sequence once per epoch; the "train" split cycles with a new seed per epoch, other splits run
+once (an env whose tasks ran out is no longer picked; the actor finishes when all have).
+Every trajectory is stamped with ``metadata["success"]`` (``env.is_success`` of its reward),
+which the learner reports per env.
 
 Stopping. ``request_stop`` (SIGTERM/SIGINT, ``Progress.done``, ``max_groups`` reached, too
 many groups lost in a row) stops new starts; in-flight groups are cancelled (abandoned and
@@ -44,6 +52,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import random
 import signal
 import time
 import uuid
@@ -56,6 +65,7 @@ import trio
 
 from agentrl.actors.metrics import ActorStats
 from agentrl.actors.rollout import EngineClientLike, EpisodeLimits, GroupLost, run_group
+from agentrl.agents.env import AgentEnv
 from agentrl.envs.base import Env, Task
 from agentrl.protocol import Progress, TrajectoryGroup
 from agentrl.tools.base import ToolBox
@@ -68,6 +78,20 @@ log = logging.getLogger(__name__)
 def budget_share(accept_groups: int, index: int, num_actors: int) -> int:
     """Actor ``index``'s share of the learner's cumulative group budget."""
     return accept_groups // num_actors + (1 if index < accept_groups % num_actors else 0)
+
+
+@dataclass
+class ActorEnv:
+    """One env of an actor process: its tools and limits, and its share of the groups."""
+
+    env: Env
+    toolbox: ToolBox
+    limits: EpisodeLimits
+    weight: float = 1.0
+
+    @property
+    def name(self) -> str:
+        return self.env.name
 
 
 @dataclass
@@ -103,12 +127,21 @@ class ActorSettings:
 class ActorService:
     """Runs groups of episodes until stopped; see the module docstring."""
 
-    def __init__(self, *, client: EngineClientLike, tokenizer: Any, env: Env, toolbox: ToolBox,
-                 sampling: dict[str, Any], limits: EpisodeLimits, settings: ActorSettings,
-                 sender: GroupSink | None = None, progress: ProgressSource | None = None,
-                 dump_path: str | Path | None = None):
-        self.client, self.tokenizer, self.env, self.toolbox = client, tokenizer, env, toolbox
-        self.sampling, self.limits, self.settings = sampling, limits, settings
+    def __init__(self, *, client: EngineClientLike, tokenizer: Any, envs: list[ActorEnv], sampling: dict[str, Any],
+                 settings: ActorSettings, agents: Any = None, sender: GroupSink | None = None,
+                 progress: ProgressSource | None = None, dump_path: str | Path | None = None):
+        """``agents``: the process's :class:`agentrl.agents.runner.AgentRunner`, entered by the caller;
+        needed when an env is an :class:`agentrl.agents.AgentEnv`."""
+        if not envs:
+            raise ValueError("an actor needs at least one env")
+        from agentrl.envs import check_env_names
+
+        check_env_names([(type(e.env).__name__, e.name) for e in envs])
+        needs_agents = [e.name for e in envs if isinstance(e.env, AgentEnv)]
+        if needs_agents and agents is None:
+            raise ValueError(f"env(s) {', '.join(needs_agents)} are AgentEnvs: the actor needs an AgentRunner")
+        self.client, self.tokenizer, self.envs, self.agents = client, tokenizer, list(envs), agents
+        self.sampling, self.settings = sampling, settings
         self.sender, self.progress_source = sender, progress
         self.dump_path = Path(dump_path) if dump_path else None
         self.stats = ActorStats()
@@ -225,7 +258,9 @@ class ActorService:
         }
 
     async def _schedule(self, groups: trio.Nursery, send_in: trio.MemorySendChannel) -> None:
-        tasks = self._tasks()
+        cfg = self.settings
+        tasks = {i: self._tasks(e.env) for i, e in enumerate(self.envs)}
+        rng = random.Random(f"agentrl-envs-{cfg.seed}-{cfg.actor_index}")
         while not self.stop_reason:
             cfg, s = self.settings, self.stats
             if cfg.max_groups is not None and s.groups_delivered >= cfg.max_groups:
@@ -239,46 +274,66 @@ class ActorService:
             if not self.may_start():
                 await self._changed.wait()
                 continue
-            try:
-                task = next(tasks, None)
-            except Exception as e:  # an env bug: stop cleanly with the reason
-                self.failed = True
-                self.request_stop(f"{type(self.env).__name__}.tasks() raised {type(e).__name__}: {e}")
-                return
-            if task is None:
+            if not tasks:
                 log.info("no more tasks in split %r; finishing the open groups", cfg.split)
                 return  # the nursery waits for the open groups; then delivery drains
+            index = rng.choices(list(tasks), weights=[self.envs[i].weight for i in tasks])[0]
+            entry = self.envs[index]
+            try:
+                task = next(tasks[index], None)
+            except Exception as e:  # an env bug: stop cleanly with the reason
+                self.failed = True
+                self.request_stop(f"{type(entry.env).__name__}.tasks() raised {type(e).__name__}: {e}")
+                return
+            if task is None:
+                log.info("env %s has no more tasks in split %r", entry.name, cfg.split)
+                del tasks[index]
+                continue
             s.groups_started += 1
-            groups.start_soon(self._group, task, send_in.clone())
+            s.env(entry.name).groups_started += 1
+            groups.start_soon(self._group, entry, task, send_in.clone())
 
-    def _tasks(self) -> Iterator[Task]:
+    def _tasks(self, env: Env) -> Iterator[Task]:
         cfg = self.settings
         epoch = 0
         while True:
             position = -1
-            for position, task in enumerate(self.env.tasks(cfg.split, cfg.seed + epoch)):
+            for position, task in enumerate(env.tasks(cfg.split, cfg.seed + epoch)):
                 if position % cfg.num_actors == cfg.actor_index:
                     yield task
             if position < 0:
-                raise ValueError(f"{type(self.env).__name__}.tasks({cfg.split!r}) yielded no tasks")
+                raise ValueError(f"{type(env).__name__}.tasks({cfg.split!r}) yielded no tasks")
             if cfg.split != "train":
                 return
             epoch += 1
 
-    async def _group(self, task: Task, send_in: trio.MemorySendChannel) -> None:
+    async def _play_group(self, entry: ActorEnv, task: Task, extra: dict[str, Any]) -> TrajectoryGroup:
+        """The group's ``group_size`` episodes, by agentrl's own loop or, for an AgentEnv, its agent."""
+        cfg = self.settings
+        gid = uuid.uuid4().hex[:12]
+        if isinstance(entry.env, AgentEnv):
+            group = await self.agents.play_group(entry.env, task, cfg.group_size, group_id=gid, actor_id=cfg.actor_id,
+                                                 extra_metadata=extra, limits=entry.limits)
+        else:
+            group = await run_group(self.client, self.tokenizer, entry.env, entry.toolbox, task, self.sampling,
+                                    entry.limits, cfg.group_size, group_id=gid, actor_id=cfg.actor_id,
+                                    extra_metadata=extra)
+        for t in group.trajectories:
+            t.metadata["success"] = _is_success(entry.env, task, t.reward)
+        return group
+
+    async def _group(self, entry: ActorEnv, task: Task, send_in: trio.MemorySendChannel) -> None:
         cfg, s = self.settings, self.stats
         version = None if self.progress is None else self.progress.policy_version
         extra = {"policy_version_at_start": -1 if version is None else version}
         async with send_in:
             ended = False  # completed or lost; otherwise cancelled (Cancelled may arrive in an exception group)
             try:
-                group = await run_group(self.client, self.tokenizer, self.env, self.toolbox, task, self.sampling,
-                                        self.limits, cfg.group_size, group_id=uuid.uuid4().hex[:12],
-                                        actor_id=cfg.actor_id, extra_metadata=extra)
+                group = await self._play_group(entry, task, extra)
                 ended = True
             except GroupLost as e:
                 ended = True
-                self._on_lost(task, str(e))
+                self._on_lost(entry, task, str(e))
                 return
             finally:
                 if not ended:
@@ -289,11 +344,11 @@ class ActorService:
             s.add_group(group)
             send_in.send_nowait(group)  # never full: the buffer holds max_open_groups
 
-    def _on_lost(self, task: Task, reason: str) -> None:
-        self.stats.add_lost(reason)
+    def _on_lost(self, entry: ActorEnv, task: Task, reason: str) -> None:
+        self.stats.add_lost(reason, entry.name)
         self._consecutive_lost += 1
         n = self._consecutive_lost
-        log.warning("group of task %s lost (%d in a row): %s", task.id, n, reason)
+        log.warning("group of task %s (env %s) lost (%d in a row): %s", task.id, entry.name, n, reason)
         if n >= self.settings.max_consecutive_lost:
             self.failed = True
             self.request_stop(f"{n} groups lost in a row, last: {reason}")
@@ -369,6 +424,15 @@ class ActorService:
                      "turns %.2f, tool errors %.3f, finish %s", self.settings.actor_id, window["turns_per_s"],
                      window["groups_per_s"], self.open_groups, s["groups_delivered"], self.outbox.held, s["groups_lost"],
                      s["reward_mean"], s["turns_mean"], s["tool_error_rate"], s["finish_reasons"])
+
+
+def _is_success(env: Env, task: Task, reward: float) -> bool:
+    """``env.is_success``; an env whose ``is_success`` raises says nothing about success (False, logged)."""
+    try:
+        return bool(env.is_success(task, reward))
+    except Exception as e:  # noqa: BLE001 - a judge's bug must not lose the group
+        log.warning("%s.is_success raised %s: %s", type(env).__name__, type(e).__name__, e)
+        return False
 
 
 def group_to_json(group: TrajectoryGroup) -> dict[str, Any]:

@@ -56,10 +56,11 @@ class AgentEndpoint:
         self._episodes: dict[bytes, Episode] = {}
         self.app = self._build_app()
 
-    def open_episode(self, episode_id: str) -> tuple[str, Episode]:
-        """A new episode and its key."""
+    def open_episode(self, episode_id: str, *, max_calls: int | None = None,
+                     max_len: int | None = None) -> tuple[str, Episode]:
+        """A new episode (with its limits, :class:`agentrl.agents.episodes.Episode`) and its key."""
         key = KEY_PREFIX + secrets.token_urlsafe(32)
-        episode = Episode(episode_id)
+        episode = Episode(episode_id, max_calls=max_calls, max_len=max_len)
         self._episodes[_digest(key)] = episode
         return key, episode
 

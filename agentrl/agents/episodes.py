@@ -27,14 +27,19 @@ the sequence that generated them). Likewise when two calls extend the same seque
 the one committed second becomes a branch. A later call that extends any branch's reply extends
 that branch.
 
-**Reward and advantages.** Every sequence of an episode carries the episode's reward. For GRPO the
-group is the ``n`` *episodes* of a task, not their sequences: normalise the episodes' rewards within
-the group and give each sequence its episode's advantage (:func:`episode_index` maps trajectories to
-episodes; the learner applies its advantage function to one reward per episode). Normalising over
-sequences instead would count an episode once per sequence and bias the baseline toward agents
-that branch or compact often. With token-mean loss normalisation each token weighs the same, as in
-the actors' own episodes; for a sequence-mean loss, weight each sequence by ``1 / num_sequences``
-so that an episode counts once.
+**Limits** (the env's ``max_turns`` and ``max_total_tokens``). An episode serves at most
+``max_calls`` calls to the model (a call once that many have completed is a 400 with code
+``max_turns_exceeded``), and no sequence grows beyond ``max_len`` tokens (a completion ends
+with ``length`` at the limit; a call whose prompt leaves no room is a 400 with OpenAI's
+``context_length_exceeded``). Either refusal sets :attr:`Episode.limit` (``max_turns`` or
+``context_full``): the runner then scores the episode as played, whatever the agent does
+with the error, as agentrl's own loop scores an episode that reached a limit.
+
+**Reward and advantages.** Every sequence of an episode carries the episode's reward and
+``episode_id``. The learner's group is the ``n`` *episodes* of a task, not their sequences: it
+normalises one reward per episode and gives each sequence its episode's advantage
+(:func:`agentrl.learner.batching.episode_index`, and "Episodes and sequences" there, which also
+says how the loss weighs an episode of several sequences).
 """
 
 from __future__ import annotations
@@ -87,8 +92,10 @@ class EpisodeClosed(OpenAIRequestError):
 class Episode:
     """The calls of one episode as sequences; an :class:`agentrl.agents.serving.PromptSession`."""
 
-    def __init__(self, episode_id: str):
+    def __init__(self, episode_id: str, *, max_calls: int | None = None, max_len: int | None = None):
         self.id = episode_id
+        self.max_calls, self.max_len = max_calls, max_len
+        self.limit = ""  # the limit a refused call reached: "max_turns" or "context_full"
         self.sequences: list[Sequence] = []
         self.num_calls = 0  # committed
         self.num_stitched = 0  # committed calls that extended a sequence
@@ -101,6 +108,10 @@ class Episode:
     def plan(self, request: ChatRequest, codec: ChatCodec) -> CallPlan:
         if self.closed:
             raise EpisodeClosed()
+        if self.max_calls is not None and self.num_calls >= self.max_calls:
+            self.limit = "max_turns"
+            raise OpenAIRequestError(f"this episode has made its {self.max_calls} calls to the model (the env's "
+                                     "max_turns): finish the episode", code="max_turns_exceeded")
         chat, extends, reason = None, None, "first_call"
         if self.sequences:
             sequence, reason = self._find(request)
@@ -113,9 +124,14 @@ class Episode:
                     chat, reason = None, "template_not_prefix_stable"
         if chat is None:
             chat = TokenChat.start(codec, request.messages, request.tools)
+        if self.max_len is not None and len(chat) + 1 + codec.reserve_tokens > self.max_len:
+            self.limit = "context_full"
+            raise OpenAIRequestError(f"This episode's maximum length is {self.max_len} tokens (the env's "
+                                     f"max_total_tokens); the messages take {len(chat)}, which leaves no room for a "
+                                     "completion", param="messages", code="context_length_exceeded")
         self._planned += 1
         return CallPlan(request, clone_chats(chat, request.n), affinity_key=self.id, rid=f"{self.id}-{self._planned}",
-                        state=(extends, reason))
+                        state=(extends, reason), max_len=self.max_len)
 
     def commit(self, plan: CallPlan) -> None:
         if self.closed:  # the agent returned (or was cancelled) while this call generated: not recorded
@@ -201,19 +217,3 @@ class Episode:
 def copy_chat(chat: TokenChat) -> TokenChat:
     return clone_chats(chat, 2)[1]
 
-
-def episode_index(trajectories: list[Trajectory]) -> tuple[list[float], list[int]]:
-    """(one reward per episode, the episode of each trajectory), by ``metadata["episode_id"]`` in order of
-    first appearance; a trajectory without an episode id is an episode of its own. The learner applies
-    its advantage function (GRPO, RLOO) to the episode rewards and gives each trajectory its episode's."""
-    rewards: list[float] = []
-    where: dict[str, int] = {}
-    index = []
-    for k, t in enumerate(trajectories):
-        key = t.metadata.get("episode_id")
-        key = f"\x00{k}" if key is None else str(key)
-        if key not in where:
-            where[key] = len(rewards)
-            rewards.append(t.reward)
-        index.append(where[key])
-    return rewards, index

@@ -23,7 +23,14 @@ cannot write into any episode.
 
 **Failures.** An agent (or ``setup``) that raises -- ``SystemExit`` included -- fails its episode with
 :class:`agentrl.actors.rollout.EpisodeFailed` naming the error; so does an agent that returns without
-having called the model. A reward that raises or is not finite scores 0 with ``reward_error`` in the
+having called the model.
+
+**Limits.** ``play`` takes the env's :class:`agentrl.actors.rollout.EpisodeLimits`: the endpoint
+refuses a call past ``max_turns`` calls, or one whose prompt leaves no room in ``max_total_tokens``
+(:mod:`agentrl.agents.episodes`, "Limits"). An agent that raises after such a refusal (most
+frameworks turn the 400 into an exception) has not failed: the episode ended at its limit, as
+agentrl's own loop ends one, and is scored as played -- by ``env.reward`` of the last call's
+conversation when the env has a ``reward``, else 0 -- with ``metadata["episode_limit"]``. A reward that raises or is not finite scores 0 with ``reward_error`` in the
 metadata, as for other envs. ``cleanup`` always runs, bounded by ``cleanup_timeout_s``.
 """
 
@@ -43,14 +50,15 @@ from typing import Any, Callable
 import trio
 
 from agentrl.actors.chat import ChatCodec
-from agentrl.actors.rollout import EpisodeFailed, GroupLost
+from agentrl.actors.rollout import EpisodeFailed, EpisodeLimits, GroupLost
 from agentrl.agents.endpoint import AgentEndpoint
 from agentrl.agents.env import AgentEnv
 from agentrl.agents.serving import ChatService
-from agentrl.envs.base import Task, score_episode, total_reward
-from agentrl.protocol import Trajectory
+from agentrl.envs.base import Env, Task, score_episode, total_reward
+from agentrl.protocol import Trajectory, TrajectoryGroup
 
 log = logging.getLogger(__name__)
+_URL_LOGGERS = ("httpx", "httpx2")  # the HTTP clients of openai 1.x/2.x and 3.x
 
 
 class AgentRunner:
@@ -91,6 +99,10 @@ class AgentRunner:
 
     # -- lifecycle (trio) ---------------------------------------------------------------------
     async def __aenter__(self) -> "AgentRunner":
+        for name in _URL_LOGGERS:  # their per-request INFO lines would log the episode keys in the URLs
+            logger = logging.getLogger(name)
+            if logger.getEffectiveLevel() < logging.WARNING:
+                logger.setLevel(logging.WARNING)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self._host, self._port))
@@ -164,27 +176,31 @@ class AgentRunner:
 
     # -- episodes (trio) ----------------------------------------------------------------------
     async def play(self, env: AgentEnv, task: Task, *, episode_id: str | None = None,
-                   extra_metadata: dict[str, Any] | None = None) -> list[Trajectory]:
+                   extra_metadata: dict[str, Any] | None = None, limits: EpisodeLimits | None = None) -> list[Trajectory]:
         """Play one episode of ``env`` on ``task``; its sequences as trajectories (each with the episode's
-        reward). Raises :class:`EpisodeFailed` when the agent fails."""
+        reward). ``limits``: the env's ``max_turns`` (calls to the model), ``max_total_tokens`` (per
+        sequence) and ``max_abs_reward`` (module docstring, "Limits"). Raises :class:`EpisodeFailed` when
+        the agent fails."""
         if not isinstance(env, AgentEnv):
             raise TypeError(f"{type(env).__name__} is not an AgentEnv")
         episode_id = episode_id or uuid.uuid4().hex[:12]
-        return await self._run_in_loop(self._episode(env, task, episode_id, extra_metadata or {}))
+        return await self._run_in_loop(self._episode(env, task, episode_id, extra_metadata or {}, limits))
 
     async def play_group(self, env: AgentEnv, task: Task, n: int, *, group_id: str | None = None,
-                         extra_metadata: dict[str, Any] | None = None) -> list[Trajectory]:
-        """The ``n`` episodes of ``task``, concurrently (episode ids ``<group_id>-<i>``): every sequence of
-        every episode, in episode order. When one episode fails the others are cancelled and
+                         actor_id: str = "", extra_metadata: dict[str, Any] | None = None,
+                         limits: EpisodeLimits | None = None) -> TrajectoryGroup:
+        """The ``n`` episodes of ``task``, concurrently (episode ids ``<group_id>-<i>``), as one group: every
+        sequence of every episode, in episode order. When one episode fails the others are cancelled and
         :class:`agentrl.actors.rollout.GroupLost` says why, as :func:`agentrl.actors.rollout.run_group` does.
-        Advantages are per episode (:func:`agentrl.agents.episodes.episode_index`)."""
+        The learner's advantages are per episode (:func:`agentrl.learner.batching.episode_index`)."""
         gid = group_id or uuid.uuid4().hex[:12]
         episodes: list[list[Trajectory]] = [[] for _ in range(n)]
         failures: list[str] = []
 
         async def one(i: int, cancel: trio.CancelScope) -> None:
             try:
-                episodes[i] = await self.play(env, task, episode_id=f"{gid}-{i}", extra_metadata=extra_metadata)
+                episodes[i] = await self.play(env, task, episode_id=f"{gid}-{i}", extra_metadata=extra_metadata,
+                                              limits=limits)
             except EpisodeFailed as e:
                 failures.append(str(e))
                 cancel.cancel()
@@ -194,7 +210,9 @@ class AgentRunner:
                 nursery.start_soon(one, i, nursery.cancel_scope)
         if failures:
             raise GroupLost(failures[0])
-        return [t for episode in episodes for t in episode]
+        return TrajectoryGroup(group_id=gid, task_id=task.id, env=env.name,
+                               trajectories=[t for episode in episodes for t in episode], actor_id=actor_id,
+                               created_at=time.time())
 
     async def _run_in_loop(self, coro: Any) -> Any:
         loop = self._loop
@@ -239,14 +257,16 @@ class AgentRunner:
             raise EpisodeFailed(f"the episode crashed: {type(error).__name__}: {error}") from error
         return task.result()
 
-    async def _episode(self, env: AgentEnv, task: Task, episode_id: str, extra: dict[str, Any]) -> list[Trajectory]:
+    async def _episode(self, env: AgentEnv, task: Task, episode_id: str, extra: dict[str, Any],
+                       limits: EpisodeLimits | None) -> list[Trajectory]:
         """One episode, in the asyncio loop."""
         import openai
 
         endpoint = self.endpoint
         assert endpoint is not None
         start = time.monotonic()
-        key, episode = endpoint.open_episode(episode_id)
+        key, episode = endpoint.open_episode(episode_id, max_calls=limits.max_turns if limits else None,
+                                             max_len=limits.max_total_tokens if limits else None)
         client = openai.AsyncOpenAI(base_url=f"{self.url}/episodes/{key}/v1", api_key=key,
                                     timeout=self.client_timeout_s, max_retries=self.client_max_retries,
                                     http_client=openai.DefaultAsyncHttpxClient(verify=self._ssl))
@@ -261,16 +281,21 @@ class AgentRunner:
             except asyncio.CancelledError:
                 raise
             except BaseException as e:  # noqa: BLE001 - SystemExit from agent code ends the episode, not the thread
-                log.info("agent of episode %s raised", episode_id, exc_info=True)
-                raise EpisodeFailed(f"the agent ({type(env).__name__}.run) raised {type(e).__name__}: {e}") from e
+                if not (episode.limit and episode.sequences):
+                    log.info("agent of episode %s raised", episode_id, exc_info=True)
+                    raise EpisodeFailed(f"the agent ({type(env).__name__}.run) raised {type(e).__name__}: {e}") from e
+                value = _LIMIT_REACHED  # the agent gave up at the env's limit: the episode is scored as played
             endpoint.close_episode(key)
             if not episode.sequences:
                 raise EpisodeFailed(f"the agent ({type(env).__name__}.run) returned without a completed call to the "
                                     "model: nothing to train on")
-            reward, components, reward_error = await _score(env, task, state, episode, value)
+            max_abs = limits.max_abs_reward if limits else math.inf
+            reward, components, reward_error = await _score(env, task, state, episode, value, max_abs)
             metadata: dict[str, Any] = {"env": env.name, "task_id": task.id, "episode_wall_s": time.monotonic() - start,
                                         "new_sequence_reasons": dict(episode.new_sequence_reasons),
                                         "num_stitched_calls": episode.num_stitched}
+            if episode.limit:
+                metadata["episode_limit"] = episode.limit
             if reward_error:
                 metadata["reward_error"] = reward_error
             metadata.update(extra)
@@ -285,17 +310,28 @@ class AgentRunner:
                 log.warning("cleanup of %s failed: %s: %s", type(env).__name__, type(e).__name__, e)
 
 
-async def _score(env: AgentEnv, task: Task, state: dict, episode: Any,
-                 value: Any) -> tuple[float, dict[str, float], str | None]:
-    """The agent's own reward, or ``env.reward`` of the last call's conversation when it returned None."""
+_LIMIT_REACHED = object()  # run() raised after the episode reached a limit
+
+
+async def _score(env: AgentEnv, task: Task, state: dict, episode: Any, value: Any,
+                 max_abs_reward: float = math.inf) -> tuple[float, dict[str, float], str | None]:
+    """The agent's own reward, or ``env.reward`` of the last call's conversation when it returned None.
+    An agent that raised at a limit is scored by ``env.reward`` when the env has one, else 0."""
+    if value is _LIMIT_REACHED:
+        if type(env).reward is Env.reward:
+            return 0.0, {}, None
+        value = None
     if value is None:
-        return await score_episode(env, task, state, episode.final_messages())
+        return await score_episode(env, task, state, episode.final_messages(), max_abs_reward=max_abs_reward)
     try:
         total, components = total_reward(value)
     except (TypeError, ValueError, AttributeError) as e:
         return 0.0, {}, f"{type(env).__name__}.run returned {value!r}, not a reward (a number or named numbers): {e}"
-    if not math.isfinite(total):
+    if not all(math.isfinite(r) for r in (total, *components.values())):
         return 0.0, {}, f"{type(env).__name__}.run returned a reward that is not finite: {value!r}"
+    if not all(abs(r) <= max_abs_reward for r in (total, *components.values())):
+        return 0.0, {}, (f"{type(env).__name__}.run returned a reward beyond learner.max_abs_reward="
+                         f"{max_abs_reward:g}: {value!r}")
     return total, components, None
 
 

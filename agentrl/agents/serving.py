@@ -94,6 +94,7 @@ class CallPlan:
     affinity_key: str
     rid: str
     state: Any = None  # the session's own (episodes: which sequence the call extends)
+    max_len: int | None = None  # the session's own bound on prompt + completion tokens (an episode's limit)
     results: list[ChoiceResult] = field(default_factory=list)
 
 
@@ -232,6 +233,9 @@ class ChatService:
                     f"This model's maximum context length is {self.max_model_len} tokens; the messages take "
                     f"{len(chat)}, which leaves no room for a completion", param="messages",
                     code="context_length_exceeded")
+            remaining = room if remaining is None else min(remaining, room)
+        if plan.max_len is not None:  # the session's own limit (the session refused a prompt without room)
+            room = max(1, plan.max_len - len(chat) - 1 - self.codec.reserve_tokens)
             remaining = room if remaining is None else min(remaining, room)
         empty_aborts, version_wait = 0, None
         while True:

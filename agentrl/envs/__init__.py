@@ -1,12 +1,14 @@
 """Environments: the :class:`Env` API, built-in envs and helpers to build them from a config.
 
-* :func:`make_env` builds the env named by ``cfg.env.cls`` with ``cfg.env.kwargs``; an env
-  whose constructor takes a ``sandbox`` argument receives the ``[sandbox]`` section as a
-  dict, updated by ``env.kwargs.sandbox`` when that is a table (for settings beyond the
-  section, such as ``max_live`` or ``docker_host``).
-* :func:`episode_limits` gives the turn and token limits (the env's own, else the config's).
+* :func:`make_env` builds the env of an env section (``[env]``, or one ``[[envs]]`` entry):
+  ``cls`` with ``kwargs``; an env whose constructor takes a ``sandbox`` argument receives the
+  ``[sandbox]`` section as a dict, updated by ``kwargs.sandbox`` when that is a table (for
+  settings beyond the section, such as ``max_live`` or ``docker_host``). The section's
+  ``name``, when set, becomes the env's ``name``. :func:`make_envs` builds every env of a run
+  and refuses two with the same name (groups, metrics and evaluations are keyed by it).
+* :func:`episode_limits` gives the turn and token limits (the env's own, else the section's).
 * :func:`make_toolbox` wraps the env's tools in a :class:`~agentrl.tools.base.ToolBox` with
-  the ``[env]`` section's time and output limits.
+  the section's time and output limits.
 * :func:`demonstrations` yields correct episodes for the supervised warm start.
 * :func:`score_episode` and :func:`run_cleanup` call an env's ``reward`` and ``cleanup`` so
   that neither a raising reward nor a cancelled episode can crash an actor.
@@ -23,47 +25,99 @@ from typing import TYPE_CHECKING, Any, Iterator
 from agentrl.envs.base import Env, Message, Task, load_env, run_cleanup, score_episode, total_reward
 
 if TYPE_CHECKING:
-    from agentrl.config import AgentRLConfig
+    from agentrl.config import AgentRLConfig, EnvSection
     from agentrl.tools.base import ToolBox
 
-__all__ = ["Env", "Message", "Task", "demonstrations", "episode_limits", "load_env", "make_env", "make_toolbox",
-           "run_cleanup", "score_episode", "total_reward"]
+__all__ = ["Env", "Message", "Task", "check_env_names", "demonstrations", "env_section", "episode_limits", "load_env",
+           "make_env", "make_envs", "make_toolbox", "run_cleanup", "score_episode", "total_reward"]
 
 
 from agentrl.envs.base import _import_module_or_file  # noqa: E402
 
 
-def make_env(cfg: "AgentRLConfig") -> Env:
-    """Instantiate the configured env, passing the sandbox settings to envs that take them."""
-    kwargs = dict(cfg.env.kwargs)
-    if isinstance(kwargs.get("sandbox"), dict):  # env.kwargs.sandbox refines the [sandbox] section
+def env_section(cfg: "AgentRLConfig", section: "EnvSection | None" = None) -> "EnvSection":
+    """``section``, or the run's only env section; a config with ``[[envs]]`` must say which."""
+    if section is not None:
+        return section
+    if cfg.env is None:
+        raise ValueError(f"this config has {len(cfg.envs)} [[envs]] entries: name the env section to use")
+    return cfg.env
+
+
+def make_env(cfg: "AgentRLConfig", section: "EnvSection | None" = None) -> Env:
+    """Instantiate an env section's env (default: the run's only one), passing the sandbox
+    settings to envs that take them."""
+    section = env_section(cfg, section)
+    kwargs = dict(section.kwargs)
+    if isinstance(kwargs.get("sandbox"), dict):  # kwargs.sandbox refines the [sandbox] section
         kwargs["sandbox"] = {**cfg.sandbox.model_dump(), **kwargs["sandbox"]}
-    elif "sandbox" not in kwargs and ":" in cfg.env.cls:
-        module_name, cls_name = cfg.env.cls.rsplit(":", 1)
+    elif "sandbox" not in kwargs and ":" in section.cls:
+        module_name, cls_name = section.cls.rsplit(":", 1)
         try:
             cls = getattr(_import_module_or_file(module_name), cls_name, None)
         except ValueError:
             cls = None  # load_env reports it with a clear message
         if isinstance(cls, type) and "sandbox" in inspect.signature(cls.__init__).parameters:
             kwargs["sandbox"] = cfg.sandbox.model_dump()
-    return load_env(cfg.env.cls, kwargs)
+    env = load_env(section.cls, kwargs)
+    if section.name:
+        env.name = section.name
+    return env
 
 
-def episode_limits(env: Env, cfg: "AgentRLConfig") -> tuple[int, int]:
+def make_envs(cfg: "AgentRLConfig") -> list[tuple["EnvSection", Env]]:
+    """Every env of the run with its section, in config order; two envs with one name are an error."""
+    built: list[tuple[EnvSection, Env]] = []
+    try:
+        for section in cfg.env_sections:
+            built.append((section, make_env(cfg, section)))
+        check_env_names([(s.cls, env.name) for s, env in built])
+    except BaseException:
+        for _, env in built:
+            close_quietly(env)
+        raise
+    return built
+
+
+def check_env_names(envs: list[tuple[str, str]]) -> None:
+    """(class path, name) of a run's envs: a ValueError naming the envs that share a name."""
+    seen: dict[str, list[str]] = {}
+    for cls, name in envs:
+        seen.setdefault(name, []).append(cls)
+    twice = {name: classes for name, classes in seen.items() if len(classes) > 1}
+    if twice:
+        which = "; ".join(f"{name!r}: {', '.join(classes)}" for name, classes in twice.items())
+        raise ValueError(f"env names must be unique in a run (groups, metrics and evaluations are keyed by them), "
+                         f"but several envs are named {which}: give each [[envs]] entry its own `name`")
+
+
+def close_quietly(env: Env) -> None:
+    """``env.aclose()`` outside any event loop, for envs built and not used (errors ignored)."""
+    import trio
+
+    try:
+        trio.run(env.aclose)
+    except Exception:  # noqa: BLE001 - closing what failed to start must not hide why
+        pass
+
+
+def episode_limits(env: Env, cfg: "AgentRLConfig", section: "EnvSection | None" = None) -> tuple[int, int]:
     """(max_turns, max_total_tokens) for the env's episodes: the env's own values where it
-    sets them, else the ``[env]`` section's; never above ``engine.max_context_tokens``."""
-    turns = env.max_turns if env.max_turns is not None else cfg.env.max_turns
-    tokens = env.max_total_tokens if env.max_total_tokens is not None else cfg.env.max_total_tokens
+    sets them, else its section's; never above ``engine.max_context_tokens``."""
+    section = env_section(cfg, section)
+    turns = env.max_turns if env.max_turns is not None else section.max_turns
+    tokens = env.max_total_tokens if env.max_total_tokens is not None else section.max_total_tokens
     return turns, min(tokens, cfg.engine.max_context_tokens)
 
 
-def make_toolbox(env: Env, cfg: "AgentRLConfig | None" = None) -> "ToolBox":
-    """The env's tools with the ``[env]`` section's time and output limits."""
+def make_toolbox(env: Env, cfg: "AgentRLConfig | None" = None, section: "EnvSection | None" = None) -> "ToolBox":
+    """The env's tools with its section's time and output limits (none without a config)."""
     from agentrl.tools.base import ToolBox
 
-    if cfg is None:
+    if cfg is None and section is None:
         return ToolBox(env.tools())
-    return ToolBox(env.tools(), timeout_s=cfg.env.tool_timeout_s, max_output_chars=cfg.env.tool_max_output_chars)
+    section = section if section is not None else env_section(cfg)
+    return ToolBox(env.tools(), timeout_s=section.tool_timeout_s, max_output_chars=section.tool_max_output_chars)
 
 
 def demonstrations(env: Env, num: int, seed: int = 0, split: str = "train",

@@ -1,4 +1,4 @@
-"""What ``agentrl run --dry-run`` checks of an env before any process starts.
+"""What ``agentrl run --dry-run`` checks of the envs before any process starts.
 
 A newcomer's env fails in ways that a config check cannot see: a wrong ``env.cls``, a tool
 whose schema cannot be built, ``tasks`` or ``initial_messages`` that raise, a first prompt that
@@ -7,6 +7,12 @@ does not fit ``env.max_total_tokens``, a warm start asked of an env without demo
 (one line each, naming the piece) instead of stopping at the first; ``notes`` say what was
 checked. Nothing here trains or starts a server; the tokenizer is loaded only when the model
 folder exists (a tiny model is built later by ``agentrl run`` itself).
+
+Every env of the run is checked (``[[envs]]``: each entry, its lines prefixed with the entry
+and the env's name, and two envs with one name are a problem). An
+:class:`agentrl.agents.AgentEnv` writes its prompts in its agent at run time, so there is no
+first prompt to render: its check is its tasks, that it implements ``run``, that the
+``openai`` package its client needs is installed, and its demonstrations when SFT uses them.
 """
 
 from __future__ import annotations
@@ -15,9 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from agentrl.envs.base import Env
+
 if TYPE_CHECKING:
     from agentrl.config import AgentRLConfig
-    from agentrl.envs.base import Env, Task
+    from agentrl.envs.base import Task
 
 
 @dataclass
@@ -31,29 +39,64 @@ class EnvCheck:
 
 
 def check_env(cfg: "AgentRLConfig") -> EnvCheck:
-    """Build the env of ``cfg`` and exercise it once (see the module docstring)."""
-    from agentrl.envs import make_env
+    """Build every env of ``cfg`` and exercise each once (see the module docstring)."""
+    from agentrl.envs import check_env_names, close_quietly, make_env
 
     report = EnvCheck()
+    several = len(cfg.env_sections) > 1
+    built: list[tuple[str, Any, Env]] = []
+    for key, section in cfg._env_keys():
+        try:
+            built.append((key, section, make_env(cfg, section)))
+        except Exception as e:  # ValueError (bad path, kwargs), ToolSchemaError at import, anything the env raises
+            report.problems.append(f"{key}.cls = {section.cls!r}: {type(e).__name__}: {e}")
     try:
-        env = make_env(cfg)
-    except Exception as e:  # ValueError (bad path, kwargs), ToolSchemaError at import, anything the env raises
-        report.problems.append(f"env.cls = {cfg.env.cls!r}: {type(e).__name__}: {e}")
-        return report
-    report.notes.append(f"env {cfg.env.cls} built with kwargs {sorted(cfg.env.kwargs)}")
+        check_env_names([(section.cls, env.name) for _, section, env in built])
+    except ValueError as e:
+        report.problems.append(str(e))
     try:
-        schemas = _check_tools(env, report)
-        task = _first_task(env, "train", cfg.run.seed, report)
-        _first_task(env, cfg.eval.split, cfg.run.seed, report)
-        if task is not None:
-            messages = _check_messages(env, task, report)
-            if messages is not None:
-                _check_prompt(cfg, env, messages, schemas, report)
-            if cfg.sft.enabled and not cfg.sft.data:
-                _check_demonstration(env, task, report)
+        for key, section, env in built:
+            one = EnvCheck()
+            _check_one(cfg, key, section, env, one)
+            prefix = f"{key} ({env.name}): " if several else ""
+            report.notes += [prefix + note for note in one.notes]
+            report.problems += [prefix + problem for problem in one.problems]
     finally:
-        _close(env)
+        for _, _, env in built:
+            close_quietly(env)
     return report
+
+
+def _check_one(cfg: "AgentRLConfig", key: str, section: Any, env: "Env", report: EnvCheck) -> None:
+    from agentrl.agents import AgentEnv
+
+    report.notes.append(f"env {section.cls} built with kwargs {sorted(section.kwargs)}")
+    schemas = _check_tools(env, report)
+    task = _first_task(env, "train", cfg.run.seed, report)
+    _first_task(env, cfg.eval.split, cfg.run.seed, report)
+    if isinstance(env, AgentEnv):
+        _check_agent(env, report)
+    elif task is not None:
+        messages = _check_messages(env, task, report)
+        if messages is not None:
+            _check_prompt(cfg, key, section, env, messages, schemas, report)
+    if task is not None and cfg.sft.enabled and not cfg.sft.data:
+        _check_demonstration(env, task, report)
+
+
+def _check_agent(env: "Env", report: EnvCheck) -> None:
+    """An AgentEnv: ``run`` is its own, and its client can be made."""
+    from agentrl.agents import AgentEnv
+
+    report.notes.append(f"agent env: its agent writes the prompts at run time ({type(env).__name__}.run); "
+                        "no first prompt to render")
+    if type(env).run is AgentEnv.run:
+        report.problems.append(f"{type(env).__name__} is an AgentEnv without run(task, client): write the agent "
+                               "that plays a task with the client it is given")
+    try:
+        import openai  # noqa: F401 - the client every agent episode gets
+    except ImportError:
+        report.problems.append("AgentEnv episodes need the openai package: pip install 'agentrl[agents]'")
 
 
 def _check_tools(env: "Env", report: EnvCheck) -> list[dict[str, Any]] | None:
@@ -101,7 +144,7 @@ def _check_messages(env: "Env", task: "Task", report: EnvCheck) -> list[dict[str
     return messages
 
 
-def _check_prompt(cfg: "AgentRLConfig", env: "Env", messages: list[dict[str, Any]],
+def _check_prompt(cfg: "AgentRLConfig", key: str, section: Any, env: "Env", messages: list[dict[str, Any]],
                   schemas: list[dict[str, Any]] | None, report: EnvCheck) -> None:
     """Render the first prompt with the model's chat template and check it leaves room to answer."""
     from agentrl.envs import episode_limits
@@ -120,15 +163,15 @@ def _check_prompt(cfg: "AgentRLConfig", env: "Env", messages: list[dict[str, Any
         report.problems.append(f"rendering the first prompt with {cfg.model.path}'s chat template: "
                                f"{type(e).__name__}: {e}")
         return
-    _, max_total = episode_limits(env, cfg)
+    _, max_total = episode_limits(env, cfg, section)
     room = max_total - len(ids) - codec.reserve_tokens
-    report.notes.append(f"first prompt: {len(ids)} tokens of env.max_total_tokens = {max_total}")
+    report.notes.append(f"first prompt: {len(ids)} tokens of {key}.max_total_tokens = {max_total}")
     if room < 1:
         report.problems.append(f"the first prompt has {len(ids)} tokens and leaves no room for the model "
-                               f"within env.max_total_tokens = {max_total}")
+                               f"within {key}.max_total_tokens = {max_total}")
     elif room < min(cfg.actors.max_new_tokens_per_turn, 32):
         report.problems.append(f"the first prompt has {len(ids)} tokens and leaves only {room} for the "
-                               f"model within env.max_total_tokens = {max_total}")
+                               f"model within {key}.max_total_tokens = {max_total}")
 
 
 def _check_demonstration(env: "Env", task: "Task", report: EnvCheck) -> None:
@@ -143,15 +186,6 @@ def _check_demonstration(env: "Env", task: "Task", report: EnvCheck) -> None:
     if found is None:
         report.problems.append("sft.enabled = true but the env demonstrates no task (demonstration() returns "
                                "None): set sft.data to a JSONL of conversations, or sft.enabled = false")
-
-
-def _close(env: "Env") -> None:
-    import trio
-
-    try:
-        trio.run(env.aclose)
-    except Exception as e:  # noqa: BLE001 - a dry run never fails on closing; say it
-        print(f"# env check: aclose() raised {type(e).__name__}: {e}")
 
 
 def summary_lines(report: EnvCheck) -> list[str]:

@@ -15,10 +15,11 @@ The path of a group through the learner:
    synchronous system: only data from the current weights is trained on. A group *newer*
    than the learner (possible after a restart from an older checkpoint) is kept with
    staleness 0 and counted as ``future_version``: the importance weight still corrects it.
-3. **Dynamic sampling** (DAPO) drops groups whose rewards do not vary: every GRPO/RLOO
+3. **Dynamic sampling** (DAPO) drops groups whose episode rewards do not vary: every GRPO/RLOO
    advantage would be 0, so they cost compute and shrink the effective batch.
 4. :func:`samples_from_group` turns a group into :class:`Sample` s with their advantage
-   (GRPO or RLOO over the group; GAE is computed later by the trainer with the critic).
+   (GRPO or RLOO over the group's *episodes*; GAE is computed later by the trainer with the
+   critic).
 5. :func:`plan_microbatches` packs sequences into micro-batches of at most
    ``max_tokens`` tokens and splits them evenly over ranks: every rank gets the same
    number of micro-batches (FSDP's collectives need that), filled longest-first into the
@@ -28,18 +29,37 @@ The path of a group through the learner:
    boundaries, which the varlen attention (``model.py``) uses so attention never crosses
    sequences. Targets are shifted inside each sequence: element ``i`` scores token
    ``i + 1`` of the same sequence; the last position of a sequence scores nothing.
+
+**Episodes and sequences.** A group is the ``n`` episodes of one task. An episode of agentrl's
+own loop is one trajectory; an agent episode (:mod:`agentrl.agents`) may be several -- the
+endpoint starts a new *sequence* when the agent rewrites its history or asks for ``n`` > 1
+choices -- each carrying the episode's reward and ``metadata["episode_id"]``.
+:func:`episode_index` maps trajectories to episodes, and everything that is about *episodes*
+works on one reward per episode: the GRPO/RLOO baseline and std (an episode that branched
+into five sequences counts once, not five times, so agents that branch or compact often do
+not pull the baseline toward themselves), dynamic sampling, and the reward statistics. Every
+sequence gets its episode's advantage: each generated token is trained once (a branch holds
+the shared prompt as context), with the reward of the episode it was generated in.
+
+Loss weight: with ``loss_normalization = "token"`` (the default, and standard) every generated
+token weighs the same, whatever sequence it is in, as for agentrl's own episodes: an episode
+weighs by its generated tokens, not by how many sequences hold them. With ``"sequence"`` the
+unit is the episode: each sequence's token mean is weighted by ``Sample.episode_weight`` (one
+over its episode's number of sequences) and the normaliser counts episodes, so an episode of
+five sequences weighs as much as an episode of one.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Iterable
 
 import numpy as np
 
-from agentrl.protocol import TrajectoryGroup
+from agentrl.protocol import Trajectory, TrajectoryGroup
 
 
 @dataclass
@@ -49,13 +69,39 @@ class Sample:
     tokens: np.ndarray  # int32 [T]
     loss_mask: np.ndarray  # uint8 [T]
     behavior_logprobs: np.ndarray  # float32 [T]
-    advantage: float = 0.0  # sequence advantage (GRPO/RLOO); GAE fills per-token values later
+    advantage: float = 0.0  # its episode's advantage (GRPO/RLOO); GAE fills per-token values later
     reward: float = 0.0
     staleness: int = 0
+    episode_weight: float = 1.0  # 1 / the number of sequences of its episode (sequence-mean loss)
 
     @property
     def num_tokens(self) -> int:
         return len(self.tokens)
+
+
+# --------------------------------------------------------------------------- episodes
+
+
+def episode_index(trajectories: list[Trajectory]) -> tuple[list[float], list[int]]:
+    """(one reward per episode, the episode of each trajectory), by ``metadata["episode_id"]`` in
+    order of first appearance; a trajectory without an episode id is an episode of its own. An
+    episode's reward is its first trajectory's (every sequence of an episode carries it)."""
+    rewards: list[float] = []
+    where: dict[str, int] = {}
+    index = []
+    for k, t in enumerate(trajectories):
+        key = t.metadata.get("episode_id")
+        key = f"\x00{k}" if key is None else str(key)
+        if key not in where:
+            where[key] = len(rewards)
+            rewards.append(float(t.reward))
+        index.append(where[key])
+    return rewards, index
+
+
+def episode_rewards(group: TrajectoryGroup) -> list[float]:
+    """One reward per episode of ``group`` (see :func:`episode_index`)."""
+    return episode_index(group.trajectories)[0]
 
 
 # --------------------------------------------------------------------------- validation
@@ -96,8 +142,16 @@ class GroupBuffer:
 
     ``counters`` holds ``received``, ``accepted``, ``dropped_<reason>``, ``future_version``,
     ``consumed`` (taken for a step) and ``duplicate`` (counted by the learner's ledger, which
-    sees duplicates before the buffer does).
+    sees duplicates before the buffer does). ``env_counters[env]`` holds ``received``,
+    ``accepted`` and ``dropped_<reason>`` per env name (the first ``MAX_ENVS`` names; any
+    later one is counted under ``"other"``, so a sender cannot grow the metrics without bound),
+    and ``env_recent[env]`` the (reward, success) of the last ``RECENT_EPISODES`` episodes of
+    its valid groups, before staleness and dynamic sampling (which keeps only groups whose
+    rewards vary, so the batch's rewards say little about how well the policy does).
     """
+
+    MAX_ENVS = 32
+    RECENT_EPISODES = 256
 
     def __init__(
         self,
@@ -115,17 +169,53 @@ class GroupBuffer:
         self.max_sequence_tokens = max_sequence_tokens
         self.groups: deque[TrajectoryGroup] = deque()
         self.counters: Counter[str] = Counter()
+        self.env_counters: dict[str, Counter[str]] = {}
+        self.env_recent: dict[str, deque[tuple[float, bool | None]]] = {}
 
     def __len__(self) -> int:
         return len(self.groups)
 
-    def _drop(self, reason: str) -> str:
+    def _env_name(self, group: TrajectoryGroup) -> str:
+        known = group.env in self.env_counters or len(self.env_counters) < self.MAX_ENVS
+        return group.env if known else "other"
+
+    def _env(self, group: TrajectoryGroup) -> Counter[str]:
+        return self.env_counters.setdefault(self._env_name(group), Counter())
+
+    def _remember(self, group: TrajectoryGroup) -> None:
+        recent = self.env_recent.setdefault(self._env_name(group), deque(maxlen=self.RECENT_EPISODES))
+        rewards, index = episode_index(group.trajectories)
+        success: dict[int, bool | None] = {}
+        for t, e in zip(group.trajectories, index):
+            ok = t.metadata.get("success")
+            success.setdefault(e, ok if isinstance(ok, bool) else None)
+        recent.extend((r, success[e]) for e, r in enumerate(rewards))
+
+    def env_metrics(self) -> dict[str, float]:
+        """Per env: the counters, and the reward and success rate of its recent episodes
+        (``env/<name>/reward_recent``, ``env/<name>/success_recent``; success where the actor
+        said, ``metadata["success"]`` from ``Env.is_success``)."""
+        out: dict[str, float] = {}
+        for env, counters in sorted(self.env_counters.items()):
+            key = metric_name(env)
+            out.update({f"env/{key}/{k}": float(v) for k, v in counters.items()})
+            recent = self.env_recent.get(env)
+            if recent:
+                out[f"env/{key}/reward_recent"] = float(np.mean([r for r, _ in recent]))
+                judged = [ok for _, ok in recent if ok is not None]
+                if judged:
+                    out[f"env/{key}/success_recent"] = sum(judged) / len(judged)
+        return out
+
+    def _drop(self, reason: str, group: TrajectoryGroup) -> str:
         self.counters[f"dropped_{reason}"] += 1
+        self._env(group)[f"dropped_{reason}"] += 1
         return reason
 
     def add(self, group: TrajectoryGroup, policy_version: int) -> str | None:
         """Keep ``group`` or drop it; returns the drop reason (None when kept)."""
         self.counters["received"] += 1
+        self._env(group)["received"] += 1
         reason = validate_group(
             group,
             vocab_size=self.vocab_size,
@@ -133,14 +223,16 @@ class GroupBuffer:
             max_abs_reward=self.max_abs_reward,
         )
         if reason is not None:
-            return self._drop(reason)
+            return self._drop(reason, group)
+        self._remember(group)
         if group_staleness(group, policy_version) > self.max_staleness:
-            return self._drop("stale")
-        if self.dynamic_sampling and np.ptp(np.asarray(group.rewards, dtype=np.float64)) < 1e-9:
-            return self._drop("zero_variance")
+            return self._drop("stale", group)
+        if self.dynamic_sampling and np.ptp(np.asarray(episode_rewards(group), dtype=np.float64)) < 1e-9:
+            return self._drop("zero_variance", group)
         if group_staleness(group, policy_version) < 0:
             self.counters["future_version"] += 1
         self.counters["accepted"] += 1
+        self._env(group)["accepted"] += 1
         self.groups.append(group)
         return None
 
@@ -150,7 +242,7 @@ class GroupBuffer:
         fresh: deque[TrajectoryGroup] = deque()
         for group in self.groups:
             if group_staleness(group, policy_version) > self.max_staleness:
-                self._drop("stale")
+                self._drop("stale", group)
             else:
                 fresh.append(group)
         self.groups = fresh
@@ -166,31 +258,36 @@ class GroupBuffer:
 def samples_from_group(
     group: TrajectoryGroup, policy_version: int, *, advantage: str = "grpo", normalize_std: bool = False
 ) -> list[Sample]:
-    """The group's trajectories with their advantage (``grpo``, ``rloo``, or ``gae``: 0 for now)."""
+    """The group's trajectories with their episode's advantage (``grpo`` or ``rloo`` over the
+    group's episode rewards, or ``gae``: 0 for now). See the module docstring, "Episodes and
+    sequences"."""
     import torch
 
     from agentrl.learner.loss import grpo_advantages, rloo_advantages
 
-    rewards = torch.tensor(group.rewards, dtype=torch.float32)
+    rewards, index = episode_index(group.trajectories)
+    per_episode = torch.tensor(rewards, dtype=torch.float32)
     if advantage == "grpo":
-        adv = grpo_advantages(rewards, normalize_std=normalize_std).tolist()
+        adv = grpo_advantages(per_episode, normalize_std=normalize_std).tolist()
     elif advantage == "rloo":
-        adv = rloo_advantages(rewards).tolist() if len(rewards) > 1 else [0.0]
+        adv = rloo_advantages(per_episode).tolist() if len(rewards) > 1 else [0.0]
     elif advantage == "gae":
         adv = [0.0] * len(rewards)
     else:
         raise ValueError(f"unknown advantage {advantage!r}")
+    sequences = Counter(index)
     staleness = max(0, group_staleness(group, policy_version))
     return [
         Sample(
             tokens=t.tokens,
             loss_mask=t.loss_mask,
             behavior_logprobs=t.behavior_logprobs,
-            advantage=float(a),
+            advantage=float(adv[e]),
             reward=float(t.reward),
             staleness=staleness,
+            episode_weight=1.0 / sequences[e],
         )
-        for t, a in zip(group.trajectories, adv)
+        for t, e in zip(group.trajectories, index)
     ]
 
 
@@ -240,6 +337,7 @@ class MicroBatch:
     behavior_logprobs: "torch.Tensor"  # [N] float32
     advantages: "torch.Tensor"  # [N] float32
     rewards: "torch.Tensor"  # [S] float32
+    seq_weights: "torch.Tensor"  # [S] float32: each sequence's episode_weight (sequence-mean loss)
     num_seqs: int
     num_loss_tokens: int
     # Filled by the trainer before the update (no gradient):
@@ -261,6 +359,7 @@ class MicroBatch:
             behavior_logprobs=move(self.behavior_logprobs),
             advantages=move(self.advantages),
             rewards=move(self.rewards),
+            seq_weights=move(self.seq_weights),
             num_seqs=self.num_seqs,
             num_loss_tokens=self.num_loss_tokens,
             extras={k: move(v) for k, v in self.extras.items()},
@@ -307,27 +406,36 @@ def collate(samples: list[Sample], pad_token_id: int = 0) -> MicroBatch:
         behavior_logprobs=torch.from_numpy(behavior),
         advantages=torch.from_numpy(advantages),
         rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
+        seq_weights=torch.tensor([s.episode_weight for s in samples], dtype=torch.float32),
         num_seqs=len(samples),
         num_loss_tokens=int(mask.sum()),
     )
 
 
 def loss_normalizer(samples: Iterable[Sample], normalization: str) -> float:
-    """The global normaliser of one optimiser batch: loss tokens, or sequences with loss tokens."""
+    """The global normaliser of one optimiser batch: loss tokens, or episodes with loss tokens
+    (each sequence with loss tokens counts its ``episode_weight``)."""
+    samples = list(samples)
     counts = [int(s.loss_mask[1:].sum()) for s in samples]
     if normalization == "token":
         return float(max(1, sum(counts)))
-    return float(max(1, sum(1 for c in counts if c > 0)))
+    return max(1.0, sum(s.episode_weight for s, c in zip(samples, counts) if c > 0))
 
 
 def batch_statistics(groups: list[TrajectoryGroup], samples: list[Sample]) -> dict[str, float]:
-    """Reward, advantage, length and staleness statistics of one step's batch, for logging."""
-    rewards = np.array([s.reward for s in samples], dtype=np.float64)
+    """Reward, advantage, length and staleness statistics of one step's batch, for logging.
+    Rewards are over episodes, lengths and advantages over sequences (per env:
+    :meth:`GroupBuffer.env_metrics`)."""
+    episode_rewards_all: list[float] = []
+    for g in groups:
+        episode_rewards_all += episode_rewards(g)
+    rewards = np.array(episode_rewards_all, dtype=np.float64)
     adv = np.array([s.advantage for s in samples], dtype=np.float64)
     lengths = np.array([s.num_tokens for s in samples], dtype=np.float64)
     model_tokens = np.array([int(s.loss_mask.sum()) for s in samples], dtype=np.float64)
     stats = {
         "batch/groups": float(len(groups)),
+        "batch/episodes": float(len(rewards)),
         "batch/sequences": float(len(samples)),
         "batch/tokens": float(lengths.sum()),
         "batch/model_tokens": float(model_tokens.sum()),
@@ -348,3 +456,12 @@ def batch_statistics(groups: list[TrajectoryGroup], samples: list[Sample]) -> di
         stats[f"staleness/{lag}"] = count / max(1, len(samples))
     stats["staleness/mean"] = float(np.mean([s.staleness for s in samples])) if samples else 0.0
     return stats
+
+
+_METRIC_UNSAFE = re.compile(r"[^A-Za-z0-9_.\- ]")
+
+
+def metric_name(name: str) -> str:
+    """An env name as a part of a metric key (MLflow takes letters, digits, ``_ - . /`` and
+    spaces; anything else becomes ``_``, and a name is cut at 64 characters)."""
+    return _METRIC_UNSAFE.sub("_", str(name))[:64] or "_"

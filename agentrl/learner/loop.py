@@ -64,6 +64,7 @@ import signal
 import threading
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -487,6 +488,7 @@ class Learner:
             self._drain()  # groups already received are saved too, not lost on a restart
             pending = msgpack.packb([encode(g) for g in self.buffer.groups], use_bin_type=True)
             state["counters"] = dict(self.buffer.counters)
+            state["env_counters"] = {env: dict(c) for env, c in self.buffer.env_counters.items()}
             state["ledger"] = self.ledger.state()
             state["journal_segment"] = self.journal.rotate()  # groups from now on: replayed after this checkpoint
         path = save_checkpoint(self.ckpt_root, self.trainer, state=state, pending_groups=pending,
@@ -516,6 +518,8 @@ class Learner:
         self.lineage = str(broadcast_object(state.get("lineage") or uuid.uuid4().hex[:16]))
         if self.buffer is not None:
             self.buffer.counters.update(state.get("counters", {}))
+            for env, counters in (state.get("env_counters") or {}).items():
+                self.buffer.env_counters.setdefault(env, Counter()).update(counters)
             self.ledger = Ledger.from_state(state.get("ledger", {}))
             raw = state.get("pending_groups") or b""
             for item in msgpack.unpackb(raw, raw=False) if raw else []:
@@ -564,6 +568,7 @@ class Learner:
         row.update(self._batch_stats)
         for key, value in self.buffer.counters.items():
             row[f"data/{key}"] = float(value)
+        row.update(self.buffer.env_metrics())
         for key, value in (getattr(self.io.source, "stats", {}) or {}).items():
             row[f"transport/{key}"] = float(value)
         row["data/buffered"] = float(len(self.buffer))

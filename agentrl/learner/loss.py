@@ -39,8 +39,10 @@ tokens at ``-c * A`` so that a huge ratio cannot blow the update up.
 ``- entropy_coef * H``. Both use the plain mask (importance masking does not remove them).
 
 **Normalisation.** ``token``: sum over tokens divided by ``normalizer`` (by default the
-number of loss tokens). ``sequence``: each sequence's token mean, summed and divided by
-``normalizer`` (by default the number of sequences with loss tokens). The trainer passes
+number of loss tokens). ``sequence``: each sequence's token mean, times its weight
+``seq_weights`` (default 1; the learner passes one over the number of sequences of its
+episode, so that the unit is the episode), summed and divided by ``normalizer`` (by default
+the summed weight of the sequences with loss tokens). The trainer passes
 the count of the *whole* optimiser batch across all ranks and micro-batches, so that
 gradient accumulation and data parallelism give the same gradient as one big batch.
 
@@ -184,6 +186,7 @@ def masked_reduce(
     num_seqs: int | None = None,
     count_mask: Tensor | None = None,
     normalizer: float | None = None,
+    seq_weights: Tensor | None = None,
 ) -> Tensor:
     """Sum ``per_token * mask`` and normalise (see the module docstring).
 
@@ -201,8 +204,12 @@ def masked_reduce(
     seq_sum = _seq_sum(per_token * mask, seq_ids, num_seqs)
     seq_len = _seq_sum(count_mask, seq_ids, num_seqs)
     per_seq = seq_sum / seq_len.clamp(min=1.0)
-    denom = (seq_len > 0).sum().clamp(min=1).to(per_token.dtype) if normalizer is None else normalizer
-    return per_seq.sum() / denom
+    weights = torch.ones_like(per_seq) if seq_weights is None else seq_weights.to(per_seq.dtype)
+    if normalizer is None:
+        denom = (weights * (seq_len > 0).to(per_seq.dtype)).sum().clamp(min=1e-12)
+    else:
+        denom = normalizer
+    return (per_seq * weights).sum() / denom
 
 
 def _mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -295,6 +302,7 @@ def policy_loss(
     seq_ids: Tensor | None = None,
     num_seqs: int | None = None,
     normalizer: float | None = None,
+    seq_weights: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
     entropy: Tensor | None = None,
 ) -> tuple[Tensor, Metrics]:
@@ -323,7 +331,8 @@ def policy_loss(
         pg = torch.where(dual, bound, pg)
         metrics["dual_clip_frac"] = _mean(dual.float(), mask_b)
     per_token = weights * pg
-    reduce_kw = dict(normalization=cfg.normalization, seq_ids=seq_ids, num_seqs=num_seqs, normalizer=normalizer)
+    reduce_kw = dict(normalization=cfg.normalization, seq_ids=seq_ids, num_seqs=num_seqs, normalizer=normalizer,
+                     seq_weights=seq_weights)
     pg_loss = masked_reduce(per_token, keep, count_mask=mask_b, **reduce_kw)
     loss = pg_loss
     if ref_logprobs is not None:

@@ -149,24 +149,42 @@ def tool_schema(tool: Any) -> dict[str, Any]:
 
 
 def env_demonstrations(cfg: AgentRLConfig) -> list[Conversation]:
-    """``sft.num_demonstrations`` correct episodes from the configured environment."""
-    from agentrl.envs.base import load_env
+    """``sft.num_demonstrations`` correct episodes from the run's env, or from its ``[[envs]]`` in
+    shares by weight (an env that demonstrates nothing gives none, and is named in the log)."""
+    from agentrl.envs import close_quietly, make_envs
 
-    env = load_env(cfg.env.cls, cfg.env.kwargs)
+    envs = make_envs(cfg)
+    total_weight = sum(section.weight for section, _ in envs)
+    out: list[Conversation] = []
+    try:
+        for section, env in envs:
+            want = cfg.sft.num_demonstrations
+            if len(envs) > 1:
+                want = round(want * section.weight / total_weight)
+            made = _demonstrations(env, want, cfg.run.seed)
+            if len(envs) > 1:
+                log.info("%d demonstrations of %s (%s)", len(made), env.name, section.cls)
+            out += made
+    finally:
+        for _, env in envs:
+            close_quietly(env)
+    if not out:
+        raise ValueError(f"{', '.join(s.cls for s, _ in envs)} gave no demonstrations (Env.demonstration returned None)")
+    return out
+
+
+def _demonstrations(env: Any, num: int, seed: int) -> list[Conversation]:
     tools = [tool_schema(t) for t in env.tools()] or None
     out: list[Conversation] = []
-    tasks = env.tasks("train", seed=cfg.run.seed)
-    for task in itertools.islice(tasks, cfg.sft.num_demonstrations * 4):
+    for task in itertools.islice(env.tasks("train", seed=seed), num * 4):
+        if len(out) >= num:
+            break
         demo = env.demonstration(task)
         if not demo:
             continue
         if demo[0].get("role") == "assistant":
             demo = env.initial_messages(task) + list(demo)
         out.append((demo, tools))
-        if len(out) >= cfg.sft.num_demonstrations:
-            break
-    if not out:
-        raise ValueError(f"{cfg.env.cls} gave no demonstrations (Env.demonstration returned None)")
     return out
 
 
@@ -178,7 +196,8 @@ def load_samples(cfg: AgentRLConfig, tokenizer: Any) -> list[Sample]:
         try:
             sample = tokenize_conversation(tokenizer, messages, tools)
         except ValueError as e:
-            raise ValueError(f"{cfg.sft.data or cfg.env.cls}: conversation {i}: {e}") from None
+            where = cfg.sft.data or ", ".join(section.cls for section in cfg.env_sections)
+            raise ValueError(f"{where}: conversation {i}: {e}") from None
         if sample.num_tokens > limit:
             log.warning("skipping a conversation of %d tokens (> learner.max_tokens_per_microbatch)", sample.num_tokens)
             continue

@@ -356,6 +356,7 @@ class Trainer:
             seq_ids=mb.seq_ids,
             num_seqs=mb.num_seqs,
             normalizer=normalizer,
+            seq_weights=mb.seq_weights,
             ref_logprobs=mb.extras.get("reference"),
             entropy=entropy,
         )
