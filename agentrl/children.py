@@ -10,6 +10,12 @@ environment without starting it. :mod:`agentrl.supervisor` runs the :class:`Chil
   share the learner's GPUs (:mod:`agentrl.placement`).
 * Each child's environment is its placement: ``CUDA_VISIBLE_DEVICES`` with its own GPUs
   (the learner's ranks, engine *i*'s GPUs) or none (actors, the retrieval server).
+* **Restart policy**, one place: every long-running child of the RL stage is restarted when it
+  dies, up to ``MAX_RESTARTS`` times (the supervisor backs off between tries). An engine comes
+  back *without* a weight version (``--weight-version default``: it serves the warm start,
+  reports SGLang's "no version", and actors wait on it) until the learner notices it and
+  pushes its policy (``agentrl.learner.weight_push``, "Membership"). A learner comes back from
+  its latest checkpoint and journal; an actor continues its budget under the same id.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from typing import Callable
 from agentrl.config import AgentRLConfig, dump_toml
 from agentrl.placement import Placement, learner_ranks, weight_group_backend
 
+MAX_RESTARTS = 3  # how often a child of the RL stage (engine, learner, actor, retrieval server) is restarted
+
 
 @dataclass
 class ChildSpec:
@@ -36,6 +44,7 @@ class ChildSpec:
     critical: bool = False  # its failure ends the run
     max_restarts: int = 3
     cwd: str | None = None
+    restart_argv: list[str] | None = None  # the command line of a restart (None: argv again)
 
 
 def resolve_run_dir(cfg: AgentRLConfig, run_dir: str | Path | None) -> Path:
@@ -90,33 +99,48 @@ def write_config(cfg: AgentRLConfig, path: Path) -> Path:
 
 def engine_specs(cfg: AgentRLConfig, run_dir: Path, placement: Placement,
                  secret: Callable[[str], str] | None = None) -> list[ChildSpec]:
-    """The engines this run starts (``engine.urls`` of a planned config), each on its own devices. An
-    engine restarted mid-run would have left the weight-update group, so engines are critical."""
+    """The engines this run starts (``engine.urls`` of a planned config), each on its own devices.
+    First started at version 0 (they serve ``model.path``, the learner's version 0); restarted
+    without a version, so that nothing they answer before the learner's push counts."""
     from agentrl.engine.launch import config_engine_args, engine_command
 
     extra = config_engine_args(cfg, secret=secret)
+    unversioned = config_engine_args(cfg, secret=secret, weight_version="default")
     specs = []
     for i, url in enumerate(cfg.engine.urls):
         host, port = url.rsplit("//", 1)[1].rsplit(":", 1)
         argv = engine_command(cfg.model.path, int(port), backend=cfg.engine.backend, host=host, extra=extra)
+        again = engine_command(cfg.model.path, int(port), backend=cfg.engine.backend, host=host, extra=unversioned)
         specs.append(ChildSpec(f"engine{i}", argv, run_dir / "logs" / f"engine{i}.log", env=placement.engine_env(i),
-                               critical=True, max_restarts=0))
+                               max_restarts=MAX_RESTARTS, restart_argv=again))
     return specs
 
 
 def learner_spec(cfg: AgentRLConfig, run_dir: Path, placement: Placement) -> ChildSpec:
-    """``agentrl learn`` on the learner's devices (torchrun starts one rank per device)."""
+    """``agentrl learn`` on the learner's devices (torchrun starts one rank per device); restarted
+    from its latest checkpoint (``learner.resume = "auto"``) and journal."""
     return ChildSpec("learner", agentrl_argv("learn", "--config", str(run_dir / "config.toml")),
-                     run_dir / "logs" / "learner.log", env=placement.learner_env(), critical=True, max_restarts=0)
+                     run_dir / "logs" / "learner.log", env=placement.learner_env(), max_restarts=MAX_RESTARTS)
 
 
 def actor_specs(cfg: AgentRLConfig, run_dir: Path, placement: Placement) -> list[ChildSpec]:
-    """``actors.num_processes`` actor processes, no GPU; restarted (what they had in flight is lost)."""
+    """``actors.num_processes`` actor processes, no GPU; restarted (what they had in flight is
+    abandoned; the same id continues its budget)."""
     n = cfg.actors.num_processes
-    return [ChildSpec(f"actor{i}", agentrl_argv("serve-actors", "--config", str(run_dir / "config.toml"), "--index", str(i),
-                                            "--num-actors", str(n), "--wait-for-learner", "--log-interval-s", "10"),
-                      run_dir / "logs" / f"actor{i}.log", env=placement.cpu_env(), max_restarts=3)
-            for i in range(n)]
+    specs = []
+    for i in range(n):
+        args = ["serve-actors", "--config", str(run_dir / "config.toml"), "--index", str(i), "--num-actors", str(n),
+                "--wait-for-learner", "--log-interval-s", "10"]
+        if cfg.actors.dump_trajectories:
+            args += ["--dump-trajectories", str(trajectories_path(run_dir, i))]
+        specs.append(ChildSpec(f"actor{i}", agentrl_argv(*args), run_dir / "logs" / f"actor{i}.log",
+                               env=placement.cpu_env(), max_restarts=MAX_RESTARTS))
+    return specs
+
+
+def trajectories_path(run_dir: Path, index: int) -> Path:
+    """Where actor ``index`` appends its groups with ``actors.dump_trajectories``."""
+    return run_dir / "trajectories" / f"actor{index}.jsonl"
 
 
 def child_specs(cfg: AgentRLConfig, run_dir: Path, placement: Placement, *, own_engines: bool,

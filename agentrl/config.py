@@ -98,6 +98,7 @@ class ActorsSection(Section):
     progress_endpoint: str = "tcp://127.0.0.1:5558"  # learner PUB -> actors SUB
     send_queue_groups: int = Field(default=16, ge=1)  # groups queued for sending before an actor waits for the learner
     max_unacked_groups: int = Field(default=256, ge=1)  # sent groups an actor keeps to resend until the learner acknowledges them
+    dump_trajectories: bool = False  # agentrl run: each actor process appends every group it produces to <run_dir>/trajectories/actor<i>.jsonl
     # CURVE on both endpoints (agentrl/transport/security.py)
     curve_secret_key_env: str = "AGENTRL_CURVE_SECRET_KEY"  # NAME of the variable (or <NAME>_FILE) holding the run's CURVE secret key; required beyond loopback
     allow_plaintext_network: bool = False  # true: non-loopback endpoints without CURVE (a network you trust)

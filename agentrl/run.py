@@ -11,14 +11,18 @@ Stages, in order, all under one trio nursery (:class:`agentrl.supervisor.Supervi
    serve-search``) for each env with ``kwargs.search_url = "auto"``, restarted if it dies.
 4. **Evaluation before** RL: greedy episodes on ``eval.num_tasks`` held-out tasks, played by
    this process through the same engines.
-5. **RL.** ``agentrl learn`` (critical: its failure ends the run) and
-   ``actors.num_processes`` × ``agentrl serve-actors`` (restarted up to ``max_restarts``
-   times; what a dead actor had in flight is reported as lost). While they run, a live
-   table shows step, reward, staleness and throughput, and an evaluation runs every
-   ``eval.every_steps`` policy versions.
+5. **RL.** ``agentrl learn`` and ``actors.num_processes`` × ``agentrl serve-actors``. Any
+   child that dies -- an engine, the learner, an actor -- is restarted (``agentrl.children``:
+   restart policy), and the run goes on: a restarted engine gets the learner's policy before
+   its answers count, the learner resumes from its checkpoint and journal, an actor continues
+   its budget. Every restart is an event and counted per child (``summary.json``, the live
+   table). While they run, a live table shows step, reward, staleness and throughput, and an
+   evaluation runs every ``eval.every_steps`` policy versions.
 6. **Evaluation after**: the engines now hold the learner's final weights (the learner
-   pushes them after its last step). Then ``summary.json`` is written and the metrics are
-   logged to the run's MLflow run, which the learner logs to as well.
+   pushes them after its last step); only the engines that report its final version are
+   evaluated (an engine restarted after the learner ended holds the warm start). Then
+   ``summary.json`` is written and the metrics are logged to the run's MLflow run, which the
+   learner logs to as well.
 
 Every child gets the resolved config as a file in the run directory (``config.toml``), with
 the ports this run picked, so a child can be restarted by hand with the same command, and
@@ -26,8 +30,8 @@ its own GPUs through ``CUDA_VISIBLE_DEVICES`` (``agentrl/placement.py``: the lea
 first, then each engine; actors and the retrieval server none). ``--dry-run`` prints the
 plan and every child's command; a plan that does not fit the visible GPUs is refused before
 anything starts.
-Ctrl-C stops everything; a failing learner stops everything and exits non-zero, naming the
-child and quoting the end of its log.
+Ctrl-C stops everything; a child that keeps failing (past its restarts) stops everything and
+exits non-zero, naming the child and quoting the end of its log.
 """
 
 from __future__ import annotations
@@ -48,8 +52,8 @@ from typing import Any
 
 import trio
 
-from agentrl.children import (ChildSpec, actor_specs, agentrl_argv, engine_specs, learner_spec, plan_config,
-                              write_config)
+from agentrl.children import (MAX_RESTARTS, ChildSpec, actor_specs, agentrl_argv, engine_specs, learner_spec,
+                              plan_config, write_config)
 from agentrl.config import AgentRLConfig, EnvSection
 from agentrl.placement import Placement, placement_for, visible_gpus
 from agentrl.supervisor import ChildFailed, Supervisor
@@ -69,7 +73,8 @@ class RunState:
     versions_seen: set[int] = field(default_factory=set)
     events: list[str] = field(default_factory=list)
     last_metrics: dict[str, Any] = field(default_factory=dict)
-    actor_restarts: int = 0
+    restarts: dict[str, int] = field(default_factory=dict)  # per child
+    restart_events: list[str] = field(default_factory=list)
     warm_start: dict[str, Any] = field(default_factory=dict)
     rl_started: float | None = None  # when the learner and actors were started
     # the learner's counts as they happen (learner_status.json), and the last data warning said
@@ -78,10 +83,15 @@ class RunState:
         "waiting_s": 0.0, "warning": ""})
     warned: str = ""
 
-    def event(self, name: str, what: str, level: int = logging.INFO) -> None:
+    def event(self, name: str, what: str, level: int = logging.INFO) -> str:
         line = f"{time.strftime('%H:%M:%S')} {name}: {what}"
         self.events.append(line)
         log.log(level, "%s: %s", name, what)
+        return line
+
+    @property
+    def actor_restarts(self) -> int:
+        return sum(n for name, n in self.restarts.items() if name.startswith("actor"))
 
     def read_learner_status(self) -> None:
         """The learner's ``learner_status.json`` (its counts as they happen, see the learner loop)
@@ -173,14 +183,34 @@ async def start_search(sup: Supervisor, nursery: trio.Nursery, section: EnvSecti
     argv = agentrl_argv("serve-search", "--corpus", search_corpus(section), "--host", host, "--port", port,
                         "--token-env", section.search_token_env)
     await sup.start(nursery, ChildSpec(name, argv, run_dir / "logs" / f"{name}.log", env=placement.cpu_env(),
-                                       max_restarts=3))
+                                       max_restarts=MAX_RESTARTS))
     await trio.to_thread.run_sync(lambda: wait_ready(url, 120.0), abandon_on_cancel=True)
 
 
-async def evaluate_policy(cfg: AgentRLConfig, num_tasks: int | None = None, *,
+async def newest_policy_engines(cfg: AgentRLConfig) -> tuple[int | None, list[str]]:
+    """The highest policy version an engine in ``engine.urls`` reports, and the engines that report
+    it. An engine that does not answer, or was restarted and holds no policy yet (``"default"``),
+    is left out, so an evaluation never mixes in the warm start."""
+    import httpx
+
+    from agentrl.secrets import bearer, read_secret
+
+    headers = bearer(read_secret(cfg.engine.api_key_env))
+    versions: dict[str, int] = {}
+    async with httpx.AsyncClient(timeout=10.0, headers=headers) as http:
+        for url in cfg.engine.urls:
+            try:
+                versions[url] = int((await http.get(f"{url.rstrip('/')}/model_info")).json()["weight_version"])
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                continue
+    newest = max(versions.values(), default=None)
+    return newest, [u for u, v in versions.items() if v == newest]
+
+
+async def evaluate_policy(cfg: AgentRLConfig, num_tasks: int | None = None, *, urls: list[str] | None = None,
                           name_adapter: bool = True) -> dict[str, Any]:
-    """Greedy (or sampled) episodes on held-out tasks of every env through the engines in
-    ``engine.urls``: ``eval.num_tasks`` tasks per env, each env's result under ``by_env`` and the
+    """Greedy (or sampled) episodes on held-out tasks of every env through ``urls`` (default:
+    ``engine.urls``): ``eval.num_tasks`` tasks per env, each env's result under ``by_env`` and the
     rates over all of them at the top (:func:`agentrl.actors.rollout.combine_evaluations`). An
     AgentEnv is played by its agent through an agent endpoint opened for the evaluation.
     ``name_adapter``: with ``learner.lora.sync = "adapter"``, every request names the learner's
@@ -202,7 +232,7 @@ async def evaluate_policy(cfg: AgentRLConfig, num_tasks: int | None = None, *,
     lora_path = cfg.learner.lora.served_adapter if name_adapter else ""
 
     def new_client() -> EngineClient:
-        return EngineClient.from_config(cfg.engine, lora_path=lora_path)
+        return EngineClient.from_config(cfg.engine, urls=list(urls or cfg.engine.urls), lora_path=lora_path)
 
     by_env: dict[str, dict[str, Any]] = {}
     started = time.monotonic()
@@ -255,13 +285,31 @@ async def watch_progress(cfg: AgentRLConfig, state: RunState, run_dir: Path, liv
             if next_eval and version >= next_eval and not eval_lock.locked():
                 next_eval = version + cfg.eval.every_steps
                 async with eval_lock:
-                    result = await evaluate_policy(cfg)
+                    result = await evaluate_on_newest_policy(cfg, state, f"v{version}")
+                if result is None:
+                    continue
                 result["policy_version"] = version
                 state.evals.append(result)
                 state.eval_event(f"v{version}", result)
     finally:
         with trio.CancelScope(shield=True):
             await sub.aclose()
+
+
+async def evaluate_on_newest_policy(cfg: AgentRLConfig, state: RunState, when: str) -> dict[str, Any] | None:
+    """:func:`evaluate_policy` on the engines that hold the newest policy (all of them behind a
+    router, which cannot be asked); ``None``, with an event, when no engine holds one."""
+    urls = list(cfg.engine.urls)
+    if not cfg.engine.router_url:
+        version, urls = await newest_policy_engines(cfg)
+        left_out = sorted(set(cfg.engine.urls) - set(urls))
+        if version is None:
+            state.event("eval", f"{when}: skipped, no engine reports a policy version", logging.ERROR)
+            return None
+        if left_out:
+            state.event("eval", f"{when}: on the engines at policy version {version} only; left out "
+                        f"{', '.join(left_out)} (restarted, or not answering)", logging.WARNING)
+    return await evaluate_policy(cfg, urls=urls)
 
 
 def _last_json_line(path: Path) -> dict[str, Any] | None:
@@ -294,7 +342,7 @@ def _table(state: RunState, cfg: AgentRLConfig) -> Any:
         ("learner", _fmt_learner(state.data)),
         ("eval before", _fmt_eval(state.eval_before)),
         ("last eval", _fmt_eval(state.evals[-1] if state.evals else None)),
-        ("actor restarts", str(state.actor_restarts)),
+        ("restarts", ", ".join(f"{name} {n}" for name, n in sorted(state.restarts.items())) or "-"),
     ]
     rows += _env_rows(state)
     if state.data["warning"]:
@@ -406,9 +454,13 @@ def summarize(state: RunState, cfg: AgentRLConfig, run_dir: Path) -> dict[str, A
         "groups_produced": _actor_totals(run_dir),
         "policy_versions_seen": sorted(state.versions_seen),
         "actor_restarts": state.actor_restarts,
+        "restarts": dict(sorted(state.restarts.items())),
+        "restart_events": state.restart_events,
         "wall_time_s": round(time.monotonic() - state.started, 1),
         "events": state.events[-50:],
     }
+    if state.rl_started is not None:
+        summary["accounting"] = _accounting(run_dir)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
 
@@ -420,19 +472,25 @@ def _rise_by_env(before: dict[str, Any] | None, after: dict[str, Any] | None) ->
     return {env: a[env]["success_rate"] - b[env]["success_rate"] for env in a if env in b}
 
 
+def _accounting(run_dir: Path) -> dict[str, Any]:
+    """Where every group went (``agentrl.accounting``); a run folder it cannot read says why."""
+    from agentrl.accounting import account
+
+    try:
+        return account(run_dir)
+    except Exception as e:  # the summary is written whatever happened to the run
+        return {"balanced": False, "problems": [f"cannot read the run folder's accounting: {type(e).__name__}: {e}"]}
+
+
 def _actor_totals(run_dir: Path) -> dict[str, int]:
     """Sum the final reports the actor processes print (one JSON object per line in their logs)."""
+    from agentrl.accounting import final_reports
+
     totals: dict[str, int] = {}
-    for log_path in sorted((run_dir / "logs").glob("actor*.log")):
-        for line in log_path.read_text(errors="replace").splitlines():
-            if line.startswith("{") and '"groups_delivered"' in line:
-                try:
-                    report = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                for key in ("groups_started", "groups_delivered", "groups_lost", "groups_abandoned", "episodes"):
-                    if isinstance(report.get(key), int):
-                        totals[key] = totals.get(key, 0) + report[key]
+    for report in final_reports(run_dir):
+        for key in ("groups_started", "groups_delivered", "groups_lost", "groups_abandoned", "episodes"):
+            if isinstance(report.get(key), int):
+                totals[key] = totals.get(key, 0) + report[key]
     return totals
 
 
@@ -509,8 +567,9 @@ async def run_async(cfg: AgentRLConfig, run_dir: Path, *, live_display: bool = T
             state.eval_event("before RL", state.eval_before)
             await _train(sup, outer, cfg, run_dir, state, live_display, eval_lock, placement)
             async with eval_lock:
-                state.eval_after = await evaluate_policy(cfg)
-            state.eval_event("after RL", state.eval_after)
+                state.eval_after = await evaluate_on_newest_policy(cfg, state, "after RL")
+            if state.eval_after is not None:
+                state.eval_event("after RL", state.eval_after)
             outer.cancel_scope.cancel()
         status = "FINISHED"
     except* (StopSignal, KeyboardInterrupt):
@@ -562,10 +621,19 @@ async def _train(sup: Supervisor, outer: trio.Nursery, cfg: AgentRLConfig, run_d
             inner.cancel_scope.cancel()
 
 
+RESTART_NOTES = {  # what a restart of each kind of child means for the run
+    "actor": "its unacknowledged and running groups are abandoned; the same id continues its budget",
+    "engine": "back without a weight version: actors wait on it until the learner pushes its policy",
+    "learner": "resumes from its latest checkpoint and journal; live actors resend what it had not acknowledged",
+}
+
+
 def _on_event(state: RunState, name: str, what: str) -> None:
-    if name.startswith("actor") and "restart" in what:
-        state.actor_restarts += 1
-        what += " (its in-flight groups are lost)"
+    if "; restart " in what:  # the supervisor's "exited with status N; restart i/n"
+        state.restarts[name] = state.restarts.get(name, 0) + 1
+        note = next((v for k, v in RESTART_NOTES.items() if name.startswith(k)), "")
+        state.restart_events.append(state.event(name, f"{what}{f' ({note})' if note else ''}", logging.WARNING))
+        return
     state.event(name, what)
 
 

@@ -5,8 +5,10 @@ Each child is a :class:`ChildSpec`: an argv, a log file, a restart budget and wh
 
 * starts every child in its own process group (so a child's own children -- torchrun's
   ranks, uvicorn workers -- are stopped with it) with stdout/stderr going to its log file;
-* restarts a non-critical child that exits, up to ``max_restarts`` times, and reports each
-  restart through ``on_event`` (the caller counts what the dead child had in flight);
+* restarts a non-critical child that exits with an error or is killed, up to ``max_restarts``
+  times, backing off 0.5, 1, 2, 4, 5, 5 ... seconds, with ``restart_argv`` when the spec has
+  one (an engine comes back without a weight version, see ``agentrl.children``), and reports
+  each restart through ``on_event``;
 * when a critical child exits with an error, or a child runs out of restarts, stops all
   the others and raises :class:`ChildFailed` naming the child and quoting the end of its log;
 * on cancellation (Ctrl-C, or the caller leaving the nursery) sends SIGTERM to every
@@ -75,10 +77,11 @@ class Supervisor:
 
     async def _spawn(self, state: ChildState) -> None:
         spec = state.spec
+        argv = spec.restart_argv if state.restarts and spec.restart_argv else spec.argv
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(spec.log_path, "ab", buffering=0) as log:
             state.process = await trio.lowlevel.open_process(
-                spec.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 env={**os.environ, **spec.env}, cwd=spec.cwd, start_new_session=True,
             )
         self.on_event(spec.name, f"started (pid {state.process.pid})")

@@ -151,20 +151,29 @@ class ListSource(GroupSource):
 class Recorder(ProgressSink):
     """Records published progress and weight pushes."""
 
-    def __init__(self) -> None:
-        self.progress: list = []
-        self.pushes: list[tuple[int, list[str]]] = []
-
     def publish(self, progress) -> None:
         self.progress.append(progress)
 
     device = "cpu"  # WeightUpdater's interface, as push_weights and the loop use it
+    members = ["recorded"]  # one engine, always there, starting at version 0
 
-    def align_versions(self, version: int) -> bool:
-        return version > 0
+    def __init__(self) -> None:
+        self.progress: list = []
+        self.pushes: list[tuple[int, list[str]]] = []
+        self.labels = {"recorded": "0"}
+
+    def membership_change(self, version: int) -> str:
+        return ""
+
+    def connect(self) -> None:
+        pass
+
+    def lagging(self, version: int) -> list[str]:
+        return [u for u in self.members if self.labels[u] != str(version)]
 
     def push_plan(self, plan, version: int, materialize) -> dict:
         self.pushes.append((version, [name for bucket in plan for name, _ in materialize(bucket)]))
+        self.labels = {u: str(version) for u in self.members}
         return {}
 
     def close(self) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.children import child_specs, plan_config
+from agentrl.children import actor_specs, child_specs, plan_config
 from agentrl.config import load_config
 from agentrl.placement import placement_for
 from tests._learner_helpers import REPO, subprocess_env, tiny_model  # noqa: F401
@@ -40,7 +40,7 @@ def test_child_specs_carry_their_devices_flags_and_keys(tmp_path):
 
     for i, devices in enumerate(("2,3", "4,5")):
         engine = specs[f"engine{i}"]
-        assert engine.env == {"CUDA_VISIBLE_DEVICES": devices} and engine.critical and engine.max_restarts == 0
+        assert engine.env == {"CUDA_VISIBLE_DEVICES": devices} and not engine.critical and engine.max_restarts == 3
         assert engine.argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
         flags = _pairs(engine.argv)
         assert planned.engine.urls[i] == f"http://{flags['--host']}:{flags['--port']}"
@@ -49,15 +49,23 @@ def test_child_specs_carry_their_devices_flags_and_keys(tmp_path):
         assert flags["--weight-version"] == "0" and flags["--mem-fraction-static"] == "0.8"
         assert flags["--api-key"] == "k-user" and flags["--admin-api-key"] == "k-admin"
         assert engine.log_path == tmp_path / "logs" / f"engine{i}.log"
+        # a restart is the same server without a version: what it answers before the learner's push is not kept
+        again = _pairs(engine.restart_argv)
+        assert again == {**flags, "--weight-version": "default"}
 
     learner = specs["learner"]
-    assert learner.env == {"CUDA_VISIBLE_DEVICES": "0,1"} and learner.critical
+    assert learner.env == {"CUDA_VISIBLE_DEVICES": "0,1"} and not learner.critical and learner.max_restarts == 3
+    assert learner.restart_argv is None  # the same command: it resumes from its checkpoint
     assert learner.argv == [sys.executable, "-m", "agentrl", "learn", "--config", str(tmp_path / "config.toml")]
     for i in range(2):
         actor = specs[f"actor{i}"]
         assert actor.env == {"CUDA_VISIBLE_DEVICES": ""} and not actor.critical and actor.max_restarts == 3
         assert _pairs(actor.argv)["--index"] == str(i) and _pairs(actor.argv)["--num-actors"] == "2"
-        assert "--wait-for-learner" in actor.argv
+        assert "--wait-for-learner" in actor.argv and "--dump-trajectories" not in actor.argv
+    dumping = load_config(None, ["actors.dump_trajectories=true"])
+    actor = actor_specs(plan_config(dumping, tmp_path, "/m", placement_for(dumping, ())), tmp_path,
+                        placement_for(dumping, ()))[0]
+    assert _pairs(actor.argv)["--dump-trajectories"] == str(tmp_path / "trajectories" / "actor0.jsonl")
     assert planned.engine.weight_group_backend == "auto"  # nothing shares a GPU
 
 

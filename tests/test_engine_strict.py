@@ -99,7 +99,7 @@ def test_routes_declare_sglang_admin_levels():
     assert admin == {"/flush_cache", "/abort_request", "/pause_generation", "/continue_generation",
                      "/init_weights_update_group", "/destroy_weights_update_group", "/begin_weight_update",
                      "/end_weight_update", "/update_weights_from_distributed", "/update_weights_from_disk",
-                     "/update_weight_version"}
+                     "/update_weight_version", "/load_lora_adapter", "/unload_lora_adapter"}
 
 
 # --------------------------------------------------------------------------- the attacks
@@ -118,6 +118,8 @@ ATTACKS = {
     "/update_weights_from_distributed": {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[1]]},
     "/update_weights_from_disk": {"model_path": "MODEL", "weight_version": "evil"},
     "/update_weight_version": {"new_version": "evil"},
+    "/load_lora_adapter": {"lora_name": "evil", "lora_path": "MODEL"},
+    "/unload_lora_adapter": {"lora_name": "evil"},
 }
 
 

@@ -106,7 +106,8 @@ def test_a_bad_tensor_name_is_reported_and_nothing_hangs(urls, updater):
         updater.push([("model.no_such_weight", torch.zeros(3, 4))], version=9)
     for url in urls:
         info = httpx.get(url + "/server_info", timeout=10).json()
-        assert info["weight_version"] == "2" and not info["paused"] and not info["updating_weights"]
+        # a refused update leaves no policy's number (its weights may hold part of it): the learner pushes again
+        assert info["weight_version"] == "default" and not info["paused"] and not info["updating_weights"]
         assert _greedy(url, [1, 2])["meta_info"]["finish_reason"]["type"] == "length"
 
 

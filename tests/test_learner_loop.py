@@ -125,6 +125,7 @@ def test_loop_waits_for_data_then_gives_up_cleanly(tiny_model, tmp_path):
     assert (tmp_path / "checkpoints" / "learn" / "latest").exists()
 
 
+
 def test_a_learner_starved_by_zero_variance_groups_says_so(tiny_model, tmp_path, caplog):
     """A warm start with almost no successes: every group's rewards are equal, dynamic sampling
     drops them all and no batch fills. The learner says so in plain words, and its counts by
@@ -150,6 +151,37 @@ def test_a_learner_starved_by_zero_variance_groups_says_so(tiny_model, tmp_path,
     for advice in ("stronger", "easier", "actors.group_size larger", "learner.dynamic_sampling = false"):
         assert advice in status["warning"]
     assert any("GRPO learns nothing from those" in r.getMessage() for r in caplog.records)
+
+
+def test_a_learner_that_died_before_any_checkpoint_leaves_nothing_it_acknowledged_behind(tiny_model, tmp_path):
+    """The first learner receives and acknowledges three groups (journaled), trains one step and
+    dies before any checkpoint (it writes none: what a SIGKILL before the first one leaves). The next
+    learner in the run folder has no checkpoint, continues the dead one's journal from the start,
+    so the acknowledged groups are held again (their resend is a duplicate), and trains on."""
+    from agentrl.config import load_config
+    from agentrl.learner.distributed import init_distributed
+    from agentrl.learner.loop import Learner, LearnerIO
+
+    init_distributed("cpu")
+    rng = np.random.default_rng(1)
+    groups = [make_group(rng, group_id=f"a{i}", session="s1", seq=i) for i in range(3)]
+    first = Learner(load_config(None, _overrides(tiny_model, tmp_path, **{"learner.max_steps": 1})),
+                    io=LearnerIO(source=ListSource(list(groups)), progress=Recorder(), weights=None))
+    first._checkpoint = lambda: 0.0  # dies before writing any
+    assert first.run() == "done"
+    assert not (tmp_path / "checkpoints" / "learn").exists() or not any((tmp_path / "checkpoints" / "learn").iterdir())
+
+    rec = Recorder()
+    resent = make_group(rng, group_id="a2-resent", session="s1", seq=2)
+    second = Learner(load_config(None, _overrides(tiny_model, tmp_path, **{"learner.max_steps": 1})),
+                     io=LearnerIO(source=ListSource([resent, make_group(rng, group_id="b", session="s2", seq=0)]),
+                                  progress=rec, weights=None))
+    assert second.run() == "done"
+    assert second.lineage == first.lineage
+    assert rec.progress[0].actors == [ActorAck("test-actor", groups=3, session="s1", session_groups=3,
+                                               acked=[(0, 2)])]  # before anything new arrived
+    assert second.buffer.counters["duplicate"] == 1
+    assert second.buffer.counters["received"] == 4 and second.buffer.counters["consumed"] == 2
 
 
 def _free_port() -> int:

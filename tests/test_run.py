@@ -194,11 +194,13 @@ def test_live_table_shows_rl_rates(tmp_path: Path) -> None:
         "buffered": 4, "groups_per_step": 16, "waiting_s": 0.0, "warning": ""}))
     state.read_learner_status()
     state.rl_started = time.monotonic() - 10.0  # 20 groups x 8 episodes in 10 s
+    state.restarts = {"engine0": 1, "learner": 2}
     console = Console(record=True, width=200)
     console.print(_table(state, cfg))
     text = console.export_text()
     assert "3 / 20" in text and "0.250" in text and "0.50" in text
     assert "20 / 12" in text and "4 (stale 1, zero_variance 3)" in text
+    assert "engine0 1, learner 2" in text
     rate = float(text.split("episodes/s (received)")[1].split("│")[1])
     assert 15.0 < rate <= 16.0
     # one row per env: the learner's recent reward and success, groups, and the evaluations

@@ -63,6 +63,33 @@ def test_restarts_then_fails_naming_child_and_log(tmp_path: Path) -> None:
     assert (tmp_path / "actor.log").read_text().count("boom from actor") == 3
 
 
+def test_a_killed_child_is_restarted_with_its_restart_command(tmp_path: Path) -> None:
+    """kill -9 of a child (an engine): restarted once, with ``restart_argv`` (an engine comes back
+    without a weight version), after which it finishes and is left alone."""
+    import signal
+
+    events: list[tuple[str, str]] = []
+    sup = Supervisor(stop_grace_s=2, on_event=lambda n, w: events.append((n, w)))
+    ready = tmp_path / "first.pid"
+    first = _py(f"import os, time; open({str(ready)!r}, 'w').write(str(os.getpid())); print('first', flush=True); "
+                "time.sleep(60)")
+    spec = ChildSpec("engine0", first, tmp_path / "engine0.log", max_restarts=1,
+                     restart_argv=_py("print('restarted without a version')"))
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            await sup.start(n, spec)
+            while not ready.exists() or not ready.read_text():
+                await trio.sleep(0.05)
+            os.kill(int(ready.read_text()), signal.SIGKILL)
+            assert await sup.wait_finished("engine0") == 0
+
+    trio.run(main)
+    assert sup.children["engine0"].restarts == 1
+    assert [w for _, w in events if "restart" in w] == ["exited with status -9; restart 1/1"]
+    assert (tmp_path / "engine0.log").read_text().splitlines() == ["first", "restarted without a version"]
+
+
 def test_critical_failure_stops_the_others(tmp_path: Path) -> None:
     sup = Supervisor(stop_grace_s=2)
     sleeper = ChildSpec("engine", _py("import time; time.sleep(60)"), tmp_path / "engine.log")

@@ -19,8 +19,8 @@ import httpx
 import pytest
 import torch
 
-from agentrl.learner.weight_push import (WeightUpdateError, WeightUpdater, full_tensors, plan_buckets, rank_layout,
-                                         without_tied_head)
+from agentrl.learner.weight_push import (EngineLost, WeightUpdateError, WeightUpdater, full_tensors, plan_buckets,
+                                         rank_layout, without_tied_head)
 from agentrl.weight_group import bind_store_socket, destroy_weight_group, init_weight_group
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -176,15 +176,15 @@ def test_tp_ranks_versions_flush_and_a_build_without_begin_end(caplog):
         with WeightUpdater([a.url, b.url], bucket_bytes=8 << 10) as updater:
             updater.connect()
             assert (updater.rank_offsets, updater.world_size) == ([1, 3], 4)
-            assert listening_addresses(updater.master_port) == ["0100007F"]
+            assert listening_addresses(updater.group_port) == ["0100007F"]
             assert a.state()["init"]["rank_offset"] == 1 and b.state()["init"]["rank_offset"] == 3
             assert a.state()["init"]["world_size"] == b.state()["init"]["world_size"] == 4
 
-            # at version 0: A ("default") is told its version, B (another policy's 7) needs the weights
-            assert updater.align_versions(0) is True
-            assert a.state()["version_updates"] == [{"new_version": "0", "abort_all_requests": False}]
-            assert b.state()["version_updates"] == [] and updater.engine_versions() == ["0", "7"]
-            assert updater.align_versions(3) is True  # after a resume: always a push
+            # an engine that does not report the learner's version gets its weights: A ("default") and B
+            # (another policy's 7) at version 0, only A at version 7
+            assert updater.members == [a.url, b.url] and updater.labels == {a.url: "default", b.url: "7"}
+            assert updater.lagging(0) == [a.url, b.url] and updater.lagging(7) == [a.url]
+            assert updater.membership_change(0) == ""
 
             named = tensors()
             plan = plan_buckets(without_tied_head(named), updater.bucket_bytes)
@@ -207,6 +207,8 @@ def test_tp_ranks_versions_flush_and_a_build_without_begin_end(caplog):
             updates = state["updates"]
             assert len(updates) == 2 * len(plan)
             assert state["weight_version"] == "2" and state["paused"] is None and not state["session"]
+            # before each push, right after the pause: "default", so a cut-short push leaves no number
+            assert state["version_updates"] == [{"new_version": "default", "abort_all_requests": False}] * 2
             first = updates[:len(plan)]
             assert [u["flush_cache"] for u in first] == [False] * (len(plan) - 1) + [True]
             assert [u["weight_version"] for u in first] == [None] * (len(plan) - 1) + ["1"]
@@ -240,11 +242,15 @@ def test_in_place_pause_never_flushes_and_a_failed_bucket_still_ends_and_continu
                 calls.append(next(i for i, b in enumerate(plan) if b is bucket))
                 return full_tensors(bucket)
 
-            with pytest.raises(WeightUpdateError, match="refused by the test"):
+            with pytest.raises(WeightUpdateError, match="refused by the test") as refused:
                 updater.push_plan(plan, 2, materialize)
+            assert not isinstance(refused.value, EngineLost)  # an answer: not a membership problem
+            assert updater.group is None  # this end is gone; the next push forms a new group
         assert calls == list(range(len(plan)))  # every bucket gathered, in order: the other ranks are in them
         state = fake.state()
         assert state["paused"] is None and not state["session"]  # continue and end still ran
+        # the buckets before the refused one were applied: the engine holds no policy's weights, and says so
+        assert state["weight_version"] == "default"
     finally:
         fake.stop()
 
@@ -277,7 +283,7 @@ def test_keys_go_where_sglang_wants_them_and_never_into_logs(monkeypatch, caplog
         monkeypatch.setenv("AGENTRL_ENGINE_ADMIN_API_KEY", admin)
         with WeightUpdater.from_config(cfg.engine) as updater:
             updater.connect()
-            assert updater.align_versions(0) is False
+            assert updater.lagging(0) == [fake.url, old_build.url]  # "default": they get the weights
             updater.push(tensors(), 1)
             updater.push(tensors(), 2)
         assert fake.state()["weight_version"] == old_build.state()["weight_version"] == "2"

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import httpx
 import pytest
@@ -20,7 +21,7 @@ import trio
 
 from agentrl.engine.client import EngineClient, EngineRequestError
 from agentrl.engine.launch import EngineProcess, free_port, wait_ready
-from agentrl.learner.weight_push import WeightUpdater
+from agentrl.learner.weight_push import EngineLost, WeightUpdater, full_tensors, plan_buckets, without_tied_head
 from tests.conftest_engine import ENGINE_FLAGS, Teacher, max_abs_diff
 
 
@@ -119,9 +120,13 @@ def test_an_actor_waits_for_the_learner_to_set_the_engines_version(engine, engin
     logger = logging.getLogger("agentrl.actors.rollout")
 
     def learner_connects() -> list[str]:
+        from transformers import AutoModelForCausalLM
+
         with WeightUpdater([url]) as updater:
             updater.connect()
-            assert updater.align_versions(0) is False  # told its version, no push needed
+            assert updater.lagging(0) == [url]  # "default": no policy's weights, so it gets the learner's
+            model = AutoModelForCausalLM.from_pretrained(engine_model, dtype=torch.float32)
+            updater.push(list(model.named_parameters()), 0)
             return updater.engine_versions()
 
     async def main():
@@ -187,13 +192,13 @@ def test_the_learner_sets_the_version_before_its_first_progress_message(engine, 
     finally:
         with WeightUpdater([url]) as restore:
             restore.push_from_disk(str(engine_model), 0)
-    assert seen[0] == (0, "0")  # set before the first message, without a push (the engine serves model.path)
+    assert seen[0] == (0, "0")  # pushed before the first message
     assert seen[-1] == (1, "1")
 
 
 def test_e2e_after_engine_strict_tp_ranks_keys_and_no_begin_end(engine_model, tmp_path, monkeypatch, caplog):
     """Engine A joins with 2 TP ranks and reports "default"; engine B has no begin/end; both want
-    keys. The learner's group has world 4 (offsets 1 and 3), A is told its version, a push reaches
+    keys. The learner's group has world 4 (offsets 1 and 3), A lags (it gets the weights), a push reaches
     both, B's missing begin/end is warned about once, and a client without keys is refused."""
     from agentrl.config import load_config
 
@@ -210,7 +215,7 @@ def test_e2e_after_engine_strict_tp_ranks_keys_and_no_begin_end(engine_model, tm
         with WeightUpdater.from_config(cfg.engine) as updater, caplog.at_level(logging.WARNING):
             updater.connect()
             assert (updater.rank_offsets, updater.world_size) == ([1, 3], 4)
-            assert updater.align_versions(0) is False and updater.engine_versions() == ["0", "0"]
+            assert updater.lagging(0) == [a.url] and updater.engine_versions() == ["default", "0"]
             updater.push(list(new.named_parameters()), 1)
             updater.push(list(new.named_parameters()), 2)
         assert len([r for r in caplog.records if "begin_weight_update" in r.getMessage()]) == 1
@@ -229,3 +234,160 @@ def test_e2e_after_engine_strict_tp_ranks_keys_and_no_begin_end(engine_model, tm
         for p in (a, b):
             p.stop()
     assert api not in caplog.text and admin not in caplog.text
+
+
+def _kill_9(proc: EngineProcess) -> None:
+    import os
+    import signal
+
+    os.killpg(proc.process.pid, signal.SIGKILL)
+    proc.process.wait()
+
+
+def _restarted(proc: EngineProcess, *flags: str) -> EngineProcess:
+    """The same server again on the same port, as a supervisor restarts it (its own flags)."""
+    port = int(proc.url.rsplit(":", 1)[1])
+    again = EngineProcess(proc.argv[proc.argv.index("--model") + 1], port, extra=list(flags), log_path=proc.log_path)
+    again.start(wait_s=0)
+    wait_ready(again.url, 240, process=again.process)
+    return again
+
+
+def test_an_engine_killed_and_restarted_rejoins_the_group_and_serves_the_policy(engine_model, tmp_path):
+    """kill -9 of one of two engines: its next push breaks at once (EngineLost, no hang), the
+    survivor is not left stuck, the group is re-formed without it and the push reaches the
+    survivor; restarted without a version it reports "default" (actors wait on it), the learner
+    notices, re-forms the group with both and pushes: the restarted engine then answers with
+    the learner's version and exactly the learner's weights. The actors' client takes it back."""
+    restart_flags = [*ENGINE_FLAGS[:-1], "default"]  # what agentrl's supervisor restarts an engine with
+    a, b = _start(engine_model, tmp_path, ENGINE_FLAGS, ENGINE_FLAGS)
+    new1, new2 = _perturbed(engine_model, seed=7), _perturbed(engine_model, seed=8)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    try:
+        with WeightUpdater([a.url, b.url], bucket_bytes=1 << 18, probe_timeout_s=2.0) as updater:
+            updater.connect()
+            updater.push(list(new1.named_parameters()), 1)
+            assert updater.membership_change(1) == "" and updater.lagging(1) == []
+
+            # B dies in the middle of a push (after the pause, while the first bucket is gathered)
+            plan = plan_buckets(without_tied_head(list(new2.named_parameters())), updater.bucket_bytes)
+            assert len(plan) >= 2
+            gathered: list[int] = []
+
+            def materialize(bucket):
+                if not gathered:
+                    _kill_9(b)
+                gathered.append(1)
+                return full_tensors(bucket)
+
+            started = time.monotonic()
+            with pytest.raises(EngineLost):  # the member is gone: its HTTP call and the broadcast break
+                updater.push_plan(plan, 2, materialize)
+            assert time.monotonic() - started < 60 and len(gathered) == len(plan)
+            assert updater.group is None
+            # the survivor is not stuck in a receive, and answers without a policy's number: it may
+            # hold part of version 2
+            assert httpx.get(a.url + "/model_info", timeout=10).json()["weight_version"] == "default"
+            assert updater.membership_change(2) == f"{b.url} does not answer"
+            updater.connect()
+            assert updater.members == [a.url] and updater.world_size == 2 and updater.lagging(2) == [a.url]
+            updater.push(list(new2.named_parameters()), 2)
+            out, lps = _greedy(a.url, prompt)
+            assert max_abs_diff(lps, Teacher(new2).logprobs(prompt, out)) <= 1e-4
+
+            b = _restarted(b, *restart_flags)
+            assert httpx.get(b.url + "/model_info", timeout=10).json()["weight_version"] == "default"
+            reason = updater.membership_change(2)
+            assert reason == f"{b.url} answers and is not in the group", reason
+            updater.connect()
+            assert updater.members == [a.url, b.url] and updater.lagging(2) == [b.url]
+            updater.push(list(new2.named_parameters()), 2)
+            assert updater.engine_versions() == ["2", "2"] and updater.membership_change(2) == ""
+            for url in (a.url, b.url):
+                out, lps = _greedy(url, prompt)
+                assert max_abs_diff(lps, Teacher(new2).logprobs(prompt, out)) <= 1e-4
+
+            # restarted by something else, e.g. Kubernetes with --weight-version 0: a number this
+            # updater did not leave there is a restart too
+            _kill_9(b)
+            b = _restarted(b, *ENGINE_FLAGS)
+            assert updater.membership_change(2) == f"{b.url} reports weight_version '0', not '2' (restarted?)"
+    finally:
+        for p in (a, b):
+            p.stop()
+
+
+def test_the_client_takes_a_restarted_engine_back_and_a_call_in_flight_does_not_hang(engine_model, tmp_path):
+    """A /generate in flight on an engine that is killed: with another engine it is retried
+    there; with none, and no retries, it fails at once with EngineUnavailableError (the actor
+    counts its group as lost). The health loop drops the dead engine and re-admits it after
+    its restart."""
+    from agentrl.engine.client import EngineUnavailableError
+
+    a, b = _start(engine_model, tmp_path, ENGINE_FLAGS, ENGINE_FLAGS)
+    long = {"max_new_tokens": 600, "temperature": 1.0, "ignore_eos": True}
+    try:
+        async def main():
+            with trio.fail_after(240):
+                async with EngineClient([a.url, b.url], health_check_interval_s=0.2) as both, \
+                        EngineClient([b.url], max_retries=0, health_check_interval_s=0.2) as only_b:
+                    results: dict = {}
+
+                    async def call(name, client, key):
+                        try:
+                            results[name] = await client.generate([1, 2, 3], long, affinity_key=key)
+                        except EngineUnavailableError as e:
+                            results[name] = e
+
+                    both._affinity["episode"] = both.engines[1]  # the episode's turns go to B
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(call, "retried", both, "episode")
+                        nursery.start_soon(call, "alone", only_b, None)
+                        while b.url not in {s.url for s in both.engines if s.outstanding}:
+                            await trio.sleep(0.01)
+                        await trio.sleep(0.3)  # generating
+                        await trio.to_thread.run_sync(_kill_9, b)
+                    assert results["retried"].url == a.url and len(results["retried"].output_ids) == 600
+                    assert isinstance(results["alone"], EngineUnavailableError)
+                    assert both.healthy_urls() == [a.url]
+                    restarted = await trio.to_thread.run_sync(lambda: _restarted(b, *ENGINE_FLAGS))
+                    while b.url not in both.healthy_urls():
+                        await trio.sleep(0.05)
+                    return restarted
+
+        b = trio.run(main)
+    finally:
+        for p in (a, b):
+            p.stop()
+
+
+def test_a_new_learner_cleans_up_what_a_learner_killed_mid_push_left_on_the_engine(engine, engine_model):
+    """A learner killed between pause and end leaves the engine paused, labelled "default", inside
+    an update session and holding a group whose trainer is gone. The next learner's updater
+    continues generation when it forms its group, and its first push ends the stale session and
+    goes through."""
+    url = engine.url
+    old = WeightUpdater([url])
+    old.connect()  # the dead learner's group
+    for path, body in (("/pause_generation", {"mode": "abort"}), ("/begin_weight_update", {}),
+                       ("/update_weight_version", {"new_version": "default", "abort_all_requests": False})):
+        assert httpx.post(url + path, json=body, timeout=10).status_code == 200
+    old._drop_group()  # its trainer end is gone, as with SIGKILL (the engine still holds its group)
+    info = httpx.get(url + "/server_info", timeout=10).json()
+    assert info["paused"] and info["updating_weights"]
+    model = _perturbed(engine_model, seed=9)
+    try:
+        with WeightUpdater([url]) as updater:
+            updater.connect()
+            assert not httpx.get(url + "/server_info", timeout=10).json()["paused"]
+            assert updater.lagging(0) == [url]
+            updater.push(list(model.named_parameters()), 0)
+            prompt = [2, 7, 1, 8, 2, 8]
+            out, lps = _greedy(url, prompt)
+            assert max_abs_diff(lps, Teacher(model).logprobs(prompt, out)) <= 1e-4
+            info = httpx.get(url + "/server_info", timeout=10).json()
+            assert not info["paused"] and not info["updating_weights"] and info["weight_version"] == "0"
+    finally:
+        old.close()
+        with WeightUpdater([url]) as restore:
+            restore.push_from_disk(str(engine_model), 0)

@@ -62,6 +62,8 @@ def serve_actors(cfg: Any, *, dump_path: Path | None = None, max_groups: int | N
         raise ValueError("--no-send without --dump-trajectories would throw every group away")
     if not (Path(cfg.model.path) / "tokenizer_config.json").exists():
         raise ValueError(f"no tokenizer at model.path={cfg.model.path!r} (tokenizer_config.json missing)")
+    if dump_path is not None:
+        Path(dump_path).parent.mkdir(parents=True, exist_ok=True)
 
     import trio
     from transformers import AutoTokenizer

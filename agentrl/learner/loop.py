@@ -44,12 +44,16 @@ actors have used (each actor counts what the learner holds from it, see the acto
 
 **Weights.** Every ``sync_every_steps`` steps the version is bumped and the weights are
 pushed (``agentrl.learner.weight_push``) when ``engine.urls`` is set: full weights (with LoRA,
-the adapters merged into them), or with ``learner.lora.sync = "adapter"`` the adapter alone,
-which is also loaded at start. At start, before the
-first progress message, the engines are brought to the learner's policy
-(``WeightUpdater.align_versions``): an engine that reports ``"default"`` is told version 0, and
-after a resume (or when an engine reports another policy's number) the weights are pushed,
-so actors never see a version the learner did not set.
+the adapters merged into them), or with ``learner.lora.sync = "adapter"`` the adapter alone.
+Engines may die and come
+back at any time, restarted by ``agentrl run`` or anything else: before every push, at start
+(before the first progress message) and every ``ENGINE_CHECK_S`` while it polls for data,
+rank 0 asks the engines whether the weight group still matches them
+(``WeightUpdater.membership_change``); on a change every rank takes part in re-forming it and
+pushing to every engine that does not report the learner's version (``_update_engines``), so a
+restarted engine, which reports ``"default"`` and on which actors wait, gets the policy
+before it serves anything the learner trains on. A push that loses an engine is tried again on
+a re-formed group; one that an engine refuses stops the learner.
 
 **Stopping.** SIGTERM/SIGINT ask rank 0 to stop at the next poll or after the current
 step; the loop then writes a checkpoint. A second signal aborts.
@@ -80,6 +84,8 @@ from agentrl.transport.delivery import Ledger
 log = logging.getLogger("agentrl.learner")
 
 POLL_S = 2.0  # longest a non-zero rank waits in one control broadcast
+ENGINE_CHECK_S = 2.0  # how often rank 0 re-checks the engines (membership, versions) between pushes
+MAX_PUSH_ATTEMPTS = 3  # pushes that lose an engine before the learner trains on and checks again later
 
 
 @dataclass
@@ -202,6 +208,7 @@ class Learner:
                 max_abs_reward=self.lc.max_abs_reward,
             )
         self.push_enabled = bool(broadcast_object(self.io is not None and self.io.weights is not None))
+        self._next_engine_check = 0.0
         self.metrics_file = self.run_dir / "learner_metrics.jsonl"
         self.batches_file = self.run_dir / "learner_batches.jsonl"
 
@@ -212,7 +219,7 @@ class Learner:
         restore = self._install_signal_handlers()
         try:
             self._resume()
-            self._align_engines()
+            self._update_engines(self._engines_changed())
             self._log_params()
             self._publish()
             last_checkpoint_step = self.trainer.step
@@ -278,6 +285,9 @@ class Learner:
             if msg[0] == "batch":
                 self._wait_started = None
                 return msg[1]
+            if msg[0] == "engines":  # an engine left or (re)joined: re-form the group, push, tell the actors
+                self._update_engines(msg[1])
+                self._publish()
             if msg[0] == "stop":
                 self.exit_reason = msg[1]
                 return None
@@ -292,6 +302,11 @@ class Learner:
         while True:
             if self._stop_requested:
                 return ("stop", "stopped")
+            if self.push_enabled and time.monotonic() >= self._next_engine_check:
+                self._next_engine_check = time.monotonic() + ENGINE_CHECK_S
+                reason = self.io.weights.membership_change(self.version)
+                if reason:
+                    return ("engines", reason)
             self._drain()
             groups = self.buffer.take(self.lc.groups_per_step, self.version)
             if groups is not None:
@@ -437,41 +452,89 @@ class Learner:
         """Bump the policy version and push the weights (every rank takes part in the gathers)."""
         self.version += 1
         self.steps_since_sync = 0
-        return self._push()
+        return self._update_engines(self._engines_changed())
 
-    def _push(self) -> float:
-        import torch
+    def _engines_changed(self) -> str:
+        """Every rank: why the weight group must be re-formed (rank 0 asks the engines), or ``""``."""
+        from agentrl.learner.distributed import broadcast_object
 
-        from agentrl.learner.weight_push import push_adapter, push_weights
+        reason = ""
+        if self.push_enabled and self.io is not None:
+            self._next_engine_check = time.monotonic() + ENGINE_CHECK_S
+            reason = self.io.weights.membership_change(self.version)
+        return str(broadcast_object(reason) or "") if self.push_enabled else ""
+
+    def _update_engines(self, reason: str) -> float:
+        """Every rank: bring every engine that answers to this learner's policy. With ``reason``
+        (a membership change) rank 0 first re-forms the weight group; then every member that
+        does not report the current version gets the weights. When the trainer has stepped since
+        the last push its weights are no longer that version's, so the version is bumped first.
+        A push that loses an engine is retried on a re-formed group, ``MAX_PUSH_ATTEMPTS`` times
+        in all; after that the engines left behind are found again by the next check. Returns
+        the seconds spent pushing."""
+        from agentrl.learner.distributed import broadcast_object
+        from agentrl.learner.weight_push import EngineLost
 
         if not self.push_enabled:
             return 0.0
-        started = time.perf_counter()
-        updater = self.io.weights if self.io is not None else None
-        if self.cfg.learner.lora.served_adapter:  # LoRA, adapter only: a PEFT folder through /load_lora_adapter
-            push_adapter(self.trainer.policy, updater, self.version, folder_root=self.run_dir / "lora_adapters",
-                         spec=self.trainer.spec.lora, base_model_path=self.trainer.spec.model_path)
-        else:  # full weights, LoRA merged into them
-            push_weights(self.trainer.policy, updater, self.version,
-                         bucket_bytes=int(self.cfg.engine.weight_bucket_mb * (1 << 20)),
-                         dtype=getattr(torch, self.cfg.model.dtype))
-        seconds = time.perf_counter() - started
-        if self.dist.is_main:
-            log.info("pushed weights of policy version %d in %.2f s", self.version, seconds)
+        seconds = 0.0
+        for _ in range(MAX_PUSH_ATTEMPTS):
+            lagging = None
+            if self.io is not None:
+                try:
+                    if reason:
+                        log.warning("re-forming the weight group: %s", reason)
+                        self.io.weights.connect()
+                    lagging = self.io.weights.lagging(self.version)
+                except EngineLost as e:  # an engine died while the group formed: again
+                    lagging = f"{e}"
+            lagging = broadcast_object(lagging)
+            if isinstance(lagging, str):
+                reason = lagging
+                continue
+            if not lagging:
+                return seconds
+            if self.steps_since_sync:
+                self.version += 1
+                self.steps_since_sync = 0
+            started = time.perf_counter()
+            error = self._push()
+            seconds += time.perf_counter() - started
+            if not error:
+                return seconds
+            reason = error
+        log.error("the engines could not all be brought to policy version %d (%s); trying again within %.0f s",
+                  self.version, reason, ENGINE_CHECK_S)
         return seconds
 
-    def _align_engines(self) -> None:
-        """Before the first progress message: the engines report this learner's policy version
-        and hold its weights (pushed when needed: after a resume, or when an engine reports
-        another policy's number)."""
-        from agentrl.learner.distributed import broadcast_object
+    def _push(self) -> str:
+        """Every rank: push the trainer's weights as the current version. Returns ``""``, or (on
+        every rank) why an engine was lost; an engine's refusal raises."""
+        import torch
 
-        if not self.push_enabled:
-            return
-        needs_push = self.io.weights.align_versions(self.version) if self.io is not None else None
-        # LoRA adapter updates: the engines start without the adapter the actors' requests name
-        if broadcast_object(needs_push) or self.cfg.learner.lora.served_adapter:
-            self._push()
+        from agentrl.learner.distributed import broadcast_object
+        from agentrl.learner.weight_push import EngineLost, push_adapter, push_weights
+
+        started = time.perf_counter()
+        error = ""
+        updater = self.io.weights if self.io is not None else None
+        try:
+            if self.cfg.learner.lora.served_adapter:  # LoRA, adapter only: a PEFT folder through /load_lora_adapter
+                push_adapter(self.trainer.policy, updater, self.version, folder_root=self.run_dir / "lora_adapters",
+                             spec=self.trainer.spec.lora, base_model_path=self.trainer.spec.model_path)
+            else:  # full weights, LoRA merged into them
+                push_weights(self.trainer.policy, updater, self.version,
+                             bucket_bytes=int(self.cfg.engine.weight_bucket_mb * (1 << 20)),
+                             dtype=getattr(torch, self.cfg.model.dtype))
+        except EngineLost as e:  # rank 0 only; the gathers of the other ranks ran to the end
+            error = str(e)
+        error = str(broadcast_object(error) or "")
+        if self.dist.is_main:
+            if error:
+                log.warning("pushing policy version %d lost an engine: %s", self.version, error)
+            else:
+                log.info("pushed weights of policy version %d in %.2f s", self.version, time.perf_counter() - started)
+        return error
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -513,6 +576,8 @@ class Learner:
         if self.lc.resume == "auto":
             path = broadcast_object(latest_checkpoint(self.ckpt_root) if self.dist.is_main else None)
         state = load_checkpoint(path, self.trainer) if path is not None else {}
+        if path is None and self.lc.resume == "auto" and self.dist.is_main:
+            state = self._journal_without_checkpoint()
         self.version = int(state.get("policy_version", 0))
         self.steps_since_sync = int(state.get("steps_since_sync", 0))
         self.lineage = str(broadcast_object(state.get("lineage") or uuid.uuid4().hex[:16]))
@@ -535,12 +600,27 @@ class Learner:
                     if group is not None and self.ledger.record(group):
                         self._add(group)
                         replayed += 1
-            if path is not None:
+            if path is not None or replayed:
                 log.info(
                     "resumed from %s: next step %d, policy version %d, %d pending groups, %d groups from the "
                     "journal since the checkpoint",
-                    path, self.trainer.step + 1, self.version, pending, replayed,
+                    path or "the initial weights (no checkpoint)", self.trainer.step + 1, self.version, pending,
+                    replayed,
                 )
+
+    def _journal_without_checkpoint(self) -> dict[str, Any]:
+        """Rank 0, no checkpoint to resume: a learner of this run that died before its first
+        checkpoint still left its journal, whose groups it acknowledged (actors no longer hold
+        them). Continue that lineage and replay it from the start, so they are trained (again,
+        from the initial weights: the dead learner's steps died with it). ``{}`` when there is none."""
+        root = self.run_dir / "journal"
+        lineages = [d for d in root.iterdir() if d.is_dir() and any(d.glob("*.log"))] if root.is_dir() else []
+        if not lineages:
+            return {}
+        newest = max(lineages, key=lambda d: max(p.stat().st_mtime for p in d.glob("*.log")))
+        log.warning("no checkpoint, but the journal of an earlier learner of this run (%s): replaying it from the "
+                    "start", newest)
+        return {"lineage": newest.name, "journal_segment": 0}
 
     @staticmethod
     def _decode_saved(item: bytes, where: str) -> TrajectoryGroup | None:

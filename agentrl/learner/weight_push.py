@@ -20,7 +20,8 @@ learner rank in lockstep, since ``full_tensor()`` is a collective), one HTTP
 ``/update_weights_from_distributed`` per engine, and its broadcasts. Rank 0 holds one
 gathered bucket at a time, never the model.
 
-**The group.** The trainer is rank 0. SGLang joins an engine with one rank per TP rank
+**The group.** The trainer is rank 0; the members are the engines that answered when it was
+formed (:attr:`WeightUpdater.members`). SGLang joins an engine with one rank per TP rank
 (``rank = rank_offset + tp_rank``), so engine ``i``'s offset is 1 + the ``tp_size`` of the
 engines before it and the world is 1 + all of them, read from each engine's ``/server_info``
 (:func:`rank_layout`). An engine with ``dp_size`` > 1 is refused: SGLang asserts
@@ -49,10 +50,21 @@ and SGLang refuses to flush while requests run (it would fail the update), so no
 flushed then (warned once).
 
 **Versions.** The last bucket carries ``weight_version`` (the policy version as a string).
-At start :meth:`WeightUpdater.align_versions` makes every engine report the learner's
-version: an engine that reports ``"default"`` (SGLang without ``--weight-version``) or
-another non-number at version 0 is told the version (``/update_weight_version``: it serves
-the model the learner starts from); any other disagreement, and every resume, is a push.
+Right after the pause every member is told ``"default"`` (SGLang's "no version"), so a number is
+only ever left on an engine by a *complete* update: an update cut short (an engine or the
+learner killed, a refused bucket) leaves ``"default"``, on which actors wait, never mixed
+weights under a policy's number. So an engine's number can be trusted, and the learner's rule
+is one: an engine that does not report the learner's version gets its weights
+(:meth:`WeightUpdater.lagging`).
+
+**Membership** (:meth:`WeightUpdater.membership_change`, :meth:`WeightUpdater.connect`). Engines
+die and come back (agentrl's supervisor restarts them without a version, so they report
+``"default"``; Kubernetes restarts them with ``--weight-version 0``). A torch.distributed group
+cannot re-admit a rank, so the learner re-checks the engines before every push and every poll
+while it waits for data (``/model_info``: does each answer, and does it report what the learner
+left on it?) and, on any change, forms a new group with every engine that answers and pushes.
+An engine that does not answer is left out until it does; a push that breaks on a dead member
+raises :class:`EngineLost` and the learner re-forms and pushes again.
 
 **Keys.** Admin routes (pause, continue, begin/end, weights, flush, version) carry the admin
 key (``engine.admin_api_key_env``, else the ``engine.api_key_env`` key); ``/server_info`` and
@@ -91,6 +103,7 @@ import logging
 import threading
 import time
 from pathlib import Path
+import uuid
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 from agentrl.config import LORA_ADAPTER_NAME
@@ -106,6 +119,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 Bucket = list  # list[tuple[str, tensor]]: names and tensors (parameters, DTensors or full tensors)
 PAUSE_MODES = ("abort", "retract", "in_place")
+UNSET_VERSION = "default"  # SGLang's weight_version before anybody set one: no policy (actors wait on it)
 
 
 # ----------------------------------------------------------------------- what is sent, in buckets
@@ -265,6 +279,12 @@ class WeightUpdateError(RuntimeError):
         self.status = status  # the HTTP status, when there was an answer
 
 
+class EngineLost(WeightUpdateError):
+    """An engine did not answer, or the broadcast to it broke: the group must be re-formed
+    (:meth:`WeightUpdater.connect`) without it. A refusal (an answer) is a plain
+    :class:`WeightUpdateError`."""
+
+
 def rank_layout(tp_sizes: Sequence[int]) -> tuple[list[int], int]:
     """Rank offsets of the engines (1 + the TP ranks before each) and the group's world size."""
     offsets, next_rank = [], 1
@@ -274,21 +294,14 @@ def rank_layout(tp_sizes: Sequence[int]) -> tuple[list[int], int]:
     return offsets, next_rank
 
 
-def _is_version_number(version: str) -> bool:
-    try:
-        int(version)
-    except ValueError:
-        return False
-    return True
-
-
 class WeightUpdater:
     """Trainer (rank 0) end of the weight-update protocol. Synchronous; not thread-safe."""
 
     def __init__(self, engine_urls: list[str], *, master_address: str = "127.0.0.1", master_port: int = 0,
                  backend: str = "gloo", group_name: str = "agentrl_weights", bucket_bytes: int = 64 << 20,
                  pause_mode: str = "abort", timeout_s: float = 600.0, load_format: str | None = None,
-                 api_key: str = "", admin_api_key: str = "", key_hint: str = "pass api_key / admin_api_key"):
+                 api_key: str = "", admin_api_key: str = "", key_hint: str = "pass api_key / admin_api_key",
+                 probe_timeout_s: float = 5.0):
         import httpx
 
         if not engine_urls:
@@ -310,6 +323,11 @@ class WeightUpdater:
         self._admin_headers = bearer(admin_api_key or api_key)
         self._key_hint = key_hint
         self.group = None
+        self.group_id = ""  # the current group's name: group_name + a suffix new at every formation
+        self.members: list[str] = []  # the engines in the group, in rank order (those that answered)
+        self.labels: dict[str, str] = {}  # the weight_version each member reports, as this updater left it
+        self.probe_timeout_s = probe_timeout_s
+        self.group_port = 0  # where the current group's store listens
         self.rank_offsets: list[int] = []
         self.world_size = 0
         self._no_begin_end: set[str] = set()  # engines that answered 404 (SGLang before 0.5.23)
@@ -344,7 +362,7 @@ class WeightUpdater:
 
     # -- HTTP ---------------------------------------------------------------------------------
     def _request(self, method: str, url: str, path: str, body: dict | None = None, *, admin: bool = True,
-                 missing_ok: bool = False) -> dict | None:
+                 missing_ok: bool = False, timeout_s: float | None = None) -> dict | None:
         """One call; a refusal raises :class:`WeightUpdateError` naming the engine (None: a 404
         with ``missing_ok``)."""
         import httpx
@@ -352,9 +370,9 @@ class WeightUpdater:
         headers = self._admin_headers if admin else self._api_headers
         try:
             resp = self._http.request(method, f"{url}{path}", json=body if method == "POST" else None,
-                                      headers=headers)
+                                      headers=headers, **({} if timeout_s is None else {"timeout": timeout_s}))
         except httpx.HTTPError as e:
-            raise WeightUpdateError(f"{url}{path}: {type(e).__name__}: {e}") from None
+            raise EngineLost(f"{url}{path}: {type(e).__name__}: {e}") from None
         if resp.status_code == 404 and missing_ok:
             return None
         try:
@@ -376,10 +394,10 @@ class WeightUpdater:
     def _post(self, url: str, path: str, body: dict | None = None) -> dict:
         return self._request("POST", url, path, body or {})  # type: ignore[return-value]
 
-    def _get(self, url: str, paths: tuple[str, ...]) -> dict:
+    def _get(self, url: str, paths: tuple[str, ...], timeout_s: float | None = None) -> dict:
         """GET the first of ``paths`` the engine has (newer name first), with the api key."""
         for path in paths:
-            data = self._request("GET", url, path, admin=False, missing_ok=path != paths[-1])
+            data = self._request("GET", url, path, admin=False, missing_ok=path != paths[-1], timeout_s=timeout_s)
             if data is not None:
                 return data
         raise AssertionError("unreachable")
@@ -390,18 +408,23 @@ class WeightUpdater:
 
     @staticmethod
     def _collect(futures: list[concurrent.futures.Future]) -> list[dict]:
-        errors, results = [], []
+        """Every answer, or one error naming every failure: :class:`EngineLost` when an engine
+        among them did not answer (the other failures are then usually its consequence)."""
+        errors: list[Exception] = []
+        results = []
         for f in futures:
             try:
                 results.append(f.result())
             except Exception as e:
-                errors.append(str(e))
+                errors.append(e)
         if errors:
-            raise WeightUpdateError("; ".join(errors))
+            kind = EngineLost if any(isinstance(e, EngineLost) for e in errors) else WeightUpdateError
+            raise kind("; ".join(str(e) for e in errors))
         return results
 
-    def _all(self, path: str, body: dict | None = None) -> list[dict]:
-        return self._collect(self._fire(self.engine_urls, path, lambda i: body))
+    def _all(self, path: str, body: dict | None = None, urls: list[str] | None = None) -> list[dict]:
+        """POST to every member (or ``urls``) concurrently; every answer or one error."""
+        return self._collect(self._fire(self.members if urls is None else urls, path, lambda i: body))
 
     def _session(self, path: str) -> None:
         """``/begin_weight_update`` or ``/end_weight_update`` where the engine has it (SGLang 0.5.23
@@ -409,11 +432,21 @@ class WeightUpdater:
 
         SGLang's auth treats a path it has no route for as a NORMAL route, so with both keys set
         an older build refuses the admin key there (401) before it can answer 404: a refusal is
-        asked again with the api key, and a 404 then means "no such route"."""
+        asked again with the api key, and a 404 then means "no such route".
+
+        A begin refused because a session is open (a learner killed mid-push left it; nothing
+        else opens one) ends that session and begins again, once."""
         def call(url: str) -> None:
             try:
                 missing = self._request("POST", url, path, {}, missing_ok=True) is None
             except WeightUpdateError as refused:
+                if (path == "/begin_weight_update" and refused.status not in (401, 403)
+                        and not isinstance(refused, EngineLost)):
+                    log.warning("%s refused to begin an update (%s): ending the session left open, beginning again",
+                                url, refused)
+                    self._request("POST", url, "/end_weight_update", {})
+                    self._request("POST", url, path, {})
+                    return
                 if refused.status not in (401, 403) or self._admin_headers == self._api_headers:
                     raise
                 try:
@@ -426,15 +459,52 @@ class WeightUpdater:
                 self._no_begin_end.add(url)
                 log.warning("%s has no %s (SGLang before 0.5.23?): updating without a begin/end session", url, path)
 
-        urls = [u for u in self.engine_urls if u not in self._no_begin_end]
+        urls = [u for u in self.members if u not in self._no_begin_end]
         self._collect([self._pool.submit(call, u) for u in urls])
 
-    # -- connect and versions ----------------------------------------------------------------
-    def engine_layout(self) -> list[int]:
+    # -- membership: the group, who is in it, what each member reports ----------------------
+    def probe(self) -> dict[str, str | None]:
+        """The ``weight_version`` every configured engine reports (``/model_info``), ``None`` for an
+        engine that does not answer (a connection error, a timeout, a 5xx) within
+        ``probe_timeout_s``. A refusal (401/403) raises: that is a key to fix, not a dead engine."""
+        def one(url: str) -> str | None:
+            try:
+                info = self._get(url, ("/model_info", "/get_model_info"), timeout_s=self.probe_timeout_s)
+            except EngineLost:
+                return None
+            except WeightUpdateError as e:
+                if e.status is not None and e.status >= 500:
+                    return None
+                raise
+            return str(info.get("weight_version"))
+
+        futures = {url: self._pool.submit(one, url) for url in self.engine_urls}
+        return {url: f.result() for url, f in futures.items()}
+
+    def membership_change(self, version: int) -> str:
+        """Why the group must be re-formed before the next push, or ``""``: an engine answers that
+        is not in the group (started, or back after a restart), a member does not answer, a
+        member reports a version this updater did not leave on it (it was restarted, by agentrl's
+        supervisor or anything else, e.g. Kubernetes), or there is no group (a push failed)."""
+        reported = self.probe()
+        answering = [u for u in self.engine_urls if reported[u] is not None]
+        reasons = [f"{u} does not answer" for u in self.members if reported[u] is None]
+        reasons += [f"{u} answers and is not in the group" for u in answering if u not in self.members]
+        reasons += [f"{u} reports weight_version {reported[u]!r}, not {self.labels.get(u)!r} (restarted?)"
+                    for u in self.members if reported[u] is not None and reported[u] != self.labels.get(u)]
+        if not reasons and self.group is None and answering:
+            reasons.append("no weight group (the last push or formation failed)")
+        return "; ".join(reasons)
+
+    def lagging(self, version: int) -> list[str]:
+        """Members that do not report ``version``: they need the learner's weights."""
+        return [u for u in self.members if self.labels.get(u) != str(version)]
+
+    def engine_layout(self, urls: list[str] | None = None) -> list[int]:
         """Each engine's ``tp_size`` from ``/server_info`` (``/get_server_info`` on older builds);
         refuses an engine with ``dp_size`` > 1."""
         tp_sizes = []
-        for url in self.engine_urls:
+        for url in self.engine_urls if urls is None else urls:
             info = self._get(url, ("/server_info", "/get_server_info"))
             tp, dp = int(info.get("tp_size", 1)), int(info.get("dp_size", 1))
             if dp > 1:
@@ -448,22 +518,46 @@ class WeightUpdater:
         return tp_sizes
 
     def connect(self) -> None:
-        """Create the group: the trainer is rank 0, engine i's TP ranks follow the engines before it."""
-        if self.group is not None:
+        """(Re-)form the group with every engine that answers: the trainer is rank 0, engine i's
+        TP ranks follow the engines before it. A torch.distributed group cannot re-admit a rank,
+        so any change of membership is a new group, under a new name (``group_name`` + a suffix:
+        SGLang refuses a second group of a name it holds, and a group a killed learner left on an
+        engine cannot be destroyed by name from a new process). This end is destroyed first, the
+        previous group on the engines that were in it and still answer, generation is continued
+        (a learner killed mid-push leaves its engines paused; a session it left open is ended by
+        the next begin, see :meth:`_session`), then the new group is created. An engine that does
+        not answer is left out (:meth:`membership_change` notices when it is back); with none
+        answering there is no group and pushes reach nobody."""
+        self._drop_group()
+        reported = self.probe()
+        left_out = [u for u in self.engine_urls if reported[u] is None]
+        if left_out:
+            log.warning("weight group without %s: not answering (it joins when it answers again)",
+                        ", ".join(left_out))
+        old_members, old_name = self.members, self.group_id
+        self.members = [u for u in self.engine_urls if reported[u] is not None]
+        self.labels = {u: reported[u] for u in self.members}  # type: ignore[misc]
+        if old_name:  # this updater's previous group, on the engines that were in it and still answer
+            self._best_effort([u for u in old_members if u in self.members], "/destroy_weights_update_group",
+                              {"group_name": old_name})
+        self._all("/continue_generation")  # a learner killed mid-push leaves its engines paused
+        self.group_id = f"{self.group_name}-{uuid.uuid4().hex[:8]}"
+        if not self.members:
+            self.rank_offsets, self.world_size = [], 0
             return
-        self.rank_offsets, self.world_size = rank_layout(self.engine_layout())
-        sock = bind_store_socket(self.master_address, self.master_port)
+        self.rank_offsets, self.world_size = rank_layout(self.engine_layout(self.members))
+        sock = self._bind_store_socket()
         port = sock.getsockname()[1]
-        futures = self._fire(self.engine_urls, "/init_weights_update_group", lambda i: {
+        futures = self._fire(self.members, "/init_weights_update_group", lambda i: {
             "master_address": self.master_address, "master_port": port, "rank_offset": self.rank_offsets[i],
-            "world_size": self.world_size, "group_name": self.group_name, "backend": self.backend,
+            "world_size": self.world_size, "group_name": self.group_id, "backend": self.backend,
         })
         joined: concurrent.futures.Future = concurrent.futures.Future()
 
         def join() -> None:  # a daemon thread: an engine that never joins must not keep the process alive
             try:
                 joined.set_result(init_weight_group(self.backend, self.master_address, port, self.world_size, 0,
-                                                    self.group_name, self.timeout_s, listen_socket=sock))
+                                                    self.group_id, self.timeout_s, listen_socket=sock))
             except BaseException as e:
                 joined.set_exception(e)
 
@@ -471,39 +565,49 @@ class WeightUpdater:
         concurrent.futures.wait([joined, *futures], return_when=concurrent.futures.FIRST_EXCEPTION)
         refused = [f for f in futures if f.done() and f.exception() is not None]
         if refused:
-            raise WeightUpdateError("cannot create the weight group: " + "; ".join(str(f.exception()) for f in refused))
+            kind = EngineLost if any(isinstance(f.exception(), EngineLost) for f in refused) else WeightUpdateError
+            raise kind("cannot create the weight group: " + "; ".join(str(f.exception()) for f in refused))
         self.group = joined.result()
         self._collect(futures)
-        self.master_port = port
-        log.info("weight group %r: %d engine(s), world size %d, rank offsets %s, %s:%d (%s)", self.group_name,
-                 len(self.engine_urls), self.world_size, self.rank_offsets, self.master_address, port, self.backend)
+        self.group_port = port
+        log.info("weight group %r: %d engine(s), world size %d, rank offsets %s, %s:%d (%s)", self.group_id,
+                 len(self.members), self.world_size, self.rank_offsets, self.master_address, port, self.backend)
+
+    def _bind_store_socket(self):
+        """The store's socket on ``master_port`` (0: a free one). A fixed port (clusters) is the
+        old group's until its store is gone: asked again for a few seconds."""
+        deadline = time.monotonic() + 10.0
+        while True:
+            try:
+                return bind_store_socket(self.master_address, self.master_port)
+            except ValueError:
+                if not self.master_port or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
+    def _best_effort(self, urls: list[str], path: str, body: dict) -> None:
+        """POST to ``urls``; a failure only logged (cleaning up what may be gone already)."""
+        for url, f in zip(urls, self._fire(urls, path, lambda i: body)):
+            try:
+                f.result()
+            except WeightUpdateError as e:
+                log.debug("%s%s: %s", url, path, e)
+
+    def _drop_group(self) -> None:
+        """Destroy this end of the group. Its sockets close when the last reference to it goes (not
+        at ``destroy_process_group``), so it is dropped here and collected: an engine blocked in a
+        receive from the trainer then fails at once instead of holding its scheduler until the
+        group's timeout."""
+        import gc
+
+        if self.group is not None:
+            destroy_weight_group(self.group)
+            self.group = None
+            gc.collect()
 
     def engine_versions(self) -> list[str]:
-        """The ``weight_version`` each engine reports (``/model_info``)."""
+        """The ``weight_version`` each configured engine reports (``/model_info``)."""
         return [str(self._get(url, ("/model_info", "/get_model_info")).get("weight_version")) for url in self.engine_urls]
-
-    def align_versions(self, version: int) -> bool:
-        """At start: make every engine report the learner's policy ``version``. Returns whether
-        the weights must be pushed: always after a resume (``version`` > 0: a label cannot show
-        which weights an engine kept from an interrupted push), and when an engine reports
-        another policy's number. At version 0 an engine reporting ``"default"`` (SGLang without
-        ``--weight-version``) or any other non-number serves the model the learner starts from:
-        it is told the version with ``/update_weight_version``."""
-        reported = self.engine_versions()
-        if version > 0:
-            return True
-        needs_push = False
-        for url, current in zip(self.engine_urls, reported):
-            if current == str(version):
-                continue
-            if _is_version_number(current):
-                log.info("%s reports weight_version %r, not this learner's %d: its weights will be pushed",
-                         url, current, version)
-                needs_push = True
-                continue
-            log.info("%s reports weight_version %r (not a policy version): setting it to %d", url, current, version)
-            self._post(url, "/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
-        return needs_push
 
     # -- updates ------------------------------------------------------------------------------
     def push(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]], version: int) -> dict:
@@ -518,9 +622,19 @@ class WeightUpdater:
                               lambda b: full_tensors(b, device=self.device))
 
     def push_plan(self, plan: Sequence[Bucket], version: int, materialize: Callable[[Bucket], Bucket]) -> dict:
-        """One update (module docstring). ``materialize`` turns a planned bucket into full tensors
-        on :attr:`device`; it is called exactly once per bucket, in order, also when the update
-        fails (the gathers behind it are collectives). Returns timings (seconds) and sizes."""
+        """One update (module docstring) to every member. ``materialize`` turns a planned bucket into
+        full tensors on :attr:`device`; it is called exactly once per bucket, in order, also when
+        the update fails or no engine is in the group (the gathers behind it are collectives).
+        Returns timings (seconds) and sizes.
+
+        Right after the pause every member is told the version ``"default"`` (no policy): a
+        number is left on an engine only by a complete update, so an update that fails half-way
+        (an engine or the learner dies, a bucket is refused) never leaves mixed weights
+        answering under a policy's number; actors wait on ``"default"`` until a push completes.
+        A failure destroys this end of the group first (an engine still blocked in a receive
+        then fails instead of holding its scheduler), then ends and continues as always, and
+        raises: :class:`EngineLost` when an engine did not answer or the broadcast broke (re-form
+        with :meth:`connect`, push again), :class:`WeightUpdateError` when one refused."""
         if not plan:
             raise ValueError("nothing to push: the plan has no bucket")
         t0 = time.perf_counter()
@@ -530,9 +644,14 @@ class WeightUpdater:
         try:
             if self.group is None:
                 self.connect()
+            if not self.members:
+                log.warning("no engine answers: policy version %d reaches no engine (they get it when they answer)",
+                            version)
+                return {"total_s": 0.0, **stats}
             try:
                 self._all("/pause_generation", {"mode": self.pause_mode})
                 t_paused = time.perf_counter()
+                self._label(UNSET_VERSION)
                 try:
                     self._session("/begin_weight_update")
                     for i, bucket in enumerate(plan):
@@ -543,11 +662,18 @@ class WeightUpdater:
                         last = i == len(plan) - 1
                         self._send_bucket(full, str(version) if last else None, last and self.flush_cache, stats)
                         del full  # one gathered bucket at a time
+                except BaseException:
+                    self._drop_group()
+                    raise
                 finally:
                     self._finish("/end_weight_update")
             finally:  # also after a failed pause: the engines that did pause must not stay paused
                 t_updated = time.perf_counter()
                 self._finish("/continue_generation")
+            self.labels = {u: str(version) for u in self.members}
+        except BaseException:
+            self._drop_group()
+            raise
         finally:
             for bucket in plan[done:]:  # the other learner ranks are in these gathers
                 materialize(bucket)
@@ -555,7 +681,12 @@ class WeightUpdater:
         return {"pause_s": t_paused - t0, "update_s": t_updated - t_paused, "continue_s": t1 - t_updated,
                 "total_s": t1 - t0, **stats}
 
-    def _finish(self, path: str) -> None:
+    def _label(self, version: str) -> None:
+        """Every member reports ``version`` from now on (``/update_weight_version``; nothing aborted)."""
+        self._all("/update_weight_version", {"new_version": version, "abort_all_requests": False})
+        self.labels = {u: version for u in self.members}
+
+    def _finish(self, path: str, urls: list[str] | None = None) -> None:
         """End or continue: always attempted. Called from ``finally``: while another error is on
         its way out (``sys.exc_info()`` sees it there), a failure here is logged, not raised over it."""
         import sys
@@ -564,7 +695,7 @@ class WeightUpdater:
             if path == "/end_weight_update":
                 self._session(path)
             else:
-                self._all(path)
+                self._all(path, urls=urls)
         except WeightUpdateError as e:
             if sys.exc_info()[0] is None:
                 raise
@@ -572,31 +703,23 @@ class WeightUpdater:
 
     def _send_bucket(self, bucket: Bucket, version: str | None, flush_cache: bool, stats: dict) -> None:
         """Fire the HTTP update at every engine, broadcast the bucket in order, collect the answers."""
-        import torch
-        import torch.distributed as dist
-
         flattened = self.load_format == "flattened_bucket"
         body: dict[str, Any] = {
             "names": [n for n, _ in bucket],
             "dtypes": [dtype_name(t.dtype) for _, t in bucket],
             "shapes": [list(t.shape) for _, t in bucket],
-            "group_name": self.group_name,
+            "group_name": self.group_id,
             "flush_cache": flush_cache,
         }
         if version is not None:
             body["weight_version"] = version
         if flattened:
             body["load_format"] = "flattened_bucket"
-        futures = self._fire(self.engine_urls, "/update_weights_from_distributed", lambda i: body)
+        futures = self._fire(self.members, "/update_weights_from_distributed", lambda i: body)
         t0 = time.perf_counter()
-        if flattened:
-            flat = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in bucket])
-            dist.broadcast(flat, src=0, group=self.group)
-            del flat
-        else:
-            works = [dist.broadcast(t, src=0, group=self.group, async_op=True) for _, t in bucket]
-            for w in works:
-                w.wait()
+        broken = self._broadcast(bucket, flattened)
+        if broken:
+            raise EngineLost(f"the broadcast to the weight group failed: {broken}")
         stats["broadcast_s"] += time.perf_counter() - t0
         stats["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
         stats["num_tensors"] += len(bucket)
@@ -604,19 +727,25 @@ class WeightUpdater:
         self._collect(futures)
 
     def push_adapter(self, folder: str | Path, version: int, name: str = LORA_ADAPTER_NAME) -> dict:
-        """Load the PEFT adapter ``folder`` as ``name`` on every engine (module docstring, "LoRA
-        adapters alone") and set their ``weight_version``; returns timings."""
+        """Load the PEFT adapter ``folder`` as ``name`` on every member (module docstring, "LoRA
+        adapters alone") and set their ``weight_version``; returns timings. As with full weights,
+        the members report ``"default"`` from the pause until the adapter is in, so a swap that
+        fails half-way never answers under a policy's number. No broadcast: no group is needed,
+        but the members are the engines that answer (:meth:`connect`)."""
         if self.pause_mode != "abort":
             raise ValueError(f"adapter updates need pause_mode 'abort', got {self.pause_mode!r}: SGLang's unload waits "
                              "for every request that uses the adapter, and paused requests keep it")
-        t0 = time.perf_counter()
+        if self.group is None:
+            self.connect()
+        t0 = t_paused = time.perf_counter()
         try:
             self._all("/pause_generation", {"mode": self.pause_mode})
             t_paused = time.perf_counter()
-            self._collect([self._pool.submit(self._unload_adapter, url, name) for url in self.engine_urls])
+            self._label(UNSET_VERSION)
+            self._collect([self._pool.submit(self._unload_adapter, url, name) for url in self.members])
             self._all("/load_lora_adapter", {"lora_name": name, "lora_path": str(Path(folder).resolve())})
-            self._adapter_loaded.update(self.engine_urls)
-            self._all("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
+            self._adapter_loaded.update(self.members)
+            self._label(str(version))
         finally:
             t_updated = time.perf_counter()
             self._finish("/continue_generation")
@@ -635,25 +764,50 @@ class WeightUpdater:
             log.debug("%s: no adapter %r to unload before the first load (%s)", url, name, e)
         self._adapter_loaded.discard(url)
 
-    def push_from_disk(self, model_path: str, version: int) -> None:
-        """Fallback: every engine loads ``model_path`` (a folder visible to it) between pause and continue."""
+    def _broadcast(self, bucket: Bucket, flattened: bool) -> str:
+        """Broadcast the bucket's tensors in order; ``""``, or why it broke (a member is gone). Nothing
+        of the broadcast outlives this call, not even in a traceback: the group's sockets close
+        only when its last reference does, and a member still waiting in a receive is released
+        only then (``_drop_group``)."""
+        import torch
+        import torch.distributed as dist
+
+        works: list = []
         try:
-            self._all("/pause_generation", {"mode": self.pause_mode})
-            self._all("/update_weights_from_disk", {"model_path": str(model_path), "weight_version": str(version),
-                                                    "flush_cache": self.flush_cache})
+            if flattened:
+                flat = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in bucket])
+                works.append(dist.broadcast(flat, src=0, group=self.group, async_op=True))
+            else:
+                works = [dist.broadcast(t, src=0, group=self.group, async_op=True) for _, t in bucket]
+            for w in works:
+                w.wait()
+        except RuntimeError as e:  # torch's DistBackendError too
+            return f"{type(e).__name__}: {e}"
         finally:
-            self._finish("/continue_generation")
+            works.clear()
+        return ""
+
+    def push_from_disk(self, model_path: str, version: int) -> None:
+        """Fallback: every configured engine loads ``model_path`` (a folder visible to it) between
+        pause and continue; no group needed."""
+        urls = self.engine_urls
+        try:
+            self._all("/pause_generation", {"mode": self.pause_mode}, urls)
+            self._all("/update_weights_from_disk", {"model_path": str(model_path), "weight_version": str(version),
+                                                    "flush_cache": self.flush_cache}, urls)
+            self.labels.update({u: str(version) for u in self.members})
+        finally:
+            self._finish("/continue_generation", urls)
 
     def close(self) -> None:
         if self.group is not None:
-            for f in self._fire(self.engine_urls, "/destroy_weights_update_group",
-                                lambda i: {"group_name": self.group_name}):
+            for f in self._fire(self.members, "/destroy_weights_update_group",
+                                lambda i: {"group_name": self.group_id}):
                 try:
                     f.result(timeout=10)
                 except Exception as e:  # the engine may be gone already
                     log.debug("destroy_weights_update_group: %s", e)
-            destroy_weight_group(self.group)
-            self.group = None
+            self._drop_group()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._http.close()
 
