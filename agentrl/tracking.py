@@ -161,7 +161,8 @@ class Tracker:
 
     def log_json(self, data: Mapping[str, Any], artifact_file: str) -> None:
         """Store ``data`` as the JSON artifact ``artifact_file`` (``samples/step_000010.json``),
-        which MLflow's artifact view shows as a tree."""
+        which MLflow's artifact view shows as a tree. Values JSON cannot hold are written as
+        their ``str``."""
         if not artifact_file.endswith(".json"):
             raise ValueError(f"artifact_file must end in .json, got {artifact_file!r}")
         self._call("log_dict", self._client.log_dict, self.run_id, dict(data), artifact_file)

@@ -686,7 +686,6 @@ class Learner:
         try:
             doc = sample_episodes(self._batch_groups, step=step, policy_version=self.version,
                                   groups_to_show=self.cfg.tracking.sample_episodes_groups, decode=self._decode)
-            doc = json.loads(json.dumps(doc, default=str))  # whatever an actor put in metadata, as text
         except Exception as e:  # noqa: BLE001 - a sample is worth less than the run
             log.warning("sample episodes of step %d not logged: %s: %s", step, type(e).__name__, e)
             return
