@@ -76,6 +76,22 @@ def test_rollout_metrics_from_known_metadata():
     assert m["rollout/truncated_frac"] == 0.5 and m["rollout/env/agent/success_frac"] == 0.5
 
 
+def test_names_are_bounded():
+    """A sender cannot grow the metrics without bound: 16 finish reasons and env names per step."""
+    rng = np.random.default_rng(3)
+    stats = RolloutStats()
+    for i in range(20):
+        group = make_group(rng, group_size=2, rewards=[0, 1])
+        group.env = f"env{i}"
+        for t in group.trajectories:
+            t.metadata = {"finish_reason": f"reason{i}"}
+        stats.add(group, policy_version=0)
+    m = stats.metrics()
+    assert m["rollout/finish_reason/other"] == 8 / 40 and m["rollout/finish_reason/reason15"] == 2 / 40
+    assert "rollout/finish_reason/reason16" not in m
+    assert m["rollout/env/other/episodes"] == 8 and "rollout/env/env16/episodes" not in m
+
+
 def test_samples_are_the_best_and_worst_episodes():
     rng = np.random.default_rng(1)
     groups = [calc_group(rng, [0, 1, 0, 1], "a"), agent_group(rng), calc_group(rng, [1, 0, 0, 0], "c")]

@@ -33,6 +33,9 @@ the group arrived minus the oldest version that wrote a token of the episode) an
 ``multi_version_frac`` (episodes that outlived a weight update). Per env name,
 ``rollout/env/<name>/{episodes,reward_mean,success_frac,turns_mean,truncated_frac}``. The
 recent success over time per env stays ``env/<name>/success_recent`` (``GroupBuffer``).
+Finish reasons and env names are the first 16 seen in a step, the rest ``other`` (a sender
+cannot grow the metrics without bound). Only running sums are kept, no episode, so a long wait
+for a batch (every group dropped) does not grow the learner's memory.
 
 Sample episodes (:func:`sample_episodes`): from the groups of a step, the best and worst
 episode (the first of equals) of the first few, with their conversation (``metadata["messages"]`` as the actor kept
@@ -44,8 +47,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -53,7 +57,7 @@ from agentrl.learner.batching import episode_index, metric_name
 from agentrl.protocol import Trajectory, TrajectoryGroup
 
 TRUNCATIONS = frozenset({"max_turns", "context_full", "truncated_tool_call", "length"})
-MAX_NAMES = 16  # distinct finish reasons (and env names) per step before the rest count as "other"
+MAX_NAMES = 16  # distinct finish reasons (and env names) per step; later ones count as "other"
 MAX_TEXT_CHARS = 4000  # of one message in a sample; the rest is cut, saying how much
 
 _SUMMED = ("num_turns", "num_tool_calls", "num_tool_errors", "num_aborts", "num_generate_calls",
@@ -110,95 +114,103 @@ def episodes(group: TrajectoryGroup) -> list[Episode]:
 
 
 @dataclass
-class _Row:
-    """One received episode, reduced to what the metrics need."""
+class _Totals:
+    """Running sums over episodes (no episode is kept: a long wait cannot grow memory)."""
 
-    env: str
-    episode: Episode
-    tokens_per_sequence: float
-    lag: int
+    episodes: int = 0
+    sequences: int = 0
+    sums: Counter = field(default_factory=Counter)  # the _SUMMED keys, and the rest below
+    model_tokens_max: int = 0
+    lag_max: int = 0
+    judged: int = 0
+    finish: Counter = field(default_factory=Counter)
+
+    def add(self, ep: Episode, lag: int) -> None:
+        self.episodes += 1
+        self.sequences += len(ep.trajectories)
+        self.sums.update(ep.sums)
+        self.sums.update({
+            "model_tokens": ep.model_tokens, "wall_s": ep.wall_s, "truncated": ep.truncated,
+            "reward_error": ep.reward_error, "reward": ep.reward, "success": ep.success is True, "lag": lag,
+            "multi_version": len(ep.versions) > 1,
+            "tokens_per_sequence": float(np.mean([t.num_tokens for t in ep.trajectories])),
+        })
+        self.model_tokens_max = max(self.model_tokens_max, ep.model_tokens)
+        self.lag_max = max(self.lag_max, lag)
+        self.judged += ep.success is not None
+        if ep.finish_reason in self.finish or len(self.finish) < MAX_NAMES:
+            self.finish[ep.finish_reason] += 1
+        else:
+            self.finish["other"] += 1
+
+    def metrics(self) -> dict[str, float]:
+        n, s = self.episodes, self.sums
+        calls, gens = s["num_tool_calls"], s["num_generate_calls"]
+        out = {
+            "episodes": n,
+            "turns_mean": s["num_turns"] / n,
+            "tool_calls_mean": calls / n,
+            "tool_errors_per_episode": s["num_tool_errors"] / n,
+            "tool_error_rate": s["num_tool_errors"] / calls if calls else 0.0,
+            "aborts_per_episode": s["num_aborts"] / n,
+            "response_tokens_mean": s["model_tokens"] / n,
+            "response_tokens_max": self.model_tokens_max,
+            "tokens_mean": s["tokens_per_sequence"] / n,
+            "sequences_per_episode": self.sequences / n,
+            "episode_wall_s_mean": s["wall_s"] / n,
+            "truncated_frac": s["truncated"] / n,
+            "reward_error_frac": s["reward_error"] / n,
+            "reward_mean": s["reward"] / n,
+            "policy_lag_mean": s["lag"] / n,
+            "policy_lag_max": self.lag_max,
+            "multi_version_frac": s["multi_version"] / n,
+        }
+        if gens:
+            out["generation_latency_s_mean"] = s["generation_latency_s"] / gens
+        if calls:
+            out["tool_latency_s_mean"] = s["tool_latency_s"] / calls
+        if self.judged:
+            out["success_frac"] = s["success"] / self.judged
+        for reason, count in self.finish.items():
+            out[f"finish_reason/{metric_name(reason)}"] = count / n
+        return {k: float(v) for k, v in out.items()}
+
+
+_PER_ENV = ("episodes", "reward_mean", "success_frac", "turns_mean", "truncated_frac")
 
 
 class RolloutStats:
     """The episodes received since the last :meth:`metrics` call (module docstring)."""
 
     def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
         self.groups = 0
-        self.rows: list[_Row] = []
+        self.total = _Totals()
+        self.by_env: dict[str, _Totals] = {}
 
     def add(self, group: TrajectoryGroup, policy_version: int) -> None:
         """Count a newly received group; ``policy_version`` is the learner's at its arrival."""
         if not group.trajectories:
             return
         self.groups += 1
+        env = group.env if group.env in self.by_env or len(self.by_env) < MAX_NAMES else "other"
         for ep in episodes(group):
-            lag = policy_version - ep.versions[0] if ep.versions else 0
-            tokens = float(np.mean([t.num_tokens for t in ep.trajectories]))
-            self.rows.append(_Row(group.env, ep, tokens, max(0, lag)))
+            lag = max(0, policy_version - ep.versions[0]) if ep.versions else 0
+            self.total.add(ep, lag)
+            self.by_env.setdefault(env, _Totals()).add(ep, lag)
 
     def metrics(self) -> dict[str, float]:
         """``rollout/*`` over the episodes added since the previous call; starts a new window."""
-        rows, groups = self.rows, self.groups
-        self.rows, self.groups = [], 0
-        out = {"rollout/groups": float(groups), "rollout/episodes": float(len(rows))}
-        if not rows:
-            return out
-        out.update(_aggregate([r.episode for r in rows], "rollout/"))
-        n = len(rows)
-        out["rollout/tokens_mean"] = sum(r.tokens_per_sequence for r in rows) / n
-        out["rollout/sequences_per_episode"] = sum(len(r.episode.trajectories) for r in rows) / n
-        out["rollout/response_tokens_max"] = float(max(r.episode.model_tokens for r in rows))
-        out["rollout/policy_lag_mean"] = sum(r.lag for r in rows) / n
-        out["rollout/policy_lag_max"] = float(max(r.lag for r in rows))
-        out["rollout/multi_version_frac"] = sum(len(r.episode.versions) > 1 for r in rows) / n
-        reasons = Counter(_capped([r.episode.finish_reason for r in rows]))
-        for reason, count in sorted(reasons.items()):
-            out[f"rollout/finish_reason/{metric_name(reason)}"] = count / n
-        by_env: dict[str, list[Episode]] = {}
-        for env, row in zip(_capped([r.env for r in rows]), rows):
-            by_env.setdefault(env, []).append(row.episode)
-        for env, eps in sorted(by_env.items()):
-            prefix = f"rollout/env/{metric_name(env)}/"
-            some = _aggregate(eps, prefix)
-            out[prefix + "episodes"] = float(len(eps))
-            out.update({k: v for k, v in some.items()
-                        if k.rsplit("/", 1)[1] in ("reward_mean", "success_frac", "turns_mean", "truncated_frac")})
+        out = {"rollout/groups": float(self.groups), "rollout/episodes": float(self.total.episodes)}
+        if self.total.episodes:
+            out.update({f"rollout/{k}": v for k, v in self.total.metrics().items()})
+            for env, totals in sorted(self.by_env.items()):
+                per_env = totals.metrics()
+                out.update({f"rollout/env/{metric_name(env)}/{k}": per_env[k] for k in _PER_ENV if k in per_env})
+        self._reset()
         return out
-
-
-def _capped(names: list[str]) -> list[str]:
-    """``names`` with all but the ``MAX_NAMES`` most common replaced by ``"other"``."""
-    keep = {name for name, _ in Counter(names).most_common(MAX_NAMES)}
-    return [name if name in keep else "other" for name in names]
-
-
-def _aggregate(eps: list[Episode], prefix: str) -> dict[str, float]:
-    n = len(eps)
-    total = Counter()
-    for ep in eps:
-        total.update(ep.sums)
-    calls = total["num_tool_calls"]
-    gens = total["num_generate_calls"]
-    out = {
-        "turns_mean": total["num_turns"] / n,
-        "tool_calls_mean": calls / n,
-        "tool_errors_per_episode": total["num_tool_errors"] / n,
-        "tool_error_rate": total["num_tool_errors"] / calls if calls else 0.0,
-        "aborts_per_episode": total["num_aborts"] / n,
-        "response_tokens_mean": sum(ep.model_tokens for ep in eps) / n,
-        "episode_wall_s_mean": sum(ep.wall_s for ep in eps) / n,
-        "truncated_frac": sum(ep.truncated for ep in eps) / n,
-        "reward_error_frac": sum(ep.reward_error for ep in eps) / n,
-        "reward_mean": sum(ep.reward for ep in eps) / n,
-    }
-    if gens:
-        out["generation_latency_s_mean"] = total["generation_latency_s"] / gens
-    if calls:
-        out["tool_latency_s_mean"] = total["tool_latency_s"] / calls
-    judged = [ep.success for ep in eps if ep.success is not None]
-    if judged:
-        out["success_frac"] = sum(judged) / len(judged)
-    return {prefix + k: float(v) for k, v in out.items()}
 
 
 # --------------------------------------------------------------------------- sample episodes
