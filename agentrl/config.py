@@ -244,6 +244,8 @@ class TrackingSection(Section):
     uri: str = ""  # empty: sqlite:///<run_dir>/mlflow.db
     experiment: str = "agentrl"  # MLflow experiment name
     run_id: str = ""  # log into this existing MLflow run (`agentrl run` sets it for its children)
+    sample_episodes_every: int = Field(default=10, ge=0)  # every this many learner steps, the best and worst episodes of a few of the step's groups as the artifact samples/step_<step>.json; 0: never
+    sample_episodes_groups: int = Field(default=2, ge=1)  # groups of the step shown in a sample, each as its best and worst episode
 
 
 class AgentRLConfig(Section):

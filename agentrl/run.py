@@ -339,6 +339,7 @@ def _table(state: RunState, cfg: AgentRLConfig) -> Any:
         ("episodes/s (received)", f"{_episodes_per_s(state, cfg):.1f}"),
         ("groups received / consumed", f"{state.data['received']} / {state.data['consumed']}"),
         ("groups dropped", _fmt_dropped(state.data["dropped"])),
+        ("episodes (last step)", _fmt_rollout(m)),
         ("learner", _fmt_learner(state.data)),
         ("eval before", _fmt_eval(state.eval_before)),
         ("last eval", _fmt_eval(state.evals[-1] if state.evals else None)),
@@ -383,6 +384,15 @@ def _fmt_dropped(dropped: dict[str, int]) -> str:
     if not total:
         return "0"
     return f"{total} (" + ", ".join(f"{reason} {n}" for reason, n in sorted(dropped.items()) if n) + ")"
+
+
+def _fmt_rollout(m: dict[str, Any]) -> str:
+    """The learner's ``rollout/*`` of its last step: what the episodes received looked like."""
+    if not m.get("rollout/episodes"):
+        return "-"
+    return (f"{int(m['rollout/episodes'])} received · turns {m['rollout/turns_mean']:.1f} · tool calls "
+            f"{m['rollout/tool_calls_mean']:.1f} (errors {m['rollout/tool_errors_per_episode']:.2f}) · truncated "
+            f"{m['rollout/truncated_frac']:.0%} · {m['rollout/response_tokens_mean']:.0f} tokens generated")
 
 
 def _fmt_learner(data: dict[str, Any]) -> str:

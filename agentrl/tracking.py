@@ -11,7 +11,8 @@ Choices:
   otherwise. ``tracking.uri`` takes any MLflow tracking URI instead (``http://host:5000``
   for a shared ``mlflow server``, another ``sqlite:///`` file, ...). Browse a local run with
   ``mlflow ui --backend-store-uri sqlite:///<run_dir>/mlflow.db``.
-* **Artifacts.** With a SQLite store, new experiments keep their artifacts next to the
+* **Artifacts.** Files (``log_artifact``) and JSON documents (``log_json``: the learner's sample
+  episodes). With a SQLite store, new experiments keep their artifacts next to the
   database (``<db dir>/mlartifacts``) instead of MLflow's default ``./mlruns`` in whatever
   directory the process started in. With a server, the server decides (its
   ``--artifacts-destination``).
@@ -77,6 +78,9 @@ class NullTracker:
         pass
 
     def log_artifact(self, path: str | Path) -> None:
+        pass
+
+    def log_json(self, data: Mapping[str, Any], artifact_file: str) -> None:
         pass
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
@@ -154,6 +158,14 @@ class Tracker:
             self._call("log_artifacts", self._client.log_artifacts, self.run_id, str(p), artifact_path=p.name)
         else:
             self._call("log_artifact", self._client.log_artifact, self.run_id, str(p))
+
+    def log_json(self, data: Mapping[str, Any], artifact_file: str) -> None:
+        """Store ``data`` as the JSON artifact ``artifact_file`` (``samples/step_000010.json``),
+        which MLflow's artifact view shows as a tree. Values JSON cannot hold are written as
+        their ``str``."""
+        if not artifact_file.endswith(".json"):
+            raise ValueError(f"artifact_file must end in .json, got {artifact_file!r}")
+        self._call("log_dict", self._client.log_dict, self.run_id, dict(data), artifact_file)
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         from mlflow.entities import RunTag

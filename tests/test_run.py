@@ -216,6 +216,14 @@ def test_live_table_shows_rl_rates(tmp_path: Path) -> None:
             if line.count("│") == 3}
     assert rows["env calculator"] == ("reward 0.400 · success 37.5% · groups 9 / dropped 3 · eval before 25.0%")
     assert rows["env calc agent"] == "reward 0.500 · groups 8 / dropped 0 · eval before 35.0%"
+    assert rows["episodes (last step)"] == "-"  # no rollout/* yet
+    state.last_metrics.update({"rollout/episodes": 64.0, "rollout/turns_mean": 2.5, "rollout/tool_calls_mean": 1.25,
+                               "rollout/tool_errors_per_episode": 0.125, "rollout/truncated_frac": 0.0625,
+                               "rollout/response_tokens_mean": 180.4})
+    console = Console(record=True, width=160)
+    console.print(_table(state, cfg))
+    assert ("64 received · turns 2.5 · tool calls 1.2 (errors 0.12) · truncated 6% · 180 tokens generated"
+            in console.export_text())
 
 
 def test_live_table_and_summary_show_drops_and_the_learner_s_warning_before_any_step(tmp_path: Path) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -29,6 +31,8 @@ def log_a_run(tracker: Tracker, tmp: Path) -> Path:
     artifact = tmp / "resolved_config.toml"
     artifact.write_text('[learner]\nlr = 0.0003\n')
     tracker.log_artifact(artifact)
+    tracker.log_json({"step": 2, "episodes": [{"reward": 1.0, "messages": [{"role": "user", "content": "hi"}]}]},
+                     "samples/step_000002.json")
     tracker.close()
     return artifact
 
@@ -49,9 +53,11 @@ def check_run(uri: str, run_id: str, artifact: Path, tmp: Path) -> None:
     history = client.get_metric_history(run_id, "loss")
     assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == [(0, 1.0), (1, 0.5), (2, 1 / 3)]
     assert run.data.metrics["reward/mean"] == 1.0
-    assert [f.path for f in client.list_artifacts(run_id)] == [artifact.name]
+    assert sorted(f.path for f in client.list_artifacts(run_id)) == [artifact.name, "samples"]
     local = client.download_artifacts(run_id, artifact.name, str(tmp))
     assert Path(local).read_text() == artifact.read_text()
+    local = client.download_artifacts(run_id, "samples/step_000002.json", str(tmp))
+    assert json.loads(Path(local).read_text())["episodes"][0]["messages"] == [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
@@ -107,12 +113,27 @@ def test_resume_keeps_params_and_reopens_the_run(sqlite_run, caplog) -> None:
     assert run.data.params["learner.lr"] == "0.0003" and run.data.params["learner.new_key"] == "1"
 
 
+def test_a_json_artifact_that_fails_warns(tmp_path, caplog) -> None:
+    tracker = open_tracker(TrackingSection(), tmp_path / "run")
+    with pytest.raises(ValueError, match=".json"):
+        tracker.log_json({}, "samples/step_1.txt")
+    artifacts = tmp_path / "run" / "mlartifacts"
+    if artifacts.exists():
+        shutil.rmtree(artifacts)
+    artifacts.write_text("a file where the artifact store should be")
+    with caplog.at_level("WARNING", logger="agentrl.tracking"):
+        tracker.log_json({"step": 1}, "samples/step_000001.json")  # the store fails: training goes on
+    assert "MLflow log_dict failed" in caplog.text
+    tracker.close()
+
+
 def test_disabled_tracking_is_a_null_object(tmp_path) -> None:
     tracker = open_tracker(TrackingSection(enabled=False), tmp_path / "run")
     assert isinstance(tracker, NullTracker) and tracker.run_id is None
     tracker.log_params(PARAMS)
     tracker.log_metrics({"loss": 1.0}, step=0)
     tracker.log_artifact(tmp_path / "missing")
+    tracker.log_json({"a": 1}, "samples/step_000001.json")
     tracker.set_tags({"a": 1})
     tracker.close()
     assert not (tmp_path / "run").exists()

@@ -77,6 +77,7 @@ import numpy as np
 
 from agentrl.config import AgentRLConfig, dump_toml
 from agentrl.learner.journal import Journal
+from agentrl.learner.rollout_stats import RolloutStats, sample_episodes
 from agentrl.protocol import Progress, ProtocolError, TrajectoryGroup, decode, encode
 from agentrl.transport.base import GroupSource, ProgressSink
 from agentrl.transport.delivery import Ledger
@@ -198,6 +199,9 @@ class Learner:
         self.ledger = Ledger()
         self.journal: Journal | None = None
         self._batch_keys: list[list] = []
+        self._batch_groups: list[TrajectoryGroup] = []  # the current step's (rank 0), for sample episodes
+        self.rollout = RolloutStats()  # what the actors did, per step (rank 0)
+        self._tokenizer: Any = None  # loaded for sample episodes without messages only
         if self.dist.is_main:
             self.io = io if io is not None else open_io(cfg, self.run_dir)
             self.buffer = GroupBuffer(
@@ -311,6 +315,7 @@ class Learner:
             groups = self.buffer.take(self.lc.groups_per_step, self.version)
             if groups is not None:
                 self._batch_keys = [list(g.key) for g in groups]
+                self._batch_groups = groups
                 samples = [
                     s
                     for g in groups
@@ -346,6 +351,7 @@ class Learner:
             return
         self.journal.append(encode(group))
         self.ledger.record(group)
+        self.rollout.add(group, self.version)
         self._add(group)
 
     def _add(self, group: TrajectoryGroup) -> None:
@@ -652,8 +658,10 @@ class Learner:
         for key, value in (getattr(self.io.source, "stats", {}) or {}).items():
             row[f"transport/{key}"] = float(value)
         row["data/buffered"] = float(len(self.buffer))
+        row.update(self.rollout.metrics())
         if self.io.tracker is not None:
             self.io.tracker.log_metrics(row, step=self.trainer.step)
+            self._log_samples()
         with self.metrics_file.open("a") as f:
             f.write(json.dumps({"step": self.trainer.step, **row}) + "\n")
         with self.batches_file.open("a") as f:
@@ -668,6 +676,28 @@ class Learner:
             row.get("time/wait_data_s", 0.0),
             sum(v for k, v in self.buffer.counters.items() if k.startswith("dropped_")),
         )
+
+    def _log_samples(self) -> None:
+        """Every ``tracking.sample_episodes_every`` steps: the step's best and worst episodes
+        (``agentrl.learner.rollout_stats.sample_episodes``) as ``samples/step_<step>.json``."""
+        every, step = self.cfg.tracking.sample_episodes_every, self.trainer.step
+        if not every or step % every or not self._batch_groups:
+            return
+        try:
+            doc = sample_episodes(self._batch_groups, step=step, policy_version=self.version,
+                                  groups_to_show=self.cfg.tracking.sample_episodes_groups, decode=self._decode)
+        except Exception as e:  # noqa: BLE001 - a sample is worth less than the run
+            log.warning("sample episodes of step %d not logged: %s: %s", step, type(e).__name__, e)
+            return
+        self.io.tracker.log_json(doc, f"samples/step_{step:06d}.json")
+
+    def _decode(self, ids: list[int]) -> str:
+        """Token ids as text, with the model's tokenizer (loaded at the first call)."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.path)
+        return self._tokenizer.decode(ids, skip_special_tokens=False)
 
     def _install_signal_handlers(self) -> Any:
         """SIGTERM/SIGINT request a clean stop; returns a function that restores the old handlers."""
