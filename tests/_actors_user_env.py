@@ -13,6 +13,7 @@ import trio
 from agentrl.agents import AgentEnv
 from agentrl.envs.base import Env, Message, Task
 from agentrl.tools.base import Tool, tool
+from agentrl.tools.parsing import get_parser
 
 
 @tool
@@ -95,13 +96,18 @@ class AddAgentEnv(AgentEnv):
     ``rewrite_history``: the second call sends a fresh conversation (the question and the tool's
     result in one user message), as an agent that compacts its context does: every episode is then
     two sequences.
+
+    ``tool_format``: the model's tool-call format (``env.tool_parser``, by ``get_parser`` name; "" keeps
+    the default), as a user's env takes it from ``env.kwargs``.
     """
 
     name = "add-agent"
 
-    def __init__(self, num_tasks: int = 1000, rewrite_history: bool = False):
+    def __init__(self, num_tasks: int = 1000, rewrite_history: bool = False, tool_format: str = ""):
         self.tasks_of = AddEnv(num_tasks=num_tasks)
         self.rewrite_history = rewrite_history
+        if tool_format:
+            self.tool_parser = get_parser(tool_format)
 
     def tasks(self, split: str = "train", seed: int = 0) -> Iterator[Task]:
         return self.tasks_of.tasks(split, seed)

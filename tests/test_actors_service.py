@@ -5,6 +5,7 @@ in-memory doubles of the transport interface."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import trio
@@ -386,6 +387,44 @@ def test_an_agent_env_is_gated_and_survives_weight_updates_like_any_env(tokenize
     assert [0, 1] in versions  # the interrupted turn went on under the new weights
     assert sum(t.metadata["num_aborts"] for g in sender.groups for t in g.trajectories) == 1
     assert all(t.reward == 1.0 for g in sender.groups for t in g.trajectories)
+
+
+def llama3_solver(turn: int, prompt: str) -> str:
+    """:func:`solver` with Llama 3's JSON tool call on the first turn."""
+    if turn == 0:
+        a, b = re.findall(r"What is (\d+) \+ (\d+)\?", prompt)[-1]
+        return json.dumps({"name": "add", "parameters": {"a": int(a), "b": int(b)}})
+    return solver(turn, prompt)
+
+
+@pytest.mark.parametrize("tool_format", ["llama3", ""])
+def test_an_agent_env_reads_tool_calls_in_its_own_format_through_the_processs_runner(tokenizer, tool_format):
+    """serve-actors' wiring (the env built from the config, the runner from ``agent_runner(cfg)``): an AgentEnv
+    whose ``tool_parser`` is llama3 (set from ``env.kwargs``) gets the model's Llama 3 JSON calls as OpenAI
+    ``tool_calls``; with the default (Hermes) the same text is plain content."""
+    from agentrl.actors.serve import agent_runner as runner_from_config
+    from agentrl.actors.serve import build_actor_envs
+    from agentrl.config import load_config
+
+    cfg = load_config(None, ["env.cls=tests._actors_user_env:AddAgentEnv", f"env.kwargs.tool_format={tool_format}"])
+    envs = build_actor_envs(cfg)
+    sender = MemorySender()
+    with ScriptedEngine(TurnScript(tokenizer, llama3_solver)) as engine:
+        async def main():
+            async with HttpEngineClient([engine.url]) as client, \
+                    runner_from_config(cfg, tokenizer, lambda: HttpEngineClient([engine.url])) as runner:
+                return await service(client, tokenizer, envs=envs, agents=runner, sender=sender, max_groups=2).run()
+
+        report = trio.run(main)
+    assert report["groups_delivered"] == 2
+    trajectories = [t for g in sender.groups for t in g.trajectories]
+    assert len(trajectories) == 4  # 2 groups of 2 episodes, one sequence each
+    for t in trajectories:
+        if tool_format == "llama3":
+            assert t.metadata["call_finish_reasons"] == ["tool_calls", "stop"] and t.reward == 1.0
+            assert t.metadata["num_stitched_calls"] == 1  # the tool result extended the sequence
+        else:  # not read as a call: the agent got the JSON as its answer
+            assert t.metadata["call_finish_reasons"] == ["stop"]
 
 
 def test_an_agent_env_needs_a_runner_and_env_names_are_unique(tokenizer):

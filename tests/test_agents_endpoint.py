@@ -340,10 +340,11 @@ def test_reasoning_comes_back_apart_and_an_agent_that_drops_it_still_stitches(to
             "role": "tool", "tool_call_id": call["id"], "content": "5"}], tools=[ADD])
         return 1.0 if final.choices[0].message.content == ANSWER else 0.0
 
+    env = Agent(agent)
+    env.reasoning = True  # a reasoning model's env (AgentEnv.reasoning)
     for stream in (False, True):
         with scripted(tokenizer, (think + CALL, ANSWER)) as engine:
-            [[traj]] = play(tokenizer, engine.url, Agent(agent), Task("t", {"stream": stream}), reasoning=True,
-                            default_max_tokens=128)
+            [[traj]] = play(tokenizer, engine.url, env, Task("t", {"stream": stream}), default_max_tokens=128)
         assert traj.reward == 1.0
         assert_scripted(traj, tokenizer, [ADD], (think + CALL, ANSWER))
 

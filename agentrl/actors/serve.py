@@ -9,7 +9,8 @@ tools and limits. When one is an :class:`agentrl.agents.AgentEnv`, the process a
 :class:`agentrl.agents.runner.AgentRunner` (the agent endpoint and its asyncio thread) for all
 its agent episodes, with the run's sampling forced (the learner trains on
 ``actors.temperature``), ``actors.max_new_tokens_per_turn`` as every call's default and cap,
-and its own client of the same engines.
+and its own client of the same engines. Each episode's completions are read as its env says
+(``env.tool_parser``, ``env.reasoning``).
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from starlette.routing import Route
 from agentrl.agents.episodes import Episode
 from agentrl.agents.openai_api import error_body
 from agentrl.agents.serving import ChatService
+from agentrl.tools.parsing import ToolCallParser
 
 KEY_PREFIX = "agentrl-ep-"
 
@@ -56,11 +57,13 @@ class AgentEndpoint:
         self._episodes: dict[bytes, Episode] = {}
         self.app = self._build_app()
 
-    def open_episode(self, episode_id: str, *, max_calls: int | None = None,
-                     max_len: int | None = None) -> tuple[str, Episode]:
-        """A new episode (with its limits, :class:`agentrl.agents.episodes.Episode`) and its key."""
+    def open_episode(self, episode_id: str, *, max_calls: int | None = None, max_len: int | None = None,
+                     tool_parser: ToolCallParser | None = None, reasoning: bool | None = None) -> tuple[str, Episode]:
+        """A new episode (with its limits and how its completions are read,
+        :class:`agentrl.agents.episodes.Episode`) and its key."""
         key = KEY_PREFIX + secrets.token_urlsafe(32)
-        episode = Episode(episode_id, max_calls=max_calls, max_len=max_len)
+        episode = Episode(episode_id, max_calls=max_calls, max_len=max_len, tool_parser=tool_parser,
+                          reasoning=reasoning)
         self._episodes[_digest(key)] = episode
         return key, episode
 

@@ -19,6 +19,17 @@ LangChain are written for. Do not block that loop (``time.sleep``, heavy CPU wor
 ``asyncio.to_thread``. An exception in ``run`` fails its episode (and its group) with the error's
 message; the process goes on. Tracing of the OpenAI Agents SDK sends data to OpenAI unless it is
 turned off (``agents.set_tracing_disabled(True)`` or ``RunConfig(tracing_disabled=True)``).
+
+**How completions are read** (the model's formats, set on the env as for any env):
+
+* ``tool_parser`` -- the tool-call format parsed out of each completion into OpenAI's ``tool_calls``,
+  the attribute agentrl's own loop reads for built-in envs (:mod:`agentrl.tools.parsing`): None is
+  Hermes/Qwen ``<tool_call>``; ``get_parser("llama3")`` reads Llama 3.1/3.2's JSON calls.
+* ``reasoning`` -- True for reasoning models (Qwen3's ``<think>``): a ``<think>...</think>`` block comes
+  back as ``reasoning_content`` and tool calls are parsed from the text after it only (SGLang's
+  ``--reasoning-parser``). False (the default): the block stays in ``content``.
+
+Either is a class attribute or is set in ``__init__`` (from ``env.kwargs`` if you want it in the config).
 """
 
 from __future__ import annotations
@@ -30,11 +41,15 @@ from agentrl.envs.base import Env, Message, Task
 if TYPE_CHECKING:
     import openai
 
+    from agentrl.tools.parsing import ToolCallParser
+
 
 class AgentEnv(Env):
     """An environment played by your own agent through an OpenAI client (see the module docstring)."""
 
     name = "agent"
+    tool_parser: "ToolCallParser | None" = None  # None: Hermes/Qwen <tool_call> (the module docstring)
+    reasoning: bool = False  # True: <think>...</think> comes back as reasoning_content
 
     async def run(self, task: Task, client: "openai.AsyncOpenAI") -> float | dict[str, float] | None:
         """Play ``task`` with ``client``; return the reward, or None to score with :meth:`Env.reward`."""

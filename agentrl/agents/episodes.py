@@ -53,6 +53,7 @@ from agentrl.actors.chat import ChatCodec, TemplateMismatch, TokenChat
 from agentrl.agents.openai_api import ChatRequest, OpenAIRequestError, message_view
 from agentrl.agents.serving import CallPlan, clone_chats
 from agentrl.protocol import Trajectory
+from agentrl.tools.parsing import ToolCallParser
 
 NEW_SEQUENCE_REASONS = ("first_call", "reply_edited", "history_differs", "tools_differ", "template_not_prefix_stable",
                         "branch")
@@ -92,9 +93,12 @@ class EpisodeClosed(OpenAIRequestError):
 class Episode:
     """The calls of one episode as sequences; an :class:`agentrl.agents.serving.PromptSession`."""
 
-    def __init__(self, episode_id: str, *, max_calls: int | None = None, max_len: int | None = None):
+    def __init__(self, episode_id: str, *, max_calls: int | None = None, max_len: int | None = None,
+                 tool_parser: ToolCallParser | None = None, reasoning: bool | None = None):
         self.id = episode_id
         self.max_calls, self.max_len = max_calls, max_len
+        # how its completions are read (the env's tool_parser and reasoning); None: the service's defaults
+        self.tool_parser, self.reasoning = tool_parser, reasoning
         self.limit = ""  # the limit a refused call reached: "max_turns" or "context_full"
         self.sequences: list[Sequence] = []
         self.num_calls = 0  # committed
@@ -131,7 +135,8 @@ class Episode:
                                      "completion", param="messages", code="context_length_exceeded")
         self._planned += 1
         return CallPlan(request, clone_chats(chat, request.n), affinity_key=self.id, rid=f"{self.id}-{self._planned}",
-                        state=(extends, reason), max_len=self.max_len)
+                        state=(extends, reason), max_len=self.max_len, tool_parser=self.tool_parser,
+                        reasoning=self.reasoning)
 
     def commit(self, plan: CallPlan) -> None:
         if self.closed:  # the agent returned (or was cancelled) while this call generated: not recorded

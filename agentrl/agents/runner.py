@@ -69,23 +69,24 @@ class AgentRunner:
 
     ``engine`` builds the engine client inside the asyncio thread (an httpx client belongs to the loop
     that made it); it must be an async context manager with ``generate`` (``EngineClient``).
-    ``versioned``/``forced_sampling``/``default_max_tokens``/``max_tokens_cap``/``reasoning``: see
-    :class:`agentrl.agents.serving.ChatService` (training: versions on, the run's sampling forced).
+    ``versioned``/``forced_sampling``/``default_max_tokens``/``max_tokens_cap``: see
+    :class:`agentrl.agents.serving.ChatService` (training: versions on, the run's sampling forced). How an
+    episode's completions are read (tool-call format, reasoning) is its env's: ``env.tool_parser`` and
+    ``env.reasoning`` (:class:`agentrl.agents.env.AgentEnv`).
     """
 
     def __init__(self, tokenizer: Any, engine: Callable[[], Any], *, host: str = "127.0.0.1", port: int = 0,
-                 model_name: str = "agentrl", max_model_len: int | None = None, tool_parser: str = "hermes",
+                 model_name: str = "agentrl", max_model_len: int | None = None,
                  versioned: bool = True, forced_sampling: dict | None = None, default_max_tokens: int | None = None,
-                 max_tokens_cap: int | None = None, reasoning: bool = False, client_timeout_s: float = 600.0,
+                 max_tokens_cap: int | None = None, client_timeout_s: float = 600.0,
                  client_max_retries: int = 2,
                  cancel_grace_s: float = 10.0, cleanup_timeout_s: float = 30.0):
         self.codec = ChatCodec(tokenizer)  # its own: the endpoint's thread renders with it
         self._engine_factory = engine
         self._host, self._port = host, port
-        self._service_kwargs = dict(model_name=model_name, max_model_len=max_model_len, tool_parser=tool_parser,
+        self._service_kwargs = dict(model_name=model_name, max_model_len=max_model_len,
                                     versioned=versioned, forced_sampling=forced_sampling,
-                                    default_max_tokens=default_max_tokens, max_tokens_cap=max_tokens_cap,
-                                    reasoning=reasoning)
+                                    default_max_tokens=default_max_tokens, max_tokens_cap=max_tokens_cap)
         self.client_timeout_s, self.client_max_retries = client_timeout_s, client_max_retries
         self.cancel_grace_s, self.cleanup_timeout_s = cancel_grace_s, cleanup_timeout_s
         self.url = ""
@@ -266,7 +267,9 @@ class AgentRunner:
         assert endpoint is not None
         start = time.monotonic()
         key, episode = endpoint.open_episode(episode_id, max_calls=limits.max_turns if limits else None,
-                                             max_len=limits.max_total_tokens if limits else None)
+                                             max_len=limits.max_total_tokens if limits else None,
+                                             tool_parser=getattr(env, "tool_parser", None),
+                                             reasoning=bool(getattr(env, "reasoning", False)))
         client = openai.AsyncOpenAI(base_url=f"{self.url}/episodes/{key}/v1", api_key=key,
                                     timeout=self.client_timeout_s, max_retries=self.client_max_retries,
                                     http_client=openai.DefaultAsyncHttpxClient(verify=self._ssl))

@@ -34,6 +34,9 @@ that set other values are logged once. ``max_tokens_cap`` bounds every choice (t
 **Reasoning** (``reasoning=True``, SGLang's ``--reasoning-parser``): ``<think>...</think>`` comes back
 as ``reasoning_content``, and tool calls are parsed from the text after it only.
 
+**Per session.** ``tool_parser`` and ``reasoning`` are the service's defaults; a session may set its own
+in each :class:`CallPlan` (an agent episode takes its env's ``tool_parser`` and ``reasoning``).
+
 **Streaming** sends the finished completion as chunks (role, content, one per tool call, finish,
 usage when asked, ``[DONE]``): clients that stream work unchanged, but the text arrives at once.
 
@@ -95,6 +98,8 @@ class CallPlan:
     rid: str
     state: Any = None  # the session's own (episodes: which sequence the call extends)
     max_len: int | None = None  # the session's own bound on prompt + completion tokens (an episode's limit)
+    tool_parser: ToolCallParser | None = None  # the session's own parser; None: the service's
+    reasoning: bool | None = None  # the session's own reasoning split; None: the service's
     results: list[ChoiceResult] = field(default_factory=list)
 
 
@@ -218,8 +223,10 @@ class ChatService:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+        parser = self.parser if plan.tool_parser is None else plan.tool_parser
+        reasoning = self.reasoning if plan.reasoning is None else plan.reasoning
         for r in plan.results:
-            r.out = self._choice_out(r, req)
+            r.out = self._choice_out(r, req, parser, reasoning)
 
     async def _choice(self, plan: CallPlan, index: int) -> None:
         result = plan.results[index]
@@ -277,20 +284,20 @@ class ChatService:
             if empty_aborts:
                 await asyncio.sleep(min(1.0, 0.05 * empty_aborts))
 
-    def _choice_out(self, r: ChoiceResult, req: ChatRequest) -> ChoiceOut:
+    def _choice_out(self, r: ChoiceResult, req: ChatRequest, parser: ToolCallParser, reasoning: bool) -> ChoiceOut:
         text = r.chat.turn_content()
         matched = r.finish.get("matched")
         if r.finish.get("type") == "stop" and isinstance(matched, str) and matched in text:
             text = text[:text.index(matched)]  # the client never sees the stop string (SGLang trims it)
-        reasoning, text = split_reasoning(text) if self.reasoning else (None, text)
-        content, calls = (split_tool_calls(text, self.parser, req.tool_names) if req.tools else (text, []))
+        thought, text = split_reasoning(text) if reasoning else (None, text)
+        content, calls = (split_tool_calls(text, parser, req.tool_names) if req.tools else (text, []))
         reason, matched_stop = finish_reason_of(r.finish, bool(calls))
         logprobs = None
         if req.logprobs:
             ids = r.chat.tokens[r.prompt_len:]
             logprobs = token_logprobs([self.codec.decode([t]) for t in ids], list(r.chat.logprobs[r.prompt_len:]))
         return ChoiceOut(content=content, tool_calls=calls or None, finish_reason=reason, matched_stop=matched_stop,
-                         logprobs=logprobs, reasoning_content=reasoning)
+                         logprobs=logprobs, reasoning_content=thought)
 
     # -- responses ----------------------------------------------------------------------------
     def respond(self, plan: CallPlan) -> Response:
