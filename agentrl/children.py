@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from agentrl.config import AgentRLConfig, dump_toml
+from agentrl.engine.launch import free_port
 from agentrl.placement import Placement, learner_ranks, weight_group_backend
 
 MAX_RESTARTS = 3  # how often a child of the RL stage (engine, learner, actor, retrieval server) is restarted
@@ -47,18 +48,14 @@ class ChildSpec:
     restart_argv: list[str] | None = None  # the command line of a restart (None: argv again)
 
 
-def resolve_run_dir(cfg: AgentRLConfig, run_dir: str | Path | None) -> Path:
+def resolve_run_dir(cfg: AgentRLConfig, run_dir: str | Path | None = None) -> Path:
+    """``run_dir`` (``--run-dir``), else ``run.run_dir``, else ``runs/<name>-<timestamp>`` (resume needs a
+    fixed one). The one place a run's folder is decided: ``agentrl run``, the learner and SFT ask here."""
     if run_dir:
         return Path(run_dir)
     if cfg.run.run_dir:
         return Path(cfg.run.run_dir)
     return Path("runs") / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def _free_port() -> int:
-    from agentrl.engine.launch import free_port
-
-    return free_port("127.0.0.1")
 
 
 def plan_config(cfg: AgentRLConfig, run_dir: Path, policy_path: str, placement: Placement | None = None) -> AgentRLConfig:
@@ -68,14 +65,14 @@ def plan_config(cfg: AgentRLConfig, run_dir: Path, policy_path: str, placement: 
     data["run"]["run_dir"] = str(run_dir)
     data["model"]["path"] = policy_path
     if not cfg.engine.urls:
-        data["engine"]["urls"] = [f"http://{cfg.engine.host}:{_free_port()}" for _ in range(cfg.engine.num_engines)]
+        data["engine"]["urls"] = [f"http://{cfg.engine.host}:{free_port()}" for _ in range(cfg.engine.num_engines)]
     if placement is not None:
         data["engine"]["weight_group_backend"] = weight_group_backend(cfg.engine.weight_group_backend, placement)
     for section in [data["env"]] if data["env"] is not None else data["envs"]:
         if section["kwargs"].get("search_url") == "auto":  # this run starts the retrieval server
-            section["kwargs"]["search_url"] = f"http://127.0.0.1:{_free_port()}"
-    data["actors"]["trajectory_endpoint"] = f"tcp://127.0.0.1:{_free_port()}"
-    data["actors"]["progress_endpoint"] = f"tcp://127.0.0.1:{_free_port()}"
+            section["kwargs"]["search_url"] = f"http://127.0.0.1:{free_port()}"
+    data["actors"]["trajectory_endpoint"] = f"tcp://127.0.0.1:{free_port()}"
+    data["actors"]["progress_endpoint"] = f"tcp://127.0.0.1:{free_port()}"
     return AgentRLConfig.model_validate(data)
 
 

@@ -6,24 +6,18 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from agentrl.engine.launch import free_port
 from agentrl.protocol import Progress, TrajectoryGroup
 from agentrl.transport import GroupReceiver, ProgressPublisher
 from tests._actors_helpers import ScriptedEngine, TurnScript, load_tokenizer, tiny_tokenizer_dir
 from tests._actors_user_env import solver
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Learner:

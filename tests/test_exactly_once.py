@@ -20,6 +20,7 @@ import pytest
 import torch
 import zmq
 
+from agentrl.engine.launch import free_port
 from agentrl.protocol import Progress, Trajectory, TrajectoryGroup, decode, encode
 from tests._actors_helpers import ScriptedEngine, TurnScript, load_tokenizer
 from tests._actors_user_env import solver
@@ -27,12 +28,6 @@ from tests._learner_helpers import PYTHON, subprocess_env, tiny_model  # noqa: F
 
 MAX_STEPS = 8
 GROUPS_PER_STEP = 2
-
-
-def free_port() -> int:
-    from agentrl.learner.distributed import free_port
-
-    return free_port()
 
 
 class VersionFollower:

@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 
+from agentrl.engine.launch import free_port
 from agentrl.protocol import ActorAck, Progress, decode, encode
 from tests._learner_helpers import (PYTHON, ListSource, Recorder, make_agent_group, make_group,  # noqa: F401
                                     subprocess_env, tiny_model)
@@ -184,18 +185,12 @@ def test_a_learner_that_died_before_any_checkpoint_leaves_nothing_it_acknowledge
     assert second.buffer.counters["received"] == 4 and second.buffer.counters["consumed"] == 2
 
 
-def _free_port() -> int:
-    from agentrl.learner.distributed import free_port
-
-    return free_port()
-
-
 def test_learn_cli_over_zmq_survives_restart(tiny_model, tmp_path):
     """`agentrl learn` trains from groups sent over ZMQ, drops malformed and stale ones, logs to
     MLflow and stops cleanly on SIGTERM with a checkpoint; a restart resumes from it."""
     import zmq
 
-    traj, prog = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
+    traj, prog = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     run_dir = tmp_path / "run"
     config = tmp_path / "learn.toml"
     config.write_text(

@@ -16,14 +16,9 @@ import numpy as np
 import pytest
 
 from agentrl.config import load_config
+from agentrl.engine.launch import free_port
 from agentrl.learner.launch import Nodes, check_rank0_addresses, torchrun_command
 from tests._learner_helpers import PYTHON, make_group, subprocess_env, tiny_model  # noqa: F401
-
-
-def _free_port() -> int:
-    from agentrl.engine.launch import free_port
-
-    return free_port()
 
 
 def test_torchrun_command_for_one_and_several_nodes(tmp_path):
@@ -76,9 +71,9 @@ def test_two_learner_nodes_train_and_push_weights_into_a_real_engine(tiny_model,
     from agentrl.protocol import decode, encode
     from tests.conftest_engine import ENGINE_FLAGS, Teacher, max_abs_diff
 
-    engine = EngineProcess(str(tiny_model), _free_port(), extra=ENGINE_FLAGS, log_path=tmp_path / "engine.log")
+    engine = EngineProcess(str(tiny_model), free_port(), extra=ENGINE_FLAGS, log_path=tmp_path / "engine.log")
     engine.start(wait_s=0)
-    traj, prog = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
+    traj, prog = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     run_dir = tmp_path / "run"
     config = tmp_path / "learn.toml"
     config.write_text(f"""
@@ -105,7 +100,7 @@ weight_sync_address = "127.0.0.1"
 [tracking]
 enabled = false
 """)
-    rdzv = f"127.0.0.1:{_free_port()}"
+    rdzv = f"127.0.0.1:{free_port()}"
     job = f"two-nodes-{uuid.uuid4().hex[:8]}"
 
     def node(local_addr: str) -> subprocess.Popen:

@@ -7,7 +7,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from agentrl.config import TrackingSection
+from agentrl.engine.launch import free_port
 from agentrl.tracking import NullTracker, Tracker, flatten, open_tracker
 
 pytestmark = pytest.mark.timeout(180)
@@ -146,12 +146,6 @@ def test_flatten() -> None:
 # ------------------------------------------------------------------ a real mlflow server
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
     import httpx
 
@@ -194,7 +188,7 @@ def mlflow_server(tmp_path_factory):
     """``mlflow server`` in its own process group, started first so that it boots (imports,
     schema migrations: tens of seconds on a busy 2-core machine) while the SQLite tests run."""
     tmp = tmp_path_factory.mktemp("server")
-    port = _free_port()
+    port = free_port()
     log_path = tmp / "server.log"
     with log_path.open("wb") as log_file:
         proc = subprocess.Popen(

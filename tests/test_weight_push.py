@@ -19,6 +19,7 @@ import httpx
 import pytest
 import torch
 
+from agentrl.engine.launch import free_port
 from agentrl.learner.weight_push import (EngineLost, WeightUpdateError, WeightUpdater, full_tensors, plan_buckets,
                                          rank_layout, without_tied_head)
 from agentrl.weight_group import bind_store_socket, destroy_weight_group, init_weight_group
@@ -29,17 +30,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # ------------------------------------------------------------------------------ helpers
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class FakeSGLang:
     """``tests/_fake_sglang.py`` in a child process."""
 
     def __init__(self, *flags: str):
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen([sys.executable, "-m", "tests._fake_sglang", "--port", str(self.port), *flags],
                                      cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

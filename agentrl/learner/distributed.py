@@ -12,13 +12,14 @@ gloo; GPU ranks use nccl for tensors and gloo for CPU objects (``cuda:nccl,cpu:g
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from agentrl.engine.launch import free_port
 
 
 @dataclass(frozen=True)
@@ -31,12 +32,6 @@ class DistInfo:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def resolve_device(preference: str, local_rank: int = 0) -> torch.device:

@@ -75,6 +75,7 @@ from typing import Any
 
 import numpy as np
 
+from agentrl.children import resolve_run_dir
 from agentrl.config import AgentRLConfig, dump_toml
 from agentrl.learner.journal import Journal
 from agentrl.learner.rollout_stats import RolloutStats, sample_episodes
@@ -137,13 +138,6 @@ def open_io(cfg: AgentRLConfig, run_dir: Path) -> LearnerIO:
     else:
         log.warning("engine.urls is empty: weights are not pushed to any engine (the version still advances)")
     return LearnerIO(source=source, progress=progress, weights=weights, tracker=open_tracker(cfg, run_dir))
-
-
-def resolve_run_dir(cfg: AgentRLConfig) -> Path:
-    """``run.run_dir``, or ``runs/<name>-<timestamp>`` when empty (resume needs a fixed one)."""
-    if cfg.run.run_dir:
-        return Path(cfg.run.run_dir)
-    return Path("runs") / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def seed_everything(seed: int, num_threads: int = 0) -> None:

@@ -257,7 +257,8 @@ def sft(cfg: AgentRLConfig) -> Path:
     from agentrl.learner.checkpoint import checkpoint_root, latest_checkpoint, load_checkpoint, save_checkpoint
     from agentrl.learner.distributed import broadcast_object, init_distributed
     from agentrl.learner.export import export_checkpoint
-    from agentrl.learner.loop import open_tracker, resolve_run_dir, seed_everything
+    from agentrl.children import resolve_run_dir
+    from agentrl.learner.loop import open_tracker, seed_everything
     from agentrl.learner.trainer import Trainer, TrainerSpec
     from agentrl.model_builder import ensure_model
 
