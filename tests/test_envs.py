@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import trio
 
+from agentrl.actors.rollout import EpisodeLimits, toolbox_for
 from agentrl.config import load_config
-from agentrl.envs import demonstrations, load_env, make_env, make_toolbox, run_cleanup, score_episode, total_reward
+from agentrl.envs import demonstrations, load_env, make_env, run_cleanup, score_episode, total_reward
 from agentrl.envs.base import Env, Task
 from agentrl.envs.sources import TaskSource, load_records
 
@@ -112,7 +113,7 @@ def test_make_env_passes_kwargs_and_sandbox_settings(tmp_path):
                                           "env.kwargs={sandbox = {max_live = 3}}"]))
     assert refined.sandbox_settings.max_live == 3 and refined.sandbox_settings.memory_mb == 64
     cfg = load_config(None, ["env.tool_timeout_s=1.5", "env.tool_max_output_chars=99"])
-    box = make_toolbox(make_env(cfg), cfg)
+    box = toolbox_for(make_env(cfg), cfg)
     assert (box.timeout_s, box.max_output_chars, [t["function"]["name"] for t in box.schemas()]) == (
         1.5, 99, ["calculator"])
     with pytest.raises(ValueError, match="cannot import env module"):
@@ -120,13 +121,17 @@ def test_make_env_passes_kwargs_and_sandbox_settings(tmp_path):
 
 
 def test_episode_limits_prefer_the_env_then_the_config():
-    from agentrl.envs import episode_limits
+    def limits(env):
+        got = EpisodeLimits.from_config(cfg, env)
+        return got.max_turns, got.max_total_tokens
 
     cfg = load_config(None, ["env.max_turns=3", "env.max_total_tokens=500"])
-    assert episode_limits(RaisingEnv(), cfg) == (3, 500)
+    assert limits(RaisingEnv()) == (3, 500)
     env = RaisingEnv()
     env.max_turns, env.max_total_tokens = 8, 99999
-    assert episode_limits(env, cfg) == (8, cfg.engine.max_context_tokens)
+    assert limits(env) == (8, cfg.engine.max_context_tokens)
+    env.max_turns = 0  # an env's own 0 is a limit, not "unset"
+    assert limits(env)[0] == 0
 
 
 def test_demonstrations_helper_skips_tasks_without_demos():
@@ -252,7 +257,7 @@ def test_the_tutorial_env_in_docs_works(tmp_path, monkeypatch):
     cfg = load_config(None, ["env.cls=my_envs:CapitalsEnv", f"env.kwargs={{path = '{tmp_path / 'capitals.jsonl'}'}}"])
     env = make_env(cfg)
     task = next(env.tasks("train"))
-    box = make_toolbox(env, cfg)
+    box = toolbox_for(env, cfg)
     demo = env.demonstration(task)
     assert demo is not None and demo[0]["role"] == "system"
 

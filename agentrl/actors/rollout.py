@@ -124,12 +124,15 @@ class EpisodeLimits:
     @classmethod
     def from_config(cls, cfg: Any, env: Env | None = None, section: Any = None) -> "EpisodeLimits":
         """The env section's limits (default: the run's only env), overridden by an env's own
-        ``max_turns``/``max_total_tokens`` attributes when it sets them, and never above
-        ``engine.max_context_tokens`` (:func:`agentrl.envs.episode_limits`)."""
-        from agentrl.envs import episode_limits
+        ``max_turns``/``max_total_tokens`` attributes when it sets them (not None; 0 is a value),
+        and never above ``engine.max_context_tokens``."""
+        from agentrl.envs import env_section
 
-        turns, tokens = episode_limits(env if env is not None else Env(), cfg, section)
-        return cls(max_turns=turns, max_total_tokens=tokens,
+        env = env if env is not None else Env()
+        section = env_section(cfg, section)
+        turns = env.max_turns if env.max_turns is not None else section.max_turns
+        tokens = env.max_total_tokens if env.max_total_tokens is not None else section.max_total_tokens
+        return cls(max_turns=turns, max_total_tokens=min(tokens, cfg.engine.max_context_tokens),
                    max_new_tokens_per_turn=cfg.actors.max_new_tokens_per_turn,
                    max_abs_reward=cfg.learner.max_abs_reward)
 
@@ -142,10 +145,15 @@ def sampling_from_config(cfg: Any, greedy: bool = False) -> dict[str, Any]:
 
 
 def toolbox_for(env: Env, cfg: Any = None, section: Any = None) -> ToolBox:
-    """The env's tools with its section's time and output limits (:func:`agentrl.envs.make_toolbox`)."""
-    from agentrl.envs import make_toolbox
+    """The env's tools with its section's time and output limits (default: the run's only env;
+    no limits without a config)."""
+    if cfg is None and section is None:
+        return ToolBox(env.tools())
+    if section is None:
+        from agentrl.envs import env_section
 
-    return make_toolbox(env, cfg, section)
+        section = env_section(cfg)
+    return ToolBox(env.tools(), timeout_s=section.tool_timeout_s, max_output_chars=section.tool_max_output_chars)
 
 
 @dataclass

@@ -6,9 +6,8 @@
   settings beyond the section, such as ``max_live`` or ``docker_host``). The section's
   ``name``, when set, becomes the env's ``name``. :func:`make_envs` builds every env of a run
   and refuses two with the same name (groups, metrics and evaluations are keyed by it).
-* :func:`episode_limits` gives the turn and token limits (the env's own, else the section's).
-* :func:`make_toolbox` wraps the env's tools in a :class:`~agentrl.tools.base.ToolBox` with
-  the section's time and output limits.
+* An env's episode limits and toolbox come from :mod:`agentrl.actors.rollout`
+  (:meth:`~agentrl.actors.rollout.EpisodeLimits.from_config`, :func:`~agentrl.actors.rollout.toolbox_for`).
 * :func:`demonstrations` yields correct episodes for the supervised warm start.
 * :func:`score_episode` and :func:`run_cleanup` call an env's ``reward`` and ``cleanup`` so
   that neither a raising reward nor a cancelled episode can crash an actor.
@@ -26,10 +25,9 @@ from agentrl.envs.base import Env, Message, Task, load_env, run_cleanup, score_e
 
 if TYPE_CHECKING:
     from agentrl.config import AgentRLConfig, EnvSection
-    from agentrl.tools.base import ToolBox
 
-__all__ = ["Env", "Message", "Task", "check_env_names", "demonstrations", "env_section", "episode_limits", "load_env",
-           "make_env", "make_envs", "make_toolbox", "run_cleanup", "score_episode", "total_reward"]
+__all__ = ["Env", "Message", "Task", "check_env_names", "demonstrations", "env_section", "load_env",
+           "make_env", "make_envs", "run_cleanup", "score_episode", "total_reward"]
 
 
 from agentrl.envs.base import _import_module_or_file  # noqa: E402
@@ -99,25 +97,6 @@ def close_quietly(env: Env) -> None:
         trio.run(env.aclose)
     except Exception:  # noqa: BLE001 - closing what failed to start must not hide why
         pass
-
-
-def episode_limits(env: Env, cfg: "AgentRLConfig", section: "EnvSection | None" = None) -> tuple[int, int]:
-    """(max_turns, max_total_tokens) for the env's episodes: the env's own values where it
-    sets them, else its section's; never above ``engine.max_context_tokens``."""
-    section = env_section(cfg, section)
-    turns = env.max_turns if env.max_turns is not None else section.max_turns
-    tokens = env.max_total_tokens if env.max_total_tokens is not None else section.max_total_tokens
-    return turns, min(tokens, cfg.engine.max_context_tokens)
-
-
-def make_toolbox(env: Env, cfg: "AgentRLConfig | None" = None, section: "EnvSection | None" = None) -> "ToolBox":
-    """The env's tools with its section's time and output limits (none without a config)."""
-    from agentrl.tools.base import ToolBox
-
-    if cfg is None and section is None:
-        return ToolBox(env.tools())
-    section = section if section is not None else env_section(cfg)
-    return ToolBox(env.tools(), timeout_s=section.tool_timeout_s, max_output_chars=section.tool_max_output_chars)
 
 
 def demonstrations(env: Env, num: int, seed: int = 0, split: str = "train",

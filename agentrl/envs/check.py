@@ -147,14 +147,13 @@ def _check_messages(env: "Env", task: "Task", report: EnvCheck) -> list[dict[str
 def _check_prompt(cfg: "AgentRLConfig", key: str, section: Any, env: "Env", messages: list[dict[str, Any]],
                   schemas: list[dict[str, Any]] | None, report: EnvCheck) -> None:
     """Render the first prompt with the model's chat template and check it leaves room to answer."""
-    from agentrl.envs import episode_limits
-
     if not (Path(cfg.model.path) / "config.json").exists():
         report.notes.append(f"prompt not rendered: no model at {cfg.model.path} yet")
         return
     from transformers import AutoTokenizer
 
     from agentrl.actors.chat import codec_for
+    from agentrl.actors.rollout import EpisodeLimits
 
     try:
         codec = codec_for(AutoTokenizer.from_pretrained(cfg.model.path))
@@ -163,7 +162,7 @@ def _check_prompt(cfg: "AgentRLConfig", key: str, section: Any, env: "Env", mess
         report.problems.append(f"rendering the first prompt with {cfg.model.path}'s chat template: "
                                f"{type(e).__name__}: {e}")
         return
-    _, max_total = episode_limits(env, cfg, section)
+    max_total = EpisodeLimits.from_config(cfg, env, section).max_total_tokens
     room = max_total - len(ids) - codec.reserve_tokens
     report.notes.append(f"first prompt: {len(ids)} tokens of {key}.max_total_tokens = {max_total}")
     if room < 1:
