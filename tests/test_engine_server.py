@@ -131,6 +131,22 @@ def test_invalid_json_and_recovery(url):
     assert ok.status_code == 200 and ok.json()["meta_info"]["completion_tokens"] == 2
 
 
+@pytest.mark.parametrize("path, body, needle", [
+    ("/pause_generation", {"mode": "bogus"}, "mode = 'bogus' is not supported"),
+    ("/update_weight_version", {"new_version": 5}, "new_version must be a string, got 5"),
+    ("/init_weights_update_group", {"master_port": 1, "rank_offset": 1, "world_size": 2}, "'master_address' is required"),
+    ("/abort_request", b"{not json", "not valid JSON"),
+])
+def test_refused_control_bodies_are_sglangs_400(url, path, body, needle):
+    """A control body the route's struct refuses is SGLang's ErrorResponse (HTTP 400); nothing is done."""
+    r = httpx.post(url + path, content=body, timeout=10) if isinstance(body, bytes) else post(url, path, body)
+    assert r.status_code == 400, r.text
+    answer = r.json()
+    assert (answer["object"], answer["type"], answer["code"]) == ("error", "Bad Request", 400)
+    assert needle in answer["message"], answer
+    assert post(url, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}).status_code == 200
+
+
 def _start_long(http: httpx.AsyncClient, url: str, rid: str, n: int = 1000):
     return asyncio.ensure_future(http.post(url + "/generate", json={
         "input_ids": [3, 4, 5], "rid": rid, "return_logprob": True,

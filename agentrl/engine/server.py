@@ -419,10 +419,7 @@ def build_app(server: EngineServer, *, api_key: str = "", admin_api_key: str = "
 
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def abort_request(request: HttpRequest) -> Response:
-        try:
-            b = await _control(request)
-        except RequestError as e:
-            return bad_request(str(e))
+        b = await _control(request)
         if b["abort_all"]:
             await server.call(lambda: sched.abort(None))
         elif b["rid"]:  # SGLang ignores an empty rid without abort_all
@@ -431,19 +428,13 @@ def build_app(server: EngineServer, *, api_key: str = "", admin_api_key: str = "
 
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def pause_generation(request: HttpRequest) -> Response:
-        try:
-            mode = (await _control(request))["mode"]
-        except RequestError as e:
-            return bad_request(str(e))
+        mode = (await _control(request))["mode"]
         await server.call(lambda: sched.pause(mode))
         return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
 
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def continue_generation(request: HttpRequest) -> Response:
-        try:
-            b = await _control(request)
-        except RequestError as e:
-            return bad_request(str(e))
+        b = await _control(request)
 
         def run() -> None:
             sched.resume()
@@ -460,11 +451,8 @@ def build_app(server: EngineServer, *, api_key: str = "", admin_api_key: str = "
     async def init_weights_update_group(request: HttpRequest) -> Response:
         if server.dp_size > 1:  # SGLang asserts dp_size == 1: an internal server error
             return JSONResponse({"success": False, "message": DP_REFUSAL}, status_code=500)
-        try:
-            raw = await _body(request)
-            b = parse_control(request.url.path, raw)
-        except RequestError as e:
-            return bad_request(str(e))
+        raw = await _body(request)
+        b = parse_control(request.url.path, raw)
         # Deliberately not SGLang's default: nccl needs a GPU, so a CPU engine defaults to gloo.
         backend = b["backend"] if "backend" in raw or server.runner.device.type == "cuda" else "gloo"
         try:
@@ -479,10 +467,7 @@ def build_app(server: EngineServer, *, api_key: str = "", admin_api_key: str = "
     async def destroy_weights_update_group(request: HttpRequest) -> Response:
         if server.dp_size > 1:
             return JSONResponse({"success": False, "message": DP_REFUSAL_DESTROY}, status_code=500)
-        try:
-            b = await _control(request)
-        except RequestError as e:
-            return bad_request(str(e))
+        b = await _control(request)
         if b["group_name"] != server.receiver.group_name:
             return _result(False, f"Failed to destroy parameter update group: no group named {show(b['group_name'])}")
         await server.call(server.receiver.destroy_group)
@@ -490,10 +475,7 @@ def build_app(server: EngineServer, *, api_key: str = "", admin_api_key: str = "
 
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def begin_weight_update(request: HttpRequest) -> Response:
-        try:
-            await _control(request)
-        except RequestError as e:
-            return bad_request(str(e))
+        await _control(request)
 
         def run() -> bool:
             if sched.updating:
@@ -505,10 +487,7 @@ def build_app(server: EngineServer, *, api_key: str = "", admin_api_key: str = "
 
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def end_weight_update(request: HttpRequest) -> Response:
-        try:
-            await _control(request)  # no fields, but a body that is not a JSON object is refused as elsewhere
-        except RequestError as e:
-            return bad_request(str(e))
+        await _control(request)  # no fields, but a body that is not a JSON object is refused as elsewhere
 
         def run() -> bool:
             if not sched.updating:
@@ -522,10 +501,7 @@ def build_app(server: EngineServer, *, api_key: str = "", admin_api_key: str = "
     async def update_weights_from_distributed(request: HttpRequest) -> Response:
         if server.dp_size > 1:
             return JSONResponse({"success": False, "message": DP_REFUSAL}, status_code=500)
-        try:
-            b = await _control(request)
-        except RequestError as e:
-            return bad_request(str(e))
+        b = await _control(request)
         try:
             spec = server.receiver.check_spec(b["names"], b["dtypes"], b["shapes"])
         except ValueError as e:
@@ -552,10 +528,7 @@ def build_app(server: EngineServer, *, api_key: str = "", admin_api_key: str = "
 
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def update_weights_from_disk(request: HttpRequest) -> Response:
-        try:
-            b = await _control(request)
-        except RequestError as e:
-            return bad_request(str(e))
+        b = await _control(request)
         try:
             tensors = await asyncio.to_thread(server.receiver.load_from_disk, b["model_path"])
         except (ValueError, OSError) as e:
@@ -573,10 +546,7 @@ def build_app(server: EngineServer, *, api_key: str = "", admin_api_key: str = "
 
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def update_weight_version(request: HttpRequest) -> Response:
-        try:
-            b = await _control(request)
-        except RequestError as e:
-            return bad_request(str(e))
+        b = await _control(request)
         version = b["new_version"]
 
         def run() -> None:
@@ -597,10 +567,7 @@ def build_app(server: EngineServer, *, api_key: str = "", admin_api_key: str = "
     async def load_lora_adapter(request: HttpRequest) -> Response:
         if server.dp_size > 1:  # SGLang asserts dp_size == 1 here too
             return JSONResponse({"success": False, "message": DP_REFUSAL_LORA}, status_code=500)
-        try:
-            b = await _control(request)
-        except RequestError as e:
-            return bad_request(str(e))
+        b = await _control(request)
         try:  # reading and checking the folder happens off the scheduler thread
             adapter = await asyncio.to_thread(server.receiver.read_adapter, b["lora_name"], b["lora_path"])
         except (ValueError, OSError) as e:
@@ -620,10 +587,7 @@ def build_app(server: EngineServer, *, api_key: str = "", admin_api_key: str = "
     async def unload_lora_adapter(request: HttpRequest) -> Response:
         if server.dp_size > 1:
             return JSONResponse({"success": False, "message": DP_REFUSAL_LORA}, status_code=500)
-        try:
-            b = await _control(request)
-        except RequestError as e:
-            return bad_request(str(e))
+        b = await _control(request)
 
         def run() -> None:
             server.receiver.unload_adapter(b["lora_name"])
@@ -703,8 +667,12 @@ def build_app(server: EngineServer, *, api_key: str = "", admin_api_key: str = "
     async def not_allowed(request: HttpRequest, exc: Exception) -> Response:
         return JSONResponse({"detail": "Method Not Allowed"}, status_code=405)
 
+    async def refused(request: HttpRequest, exc: Exception) -> Response:  # a control body parse_control refuses
+        return bad_request(str(exc))
+
     auth = Middleware(BearerAuthMiddleware, routes=routes, api_key=api_key, admin_api_key=admin_api_key)
-    return Starlette(routes=routes, middleware=[auth], exception_handlers={404: not_found, 405: not_allowed})
+    return Starlette(routes=routes, middleware=[auth],
+                     exception_handlers={404: not_found, 405: not_allowed, RequestError: refused})
 
 
 def _resolve(fut: asyncio.Future, value: Any) -> None:
