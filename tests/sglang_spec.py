@@ -14,7 +14,17 @@
   (``ChatCompletionRequest``, the response, chunk, message, tool-call and model-card models), kept apart
   from ``io_struct`` because two names (``Tool``, ``Function``) exist in both;
 * the keys SGLang writes into responses (dict literals and ``x["key"] = ...``) in
-  ``http_server.py``, ``managers/tokenizer_manager.py`` and ``utils/weight_versions.py``.
+  ``http_server.py``, ``managers/tokenizer_manager.py`` and ``utils/weight_versions.py``; and, more
+  narrowly, the keys of each route's answer (:attr:`RouteSpec.answer`: its handler's dict literals, those of
+  the module's helpers it calls, the fields of an ``io_struct`` output it serializes), of a
+  ``meta_info.weight_versions`` span (``add_weight_versions_to_meta_info``) and of an abort's
+  ``finish_reason`` (``managers/schedule_batch.py``: ``FINISH_ABORT.to_json``);
+* ``server_args.py`` and the ``arg_groups/fields/*.py`` namespaces it assembles ``ServerArgs`` from
+  (``_INPUT_NAMESPACES``): ``ServerArgs``' fields (what ``/server_info`` reports, with the keys
+  ``build_server_info`` in ``utils/common.py`` and the handler add) and the command-line flags of
+  ``python -m sglang.launch_server`` (one per field annotated ``A[T, "help"]`` or ``A[T, Arg(...)]``,
+  as ``arg_utils.add_cli_args_from_dataclass`` derives them, plus ``ServerArgs.add_cli_args``' own
+  ``parser.add_argument`` calls).
 
 :func:`conformance_error` checks a JSON value against an annotation (``Optional``, ``Union``,
 ``List``, ``Dict``, ``Literal``, ``Annotated``, module-level aliases; types it cannot judge pass).
@@ -44,6 +54,10 @@ SOURCES = {
     "tokenizer_manager": "sglang/srt/managers/tokenizer_manager.py",
     "weight_versions": "sglang/srt/utils/weight_versions.py",
     "openai_protocol": "sglang/srt/entrypoints/openai/protocol.py",
+    "tokenizer_control": "sglang/srt/managers/tokenizer_control_mixin.py",
+    "schedule_batch": "sglang/srt/managers/schedule_batch.py",
+    "server_args": "sglang/srt/server_args.py",
+    "common": "sglang/srt/utils/common.py",
 }
 SNAPSHOT = Path(__file__).parent / "data" / "sglang_spec.json"
 METHODS = {"get": ["GET"], "post": ["POST"], "put": ["PUT"], "delete": ["DELETE"], "patch": ["PATCH"]}
@@ -75,8 +89,13 @@ def fetch_wheel(version: str = SGLANG_VERSION) -> Path:
 
 
 def read_sources(wheel: Path) -> dict[str, str]:
+    """``SOURCES`` by name, plus the modules ``server_args.py`` takes ``ServerArgs``' namespaces from
+    (by module name, ``sglang.srt.arg_groups.fields.parallel`` ...)."""
     with zipfile.ZipFile(wheel) as z:
-        return {name: z.read(path).decode() for name, path in SOURCES.items()}
+        sources = {name: z.read(path).decode() for name, path in SOURCES.items()}
+        for module in sorted(set(namespace_modules(sources["server_args"]).values())):
+            sources[module] = z.read(module.replace(".", "/") + ".py").decode()
+    return sources
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -95,6 +114,7 @@ class RouteSpec:
     handler: str
     request: str | None  # the request struct of the handler's body parameter
     auth: str  # normal | admin_optional | admin_force
+    answer: set[str] = field(default_factory=set)  # keys its answer can carry (:func:`route_answers`)
 
 
 @dataclass
@@ -109,6 +129,11 @@ class Spec:
     classes: set[str] = field(repr=False, default_factory=set)
     openai_structs: dict[str, dict[str, FieldSpec]] = field(default_factory=dict)  # entrypoints/openai/protocol.py
     openai_annotations: dict[str, ast.expr] = field(repr=False, default_factory=dict)
+    server_args: dict[str, FieldSpec] = field(default_factory=dict)  # ServerArgs' fields (its namespaces')
+    server_flags: set[str] = field(default_factory=set)  # `python -m sglang.launch_server` flags
+    server_info_keys: set[str] = field(default_factory=set)  # what /server_info reports
+    span_keys: set[str] = field(default_factory=set)  # one meta_info.weight_versions span
+    abort_keys: set[str] = field(default_factory=set)  # an abort's finish_reason
 
     def struct(self, name: str) -> dict[str, FieldSpec]:
         """The fields of a request struct (io_struct first, then the OpenAI models)."""
@@ -117,6 +142,21 @@ class Spec:
     def annotation(self, struct: str, name: str) -> ast.expr:
         key = f"{struct}.{name}"
         return self.annotations[key] if struct in self.structs else self.openai_annotations[key]
+
+    def written(self, where: str) -> set[str]:
+        """The keys SGLang writes at ``where``: ``"/generate"`` and ``"/generate meta_info"`` (any key a
+        response can carry), ``"/generate meta_info.weight_versions[]"`` (a span),
+        ``"/generate meta_info.finish_reason (abort)"``, ``"/server_info"``, or a route's answer (its path)."""
+        if where in ("/generate", "/generate meta_info"):
+            return self.written_keys
+        if where == "/generate meta_info.weight_versions[]":
+            return self.span_keys
+        if where == "/generate meta_info.finish_reason (abort)":
+            return self.abort_keys
+        if where == "/server_info":
+            return self.server_info_keys
+        route = self.routes.get(where)
+        return route.answer if route else set()
 
 
 def _str(node: ast.expr | None) -> str | None:
@@ -224,25 +264,191 @@ def parse_structs(source: str, annotations: dict[str, ast.expr]) -> dict[str, di
 def parse_aliases(source: str) -> dict[str, ast.expr]:
     out = {}
     for node in ast.parse(source).body:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            out[node.targets[0].id] = node.value
+        if isinstance(node, ast.Assign):  # `A = B = C` too (io_struct's LoRA outputs)
+            out.update({t.id: node.value for t in node.targets if isinstance(t, ast.Name)})
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None \
                 and "TypeAlias" in ast.unparse(node.annotation):
             out[node.target.id] = node.value
     return out
 
 
+def _keys_in(tree: ast.AST, subscripts: bool = True) -> set[str]:
+    """String keys of dict literals and (``subscripts``) of ``x["key"] = ...`` targets under ``tree``."""
+    keys: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Dict):
+            keys.update(k.value for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str))
+        elif subscripts and isinstance(node, (ast.Assign, ast.AugAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(target, ast.Subscript) and _str(target.slice) is not None:
+                    keys.add(_str(target.slice))
+    return keys
+
+
 def written_keys(*sources: str) -> set[str]:
-    """String keys of dict literals and of ``x["key"] = ...`` targets: what a response can carry."""
+    """What a response can carry: the keys (:func:`_keys_in`) of whole modules."""
     keys: set[str] = set()
     for source in sources:
+        keys |= _keys_in(ast.parse(source))
+    return keys
+
+
+_Function = ast.FunctionDef | ast.AsyncFunctionDef
+
+
+def functions(tree: ast.Module, cls: str | None = None) -> dict[str, _Function]:
+    """The module's functions by name, or class ``cls``'s methods."""
+    body = tree.body
+    if cls is not None:
+        body = next((n.body for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls), [])
+    return {n.name: n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+def _calls(tree: ast.AST) -> set[str]:
+    """Names of the plain functions (``f(...)``) and methods (``x.f(...)``) called under ``tree``."""
+    return {c.func.id if isinstance(c.func, ast.Name) else c.func.attr for c in ast.walk(tree)
+            if isinstance(c, ast.Call) and isinstance(c.func, (ast.Name, ast.Attribute))}
+
+
+def _struct_fields(name: str, structs: dict[str, dict[str, FieldSpec]], aliases: dict[str, ast.expr]) -> set[str]:
+    for _ in range(10):  # follow `Output = OtherOutput` aliases
+        if name in structs:
+            return set(structs[name])
+        alias = aliases.get(name)
+        if not isinstance(alias, ast.Name):
+            return set()
+        name = alias.id
+    return set()
+
+
+TEXT = "<text>"  # in an answer's keys: the handler can answer a plain-text body (``Response(content=...)``)
+
+
+def route_answers(http_server: ast.Module, routes: dict[str, RouteSpec], returns: dict[str, str],
+                  structs: dict[str, dict[str, FieldSpec]], aliases: dict[str, ast.expr]) -> None:
+    """Fill each route's :attr:`RouteSpec.answer`: the keys of its handler's dict literals and those of
+    the module-level helpers it calls (``_create_error_response``), plus the fields of the ``io_struct``
+    output it serializes (``result = await ...tokenizer_manager.m(...)`` then ``msgspec_to_builtins(result)``
+    or ``return result``; ``returns`` is ``m`` -> its return annotation), plus :data:`TEXT` when it
+    answers ``Response(content=...)`` (``/flush_cache``)."""
+    module = functions(http_server)
+    handlers = {n.name: n for n in ast.walk(http_server) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    for route in routes.values():
+        handler = handlers[route.handler]  # some are nested (registered by a function)
+        keys = _keys_in(handler)
+        for name in _calls(handler) & set(module) - {route.handler}:
+            keys |= _keys_in(module[name])
+        produced = {n.targets[0].id: n.value.value.func.attr for n in ast.walk(handler)
+                    if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name)
+                    and isinstance(n.value, ast.Await) and isinstance(n.value.value, ast.Call)
+                    and isinstance(n.value.value.func, ast.Attribute)}
+        sent = {a.id for c in ast.walk(handler) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)
+                and c.func.id == "msgspec_to_builtins" for a in c.args if isinstance(a, ast.Name)}
+        sent |= {r.value.id for r in ast.walk(handler) if isinstance(r, ast.Return) and isinstance(r.value, ast.Name)}
+        for var, method in produced.items():
+            if var in sent and method in returns:
+                keys |= _struct_fields(returns[method], structs, aliases)
+        if any(isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id in ("Response", "PlainTextResponse")
+               and any(k.arg == "content" for k in c.keywords) for c in ast.walk(handler)):
+            keys.add(TEXT)
+        route.answer = keys
+
+
+def method_returns(*sources: str) -> dict[str, str]:
+    """Method name -> the name of its return annotation, over every class of ``sources`` (the
+    tokenizer manager and its mixins); the first source wins."""
+    out: dict[str, str] = {}
+    for source in sources:
         for node in ast.walk(ast.parse(source)):
-            if isinstance(node, ast.Dict):
-                keys.update(k.value for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str))
-            elif isinstance(node, (ast.Assign, ast.AugAssign)):
-                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                    if isinstance(target, ast.Subscript) and _str(target.slice) is not None:
-                        keys.add(_str(target.slice))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and isinstance(node.returns, ast.Name):
+                out.setdefault(node.name, node.returns.id)
+    return out
+
+
+# ------------------------------------------------------------- ServerArgs: /server_info and flags
+
+
+def namespace_modules(server_args: str) -> dict[str, str]:
+    """``_INPUT_NAMESPACES``' classes (what ``ServerArgs`` is assembled from) -> the module each is
+    imported from."""
+    tree = ast.parse(server_args)
+    imported = {a.asname or a.name: node.module for node in tree.body if isinstance(node, ast.ImportFrom)
+                and node.module for a in node.names}
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        if any(isinstance(t, ast.Name) and t.id == "_INPUT_NAMESPACES" for t in targets):
+            return {e.id: imported[e.id] for e in node.value.elts if isinstance(e, ast.Name) and e.id in imported}
+    return {}
+
+
+def _class_fields(tree: ast.Module, name: str) -> list[ast.AnnAssign]:
+    body = next((n.body for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name), [])
+    return [i for i in body if isinstance(i, ast.AnnAssign) and isinstance(i.target, ast.Name)
+            and "ClassVar" not in ast.unparse(i.annotation)]
+
+
+def _cli_names(item: ast.AnnAssign) -> list[str]:
+    """The flags ``add_cli_args_from_dataclass`` registers for one field: ``A[T, "help"]`` or
+    ``A[T, Arg(...)]`` (the first of those in the metadata) gives ``--field-name`` (or ``cli_name``)
+    and ``aliases``; no such metadata, or ``Arg(no_cli=True)``: none."""
+    ann = item.annotation
+    if not (isinstance(ann, ast.Subscript) and isinstance(ann.value, ast.Name) and ann.value.id in ("A", "Annotated")
+            and isinstance(ann.slice, ast.Tuple)):
+        return []
+    for meta in ann.slice.elts[1:]:
+        if isinstance(meta, ast.JoinedStr) or _str(meta) is not None:
+            return ["--" + item.target.id.replace("_", "-")]
+        if isinstance(meta, ast.Call) and isinstance(meta.func, ast.Name) and meta.func.id == "Arg":
+            kw = {k.arg: k.value for k in meta.keywords}
+            if isinstance(kw.get("no_cli"), ast.Constant) and kw["no_cli"].value is True:
+                return []
+            aliases = kw.get("aliases")
+            return [_str(kw.get("cli_name")) or "--" + item.target.id.replace("_", "-"),
+                    *(_str(a) for a in (aliases.elts if isinstance(aliases, ast.List) else []) if _str(a))]
+    return []
+
+
+def parse_server_args(sources: dict[str, str]) -> tuple[dict[str, FieldSpec], set[str]]:
+    """``ServerArgs``' fields (those of its namespaces, then its own) and the flags of
+    ``python -m sglang.launch_server`` (``prepare_server_args`` builds the parser with
+    ``ServerArgs.add_cli_args``: the fields' flags, then its own ``parser.add_argument`` calls)."""
+    fields: dict[str, FieldSpec] = {}
+    flags: set[str] = set()
+    own = ast.parse(sources["server_args"])
+    for cls, module in [*namespace_modules(sources["server_args"]).items(), ("ServerArgs", None)]:
+        tree = own if module is None else ast.parse(sources[module])
+        for item in _class_fields(tree, cls):
+            required, default = _default_of(item.value)
+            ann = item.annotation  # A[T, help or Arg(...)]: T (the CLI metadata is not the field's type)
+            if isinstance(ann, ast.Subscript) and isinstance(ann.value, ast.Name) and ann.value.id in ("A", "Annotated") \
+                    and isinstance(ann.slice, ast.Tuple):
+                ann = ann.slice.elts[0]
+            fields[item.target.id] = FieldSpec(ast.unparse(ann), required, default)
+            flags.update(_cli_names(item))
+    add_cli_args = functions(own, "ServerArgs").get("add_cli_args")
+    for call in ast.walk(add_cli_args) if add_cli_args else []:
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "add_argument":
+            flags.update(a for a in map(_str, call.args) if a and a.startswith("-"))
+    return fields, flags
+
+
+def server_info_keys(sources: dict[str, str], routes: dict[str, RouteSpec], server_args: dict[str, FieldSpec]) -> set[str]:
+    """What ``/server_info`` reports: its answer's own keys, plus ``build_server_info``'s (utils/common.py)
+    when the handler calls it, plus ``ServerArgs``' fields and ``resolved_dict``'s extra keys when
+    ``build_server_info`` starts from ``server_args.resolved_dict()``. (``scheduler_info``'s keys,
+    merged in at run time, are not in the source.)"""
+    route = routes.get("/server_info")
+    if route is None:
+        return set()
+    keys = set(route.answer)
+    handler = next(n for n in ast.walk(ast.parse(sources["http_server"]))
+                   if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == route.handler)
+    build = functions(ast.parse(sources["common"])).get("build_server_info")
+    if build is not None and "build_server_info" in _calls(handler):
+        keys |= _keys_in(build)
+        resolved = functions(ast.parse(sources["server_args"]), "ServerArgs").get("resolved_dict")
+        if resolved is not None and "resolved_dict" in _calls(build):
+            keys |= set(server_args) | _keys_in(resolved)
     return keys
 
 
@@ -256,9 +462,17 @@ def load_spec(sources: dict[str, str]) -> Spec:
     openai = parse_structs(sources["openai_protocol"], openai_annotations)
     aliases = {**parse_aliases(sources["openai_protocol"]), **parse_aliases(sources["api_types"]),
                **parse_aliases(sources["io_struct"])}
+    routes = parse_routes(sources["http_server"], set(structs) | set(openai))
+    route_answers(ast.parse(sources["http_server"]), routes,
+                  method_returns(sources["tokenizer_manager"], sources["tokenizer_control"]), structs,
+                  parse_aliases(sources["io_struct"]))
+    server_args, flags = parse_server_args(sources)
+    batch = ast.parse(sources["schedule_batch"])
+    spans = functions(ast.parse(sources["weight_versions"])).get("add_weight_versions_to_meta_info")
+    to_json = functions(batch, "FINISH_ABORT").get("to_json")
     return Spec(
         version=SGLANG_VERSION,
-        routes=parse_routes(sources["http_server"], set(structs) | set(openai)),
+        routes=routes,
         structs=structs,
         sampling_params=sampling,
         written_keys=written_keys(sources["http_server"], sources["tokenizer_manager"], sources["weight_versions"]),
@@ -267,6 +481,11 @@ def load_spec(sources: dict[str, str]) -> Spec:
         classes=set(structs) | set(openai),
         openai_structs=openai,
         openai_annotations=openai_annotations,
+        server_args=server_args,
+        server_flags=flags,
+        server_info_keys=server_info_keys(sources, routes, server_args),
+        span_keys=_keys_in(spans, subscripts=False) if spans else set(),  # the span dicts, not meta_info's keys
+        abort_keys=_keys_in(to_json) if to_json else set(),
     )
 
 
@@ -348,11 +567,14 @@ def _field_text(f: FieldSpec) -> str:
     return f"{f.annotation}, required" if f.required else f"{f.annotation} = {f.default}"
 
 
-def relied_on(spec: Spec, fields_read: dict[str, set[str]], response_keys: list[str]) -> dict:
+def relied_on(spec: Spec, fields_read: dict[str, set[str]], reads: dict[str, tuple[str, ...]],
+              answer_keys: tuple[str, ...] = ()) -> dict:
     """The part of the spec agentrl relies on, as JSON: for each route (path -> the request fields
     agentrl reads or sends), its methods, handler, auth level and those fields plus every required
-    one (``"annotation = default"`` or ``"annotation, required"``); the sampling_params contract;
-    whether SGLang writes each response key agentrl reads."""
+    one (``"annotation = default"`` or ``"annotation, required"``) and which of ``answer_keys`` its
+    answer carries; the sampling_params contract; for each place agentrl reads (``reads``: where, see
+    :meth:`Spec.written` -> keys), whether SGLang writes each key there; the ``ServerArgs`` fields
+    behind the ``/server_info`` keys agentrl reads."""
     routes: dict[str, Any] = {}
     for path in sorted(fields_read):
         r = spec.routes.get(path)
@@ -363,10 +585,15 @@ def relied_on(spec: Spec, fields_read: dict[str, set[str]], response_keys: list[
         kept = {k: _field_text(f) for k, f in fields.items() if k in fields_read[path] or f.required}
         kept.update({k: None for k in fields_read[path] if k not in fields})  # read, but not SGLang's
         routes[path] = {"methods": ",".join(r.methods), "handler": r.handler, "request": r.request,
-                        "auth": r.auth, "fields": dict(sorted(kept.items()))}
+                        "auth": r.auth, "fields": dict(sorted(kept.items())),
+                        "answer": sorted(r.answer & set(answer_keys))}
+    server_info = sorted(reads.get("/server_info", ()))
     return {"version": spec.version, "routes": routes,
             "sampling_params": {k: _field_text(f) for k, f in sorted(spec.sampling_params.items())},
-            "response_keys_written": {k: k in spec.written_keys for k in sorted(response_keys)}}
+            "response_keys_written": {where: {k: k in spec.written(where) for k in sorted(keys)}
+                                      for where, keys in sorted(reads.items())},
+            "server_args": {k: _field_text(spec.server_args[k]) if k in spec.server_args else None
+                            for k in server_info}}
 
 
 def diff(old: Any, new: Any, where: str = "") -> list[str]:

@@ -5,7 +5,11 @@
   weight updater drive an embedded engine behind a recording middleware; every recorded request must use a route
   and method in SGLang's table, and its JSON fields must be fields of that route's request struct
   with compatible types, required ones present (``sampling_params`` against SGLang's contract).
-* What agentrl reads: the response fields the client declares it reads must be keys SGLang writes.
+* What agentrl reads: the response fields the client, the actors' rollout and the weight updater declare
+  they read (``*_FIELDS_READ``) must be keys SGLang writes where they are read: ``/generate`` and its
+  ``meta_info``, a ``weight_versions`` span, an abort's ``finish_reason``, ``/model_info``, ``/server_info``
+  (``ServerArgs``' fields, ``tp_size`` and ``dp_size`` as ints), and the answer of each control route agentrl
+  calls (whether it worked, and why not).
 * The embedded engine: each of its routes exists in SGLang with the same methods and auth level,
   its control bodies (``CONTROL_BODIES``) are SGLang's fields with SGLang's defaults, and it answers
   every recorded request.
@@ -28,6 +32,7 @@ import pytest
 import torch
 import trio
 
+from agentrl.actors import rollout
 from agentrl.agents.openai_api import ALL_FIELDS as CHAT_COMPLETION_FIELDS
 from agentrl.config import LORA_ADAPTER_NAME
 from agentrl.engine.api import GENERATE_FIELDS
@@ -35,6 +40,7 @@ from agentrl.engine.client import EngineClient, GenerateResult
 from agentrl.engine.launch import EngineProcess, free_port, wait_ready
 from agentrl.engine.server import CONTROL_BODIES, REQUIRED, build_app
 from agentrl.http_auth import level_of
+from agentrl.learner.weight_push import WeightUpdater
 from tests import sglang_spec
 from tests.conftest_engine import ENGINE_FLAGS
 
@@ -56,18 +62,27 @@ def embedded_routes() -> list:
 
 
 def response_fields_read() -> dict[str, tuple[str, ...]]:
-    return {"/generate": GenerateResult.FIELDS_READ, "/generate meta_info": GenerateResult.META_INFO_FIELDS_READ,
-            "/model_info": EngineClient.MODEL_INFO_FIELDS_READ}
+    """Where (``sglang_spec.Spec.written``) agentrl reads which keys of SGLang's answers."""
+    return {"/generate": GenerateResult.FIELDS_READ,
+            "/generate meta_info": GenerateResult.META_INFO_FIELDS_READ + rollout.META_INFO_FIELDS_READ,
+            "/generate meta_info.weight_versions[]": rollout.SPAN_FIELDS_READ,
+            "/generate meta_info.finish_reason (abort)": rollout.ABORT_FIELDS_READ,
+            "/model_info": EngineClient.MODEL_INFO_FIELDS_READ,
+            "/server_info": WeightUpdater.SERVER_INFO_FIELDS_READ}
+
+
+# why a control call failed, as agentrl reports it (a plain-text answer is read as the message)
+REASONS = ("message", "error_message", "error", sglang_spec.TEXT)
 
 
 def relied_on_now(spec: sglang_spec.Spec) -> dict:
     """The snapshot's content: every route the embedded engine serves, with the request fields the
-    engine reads (and therefore agentrl may send), and the response keys agentrl reads."""
+    engine reads (and therefore agentrl may send) and the answer keys agentrl reads there, and the
+    response keys agentrl reads elsewhere."""
     fields = {r.path: set(CONTROL_BODIES.get(r.path, {})) for r in embedded_routes()}
     fields["/generate"] = set(GENERATE_FIELDS)
     fields["/v1/chat/completions"] = set(CHAT_COMPLETION_FIELDS)
-    keys = sorted({k for read in response_fields_read().values() for k in read})
-    return sglang_spec.relied_on(spec, fields, keys)
+    return sglang_spec.relied_on(spec, fields, response_fields_read(), WeightUpdater.ANSWER_FIELDS_READ)
 
 
 # ------------------------------------------------------------------ capturing what agentrl sends
@@ -267,8 +282,39 @@ def test_what_the_checks_reject(spec):
 
 def test_response_fields_agentrl_reads_are_written_by_sglang(spec):
     for where, fields in response_fields_read().items():
-        missing = [f for f in fields if f not in spec.written_keys]
-        assert not missing, f"{where}: agentrl reads {missing}, which SGLang {spec.version} never writes"
+        missing = [f for f in fields if f not in spec.written(where)]
+        assert not missing, f"{where}: agentrl reads {missing}, which SGLang {spec.version} never writes there"
+    # the weight updater computes rank offsets with int(): SGLang's fields are ints (default 1, as assumed)
+    for name in WeightUpdater.SERVER_INFO_FIELDS_READ:
+        assert (spec.server_args[name].annotation, spec.server_args[name].default) == ("int", "1"), name
+
+
+def test_control_answers_say_whether_and_why(recorded, spec):
+    """Every control route agentrl calls (the weight updater's and the client's, as recorded) answers
+    with a reason agentrl reports when it fails; each answer key agentrl reads is one SGLang writes
+    in the answer of a route agentrl calls."""
+    control = sorted({r["path"] for r in recorded if r["method"] == "POST" and r["path"] != "/generate"
+                      and not r["path"].startswith("/v1/")})
+    assert {"/update_weights_from_distributed", "/load_lora_adapter", "/pause_generation"} <= set(control), control
+    silent = [p for p in control if not spec.written(p) & set(REASONS)]
+    assert not silent, f"SGLang {spec.version} answers {silent} without any of {REASONS}"
+    written = set().union(*(spec.written(p) for p in control))
+    unread = [k for k in WeightUpdater.ANSWER_FIELDS_READ if k not in written]
+    assert not unread, f"agentrl reads {unread} from control answers; SGLang {spec.version} writes them in none"
+
+
+def test_answer_keys_are_read_per_route(spec):
+    """The per-place key sets are narrower than "anywhere in SGLang" (a check that could not fail would
+    pass these too): a key of one answer is not found in another's."""
+    assert {"tp_size", "dp_size", "weight_version", "launch_command"} <= spec.written("/server_info")
+    assert "new_version" not in spec.written("/server_info") and "success" not in spec.written("/model_info")
+    assert "success" not in spec.written("/pause_generation") and "message" in spec.written("/pause_generation")
+    assert {"success", "error_message"} <= spec.written("/load_lora_adapter")  # the io_struct output it returns
+    assert "message" in spec.written("/abort_request")  # through _create_error_response's {"error": {...}}
+    assert spec.written("/flush_cache") == {sglang_spec.TEXT} and sglang_spec.TEXT not in spec.written("/abort_request")
+    assert "message" not in spec.written("/generate meta_info.weight_versions[]")
+    assert "weight_version" not in spec.written("/generate meta_info.finish_reason (abort)")
+    assert spec.written("/no_such_route") == set()
 
 
 def test_embedded_routes_are_sglang_routes_with_its_methods_auth_and_fields(spec):

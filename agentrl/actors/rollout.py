@@ -322,6 +322,14 @@ class _Episode:
         return messages
 
 
+# What is read here from SGLang's /generate meta_info beyond GenerateResult's fields
+# (tests/test_engine_conformance.py: SGLang writes each there): the weight-version spans, each span's
+# keys, and an abort's finish_reason (the reason goes into the counters).
+META_INFO_FIELDS_READ = ("weight_versions",)
+SPAN_FIELDS_READ = ("version", "start", "end")
+ABORT_FIELDS_READ = ("type", "message")
+
+
 def _unpack(result: GenerateResultLike, versioned: bool = True) -> tuple[list[int], list[float], list[int], str]:
     """Validate an engine reply; return (ids, logprobs, versions per token, finish type).
     Unversioned (evaluation): any version is taken (-1 for tokens under one that is not a number)."""

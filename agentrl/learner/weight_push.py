@@ -297,6 +297,12 @@ def rank_layout(tp_sizes: Sequence[int]) -> tuple[list[int], int]:
 class WeightUpdater:
     """Trainer (rank 0) end of the weight-update protocol. Synchronous; not thread-safe."""
 
+    # What is read from SGLang's answers (tests/test_engine_conformance.py: SGLang writes each there):
+    # any control answer's refusal (`success` false) and its reason (`message`; LoRA routes: `error_message`;
+    # errors: `error.message`), and /server_info's parallel sizes (engine_layout).
+    ANSWER_FIELDS_READ = ("success", "message", "error_message", "error")
+    SERVER_INFO_FIELDS_READ = ("tp_size", "dp_size")
+
     def __init__(self, engine_urls: list[str], *, master_address: str = "127.0.0.1", master_port: int = 0,
                  backend: str = "gloo", group_name: str = "agentrl_weights", bucket_bytes: int = 64 << 20,
                  pause_mode: str = "abort", timeout_s: float = 600.0, load_format: str | None = None,
