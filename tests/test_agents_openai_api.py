@@ -274,3 +274,90 @@ def test_a_closed_episode_refuses_plans_and_commits(codec):
         assert info.value.status == 401
     assert ep.sequences == [] and ep.num_calls == 0
 
+
+
+# ----------------------------------------------------------------------------- the templates real models ship
+
+
+class TextEngine:
+    """``generate`` answering each call with the next scripted text (+ the end-of-turn token); keeps the prompts."""
+
+    def __init__(self, codec: ChatCodec, texts: list[str]):
+        self.codec, self.texts, self.prompts = codec, list(texts), []
+
+    async def generate(self, input_ids, params, *, affinity_key=None, rid=None):
+        from agentrl.engine.client import GenerateResult
+
+        self.prompts.append(list(input_ids))
+        text = self.texts.pop(0)
+        ids = self.codec.encode(text) + [self.codec.end_of_turn_id]
+        return GenerateResult(output_ids=ids, output_logprobs=[-0.25] * len(ids), text=text,
+                              finish_reason={"type": "stop", "matched": ids[-1]}, weight_version="3",
+                              prompt_tokens=len(input_ids), meta_info={})
+
+
+@pytest.mark.parametrize("family", ["qwen2_5", "qwen3", "qwen3_initial", "llama3_1", "llama3_2"])
+def test_real_templates_stitch_where_prefix_stable_and_a_rewritten_history_starts_a_sequence(family):
+    """Through ChatService and an Episode with each family's shipped template: a tool round trip then a second user
+    query. Qwen3's template drops the first query's <think> once a second query follows, so that call starts a new
+    sequence of the episode (``template_not_prefix_stable``) whose prompt is the template's rendering of the
+    messages; every other template stitches all three calls. Either way each sequence's text is the template's
+    rendering of its messages and its model tokens are exactly what the engine returned."""
+    import asyncio
+
+    from agentrl.agents.serving import ChatService
+    from agentrl.tools.parsing import get_parser
+    from tests._chat_templates import family_tokenizer
+    from tests.test_chat_templates import call_text, llama, think, thinks
+
+    tok = family_tokenizer(family)
+    codec = ChatCodec(tok)
+    texts = [think(family, "I add 2 and 3.") + call_text(family, "add", a=2, b=3),
+             think(family, "The tool says 5.") + "The answer is 5.", think(family, "Check.") + "Yes, 5."]
+    engine = TextEngine(codec, texts)
+    service = ChatService(codec, engine, "m", versioned=True)
+    ep = Episode("ep", tool_parser=get_parser("llama3" if llama(family) else "hermes"), reasoning=thinks(family))
+    start = [{"role": "system", "content": "Use the tools."}, {"role": "user", "content": "What is 2 + 3?"}]
+
+    async def send(messages):
+        plan = ep.plan(parse_chat_request({"messages": messages, "tools": [ADD]}), codec)
+        await service.generate(plan)
+        ep.commit(plan)
+        return plan.results[0].out.message()
+
+    async def agent():
+        first = await send(start)
+        assert first["reasoning_content"] == ("I add 2 and 3." if thinks(family) else None)
+        [tool_call] = first["tool_calls"]  # parsed in the family's format
+        assert json.loads(tool_call["function"]["arguments"]) == {"a": 2, "b": 3}
+        history = start + [assistant_as_sent(first), {"role": "tool", "tool_call_id": tool_call["id"], "content": "5"}]
+        second = await send(history)
+        assert second["content"] == "The answer is 5."
+        third = await send(history + [assistant_as_sent(second), {"role": "user", "content": "Sure?"}])
+        assert third["content"] == "Yes, 5."
+        return history + [assistant_as_sent(second), {"role": "user", "content": "Sure?"}]
+
+    last_request = asyncio.run(agent())
+    trajs = ep.trajectories(1.0)
+    model_texts = [t + eot for t, eot in zip(texts, [codec.end_of_turn_text] * 3)]
+    if thinks(family):
+        assert [(s.reason, s.num_calls) for s in ep.sequences] == [("first_call", 2), ("template_not_prefix_stable", 1)]
+        assert ep.num_stitched == 1 and dict(ep.new_sequence_reasons) == {"first_call": 1, "template_not_prefix_stable": 1}
+        as_templates_take = parse_chat_request({"messages": last_request, "tools": [ADD]}).messages
+        rendered = tok.apply_chat_template(as_templates_take, tools=[ADD], add_generation_prompt=True, tokenize=False)
+        assert "I add 2 and 3." not in rendered  # the template rewrote the history: the earlier reasoning is gone
+        assert engine.prompts[2] == tok.apply_chat_template(as_templates_take, tools=[ADD], add_generation_prompt=True,
+                                                            tokenize=True, return_dict=False)
+        assert [t.metadata["new_sequence_reason"] for t in trajs] == ["first_call", "template_not_prefix_stable"]
+        per_sequence = [model_texts[:2], model_texts[2:]]
+    else:
+        assert [(s.reason, s.num_calls) for s in ep.sequences] == [("first_call", 3)] and ep.num_stitched == 2
+        per_sequence = [model_texts]
+    for traj, expected in zip(trajs, per_sequence, strict=True):
+        assert codec.decode(list(traj.tokens)) == tok.apply_chat_template(traj.metadata["messages"], tools=[ADD],
+                                                                          tokenize=False)
+        assert codec.decode([int(t) for t in traj.tokens[traj.loss_mask == 1]]) == "".join(expected)
+        assert set(traj.weight_versions[traj.loss_mask == 1].tolist()) == {3}
+        assert all(t.metadata["episode_id"] == "ep" and t.reward == 1.0 for t in trajs)
+    for prompt in engine.prompts[:2]:  # the stitched calls' prompts are prefixes of the first sequence
+        assert list(trajs[0].tokens[:len(prompt)]) == prompt

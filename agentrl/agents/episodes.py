@@ -18,7 +18,11 @@ Any other call starts a **new sequence** of the same episode, its prompt rendere
 by the template (:meth:`TokenChat.start`): the first call; an agent that edited the reply it got
 (its own formatting of the tool calls, a changed text); history rewritten by the agent (context
 compaction, a sub-agent with its own system prompt, a summary); other tools; a template that is not
-prefix-stable for these messages (Qwen3's drops earlier ``<think>``). The reason is kept in each
+prefix-stable for these messages (Qwen3's drops the ``<think>`` of turns before the last user
+query). That last one is checked on every call that would extend a sequence: the stitched text must
+equal the template's full rendering of the sequence's messages (the model's turns as it generated
+them, the new messages, the generation prompt), so a sequence's tokens are always what the template
+renders for its messages -- the prompt a deployed server would build for that conversation. The reason is kept in each
 sequence's metadata (``new_sequence_reason``) so an agent that never stitches can be found.
 
 **Branches.** A call with ``n`` > 1 extends its sequence with choice 0; choices 1..n-1 start new
@@ -123,6 +127,8 @@ class Episode:
                 chat = copy_chat(sequence.chat)
                 try:
                     chat.close_turn_and_add(request.messages[len(sequence.views):])
+                    if codec.render(chat.messages, chat.tools, add_generation_prompt=True) != chat.text:
+                        raise TemplateMismatch("the template renders this history otherwise")
                     extends = _Extends(sequence, sequence.num_calls)
                 except TemplateMismatch:
                     chat, reason = None, "template_not_prefix_stable"
