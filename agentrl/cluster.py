@@ -22,7 +22,8 @@ Two targets:
   budget is its own, so actors cannot be interchangeable Deployment replicas).
 
 Only commands that exist are referenced: ``agentrl learn``, ``agentrl serve-actors``,
-``python -m sglang.launch_server`` (flags checked against SGLang 0.5.23's ``server_args``) and
+``python -m sglang.launch_server`` (every flag checked in tests/test_cluster.py against those the pinned
+SGLang 0.5.23 wheel's ``server_args.py`` declares, via tests/sglang_spec.py) and
 ``python -m sglang_router.launch_router`` (``--worker-urls``, ``--policy``, ``--host``,
 ``--port``). API keys never appear in the files: SGLang takes them as flags, so a shell
 expands them at start from the environment variables the config names

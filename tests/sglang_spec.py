@@ -36,6 +36,7 @@ after a new pin has been reviewed.
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import os
 import subprocess
@@ -430,6 +431,13 @@ def parse_server_args(sources: dict[str, str]) -> tuple[dict[str, FieldSpec], se
         if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "add_argument":
             flags.update(a for a in map(_str, call.args) if a and a.startswith("-"))
     return fields, flags
+
+
+@functools.cache
+def launch_server_flags(version: str = SGLANG_VERSION) -> frozenset[str]:
+    """The flags ``python -m sglang.launch_server`` of the pinned wheel takes (:func:`parse_server_args`);
+    RuntimeError when the wheel cannot be had (:func:`fetch_wheel`)."""
+    return frozenset(parse_server_args(read_sources(fetch_wheel(version)))[1])
 
 
 def server_info_keys(sources: dict[str, str], routes: dict[str, RouteSpec], server_args: dict[str, FieldSpec]) -> set[str]:

@@ -16,20 +16,29 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from agentrl.config import load_config
+from agentrl.engine.launch import config_engine_args
+from tests import sglang_spec
 from tests._learner_helpers import REPO
 
 EXAMPLE = REPO / "examples" / "gpu_sglang" / "config.toml"
 SEARCH = "env.kwargs.search_url=http://search:8001"
-# SGLang 0.5.23 flags the generated files use, checked against sglang/srt/arg_groups/fields/*.py (each
-# field `name` is the flag `--name`): model_path, host, port, tp_size, base_gpu_id, context_length,
-# max_running_requests, weight_version, dtype, mem_fraction_static (api_key, admin_api_key come from a shell)
-SGLANG_FLAGS = {"--model-path", "--host", "--port", "--tp-size", "--base-gpu-id", "--context-length",
-                "--max-running-requests", "--weight-version", "--dtype", "--mem-fraction-static", "--api-key",
-                "--admin-api-key"}
-ROUTER_FLAGS = {"--host", "--port", "--worker-urls", "--policy"}  # sglang_router.launch_router
+# sglang_router.launch_router's flags, by hand: the project pins no sglang-router version whose wheel
+# could be read here the way the SGLang wheel is
+ROUTER_FLAGS = {"--host", "--port", "--worker-urls", "--policy"}
+
+
+@pytest.fixture(scope="module")
+def sglang_flags() -> frozenset[str]:
+    """``python -m sglang.launch_server``'s flags, read from the pinned SGLang wheel's server_args.py
+    and the arg_groups/fields namespaces it assembles ServerArgs from (tests/sglang_spec.py)."""
+    try:
+        return sglang_spec.launch_server_flags()
+    except RuntimeError as e:
+        pytest.fail(str(e))
 
 
 def launch(tmp_path: Path, target: str, *args: str) -> tuple[subprocess.CompletedProcess, Path]:
@@ -121,7 +130,22 @@ def test_slurm_script_and_its_logic(tmp_path):
         assert actor_cfg.actors.progress_endpoint == "tcp://gpu-a12:5558" and actor_cfg.engine.urls == urls
 
 
-def test_slurm_engine_node_gives_each_server_its_gpus_and_keys(tmp_path):
+def test_launch_server_flags_come_from_sglangs_source(sglang_flags):
+    """Every flag agentrl can give ``sglang.launch_server`` (all of config_engine_args' options on) is one
+    SGLang declares; the derived set is SGLang's own, not a superset of whatever is asked."""
+    cfg = load_config(None, ["engine.backend=sglang", "engine.gpus_per_engine=2", "engine.mem_fraction_static=0.8",
+                             "model.dtype=bfloat16", "learner.lora.rank=8", "learner.lora.sync=adapter"])
+    argv = config_engine_args(cfg, secret=lambda var: f"key-of-{var}")
+    assert {"--enable-lora", "--max-lora-rank", "--lora-target-modules", "--api-key", "--admin-api-key",
+            "--dtype", "--mem-fraction-static"} <= _flags(argv)
+    assert _flags(argv) <= sglang_flags, _flags(argv) - sglang_flags
+    assert {"--model-path", "--host", "--port"} <= sglang_flags  # the server_argv prefix
+    assert {"--tensor-parallel-size", "--model", "--config", "--sampling-backend"} <= sglang_flags  # aliases, add_argument
+    # the embedded engine's flags, a no_cli field (watermark_key) and an abbreviation are not SGLang's
+    assert not {"--max-context-tokens", "--api-key-env", "--num-threads", "--watermark-key", "--tp"} & sglang_flags
+
+
+def test_slurm_engine_node_gives_each_server_its_gpus_and_keys(tmp_path, sglang_flags):
     res, out = launch(tmp_path, "slurm", "-s", SEARCH, "-s", "engine.gpus_per_engine=2", "-s",
                       "engine.mem_fraction_static=0.85", "-s", "engine.api_key_env=MY_KEY")
     assert res.returncode == 0, res.stderr
@@ -144,7 +168,7 @@ def test_slurm_engine_node_gives_each_server_its_gpus_and_keys(tmp_path):
         assert flags["--port"] == port and flags["--tp-size"] == "2" and flags["--base-gpu-id"] == "0"
         assert flags["--weight-version"] == "0" and flags["--mem-fraction-static"] == "0.85"
         assert flags["--api-key"] == "from-a-file" and flags["--admin-api-key"] == "adm"
-        assert _flags(argv) <= SGLANG_FLAGS
+        assert _flags(argv) <= sglang_flags, _flags(argv) - sglang_flags
     # too few GPUs for the engines it should start: a clear error, nothing started
     log.unlink()
     env["CUDA_VISIBLE_DEVICES"] = "0,1,2"
@@ -155,7 +179,7 @@ def test_slurm_engine_node_gives_each_server_its_gpus_and_keys(tmp_path):
 # ------------------------------------------------------------------------------ Kubernetes
 
 
-def test_kubernetes_manifests(tmp_path):
+def test_kubernetes_manifests(tmp_path, sglang_flags):
     res, out = launch(tmp_path, "k8s", "-s", "env.kwargs.search_url=http://agentrl-search:8001", "-s",
                       "engine.num_engines=3", "-s", "engine.gpus_per_engine=2", "-s", "engine.mem_fraction_static=0.8",
                       "-s", "engine.admin_api_key_env=ADMIN_TOKEN", "--learner-nodes", "2", "--namespace", "rl",
@@ -200,7 +224,8 @@ def test_kubernetes_manifests(tmp_path):
     assert sglang["image"] == "registry/agentrl:1" and sglang["resources"]["limits"]["nvidia.com/gpu"] == 2
     assert sglang["ports"] == [{"name": "http", "containerPort": 30000}] and key_env(sglang) == keys
     engine_argv = shlex.split(script(sglang).rsplit("exec ", 1)[1].split(" ${KEYS")[0])
-    assert engine_argv[:3] == ["python", "-m", "sglang.launch_server"] and _flags(engine_argv) <= SGLANG_FLAGS
+    assert engine_argv[:3] == ["python", "-m", "sglang.launch_server"]
+    assert _flags(engine_argv) <= sglang_flags, _flags(engine_argv) - sglang_flags
     flags = dict(zip(engine_argv[3::2], engine_argv[4::2]))
     assert flags["--tp-size"] == "2" and flags["--weight-version"] == "0" and flags["--host"] == "0.0.0.0"
     assert flags["--mem-fraction-static"] == "0.8" and '--admin-api-key "$key"' in script(sglang)
