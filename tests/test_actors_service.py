@@ -9,6 +9,7 @@ import re
 
 import pytest
 import trio
+from trio.testing import wait_all_tasks_blocked
 
 from agentrl.actors.rollout import EpisodeLimits, toolbox_for
 from agentrl.actors.service import ActorEnv, ActorService, ActorSettings, budget_share
@@ -39,6 +40,14 @@ async def wait_for(predicate, timeout_s: float = 20.0) -> None:
     with trio.fail_after(timeout_s):
         while not predicate():
             await trio.sleep(0.01)
+
+
+async def settled(svc: ActorService) -> None:
+    """Until every task is blocked: the service has acted on every change so far (a group it would start
+    is counted in ``groups_started`` by now), and its gate is shut, so nothing starts until something changes."""
+    with trio.fail_after(20):
+        await wait_all_tasks_blocked()
+    assert not svc.may_start()
 
 
 def test_budget_share():
@@ -86,13 +95,13 @@ def test_max_staleness_zero_is_synchronous(tokenizer):
                               max_staleness=0, num_concurrent_episodes=8)
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(svc.run)
-                    await trio.sleep(0.3)
+                    await settled(svc)
                     assert svc.stats.groups_started == 0  # waits for the learner
                     for step in range(3):
                         progress.publish(Progress(policy_version=step, accept_groups=3 * (step + 1), step=step,
                                                   max_staleness=0))
                         await wait_for(lambda: len(sender.groups) == 3 * (step + 1))
-                        await trio.sleep(0.3)
+                        await settled(svc)
                         assert svc.stats.groups_started == 3 * (step + 1)  # nothing beyond the budget
                         engine.version = step + 1  # the learner trains, pushes weights, publishes
                     progress.publish(Progress(policy_version=3, accept_groups=12, step=3, max_staleness=0, done=True))
@@ -127,7 +136,7 @@ def test_actor_takes_its_share_and_replaces_lost_groups(tokenizer):
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(svc.run)
                     await wait_for(lambda: len(sender.groups) == 2)
-                    await trio.sleep(0.5)
+                    await settled(svc)
                     svc.request_stop("test over")
                 return svc
 
@@ -150,14 +159,14 @@ def test_a_restarted_actor_continues_its_share(tokenizer):
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(svc.run)
                     await wait_for(lambda: len(sender.groups) == 2)
-                    await trio.sleep(0.5)
+                    await settled(svc)
                     assert svc.stats.groups_started == 2 and svc.budget_used() == 10  # and waits
                     # the learner got them: 10 held from actor0 now, budget 12: two more
                     ack = ActorAck("actor0", groups=10, session=svc.outbox.session, session_groups=2, acked=[(0, 1)])
                     progress.publish(Progress(policy_version=1, accept_groups=12, max_staleness=1, learner_session="L",
                                               actors=[ack]))
                     await wait_for(lambda: len(sender.groups) == 4)
-                    await trio.sleep(0.3)
+                    await settled(svc)
                     assert svc.stats.groups_started == 4 and svc.outbox.held == 2
                     svc.request_stop("test over")
                 return svc
@@ -191,7 +200,7 @@ def test_groups_a_restarted_learner_lost_are_sent_again(tokenizer):
                                               actors=acked((0, 0))))
                     await wait_for(lambda: len(sender.groups) == 5)
                     svc.request_stop("test over")  # waits for the acknowledgement
-                    await trio.sleep(0.2)
+                    await settled(svc)
                     assert svc.stop_reason and svc.outbox.held == 2
                     progress.publish(Progress(policy_version=0, accept_groups=3, learner_session="L2",
                                               actors=acked((0, 2))))
@@ -230,7 +239,7 @@ def test_back_pressure_bounds_open_groups_and_stop_reports(tokenizer):
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(svc.run)
                     await wait_for(lambda: svc.stats.groups_completed == 2)
-                    await trio.sleep(0.5)
+                    await settled(svc)
                     assert svc.stats.groups_started == 2 == svc.open_groups  # 4 episodes / 2 per group
                     svc.request_stop("test over")
                 return svc.report()
@@ -302,7 +311,7 @@ def test_finite_split_then_blocked_send_still_stops(tokenizer):
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(svc.run)
                     await wait_for(lambda: svc.stats.groups_completed == 3)
-                    await trio.sleep(0.3)
+                    await settled(svc)
                     with trio.fail_after(5):
                         svc.request_stop("received SIGTERM")
                 return svc.report()
@@ -368,13 +377,13 @@ def test_an_agent_env_is_gated_and_survives_weight_updates_like_any_env(tokenize
                               num_concurrent_episodes=8, group_size=1)
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(svc.run)
-                    await trio.sleep(0.3)
+                    await settled(svc)
                     assert svc.stats.groups_started == 0  # waits for the learner
                     for step in range(2):
                         progress.publish(Progress(policy_version=step + 1, accept_groups=2 * (step + 1), step=step,
                                                   max_staleness=0))
                         await wait_for(lambda: len(sender.groups) == 2 * (step + 1))
-                        await trio.sleep(0.3)
+                        await settled(svc)
                         assert svc.stats.groups_started == 2 * (step + 1)  # nothing beyond the budget
                         engine.version = step + 2
                     progress.publish(Progress(policy_version=3, accept_groups=4, step=2, max_staleness=0, done=True))
