@@ -4,7 +4,7 @@
 * Against a real embedded engine process (the tiny random model): the recorded sequences are, token for
   token, what the engine generated (a direct ``/generate`` with the same prompt and seed gives the same ids
   and logprobs; a teacher-forced forward gives the same logprobs) and what the chat template renders for
-  the messages; ``n`` > 1; streaming; the engine's own ``/v1`` routes with the same SDK.
+  the messages; ``n`` > 1; streaming; ``stop`` strings; the engine's own ``/v1`` routes with the same SDK.
 * Against the scripted SGLang-style engine (tests/_actors_helpers.py, real HTTP): tool-call round trips
   (a random model rarely calls tools), weight-update aborts continued, keys (the border), 400s, agents
   that raise, cancellation.
@@ -197,6 +197,38 @@ def test_n_choices_are_branches_and_the_one_the_agent_continues_grows(tokenizer,
 
     assert [r.output_ids for r in trio.run(replay)] == completions
     assert len({tuple(c) for c in completions}) == 3
+
+
+def test_a_stop_string_cuts_the_content_and_finishes_with_stop_on_the_real_engine(tokenizer, codec, engine_url):
+    """``stop`` goes to the engine: the same seed without and with a stop string taken from the first completion;
+    the second ends at the string's first occurrence (finish_reason "stop", SGLang's matched_stop), the client
+    sees the text before it, and the recorded tokens keep what the model generated through the string."""
+    seen: dict = {}
+
+    async def agent(task, client):
+        for seed in range(1, 9):  # a random model: find a completion with a plain word-ish piece inside
+            free = await client.chat.completions.create(model="m", messages=USER, seed=seed, max_tokens=24)
+            text = free.choices[0].message.content
+            pieces = [text[k:k + 3] for k in range(1, len(text) - 3)]
+            stops = [p for p in pieces if p.isascii() and p.isalpha() and text.find(p) > 0]
+            if stops:
+                break
+        assert stops, "no completion with a stop string to take"
+        stop = stops[len(stops) // 2]
+        cut = await client.chat.completions.create(model="m", messages=USER, seed=seed, max_tokens=24, stop=[stop])
+        seen.update(text=text, stop=stop, free=free.choices[0], cut=cut.choices[0])
+        return 1.0
+
+    [trajs] = play(tokenizer, engine_url, Agent(agent))
+    text, stop, free, cut = seen["text"], seen["stop"], seen["free"], seen["cut"]
+    assert cut.message.content == text[:text.find(stop)] and stop not in cut.message.content
+    assert stop in free.message.content  # the same seed without the stop string went past it
+    assert cut.finish_reason == "stop" and cut.model_extra.get("matched_stop") == stop
+    recorded = trajs[-1]  # the cut call: the model's tokens through the stop string, no end-of-turn token
+    model = [int(t) for t in recorded.tokens[recorded.loss_mask == 1]]
+    assert model[-1] != codec.end_of_turn_id and stop in codec.decode(model)
+    assert text.startswith(codec.decode(model)) and codec.decode(model[:-1]).find(stop) == -1  # stopped at once
+    assert recorded.metadata["call_finish_reasons"] == ["stop"]
 
 
 def test_the_engine_serves_the_same_v1_routes_without_recording(tokenizer, codec, engine_url, engine_model):
