@@ -153,15 +153,26 @@ def _start_long(http: httpx.AsyncClient, url: str, rid: str, n: int = 1000):
         "sampling_params": {"max_new_tokens": n, "ignore_eos": True}}))
 
 
-async def _until_running(url: str, n: int = 1) -> None:
+async def _until_running(url: str, n: int = 1, timeout_s: float = 30.0) -> None:
+    """Until ``n`` requests run and the engine has generated tokens since this was called (the engine is
+    shared by the module: its counter already holds the earlier tests' tokens)."""
     async with httpx.AsyncClient(timeout=10) as http:
-        for _ in range(500):
-            info = (await http.get(url + "/server_info")).json()
-            if info["num_running"] >= n and info["num_generated_tokens"] > 0:
-                await asyncio.sleep(0.1)
-                return
-            await asyncio.sleep(0.02)
-    raise AssertionError("request never started running")
+        before = (await http.get(url + "/server_info")).json()["num_generated_tokens"]
+        async with asyncio.timeout(timeout_s):
+            while True:
+                info = (await http.get(url + "/server_info")).json()
+                if info["num_running"] >= n and info["num_generated_tokens"] > before:
+                    return
+                await asyncio.sleep(0.02)
+
+
+async def _scheduler_turns(http: httpx.AsyncClient, url: str, n: int = 3) -> None:
+    """Return once the engine's scheduler thread has gone around its loop (and past its "step or wait"
+    decision) about ``n`` times: each /abort_request runs in that thread between steps, and the next is only
+    sent once it has answered. The rid is no request's, so nothing is aborted."""
+    for _ in range(n):
+        r = await http.post(url + "/abort_request", json={"rid": "no-such-request-barrier"})
+        assert r.status_code == 200
 
 
 def test_abort_request_returns_partial_output(url):
@@ -188,8 +199,12 @@ def test_pause_abort_mid_generation_then_new_requests_wait_for_continue(url):
             partial = (await task).json()
             waiting = asyncio.ensure_future(http.post(url + "/generate", json={
                 "input_ids": [9, 9], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}))
-            await asyncio.sleep(0.5)
+            async with asyncio.timeout(30):  # it reached the engine's queue ...
+                while (await http.get(url + "/server_info")).json()["num_waiting"] < 1:
+                    await asyncio.sleep(0.02)
+            await _scheduler_turns(http, url)  # ... where the scheduler saw it and left it
             assert not waiting.done(), "a request ran while the engine was paused"
+            assert (await http.get(url + "/server_info")).json()["num_running"] == 0
             assert (await http.post(url + "/continue_generation")).json()["status"] == "ok"
             return partial, (await waiting).json()
 
@@ -206,7 +221,7 @@ def test_pause_retract_or_in_place_then_continue_completes(url, mode):
             await _until_running(url)
             await http.post(url + "/pause_generation", json={"mode": mode})
             n0 = (await http.get(url + "/server_info")).json()["num_generated_tokens"]
-            await asyncio.sleep(0.3)
+            await _scheduler_turns(http, url)  # turns in which a step would have generated tokens
             assert (await http.get(url + "/server_info")).json()["num_generated_tokens"] == n0
             assert not task.done()
             await http.post(url + "/continue_generation")
