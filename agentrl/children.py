@@ -46,6 +46,7 @@ class ChildSpec:
     max_restarts: int = 3
     cwd: str | None = None
     restart_argv: list[str] | None = None  # the command line of a restart (None: argv again)
+    redact: tuple[str, ...] = ()  # secrets in argv: replaced by <redacted> in what the child writes to its log
 
 
 def resolve_run_dir(cfg: AgentRLConfig, run_dir: str | Path | None = None) -> Path:
@@ -98,18 +99,25 @@ def engine_specs(cfg: AgentRLConfig, run_dir: Path, placement: Placement,
                  secret: Callable[[str], str] | None = None) -> list[ChildSpec]:
     """The engines this run starts (``engine.urls`` of a planned config), each on its own devices.
     First started at version 0 (they serve ``model.path``, the learner's version 0); restarted
-    without a version, so that nothing they answer before the learner's push counts."""
+    without a version, so that nothing they answer before the learner's push counts.
+
+    SGLang takes its keys only as flags and logs them at start (``server_args=...``, info level, from
+    ``sglang/srt/entrypoints/engine.py:Engine._launch_subprocesses``; only watermark secrets are masked):
+    an SGLang engine's keys are ``redact``ed from its log in the run folder."""
     from agentrl.engine.launch import config_engine_args, engine_command
+    from agentrl.secrets import read_secret
 
     extra = config_engine_args(cfg, secret=secret)
     unversioned = config_engine_args(cfg, secret=secret, weight_version="default")
+    e, secret = cfg.engine, secret or read_secret
+    keys = tuple(k for k in (secret(e.api_key_env), secret(e.admin_api_key_env)) if k) if e.backend == "sglang" else ()
     specs = []
     for i, url in enumerate(cfg.engine.urls):
         host, port = url.rsplit("//", 1)[1].rsplit(":", 1)
         argv = engine_command(cfg.model.path, int(port), backend=cfg.engine.backend, host=host, extra=extra)
         again = engine_command(cfg.model.path, int(port), backend=cfg.engine.backend, host=host, extra=unversioned)
         specs.append(ChildSpec(f"engine{i}", argv, run_dir / "logs" / f"engine{i}.log", env=placement.engine_env(i),
-                               max_restarts=MAX_RESTARTS, restart_argv=again))
+                               max_restarts=MAX_RESTARTS, restart_argv=again, redact=keys))
     return specs
 
 

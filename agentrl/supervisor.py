@@ -5,6 +5,8 @@ Each child is a :class:`ChildSpec`: an argv, a log file, a restart budget and wh
 
 * starts every child in its own process group (so a child's own children -- torchrun's
   ranks, uvicorn workers -- are stopped with it) with stdout/stderr going to its log file;
+  through a pipe that replaces the spec's ``redact`` secrets by ``<redacted>`` when it has some
+  (an SGLang engine's keys, which SGLang logs at start);
 * restarts a non-critical child that exits with an error or is killed, up to ``max_restarts``
   times, backing off 0.5, 1, 2, 4, 5, 5 ... seconds, with ``restart_argv`` when the spec has
   one (an engine comes back without a weight version, see ``agentrl.children``), and reports
@@ -47,6 +49,57 @@ class ChildState:
     restarts: int = 0
     exited: bool = False
     returncode: int | None = None
+    logged: trio.Event | None = None  # set when a redacted child's output has all reached its log
+
+
+REDACTED = b"<redacted>"
+LOG_DRAIN_S = 5.0  # how long an exited child's last output may take to reach its log (grandchildren hold the pipe)
+
+
+def redact(data: bytes, secrets: list[bytes]) -> bytes:
+    for secret in secrets:
+        data = data.replace(secret, REDACTED)
+    return data
+
+
+def _safe_cut(data: bytes, secrets: list[bytes]) -> int:
+    """Where ``data`` can be cut with no secret across the cut: before the longest end of ``data``
+    that a secret begins with (the next bytes may finish it; a whole secret can be the start of a
+    longer one), and before any whole secret that would straddle the cut."""
+    cut = len(data)
+    for secret in secrets:
+        for n in range(min(len(secret) - 1, len(data)), len(data) - cut, -1):
+            if data.endswith(secret[:n]):
+                cut = len(data) - n
+                break
+    moved = True
+    while moved:
+        moved = False
+        for secret in secrets:
+            i = data.find(secret, max(0, cut - len(secret) + 1))
+            if -1 < i < cut:
+                cut, moved = i, True
+    return cut
+
+
+async def copy_redacted(stream: trio.abc.ReceiveStream, log_path: Path, secrets: tuple[str, ...],
+                        done: trio.Event) -> None:
+    """Append ``stream`` to ``log_path`` with every secret replaced, also across chunk boundaries;
+    the end of a chunk that may be the start of a secret waits for the next chunk (or the end)."""
+    keys = sorted({s.encode() for s in secrets if s}, key=len, reverse=True)
+    pending = b""
+    with open(log_path, "ab", buffering=0) as log:
+        try:
+            async for chunk in stream:
+                pending += chunk
+                cut = _safe_cut(pending, keys)
+                log.write(redact(pending[:cut], keys))
+                pending = pending[cut:]
+        finally:
+            log.write(redact(pending, keys))
+            done.set()
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
 
 
 def log_tail(path: Path, num_lines: int = 20) -> str:
@@ -75,41 +128,57 @@ class Supervisor:
         await nursery.start(self._watch, state)
         return state
 
-    async def _spawn(self, state: ChildState) -> None:
+    async def _spawn(self, state: ChildState, pumps: trio.Nursery) -> None:
         spec = state.spec
         argv = spec.restart_argv if state.restarts and spec.restart_argv else spec.argv
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(spec.log_path, "ab", buffering=0) as log:
+        if spec.redact:
             state.process = await trio.lowlevel.open_process(
-                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                 env={**os.environ, **spec.env}, cwd=spec.cwd, start_new_session=True,
             )
+            state.logged = trio.Event()
+            pumps.start_soon(copy_redacted, state.process.stdout, spec.log_path, spec.redact, state.logged)
+        else:
+            with open(spec.log_path, "ab", buffering=0) as log:
+                state.process = await trio.lowlevel.open_process(
+                    argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    env={**os.environ, **spec.env}, cwd=spec.cwd, start_new_session=True,
+                )
         self.on_event(spec.name, f"started (pid {state.process.pid})")
 
     async def _watch(self, state: ChildState, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        await self._spawn(state)
-        task_status.started()
-        try:
-            while True:
-                assert state.process is not None
-                code = await state.process.wait()
-                state.returncode = code
-                if code == 0:
-                    state.exited = True
-                    self.on_event(state.spec.name, "finished")
-                    return
-                if state.spec.critical or state.restarts >= state.spec.max_restarts:
-                    state.exited = True
-                    self._fail(state)
-                    return
-                state.restarts += 1
-                self.on_event(state.spec.name, f"exited with status {code}; restart {state.restarts}/"
-                              f"{state.spec.max_restarts}")
-                await trio.sleep(min(0.5 * 2 ** (state.restarts - 1), 5.0))
-                await self._spawn(state)
-        finally:
-            with trio.CancelScope(shield=True):
-                await self._stop(state)
+        async with trio.open_nursery() as pumps:  # the log copies of redacted children
+            await self._spawn(state, pumps)
+            task_status.started()
+            try:
+                while True:
+                    assert state.process is not None
+                    code = await state.process.wait()
+                    state.returncode = code
+                    if state.logged is not None:  # its last words (a traceback) are in the log before it is read
+                        with trio.move_on_after(LOG_DRAIN_S):
+                            await state.logged.wait()
+                    if code == 0:
+                        state.exited = True
+                        self.on_event(state.spec.name, "finished")
+                        return
+                    if state.spec.critical or state.restarts >= state.spec.max_restarts:
+                        state.exited = True
+                        self._fail(state)
+                        return
+                    state.restarts += 1
+                    self.on_event(state.spec.name, f"exited with status {code}; restart {state.restarts}/"
+                                  f"{state.spec.max_restarts}")
+                    await trio.sleep(min(0.5 * 2 ** (state.restarts - 1), 5.0))
+                    await self._spawn(state, pumps)
+            finally:
+                with trio.CancelScope(shield=True):
+                    await self._stop(state)
+                    if state.logged is not None:
+                        with trio.move_on_after(LOG_DRAIN_S):
+                            await state.logged.wait()
+                pumps.cancel_scope.cancel()  # a pipe a stray grandchild keeps open must not hold the run
 
     def _fail(self, state: ChildState) -> None:
         if self._failure is None:

@@ -69,6 +69,48 @@ def test_child_specs_carry_their_devices_flags_and_keys(tmp_path):
     assert planned.engine.weight_group_backend == "auto"  # nothing shares a GPU
 
 
+def test_an_sglang_engines_keys_never_reach_its_log(tmp_path):
+    """SGLang 0.5.23 takes keys only as flags and logs ``server_args={...}`` with them at start
+    (entrypoints/engine.py: Engine._launch_subprocesses; only watermark secrets masked). A stand-in that
+    logs its argv the same way, started by the supervisor from the engine's real spec, crashes and is
+    restarted: its log in the run folder holds neither key, and still everything else."""
+    import dataclasses
+
+    import trio
+
+    from agentrl.supervisor import ChildFailed, Supervisor
+
+    cfg = load_config(None, ["engine.backend=sglang", "engine.num_engines=1", "model.path=/models/m"])
+    placement = placement_for(cfg, ("0", "1"))
+    planned = plan_config(cfg, tmp_path, "/models/m", placement)
+    keys = {"AGENTRL_ENGINE_API_KEY": "sk-user-7f3a", "AGENTRL_ENGINE_ADMIN_API_KEY": "sk-admin-91c2"}
+    (engine,) = [s for s in child_specs(planned, tmp_path, placement, own_engines=True,
+                                        secret=lambda var: keys.get(var, "")) if s.name == "engine0"]
+    assert engine.redact == ("sk-user-7f3a", "sk-admin-91c2") and "sk-user-7f3a" in engine.argv  # SGLang needs it
+    sglang = [sys.executable, "-c", "import sys; print('server_args=' + repr(dict(zip(sys.argv[1::2], sys.argv[2::2]))),"
+              " flush=True); sys.exit('bye ' + sys.argv[sys.argv.index('--admin-api-key') + 1])", *engine.argv[3:]]
+    stand_in = dataclasses.replace(engine, argv=sglang, restart_argv=sglang, max_restarts=1)
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            sup = Supervisor(stop_grace_s=2)
+            await sup.start(n, stand_in)
+            n.start_soon(sup.wait_for_failure)
+
+    with pytest.raises(BaseExceptionGroup) as info:
+        trio.run(main)
+    failed = info.value.subgroup(ChildFailed).exceptions[0]
+    log = (tmp_path / "logs" / "engine0.log").read_text()
+    assert "sk-user" not in log and "sk-admin" not in log and "sk-" not in failed.log_tail
+    assert log.count("'--api-key': '<redacted>'") == 2 and log.count("bye <redacted>") == 2  # start and restart
+    assert "'--model-path': '/models/m'" in log and "bye <redacted>" in failed.log_tail
+    embedded = load_config(None, ["engine.num_engines=1"])
+    (plain,) = [s for s in child_specs(plan_config(embedded, tmp_path, "/m", placement_for(embedded, ())), tmp_path,
+                                       placement_for(embedded, ()), own_engines=True,
+                                       secret=lambda var: keys.get(var, "")) if s.name == "engine0"]
+    assert plain.redact == () and "sk-user-7f3a" not in plain.argv  # it reads its keys from its environment
+
+
 def test_colocated_children_share_the_gpu_and_push_weights_over_gloo(tmp_path):
     cfg = load_config(None, ["engine.colocate=true"])
     placement = placement_for(cfg, ("0",))

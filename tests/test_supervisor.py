@@ -134,3 +134,81 @@ def test_cancel_stops_process_tree_and_finished_child_is_not_restarted(tmp_path:
     grandchild = int((tmp_path / "stubborn.log").read_text().split()[0])
     assert _gone_soon(sup.children["stubborn"].process.pid)
     assert _gone_soon(grandchild)
+
+
+def test_copy_redacted_replaces_secrets_split_across_chunks(tmp_path: Path) -> None:
+    """Fed one byte at a time (every secret split at every place), with a secret that begins inside a
+    false start of itself and one that contains another: no secret reaches the log, nothing else changes."""
+    from trio.testing import memory_stream_one_way_pair
+
+    from agentrl.supervisor import copy_redacted
+
+    text = b"key=sk-sk-abc123; admin=sk-abc123-admin\nnot a key: sk-ab\ntail without newline sk-abc12"
+    log = tmp_path / "engine.log"
+
+    async def main() -> None:
+        send, receive = memory_stream_one_way_pair()
+        done = trio.Event()
+        async with trio.open_nursery() as n:
+            n.start_soon(copy_redacted, receive, log, ("sk-abc123", "sk-abc123-admin", ""), done)
+            for i in range(len(text)):
+                await send.send_all(text[i:i + 1])
+                await trio.sleep(0)
+            await send.aclose()
+        assert done.is_set()
+
+    trio.run(main)
+    assert log.read_bytes() == (b"key=sk-<redacted>; admin=<redacted>\nnot a key: sk-ab\n"
+                                b"tail without newline sk-abc12")
+
+
+def test_a_redacted_child_logs_everything_but_its_secrets(tmp_path: Path) -> None:
+    """A child that writes its secret in pieces on stdout and stderr and dies: the log has all its
+    output but the secret, and the failure quotes its last line (copied before the log is read)."""
+    sup = Supervisor(stop_grace_s=2)
+    code = ("import sys, time\n"
+            "for part in ('api_key=sk-', 'live', '-42 ok\\n'):\n"
+            "    sys.stdout.write(part); sys.stdout.flush(); time.sleep(0.2)\n"
+            "sys.stderr.write('Traceback: bad key sk-live-42'); sys.stderr.flush(); sys.exit(5)")
+    spec = ChildSpec("engine0", _py(code), tmp_path / "engine0.log", critical=True, redact=("sk-live-42",))
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            await sup.start(n, spec)
+            n.start_soon(sup.wait_for_failure)
+
+    with pytest.raises(BaseExceptionGroup) as info:
+        trio.run(main)
+    err = info.value.subgroup(ChildFailed).exceptions[0]
+    assert (tmp_path / "engine0.log").read_text() == "api_key=<redacted> ok\nTraceback: bad key <redacted>"
+    assert err.returncode == 5 and err.log_tail.endswith("Traceback: bad key <redacted>")
+
+
+def test_copy_redacted_is_the_whole_texts_redaction_however_it_is_chunked(tmp_path: Path) -> None:
+    import random
+
+    from trio.testing import memory_stream_one_way_pair
+
+    from agentrl.supervisor import copy_redacted, redact
+
+    keys = ("sk-abc123", "sk-abc123-admin", "k9k9k")
+    rng = random.Random(0)
+    pieces = [b"sk-", b"abc", b"123", b"-admin", b"k9", b"k", b"\n", b"x", b"s", b"-"]
+    for trial in range(200):
+        text = b"".join(rng.choice(pieces) for _ in range(rng.randint(0, 60)))
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 12)))) if len(text) > 1 else []
+        log = tmp_path / f"log{trial}"
+
+        async def main() -> None:
+            send, receive = memory_stream_one_way_pair()
+            async with trio.open_nursery() as n:
+                n.start_soon(copy_redacted, receive, log, keys, trio.Event())
+                for a, b in zip([0, *cuts], [*cuts, len(text)]):
+                    await send.send_all(text[a:b])
+                    await trio.sleep(0)
+                await send.aclose()
+
+        trio.run(main)
+        expected = redact(text, sorted((k.encode() for k in keys), key=len, reverse=True))
+        assert log.read_bytes() == expected, (text, cuts)
+        assert b"sk-abc123" not in log.read_bytes() and b"k9k9k" not in log.read_bytes()
