@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import random
 import threading
-import time
 
 import pytest
 import torch
@@ -22,12 +21,21 @@ class Waiter:
         self.done = threading.Event()
         self.result: Completion | None = None
         self.updates: list[Completion] = []
+        self._updated = threading.Condition()
 
     def __call__(self, req: Request, c: Completion) -> None:
-        self.updates.append(c)
-        if c.finish_reason is not None:
-            self.result = c
-            self.done.set()
+        with self._updated:
+            self.updates.append(c)
+            if c.finish_reason is not None:
+                self.result = c
+                self.done.set()
+            self._updated.notify_all()
+
+    def wait_tokens(self, n: int, timeout: float = 30.0) -> None:
+        """Until an update carries at least ``n`` output tokens (a streamed request)."""
+        with self._updated:
+            got = self._updated.wait_for(lambda: self.updates and len(self.updates[-1].output_ids) >= n, timeout)
+        assert got, f"no update with {n} tokens in {timeout} s"
 
     def wait(self, timeout: float = 60.0) -> Completion:
         assert self.done.wait(timeout), "request did not finish"
@@ -207,7 +215,7 @@ def test_top_p_and_min_p_restrict_sampling(engine, teacher):
 
 def test_a_request_joins_and_leaves_the_running_batch(engine):
     long = submit(engine, [5, 6, 7], max_new_tokens=150, ignore_eos=True, rid="long", stream=True)
-    _wait_tokens(long, 2)
+    long.wait_tokens(2)
     short = submit(engine, [8, 9], max_new_tokens=3, ignore_eos=True, rid="short")
     short.wait(30)
     assert not long.done.is_set(), "the short request had to wait for the long one"
@@ -218,23 +226,24 @@ def _call(engine, fn):
     return engine.call(fn).result(30)
 
 
-def _wait_tokens(w: Waiter, n: int, timeout: float = 30.0) -> None:
-    deadline = time.time() + timeout
-    while (not w.updates or len(w.updates[-1].output_ids) < n) and time.time() < deadline:
-        time.sleep(0.01)
-    assert w.updates and len(w.updates[-1].output_ids) >= n
+def _turns(engine, n: int = 3) -> None:
+    """Return once the scheduler has gone around its loop (past its "step or wait" decision) about ``n``
+    times: each call runs in its thread between steps, and the next is only queued once it has run."""
+    for _ in range(n):
+        _call(engine, lambda: None)
 
 
 def test_pause_abort_returns_partial_output_and_holds_new_requests(engine):
     w = submit(engine, [5, 6, 7], max_new_tokens=400, ignore_eos=True, stream=True)
-    _wait_tokens(w, 3)
+    w.wait_tokens(3)
     assert _call(engine, lambda: engine.pause("abort")) == 1
     c = w.wait()
     assert c.finish_reason["type"] == "abort" and 3 <= len(c.output_ids) < 400
     assert len(c.output_logprobs) == len(c.output_ids)
     held = submit(engine, [5, 6], max_new_tokens=4)
-    time.sleep(0.3)
-    assert not held.done.is_set(), "a new request ran while paused"
+    assert _call(engine, lambda: len(engine.waiting)) == 1  # the scheduler has taken it in ...
+    _turns(engine)  # ... and left it waiting, turn after turn
+    assert not held.done.is_set() and not held.updates, "a new request ran while paused"
     _call(engine, engine.resume)
     assert held.wait().finish_reason == {"type": "length", "length": 4}
 
@@ -243,10 +252,10 @@ def test_pause_abort_returns_partial_output_and_holds_new_requests(engine):
 def test_pause_retract_and_in_place_resume_where_they_stopped(engine, teacher, mode):
     p = [20, 21, 22, 23]
     w = submit(engine, p, max_new_tokens=60, temperature=0.8, ignore_eos=True, stream=True)
-    _wait_tokens(w, 5)
+    w.wait_tokens(5)
     _call(engine, lambda: engine.pause(mode))
     n_paused = len(w.updates[-1].output_ids)
-    time.sleep(0.2)
+    _turns(engine)  # turns in which a step would have generated tokens
     assert len(w.updates[-1].output_ids) == n_paused and not w.done.is_set()
     if mode == "retract":
         assert not engine.running and engine.waiting  # back in the queue, KV dropped
@@ -258,7 +267,7 @@ def test_pause_retract_and_in_place_resume_where_they_stopped(engine, teacher, m
 
 def test_abort_by_rid_and_flush_cache(engine):
     w = submit(engine, [1, 2, 3], max_new_tokens=400, ignore_eos=True, rid="victim", stream=True)
-    _wait_tokens(w, 2)
+    w.wait_tokens(2)
     assert _call(engine, engine.flush_cache) is False  # busy
     assert _call(engine, lambda: engine.abort("victim")) == 1
     assert w.wait().finish_reason["type"] == "abort"
@@ -302,7 +311,7 @@ def test_a_request_the_scheduler_cannot_take_fails_alone_and_the_thread_serves_o
 
 def test_weight_version_spans_follow_updates(engine):
     w = submit(engine, [30, 31], max_new_tokens=40, ignore_eos=True, stream=True)
-    _wait_tokens(w, 3)
+    w.wait_tokens(3)
     _call(engine, lambda: engine.pause("in_place"))
     _call(engine, lambda: setattr(engine, "weight_version", "7"))
     _call(engine, engine.resume)
