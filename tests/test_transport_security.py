@@ -51,13 +51,16 @@ def try_send(sock, data: bytes) -> None:
         pass
 
 
-async def send_all(endpoint: str, security: ChannelSecurity, groups: list[TrajectoryGroup]) -> None:
-    # without the key, the refused handshake can leave no peer to queue for: send then waits
-    async with GroupSender(endpoint, security=security) as sender:
+async def send_and_receive(receiver: GroupReceiver, security: ChannelSecurity, groups: list[TrajectoryGroup],
+                           wait_s: float) -> list[TrajectoryGroup | None]:
+    """Send ``groups`` and take as many from ``receiver`` (None where ``wait_s`` passed) while the sender is
+    still open: it closes with linger 0, which drops what ZMQ has not written yet."""
+    async with GroupSender(receiver.endpoint, security=security) as sender:
+        # without the key, the refused handshake can leave no peer to queue for: send then waits
         with trio.move_on_after(5):
             for g in groups:
                 await sender.send(g)
-        await trio.sleep(0.3)  # linger 0: give ZMQ's I/O thread the time to write them
+        return [await trio.to_thread.run_sync(receiver.get, wait_s) for _ in groups]
 
 
 def test_only_holders_of_the_key_can_push_groups() -> None:
@@ -70,10 +73,9 @@ def test_only_holders_of_the_key_can_push_groups() -> None:
         ]
         for _, sock in strangers:
             try_send(sock, encode(group(99)))
-        trio.run(send_all, receiver.endpoint, ChannelSecurity(), [group(98)])  # our own sender without the key
-        assert receiver.get(timeout_s=1.0) is None
-        trio.run(send_all, receiver.endpoint, sec, [group(0), group(1)])
-        got = [receiver.get(timeout_s=5.0), receiver.get(timeout_s=5.0)]
+        # our own sender without the key
+        assert trio.run(send_and_receive, receiver, ChannelSecurity(), [group(98)], 1.0) == [None]
+        got = trio.run(send_and_receive, receiver, sec, [group(0), group(1)], 5.0)
         assert [g.group_id for g in got] == ["g0", "g1"]
         assert receiver.get(timeout_s=0.5) is None
         assert receiver.stats["received"] == 2 and receiver.stats["malformed"] == 0  # strangers never reached us
