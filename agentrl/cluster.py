@@ -28,7 +28,8 @@ SGLang 0.5.23 wheel's ``server_args.py`` declares, via tests/sglang_spec.py) and
 ``--port``). API keys never appear in the files: SGLang takes them as flags, so a shell
 expands them at start from the environment variables the config names
 (``engine.api_key_env``, ``engine.admin_api_key_env``, or their ``_FILE`` variants); in
-Kubernetes those variables come from a Secret.
+Kubernetes those variables come from a Secret. SGLang logs its keys at start, so ``engines.sh``
+writes them as ``<redacted>`` in the engine step's log (in the run folder).
 """
 
 from __future__ import annotations
@@ -135,6 +136,26 @@ def _key_flags_shell(cfg: AgentRLConfig) -> str:
     return (f'KEYS=()\n'
             f'key=$(secret {e.api_key_env}); [[ -z "$key" ]] || KEYS+=(--api-key "$key")\n'
             f'key=$(secret {e.admin_api_key_env}); [[ -z "$key" ]] || KEYS+=(--admin-api-key "$key")')
+
+
+def _redact_shell(cfg: AgentRLConfig) -> str:
+    """``redact_keys``: stdin to stdout, line by line, with the engine keys written ``<redacted>``. SGLang
+    logs its keys at start (``server_args=...``, sglang/srt/entrypoints/engine.py), and a SLURM step's
+    output is a file in the run folder. The keys reach awk through its environment, never its argv;
+    the longer first (one key may begin the other)."""
+    e = cfg.engine
+    return (f'redact_keys() {{  # SGLang logs its keys at start (server_args=...): none in the log\n'
+            f'  REDACT_A="$(secret {e.api_key_env})" REDACT_B="$(secret {e.admin_api_key_env})" LC_ALL=C awk \'\n'
+            '    BEGIN { a = ENVIRON["REDACT_A"]; b = ENVIRON["REDACT_B"]\n'
+            '            if (length(a) < length(b)) { t = a; a = b; b = t }\n'
+            '            k[1] = a; k[2] = b }\n'
+            '    { for (i = 1; i <= 2; i++) if (k[i] != "") {\n'
+            '        out = ""; s = $0\n'
+            '        while ((p = index(s, k[i])) > 0) { out = out substr(s, 1, p - 1) "<redacted>"; s = substr(s, p + length(k[i])) }\n'
+            '        $0 = out s\n'
+            '      }\n'
+            '      print; fflush() }\'\n'
+            '}')
 
 
 # ------------------------------------------------------------------------------ SLURM
@@ -260,12 +281,13 @@ if (( ${{#GPUS[@]}} < COUNT * GPUS_PER_ENGINE )); then
 fi
 {SECRET_SHELL}
 {_key_flags_shell(cfg)}
+{_redact_shell(cfg)}
 
 for ((j = 0; j < COUNT; j++)); do
   devices=$(IFS=,; echo "${{GPUS[*]:j * GPUS_PER_ENGINE:GPUS_PER_ENGINE}}")
   echo "engines.sh: engine $j on GPU $devices, port $((ENGINE_PORT + j))"
   CUDA_VISIBLE_DEVICES=$devices {shell_join(server_argv(cfg, Raw('"$((ENGINE_PORT + j))"')))} \\
-      ${{KEYS[@]+"${{KEYS[@]}}"}} &
+      ${{KEYS[@]+"${{KEYS[@]}}"}} 2>&1 | redact_keys &
 done
 wait -n  # an engine that exits ends the step: engines are critical (a new one would miss the weight group)
 exit 1

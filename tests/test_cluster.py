@@ -151,13 +151,20 @@ def test_slurm_engine_node_gives_each_server_its_gpus_and_keys(tmp_path, sglang_
     assert res.returncode == 0, res.stderr
     bin_dir, log = tmp_path / "bin", tmp_path / "servers.log"
     bin_dir.mkdir()
-    _stub(bin_dir, "python", f'echo "$CUDA_VISIBLE_DEVICES $*" >> {log}')
+    # a stand-in for SGLang: records how it was started, and logs its arguments, keys included, as SGLang
+    # 0.5.23 does at start (server_args=..., entrypoints/engine.py), on stdout and stderr
+    _stub(bin_dir, "python", f'echo "$CUDA_VISIBLE_DEVICES $*" >> {log}; echo "server_args=$*"; '
+                             'echo "error: key ${*: -1} refused" >&2')
     key_file = tmp_path / "key"
     key_file.write_text("from-a-file\n")
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CUDA_VISIBLE_DEVICES": "4,5,6,7",
-           "MY_KEY_FILE": str(key_file), "AGENTRL_ENGINE_ADMIN_API_KEY": "adm"}
+           "MY_KEY_FILE": str(key_file), "AGENTRL_ENGINE_ADMIN_API_KEY": "from-a-file-adm"}
     run = subprocess.run(["bash", str(out / "engines.sh"), "2"], env=env, capture_output=True, text=True, timeout=60)
     assert run.returncode == 1  # a server that exits ends the node's step
+    # what the step writes to logs/engines-NODE.log in the run folder: everything but the keys
+    step_log = run.stdout + run.stderr
+    assert "from-a-file" not in step_log and step_log.count("--api-key <redacted> --admin-api-key <redacted>") == 2
+    assert step_log.count("error: key <redacted> refused") == 2 and "--tp-size 2" in step_log
     lines = sorted(log.read_text().splitlines())
     assert len(lines) == 2
     for line, (devices, port) in zip(lines, (("4,5", "30000"), ("6,7", "30001"))):
@@ -167,7 +174,7 @@ def test_slurm_engine_node_gives_each_server_its_gpus_and_keys(tmp_path, sglang_
         flags = dict(zip(argv[2::2], argv[3::2]))
         assert flags["--port"] == port and flags["--tp-size"] == "2" and flags["--base-gpu-id"] == "0"
         assert flags["--weight-version"] == "0" and flags["--mem-fraction-static"] == "0.85"
-        assert flags["--api-key"] == "from-a-file" and flags["--admin-api-key"] == "adm"
+        assert flags["--api-key"] == "from-a-file" and flags["--admin-api-key"] == "from-a-file-adm"
         assert _flags(argv) <= sglang_flags, _flags(argv) - sglang_flags
     # too few GPUs for the engines it should start: a clear error, nothing started
     log.unlink()
