@@ -86,8 +86,11 @@ def test_slurm_script_and_its_logic(tmp_path):
     bin_dir.mkdir()
     _stub(bin_dir, "scontrol", 'printf "gpu-b10\\ngpu-b02\\ngpu-a7\\ngpu-a12\\n"')  # engine nodes first, then learner
     _stub(bin_dir, "curl", "exit 0")
-    # one write per step (background steps run concurrently: two writes per line interleaved)
-    _stub(bin_dir, "srun", f'line=$(printf "%q " "$@"); echo "$line" >> {log}')
+    # one write per step (background steps run concurrently: two writes per line interleaved); the learner's
+    # step waits for the 6 others' lines: its end ends the script, whose EXIT trap kills steps not yet logged
+    _stub(bin_dir, "srun", f'line=$(printf "%q " "$@"); echo "$line" >> {log}\n'
+                           f'if [[ " $* " == *" learn "* ]]; then\n'
+                           f'  for _ in $(seq 200); do (( $(wc -l < {log}) >= 7 )) && break; sleep 0.05; done\nfi')
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu-[a7,a12,b02,b10]",
            "SLURM_JOB_ID": "77"}
     run = subprocess.run(["bash", str(sbatch)], env=env, capture_output=True, text=True, timeout=60)
