@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import trio
 import zmq
+from trio.testing import wait_all_tasks_blocked
 
 from agentrl.protocol import ActorAck, Progress, ProtocolError, Trajectory, TrajectoryGroup, encode
 from agentrl.transport import (
@@ -240,7 +241,7 @@ def test_close_is_prompt_with_no_peer_and_wakes_waiting_senders(tmp_path) -> Non
         async with trio.open_nursery() as nursery:
             for _ in range(2):
                 nursery.start_soon(keep_sending)
-            await trio.sleep(0.3)
+            await wait_all_tasks_blocked()
             assert sender.stats["sent"] == 2 and sender.stats["waits"] == 2  # both blocked
             t0 = time.monotonic()
             await sender.aclose()
@@ -258,7 +259,10 @@ def test_get_from_another_thread_returns_when_closed() -> None:
     results: list = []
     t = threading.Thread(target=lambda: results.append(receiver.get()))
     t.start()
-    time.sleep(0.1)
+    deadline = time.monotonic() + 10
+    while not receiver._lock.locked():  # held by the get() waiting on the socket
+        assert time.monotonic() < deadline, "get() never started waiting"
+        time.sleep(0.001)
     receiver.close()
     t.join(5)
     assert not t.is_alive() and results == [None]
@@ -378,7 +382,7 @@ def test_in_memory_group_channel_behaves_like_the_sockets() -> None:
         assert scope.cancelled_caught
         async with trio.open_nursery() as nursery:
             nursery.start_soon(chan.send, group(3))
-            await trio.sleep(0.05)
+            await wait_all_tasks_blocked()  # the send waits for room
             assert chan.get(0).group_id == "g0"  # makes room; the pending send completes
         bad = group(9)
         bad.trajectories[0].metadata = {"x": object()}
@@ -407,7 +411,7 @@ def test_in_memory_progress_channel() -> None:
                 got.append(await chan.receive())
 
             nursery.start_soon(waiter)
-            await trio.sleep(0.05)
+            await wait_all_tasks_blocked()
             chan.publish(Progress(policy_version=1, accept_groups=2))
         assert got[0].policy_version == 1
         for v in (2, 3, 4):

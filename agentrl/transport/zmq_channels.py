@@ -296,11 +296,13 @@ class PullSocket:
         """The next message, waiting up to ``timeout_s`` (None: forever); None on timeout
         or when another thread closes the socket meanwhile."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        if self._closed:
+            raise TransportError(f"{type(self).__name__}({self.endpoint}) is closed")
         with self._lock:
             try:
                 while True:
                     if self._closed:
-                        raise TransportError(f"{type(self).__name__}({self.endpoint}) is closed")
+                        return None  # closed by another thread since this get() began
                     if deadline is None:
                         self._set_timeout(-1)
                     else:
