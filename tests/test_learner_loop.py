@@ -223,14 +223,16 @@ enabled = true
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(prog)
-    proc = subprocess.Popen(
-        [PYTHON, "-m", "agentrl", "learn", "--config", str(config)],
-        env=subprocess_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    log_path = tmp_path / "learn.log"
+    with log_path.open("w") as log_file:
+        proc = subprocess.Popen(
+            [PYTHON, "-m", "agentrl", "learn", "--config", str(config)],
+            env=subprocess_env(),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
 
     def wait_version(version: int, timeout_s: float = 150.0) -> Progress:
         deadline = time.monotonic() + timeout_s
@@ -239,8 +241,16 @@ enabled = true
                 msg = decode(sub.recv())
                 if msg.policy_version >= version:
                     return msg
-            assert proc.poll() is None, proc.stdout.read()[-4000:]
+            assert proc.poll() is None, log_path.read_text()[-4000:]
         raise AssertionError(f"no progress with version {version}")
+
+    def wait_logged(text: str, after: int, timeout_s: float = 60.0) -> None:
+        """Until the log has ``text`` beyond its first ``after`` characters."""
+        deadline = time.monotonic() + timeout_s
+        while text not in log_path.read_text()[after:]:
+            assert proc.poll() is None, log_path.read_text()[-4000:]
+            assert time.monotonic() < deadline, f"{text!r} not logged in {timeout_s} s"
+            time.sleep(0.05)
 
     try:
         first = wait_version(0)
@@ -261,9 +271,11 @@ enabled = true
         push.send(encode(make_group(rng, version=2)))
         push.send(encode(make_group(rng, version=2)))
         assert wait_version(3).step == 3
-        time.sleep(2.5)  # let it wait for data (and say so in its log) ...
+        logged = len(log_path.read_text())
+        wait_logged("waiting for trajectory groups", after=logged)  # it waits for data (and says so in its log) ...
         proc.send_signal(signal.SIGTERM)  # ... then stop it: a clean stop with a checkpoint
-        out, _ = proc.communicate(timeout=120)
+        proc.wait(timeout=120)
+        out = log_path.read_text()
         assert proc.returncode == 0, out[-4000:]
     finally:
         if proc.poll() is None:
