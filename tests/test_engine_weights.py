@@ -33,6 +33,19 @@ def _perturbed(model_path, seed: int):
     return model.eval()
 
 
+async def _generating(urls: list[str], timeout_s: float = 60.0) -> None:
+    """Until an engine runs requests and has generated tokens since this was called (the engines are shared:
+    their counters hold earlier tests' tokens)."""
+    async with httpx.AsyncClient(timeout=10) as http:
+        before = [(await http.get(u + "/server_info")).json()["num_generated_tokens"] for u in urls]
+        with trio.fail_after(timeout_s):
+            while True:
+                infos = [(await http.get(u + "/server_info")).json() for u in urls]
+                if any(i["num_running"] > 0 and i["num_generated_tokens"] > b for i, b in zip(infos, before)):
+                    return
+                await trio.sleep(0.02)
+
+
 def _greedy(url: str, prompt: list[int]) -> dict:
     return httpx.post(url + "/generate", json={"input_ids": prompt, "return_logprob": True,
                                                "sampling_params": GREEDY}, timeout=60).json()
@@ -65,7 +78,7 @@ def test_weight_push_reaches_both_engines_with_no_request_lost(urls, updater, en
             async with trio.open_nursery() as n:
                 for i in range(24):
                     n.start_soon(call, i)
-                await trio.sleep(0.3)
+                await _generating(urls)  # the push comes mid-generation
                 timings = await trio.to_thread.run_sync(updater.push, list(new.named_parameters()), 1)
                 for i in range(24, 32):  # calls after the update
                     n.start_soon(call, i)

@@ -158,8 +158,7 @@ enabled = false
             wait_for(lambda: max(metrics_steps(run_dir), default=0) >= 3, "step 3", 400, procs, logs)
 
             # 1. SIGKILL the learner after a checkpoint (step 2) and a step past it; the actor keeps going
-            kill(procs["learner"])
-            time.sleep(1.0)  # the actor sends into the void meanwhile
+            kill(procs["learner"])  # the actor sends into the void while the new learner starts (seconds of imports)
             procs["learner"] = start(learn, logs["learner"])
             wait_for(lambda: "resumed from" in logs["learner"].read_text(), "the resume", 300, procs, logs)
 
