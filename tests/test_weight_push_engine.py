@@ -343,9 +343,12 @@ def test_the_client_takes_a_restarted_engine_back_and_a_call_in_flight_does_not_
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(call, "retried", both, "episode")
                         nursery.start_soon(call, "alone", only_b, None)
-                        while b.url not in {s.url for s in both.engines if s.outstanding}:
-                            await trio.sleep(0.01)
-                        await trio.sleep(0.3)  # generating
+                        async with httpx.AsyncClient(timeout=10) as http:
+                            while True:  # both calls are generating on B (bounded by the fail_after)
+                                info = (await http.get(b.url + "/server_info")).json()
+                                if info["num_running"] >= 2 and info["num_generated_tokens"] > 0:
+                                    break
+                                await trio.sleep(0.02)
                         await trio.to_thread.run_sync(_kill_9, b)
                     assert results["retried"].url == a.url and len(results["retried"].output_ids) == 600
                     assert isinstance(results["alone"], EngineUnavailableError)
