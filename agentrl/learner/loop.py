@@ -207,6 +207,9 @@ class Learner:
             )
         self.push_enabled = bool(broadcast_object(self.io is not None and self.io.weights is not None))
         self._next_engine_check = 0.0
+        # adapter sync: an engine at this learner's version may still hold none of its adapter (a fresh
+        # run's engines serve the base model as version 0), while the actors' requests name it
+        self._adapter_loaded = not cfg.learner.lora.served_adapter
         self.metrics_file = self.run_dir / "learner_metrics.jsonl"
         self.batches_file = self.run_dir / "learner_batches.jsonl"
 
@@ -486,6 +489,8 @@ class Learner:
                         log.warning("re-forming the weight group: %s", reason)
                         self.io.weights.connect()
                     lagging = self.io.weights.lagging(self.version)
+                    if not self._adapter_loaded:
+                        lagging = list(self.io.weights.members)
                 except EngineLost as e:  # an engine died while the group formed: again
                     lagging = f"{e}"
             lagging = broadcast_object(lagging)
@@ -501,6 +506,7 @@ class Learner:
             error = self._push()
             seconds += time.perf_counter() - started
             if not error:
+                self._adapter_loaded = True
                 return seconds
             reason = error
         log.error("the engines could not all be brought to policy version %d (%s); trying again within %.0f s",
@@ -657,7 +663,7 @@ class Learner:
             self.io.tracker.log_metrics(row, step=self.trainer.step)
             self._log_samples()
         with self.metrics_file.open("a") as f:
-            f.write(json.dumps({"step": self.trainer.step, **row}) + "\n")
+            f.write(json.dumps({"step": self.trainer.step, "time": time.time(), **row}) + "\n")
         with self.batches_file.open("a") as f:
             f.write(json.dumps({"step": self.trainer.step, "groups": self._batch_keys}) + "\n")
         log.info(
