@@ -31,6 +31,14 @@ def server_info(url: str) -> dict:
     return httpx.get(url + "/server_info", timeout=10).json()
 
 
+async def scheduler_turns(url: str, n: int = 3) -> None:
+    """Return once the engine's scheduler has gone around its loop about ``n`` times: each /abort_request runs
+    in its thread between steps, and the next is sent once it has answered (no request has this rid)."""
+    async with httpx.AsyncClient(timeout=10) as http:
+        for _ in range(n):
+            assert (await http.post(url + "/abort_request", json={"rid": "no-such-request-barrier"})).status_code == 200
+
+
 def test_least_outstanding_balancing_and_episode_affinity(urls):
     async def main():
         async with EngineClient(urls, health_check_interval_s=0.5) as client:
@@ -141,7 +149,11 @@ def test_calls_wait_while_no_server_is_healthy(fleet, urls):
                         await trio.sleep(0.05)
                 async with trio.open_nursery() as n:
                     n.start_soon(lambda: _append(got, client.generate([3, 3], GREEDY)))
-                    await trio.sleep(1.0)
+                    with trio.fail_after(20):  # the waiting call re-probes the hung engine, again and again
+                        probes = [client._last_probe]
+                        while len(set(probes)) < 4:
+                            await trio.sleep(0.05)
+                            probes.append(client._last_probe)
                     assert not got, "the call should still be waiting"
                     os.kill(hung.process.pid, signal.SIGCONT)
             finally:
@@ -216,7 +228,10 @@ def test_paused_engines_hold_calls_and_aborted_results_are_returned(urls):
             held: list[GenerateResult] = []
             async with trio.open_nursery() as n:
                 n.start_soon(lambda: _append(held, client.generate([4, 4], GREEDY)))
-                await trio.sleep(0.5)
+                with trio.fail_after(20):  # the call reached the engine's queue ...
+                    while not server_info(urls[0])["num_waiting"]:
+                        await trio.sleep(0.02)
+                await scheduler_turns(urls[0])  # ... where the scheduler saw it and left it
                 assert not held, "a call ran while the engine was paused"
                 await client.continue_generation()
             long: list[GenerateResult] = []
