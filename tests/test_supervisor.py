@@ -79,8 +79,9 @@ def test_a_killed_child_is_restarted_with_its_restart_command(tmp_path: Path) ->
     async def main() -> None:
         async with trio.open_nursery() as n:
             await sup.start(n, spec)
-            while not ready.exists() or not ready.read_text():
-                await trio.sleep(0.05)
+            with trio.fail_after(30):  # the child's readiness signal: it wrote its pid
+                while not ready.exists() or not ready.read_text():
+                    await trio.sleep(0.05)
             os.kill(int(ready.read_text()), signal.SIGKILL)
             assert await sup.wait_finished("engine0") == 0
 
@@ -126,7 +127,10 @@ def test_cancel_stops_process_tree_and_finished_child_is_not_restarted(tmp_path:
             await sup.start(n, stubborn)
             await sup.start(n, done)
             assert await sup.wait_finished("oneshot") == 0
-            await trio.sleep(1.0)
+            log = tmp_path / "stubborn.log"
+            with trio.fail_after(30):  # the stubborn child has started its grandchild (and said which)
+                while not log.read_text().strip():
+                    await trio.sleep(0.05)
             n.cancel_scope.cancel()
 
     trio.run(main)
