@@ -61,7 +61,8 @@ def test_latest_falls_back_to_the_newest_complete_checkpoint(trainer, tmp_path, 
     root = tmp_path / "ckpt"
     assert latest_checkpoint(root) is None
     save(trainer, root, 3, "run", keep=5)
-    time.sleep(0.01)
+    meta = root / "step_00000003" / "meta.json"  # saved a minute before the others (no clock resolution race)
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "saved_at": time.time() - 60}))
     save(trainer, root, 1, "run", keep=5)  # saved last: the newest, although its step is lower
     save(trainer, root, 2, "run", keep=5)
     (root / "step_00000002" / "meta.json").unlink()  # a save that died before it was complete

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from trio.testing import wait_all_tasks_blocked
 from _sandbox_helpers import (ALLOCATE, COUNT_FORKS, DISK_FILL, FORK_BOMB, MEMORY_SPREAD, changed_settings, processes_of,
                               require)
 
@@ -215,7 +216,7 @@ def test_pool_release_survives_cancellation_and_max_live_waits():
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(second)
-            await trio.sleep(0.2)
+            await wait_all_tasks_blocked()
             assert got == []  # waits: one sandbox is the most allowed
             await pool.release(first)
         assert got == [first]
