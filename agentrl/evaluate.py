@@ -6,14 +6,16 @@ limits) through the engines in ``engine.urls``, or through one embedded engine s
 the evaluation and stopped afterwards. Greedy by default (temperature 0); ``--sampled``
 uses ``actors.temperature``. Every env of the config is evaluated on ``eval.num_tasks`` tasks
 (each env's result under ``by_env``, the rates over all episodes at the top; an AgentEnv is
-played by its agent through an agent endpoint). The result is printed and, when tracking is
-enabled, logged as ``eval/*`` metrics (``eval/env/<name>/*`` per env) to a new MLflow run (or
-``tracking.run_id``).
+played by its agent through an agent endpoint). The result is printed on stdout as JSON (no
+file is written) and, when tracking is enabled, logged to a new MLflow run (or
+``tracking.run_id``) as ``eval/*`` metrics (``eval/env/<name>/*`` per env) and as the artifact
+``eval.json`` (the printed result).
 
 An evaluation also counts what went wrong without failing an episode -- episodes the engine
 aborted, rewards that raised, tool calls that crashed or timed out -- with the first messages
-of each (``problems``), and the command says them in words on stderr: such failures lower the
-success rate exactly like a bad policy would, so they must never pass unseen.
+of each (``problems``; the counts also as ``eval/n_aborted``, ``eval/n_reward_errors`` and
+``eval/n_tool_faults``), and the command says them in words on stderr: such failures lower
+the success rate exactly like a bad policy would, so they must never pass unseen.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ def _log(cfg: AgentRLConfig, result: dict[str, Any]) -> None:
     try:
         tracker.log_params({"eval.policy": result["policy"], "eval.greedy": result["greedy"]})
         tracker.log_metrics(eval_metrics(result, "eval"), step=0)
+        tracker.log_json(result, "eval.json")  # what was printed: the problems' first messages included
     finally:
         tracker.close()
 

@@ -4,6 +4,8 @@ engine aborted, rewards that raised, tool calls that crashed (issue: `agentrl ev
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import pytest
 import trio
@@ -111,3 +113,69 @@ def test_tool_crashes_are_counted_but_the_model_s_own_mistakes_are_not(tmp_path_
 def test_a_clean_evaluation_reports_no_problems():
     result = {"n": 4, "n_failed": 0, "problems": {}}
     assert describe_problems(result) == []
+
+
+def test_agentrl_eval_prints_the_problems_and_logs_them_to_a_real_mlflow_store(engine_urls, engine_model, tmp_path):
+    """The CLI end to end against a real engine that aborts every request, with a reward that raises: stdout's
+    JSON holds the counts and first messages, stderr says them in words, and the MLflow SQLite store gets the
+    counts as eval/* metrics and the whole result (first messages included) as the artifact eval.json.
+    ``agentrl eval`` writes no summary file of its own (no --output): stdout and MLflow are its outputs."""
+    import json
+    import threading
+
+    from mlflow import MlflowClient
+    from typer.testing import CliRunner
+
+    from agentrl.cli import app
+
+    url, db = engine_urls[0], tmp_path / "store" / "mlflow.db"
+    db.parent.mkdir()
+    overrides = [f"model.path={engine_model}", f'engine.urls=["{url}"]', "env.cls=tests._actors_user_env:AddEnv",
+                 "env.kwargs.num_tasks=3", "env.kwargs.reward_raises=true", "eval.num_tasks=3",
+                 "env.max_total_tokens=512", "actors.max_new_tokens_per_turn=32", "tracking.enabled=true",
+                 f"tracking.uri=sqlite:///{db}", "tracking.experiment=eval-problems", "run.name=probe",
+                 f"run.run_dir={tmp_path / 'run'}"]
+    done, paused = threading.Event(), threading.Event()
+
+    def abort_everything():  # as an engine that fails whole batches does: every request comes back aborted
+        with httpx.Client(timeout=10) as http:
+            http.post(url + "/pause_generation", json={"mode": "abort"}).raise_for_status()
+            paused.set()
+            try:
+                while not done.wait(0.02):
+                    http.post(url + "/abort_request", json={"rid": "", "abort_all": True})
+            finally:
+                http.post(url + "/continue_generation").raise_for_status()
+
+    aborter = threading.Thread(target=abort_everything, daemon=True)
+    aborter.start()
+    assert paused.wait(10)
+    try:
+        config = tmp_path / "eval.toml"
+        config.write_text("")  # every setting as an override
+        result = CliRunner().invoke(app, ["eval", str(config), *sum((["-s", o] for o in overrides), [])])
+    finally:
+        done.set()
+        aborter.join(10)
+    assert result.exit_code == 0, result.output
+    printed = json.loads(result.stdout)
+    assert printed["n"] == 3 and printed["n_failed"] == 0 and printed["finish_reasons"] == {"aborted": 3}
+    assert printed["n_aborted"] == 3 and printed["n_reward_errors"] == 3
+    assert printed["problems"]["aborted"]["first"] == ["aborted by /abort_request"]
+    assert "RuntimeError: the scorer crashed" in printed["problems"]["reward_errors"]["first"][0]
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert warnings[0].startswith("warning: 3 of 3 episodes were aborted by the engine") and \
+        "aborted by /abort_request" in warnings[0]
+    assert warnings[1].startswith("warning: 3 of 3 episodes' rewards raised (scored 0)") and \
+        "the scorer crashed" in warnings[1]
+    assert not (tmp_path / "run").exists() or not list((tmp_path / "run").glob("*.json"))  # no summary file
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{db}")
+    [run] = client.search_runs([client.get_experiment_by_name("eval-problems").experiment_id])
+    assert run.info.run_name == "eval-probe" and run.info.status == "FINISHED"
+    metrics = run.data.metrics
+    assert (metrics["eval/n"], metrics["eval/n_aborted"], metrics["eval/n_reward_errors"]) == (3.0, 3.0, 3.0)
+    assert metrics["eval/env/add/n_aborted"] == 3.0 and metrics["eval/success_rate"] == 0.0
+    logged = json.loads(Path(client.download_artifacts(run.info.run_id, "eval.json", str(tmp_path))).read_text())
+    assert logged["problems"] == printed["problems"] and logged["by_env"]["add"]["n_reward_errors"] == 3
+    assert httpx.get(url + "/server_info", timeout=10).json()["paused"] is False  # left as found
