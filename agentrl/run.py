@@ -10,7 +10,8 @@ Stages, in order, all under one trio nursery (:class:`agentrl.supervisor.Supervi
    ``engine.urls`` points at servers that already run. A retrieval server (``agentrl
    serve-search``) for each env with ``kwargs.search_url = "auto"``, restarted if it dies.
 4. **Evaluation before** RL: greedy episodes on ``eval.num_tasks`` held-out tasks, played by
-   this process through the same engines.
+   this process through the same engines. A fresh learner starts meanwhile (it pushes nothing
+   before the actors bring data), so its start-up is not on the way to the first update.
 5. **RL.** ``agentrl learn`` and ``actors.num_processes`` × ``agentrl serve-actors``. Any
    child that dies -- an engine, the learner, an actor -- is restarted (``agentrl.children``:
    restart policy), and the run goes on: a restarted engine gets the learner's policy before
@@ -77,6 +78,7 @@ class RunState:
     restart_events: list[str] = field(default_factory=list)
     warm_start: dict[str, Any] = field(default_factory=dict)
     rl_started: float | None = None  # when the learner and actors were started
+    rl_started_at: float | None = None  # the same, as wall-clock time (the learner's metrics rows carry "time")
     # the learner's counts as they happen (learner_status.json), and the last data warning said
     data: dict[str, Any] = field(default_factory=lambda: {
         "received": 0, "consumed": 0, "duplicate": 0, "dropped": {}, "buffered": 0, "groups_per_step": 0,
@@ -284,11 +286,13 @@ async def watch_progress(cfg: AgentRLConfig, state: RunState, run_dir: Path, liv
             version = max(state.versions_seen, default=0)
             if next_eval and version >= next_eval and not eval_lock.locked():
                 next_eval = version + cfg.eval.every_steps
+                started_at = time.time()
                 async with eval_lock:
                     result = await evaluate_on_newest_policy(cfg, state, f"v{version}")
                 if result is None:
                     continue
                 result["policy_version"] = version
+                result["started_at"] = started_at  # with "seconds": bench/time_to_skill.py leaves evaluations out of RL time
                 state.evals.append(result)
                 state.eval_event(f"v{version}", result)
     finally:
@@ -467,6 +471,7 @@ def summarize(state: RunState, cfg: AgentRLConfig, run_dir: Path) -> dict[str, A
         "restarts": dict(sorted(state.restarts.items())),
         "restart_events": state.restart_events,
         "wall_time_s": round(time.monotonic() - state.started, 1),
+        "rl_started_at": state.rl_started_at,
         "events": state.events[-50:],
     }
     if state.rl_started is not None:
@@ -573,8 +578,6 @@ async def run_async(cfg: AgentRLConfig, run_dir: Path, *, live_display: bool = T
                 await start_search(sup, outer, cfg.env_sections[i], f"search{k or ''}", run_dir, placement)
             await start_engines(sup, outer, cfg, run_dir, own_engines, placement)
             state.event("engines", f"ready at {', '.join(cfg.engine.urls)}")
-            state.eval_before = await evaluate_policy(cfg, name_adapter=False)
-            state.eval_event("before RL", state.eval_before)
             await _train(sup, outer, cfg, run_dir, state, live_display, eval_lock, placement)
             async with eval_lock:
                 state.eval_after = await evaluate_on_newest_policy(cfg, state, "after RL")
@@ -611,6 +614,7 @@ async def _stop_on_signal(state: RunState) -> None:
 
 async def _train(sup: Supervisor, outer: trio.Nursery, cfg: AgentRLConfig, run_dir: Path, state: RunState,
                  live_display: bool, eval_lock: trio.Lock, placement: Placement) -> None:
+    """The evaluation before, then RL (learner and actors) until the learner finishes."""
     from contextlib import nullcontext
 
     from rich.live import Live
@@ -618,10 +622,20 @@ async def _train(sup: Supervisor, outer: trio.Nursery, cfg: AgentRLConfig, run_d
     # a terminal gets the live table; a log file or a pipe gets a plain line every PLAIN_LINE_S
     live = Live(_table(state, cfg), refresh_per_second=2, transient=False) if live_display and sys.stdout.isatty() \
         else _PlainLines(state, cfg) if live_display else None
-    with live if isinstance(live, Live) else nullcontext():
-        async with trio.open_nursery() as inner:
-            state.rl_started = time.monotonic()
+    async with trio.open_nursery() as inner:
+        # A learner that has never stepped in this folder holds the warm start (version 0) and pushes
+        # nothing before it has data, which only the actors bring: it starts now, and its start-up
+        # (imports, model, weight group) overlaps the evaluation before. One resuming from a checkpoint
+        # pushes its policy into the engines at once, so it waits until the warm start is evaluated.
+        fresh = not (run_dir / "learner_metrics.jsonl").exists()
+        if fresh:
             await sup.start(inner, learner_spec(cfg, run_dir, placement))
+        state.eval_before = await evaluate_policy(cfg, name_adapter=False)
+        state.eval_event("before RL", state.eval_before)
+        with live if isinstance(live, Live) else nullcontext():
+            state.rl_started, state.rl_started_at = time.monotonic(), time.time()
+            if not fresh:
+                await sup.start(inner, learner_spec(cfg, run_dir, placement))
             for spec in actor_specs(cfg, run_dir, placement):
                 await sup.start(inner, spec)
             inner.start_soon(watch_progress, cfg, state, run_dir, live, eval_lock)
