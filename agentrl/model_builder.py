@@ -81,7 +81,7 @@ CHAT_TEMPLATE = (
 SIZES: dict[str, dict[str, float]] = {
     # initializer_range: the transformers default (0.02) is sized for wide models; at hidden 128
     # it left the quickstart's SFT on a plateau for ~400 steps, 0.06 (about 0.7/sqrt(hidden))
-    # learned to copy numbers by step 200 (measured; see docs/architecture.md)
+    # learned to copy numbers by step 200 (measured; see docs/performance.md, "The quickstart")
     "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=32, vocab_target=1024, initializer_range=0.06),
     "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,

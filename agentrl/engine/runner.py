@@ -1,6 +1,6 @@
 """Model runner of the embedded engine: a transformers causal LM, a slot KV cache, sampling.
 
-Design (measured against transformers' own continuous batching; see docs/architecture.md):
+Design (measured against transformers' own continuous batching; numbers in docs/performance.md):
 
 * **Slot KV cache.** Per layer, one K and one V buffer of shape
   ``[max_running_requests, kv_heads, capacity, head_dim]``. Running request ``i`` lives in

@@ -11,7 +11,7 @@
 * :mod:`agentrl.transport.delivery`: exactly-once delivery, the actor's ``Outbox`` and the
   learner's ``Ledger``.
 
-See docs/architecture.md ("Transport") for the design and its measurements.
+See docs/architecture.md ("Transport") for the design, docs/performance.md ("Transport") for its measurements.
 """
 
 from agentrl.transport.base import GroupSink, GroupSource, ProgressSink, ProgressSource, TransportError

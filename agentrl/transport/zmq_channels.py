@@ -7,7 +7,7 @@ Two channels (the learner binds, actors connect):
 * progress, learner -> actors, ZMQ PUB/SUB: :class:`ProgressPublisher` (synchronous) and
   :class:`ProgressSubscriber` (trio).
 
-Design (measurements in docs/architecture.md and ``bench/transport.py``):
+Design (measurements in docs/performance.md and ``bench/transport.py``):
 
 * **Trajectories go straight through the caller's thread.** ZMQ already has a background
   I/O thread per context that queues messages up to the high-water mark, so the sender
