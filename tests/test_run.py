@@ -186,7 +186,7 @@ def test_live_table_shows_rl_rates(tmp_path: Path) -> None:
 
     from agentrl.run import RunState, _table
 
-    cfg = load_config(EXAMPLE)
+    cfg = load_config(EXAMPLE, ["learner.max_steps=20"])
     state = RunState(tmp_path)
     state.last_metrics = {"step": 3, "staleness/mean": 0.5, "reward/mean": 0.25}
     (tmp_path / "learner_status.json").write_text(json.dumps({
@@ -296,7 +296,7 @@ def test_without_a_terminal_the_live_view_is_a_plain_line_every_few_seconds(tmp_
 
     clock = [1000.0]
     monkeypatch.setattr(run_module.time, "monotonic", lambda: clock[0])
-    cfg = load_config(EXAMPLE)
+    cfg = load_config(EXAMPLE, ["learner.max_steps=20"])
     state = RunState(tmp_path)
     state.last_metrics = {"step": 5, "reward/mean": 0.5}
     state.versions_seen = {5}
