@@ -5,7 +5,6 @@ are read from /proc while they run (the processes themselves run on the CPU)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from agentrl.children import actor_specs, child_specs, plan_config
 from agentrl.config import load_config
 from agentrl.placement import placement_for
 from tests._learner_helpers import REPO, subprocess_env, tiny_model  # noqa: F401
+from tests._processes import stop_agentrl_run
 from tests.test_cli import run_cli
 
 
@@ -198,6 +198,7 @@ def test_a_real_run_gives_each_child_its_devices(tiny_model, tmp_path):  # noqa:
     proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     seen: dict[str, str | None] = {}
+    end = time.monotonic() + 540  # inside the test's 600 s: what is left stops the run (and its children)
     try:
         deadline = time.monotonic() + 400
         while not {"engine0", "engine1", "learner", "actor0"} <= set(seen) and proc.poll() is None:
@@ -208,11 +209,9 @@ def test_a_real_run_gives_each_child_its_devices(tiny_model, tmp_path):  # noqa:
                 for child_argv, devices in _processes_with(marker).values():
                     seen.setdefault(_role(child_argv, ports), devices)
             time.sleep(0.2)
-        out, _ = proc.communicate(timeout=400)
+        out, _ = proc.communicate(timeout=max(1.0, end - time.monotonic()))
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-            proc.wait()
+        stop_agentrl_run(proc, grace_s=40)
     assert proc.returncode == 0, out[-3000:]
     assert seen["run"] == "3,5,7"
     assert (seen["learner"], seen["engine0"], seen["engine1"], seen["actor0"]) == ("3", "5", "7", "")

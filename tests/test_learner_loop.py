@@ -234,8 +234,10 @@ enabled = true
             start_new_session=True,
         )
 
+    end = time.monotonic() + 500  # every wait within the test's 600 s (the restart below needs the rest)
+
     def wait_version(version: int, timeout_s: float = 150.0) -> Progress:
-        deadline = time.monotonic() + timeout_s
+        deadline = min(time.monotonic() + timeout_s, end)
         while time.monotonic() < deadline:
             if sub.poll(200):
                 msg = decode(sub.recv())
@@ -246,7 +248,7 @@ enabled = true
 
     def wait_logged(text: str, after: int, timeout_s: float = 60.0) -> None:
         """Until the log has ``text`` beyond its first ``after`` characters."""
-        deadline = time.monotonic() + timeout_s
+        deadline = min(time.monotonic() + timeout_s, end)
         while text not in log_path.read_text()[after:]:
             assert proc.poll() is None, log_path.read_text()[-4000:]
             assert time.monotonic() < deadline, f"{text!r} not logged in {timeout_s} s"
@@ -274,7 +276,7 @@ enabled = true
         logged = len(log_path.read_text())
         wait_logged("waiting for trajectory groups", after=logged)  # it waits for data (and says so in its log) ...
         proc.send_signal(signal.SIGTERM)  # ... then stop it: a clean stop with a checkpoint
-        proc.wait(timeout=120)
+        proc.wait(timeout=max(1.0, min(120.0, end - time.monotonic())))
         out = log_path.read_text()
         assert proc.returncode == 0, out[-4000:]
     finally:

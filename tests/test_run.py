@@ -20,6 +20,7 @@ import pytest
 from agentrl.config import load_config
 from agentrl.run import run
 from agentrl.supervisor import ChildFailed
+from tests._processes import stop_agentrl_run
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "calculator" / "config.toml"
@@ -147,15 +148,19 @@ def test_failing_learner_stops_the_run_and_is_named(tiny_model: Path, tmp_path: 
 
 
 def test_cli_run_reports_a_failing_child_with_exit_1(tiny_model: Path, tmp_path: Path) -> None:
-    res = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "agentrl", "run", str(EXAMPLE), "--no-live", "--run-dir", str(tmp_path / "run"),
          "-s", f"model.path={tiny_model}", "-s", "sft.enabled=false", "-s", "learner.device=cuda",
          "-s", "tracking.enabled=false", "-s", "eval.num_tasks=4"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         env={**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": "0,1"},  # a pretend GPU for the learner
     )
-    assert res.returncode == 1, res.stderr[-2000:]
-    assert "learner exited with status" in res.stderr and "end of its log" in res.stderr
+    try:
+        _, err = proc.communicate(timeout=300)
+    finally:
+        stop_agentrl_run(proc)  # too slow: every child stopped, none left behind
+    assert proc.returncode == 1, err[-2000:]
+    assert "learner exited with status" in err and "end of its log" in err
 
 
 @pytest.mark.parametrize("example", ["search_qa", "code", "custom_env"])
@@ -276,8 +281,7 @@ def test_sigterm_and_sighup_stop_a_real_run_like_ctrl_c(signum: int, wait_for: s
         proc.send_signal(signum)
         _, err = proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        stop_agentrl_run(proc)
     name = signal.Signals(signum).name
     assert proc.returncode == 128 + signum, err[-2000:]
     assert f"stopped by {name}: every process was stopped" in err
