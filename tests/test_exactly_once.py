@@ -152,15 +152,20 @@ enabled = false
                  "--dump-trajectories", str(dump), "--log-interval-s", "2"]
         follower = VersionFollower(prog, engine)
         procs: dict[str, subprocess.Popen] = {}
+        end = time.monotonic() + 840  # every wait within the test's 900 s, so a slow run fails here and is killed
+
+        def left(cap_s: float) -> float:
+            return max(1.0, min(cap_s, end - time.monotonic()))
+
         try:
             procs["learner"] = start(learn, logs["learner"])
             procs["actor"] = start(actor, logs["actor"])
-            wait_for(lambda: max(metrics_steps(run_dir), default=0) >= 3, "step 3", 400, procs, logs)
+            wait_for(lambda: max(metrics_steps(run_dir), default=0) >= 3, "step 3", left(400), procs, logs)
 
             # 1. SIGKILL the learner after a checkpoint (step 2) and a step past it; the actor keeps going
             kill(procs["learner"])  # the actor sends into the void while the new learner starts (seconds of imports)
             procs["learner"] = start(learn, logs["learner"])
-            wait_for(lambda: "resumed from" in logs["learner"].read_text(), "the resume", 300, procs, logs)
+            wait_for(lambda: "resumed from" in logs["learner"].read_text(), "the resume", left(300), procs, logs)
 
             # 2. duplicates on the wire: the first group ever produced, three more times
             first = group_from_dump(dumped_groups(dump)[0])
@@ -172,13 +177,13 @@ enabled = false
                 push.send(encode(first))
 
             # 3. SIGKILL the actor later on; a new actor process (same index) continues its budget
-            wait_for(lambda: max(metrics_steps(run_dir), default=0) >= 5, "step 5", 400, procs, logs)
+            wait_for(lambda: max(metrics_steps(run_dir), default=0) >= 5, "step 5", left(400), procs, logs)
             kill(procs["actor"])
             procs["actor"] = start(actor, logs["actor"])
 
-            procs["learner"].wait(timeout=400)
+            procs["learner"].wait(timeout=left(400))
             assert procs["learner"].returncode == 0, logs["learner"].read_text()[-4000:]
-            procs["actor"].wait(timeout=60)  # the learner's `done` reaches it
+            procs["actor"].wait(timeout=left(60))  # the learner's `done` reaches it
             assert procs["actor"].returncode == 0, logs["actor"].read_text()[-4000:]
             push.close()
             ctx.term()
