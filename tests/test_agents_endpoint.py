@@ -306,6 +306,75 @@ def test_a_real_weight_update_abort_is_continued_into_one_completion(tokenizer, 
     assert_template(traj, tokenizer)
 
 
+def test_an_openai_agents_sdk_agent_is_recorded_token_for_token_as_the_engine_generated_it(tokenizer, codec,
+                                                                                             engine_url, engine_teacher):
+    """An Agents SDK ``Agent`` with a ``function_tool`` run by ``Runner.run`` on the real engine: every request
+    the SDK sends is accepted, the first prompt is the template's rendering of the messages and tools it sent,
+    and each completion is what the engine generates for that prompt and seed (the same ids and logprobs on a
+    replay; the teacher-forced logprobs). A random model rarely calls tools: the round trip is covered with
+    the scripted engine (test_the_openai_agents_sdk_runs_unchanged)."""
+    from agents import Agent as SdkAgent
+    from agents import (MaxTurnsExceeded, ModelBehaviorError, ModelSettings, OpenAIChatCompletionsModel, RunConfig,
+                        Runner, function_tool)
+
+    @function_tool
+    def add(a: int, b: int) -> int:
+        """Add two numbers."""
+        return a + b
+
+    sent: list[dict] = []
+
+    async def agent(task, client):
+        create = client.chat.completions.create
+
+        async def recording_create(**kwargs):  # what the SDK sends, as it sends it
+            sent.append(json.loads(json.dumps({k: kwargs.get(k) for k in ("messages", "tools", "seed", "max_tokens")},
+                                              default=str)))
+            return await create(**kwargs)
+
+        client.chat.completions.create = recording_create
+        calculator = SdkAgent(name="calc", instructions="Use the tools.", tools=[add],
+                              model=OpenAIChatCompletionsModel(model="tiny", openai_client=client),
+                              model_settings=ModelSettings(max_tokens=12, extra_args={"seed": 11}))
+        try:
+            await Runner.run(calculator, "What is 2 + 3?", max_turns=3, run_config=RunConfig(tracing_disabled=True))
+        except (MaxTurnsExceeded, ModelBehaviorError):  # a random model's reply: an episode to score
+            pass
+        return 1.0
+
+    [[traj]] = play(tokenizer, engine_url, Agent(agent))
+    md = traj.metadata
+    assert sent and md["num_calls"] == len(sent) and md["num_sequences"] == 1 and traj.reward == 1.0
+    assert [(s["seed"], s["max_tokens"]) for s in sent] == [(11, 12)] * len(sent)
+    tools = sent[0]["tools"]
+    assert [t["function"]["name"] for t in tools] == ["add"]
+    assert sent[0]["messages"] == [{"role": "system", "content": "Use the tools."},
+                                   {"role": "user", "content": "What is 2 + 3?"}]
+    assert md["messages"][:2] == sent[0]["messages"]  # as recorded
+    assert_template(traj, tokenizer, tools=tools)
+    prompt = template_ids(tokenizer, sent[0]["messages"], tools)
+    tokens = [int(t) for t in traj.tokens]
+    assert tokens[:len(prompt)] == prompt  # the first prompt is the template's, tokenized as a whole
+    spans = model_spans(traj)
+    assert [tuple(s) for s in md["call_spans"]] == spans and spans[0][0] == len(prompt)
+    for i, (start, _) in enumerate(spans[1:], 1):  # a later call's prompt renders as the SDK's messages
+        assert tokenizer.decode(tokens[:start], skip_special_tokens=False) == tokenizer.apply_chat_template(
+            sent[i]["messages"], tools=tools, add_generation_prompt=True, tokenize=False)
+
+    async def replay():
+        async with EngineClient([engine_url]) as client:
+            return [await client.generate(tokens[:start], {"sampling_seed": 11, "max_new_tokens": 12,
+                                                           "stop_token_ids": [codec.end_of_turn_id]})
+                    for start, _ in spans]
+
+    for (start, end), direct in zip(spans, trio.run(replay)):
+        assert direct.output_ids == tokens[start:end]  # what the engine generates for this prompt and seed
+        assert max_abs_diff(direct.output_logprobs, traj.behavior_logprobs[start:end].tolist()) < 1e-5
+        teacher = engine_teacher.logprobs(tokens[:start], tokens[start:end])
+        assert max_abs_diff(teacher, traj.behavior_logprobs[start:end].tolist()) < 1e-4
+    assert set(traj.weight_versions[traj.loss_mask == 1].tolist()) == {0}
+
+
 # ----------------------------------------------------------------------------- scripted engine
 
 
