@@ -139,20 +139,7 @@ def test_sdk_calls_are_recorded_token_for_token_as_the_engine_generated_them(tok
     assert len(spans) == 2 and spans[0][0] == len(prompt)
     tokens = [int(t) for t in traj.tokens]
 
-    async def replay():
-        async with EngineClient([engine_url]) as client:
-            out = []
-            for (start, end), seed, limit in zip(spans, (11, 12), (12, 10)):
-                params = {"sampling_seed": seed, "max_new_tokens": limit, "stop_token_ids": [codec.end_of_turn_id]}
-                out.append(await client.generate(tokens[:start], params))
-            return out
-
-    for (start, end), direct in zip(spans, trio.run(replay)):
-        assert direct.output_ids == tokens[start:end]  # what the engine generates for this prompt and seed
-        assert max_abs_diff(direct.output_logprobs, traj.behavior_logprobs[start:end].tolist()) < 1e-5
-        teacher = engine_teacher.logprobs(tokens[:start], tokens[start:end])
-        assert max_abs_diff(teacher, traj.behavior_logprobs[start:end].tolist()) < 1e-4
-    assert set(traj.weight_versions[traj.loss_mask == 1].tolist()) == {0}
+    assert_engine_generated(traj, spans, [(11, 12), (12, 10)], engine_url, codec, engine_teacher)
 
     first = seen["first"]  # what the client saw is what was recorded
     assert first.metadata == {"weight_version": "0"}
@@ -361,13 +348,26 @@ def test_an_openai_agents_sdk_agent_is_recorded_token_for_token_as_the_engine_ge
         assert tokenizer.decode(tokens[:start], skip_special_tokens=False) == tokenizer.apply_chat_template(
             sent[i]["messages"], tools=tools, add_generation_prompt=True, tokenize=False)
 
+    assert_engine_generated(traj, spans, [(11, 12)] * len(spans), engine_url, codec, engine_teacher)
+
+
+def assert_engine_generated(traj, spans, seeds_and_limits, engine_url, codec, engine_teacher) -> None:
+    """Each recorded completion is what the engine generates for its prompt, seed and length limit
+    (a replay gives the same ids and logprobs) and its logprobs are the teacher-forced ones, all
+    under policy version 0."""
+    tokens = [int(t) for t in traj.tokens]
+
     async def replay():
         async with EngineClient([engine_url]) as client:
-            return [await client.generate(tokens[:start], {"sampling_seed": 11, "max_new_tokens": 12,
-                                                           "stop_token_ids": [codec.end_of_turn_id]})
-                    for start, _ in spans]
+            out = []
+            for (start, _), (seed, limit) in zip(spans, seeds_and_limits):
+                params = {"sampling_seed": seed, "max_new_tokens": limit, "stop_token_ids": [codec.end_of_turn_id]}
+                out.append(await client.generate(tokens[:start], params))
+            return out
 
-    for (start, end), direct in zip(spans, trio.run(replay)):
+    replies = trio.run(replay)
+    assert len(replies) == len(spans)
+    for (start, end), direct in zip(spans, replies):
         assert direct.output_ids == tokens[start:end]  # what the engine generates for this prompt and seed
         assert max_abs_diff(direct.output_logprobs, traj.behavior_logprobs[start:end].tolist()) < 1e-5
         teacher = engine_teacher.logprobs(tokens[:start], tokens[start:end])

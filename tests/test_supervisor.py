@@ -40,22 +40,28 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_restarts_then_fails_naming_child_and_log(tmp_path: Path) -> None:
-    events: list[tuple[str, str]] = []
-    sup = Supervisor(stop_grace_s=2, on_event=lambda n, w: events.append((n, w)))
-    crash = ChildSpec("actor", _py("print('boom from actor'); raise SystemExit(3)"), tmp_path / "actor.log",
-                      max_restarts=2)
+def _child_failure(sup: Supervisor, *specs: ChildSpec) -> ChildFailed:
+    """Start ``specs`` under ``sup`` and wait for a failure: the :class:`ChildFailed` it raises."""
 
     async def main() -> None:
         async with trio.open_nursery() as n:
-            await sup.start(n, crash)
+            for spec in specs:
+                await sup.start(n, spec)
             n.start_soon(sup.wait_for_failure)
 
     with pytest.raises(BaseExceptionGroup) as info:
         trio.run(main)
     failed = info.value.subgroup(ChildFailed)
     assert failed is not None
-    err = failed.exceptions[0]
+    return failed.exceptions[0]
+
+
+def test_restarts_then_fails_naming_child_and_log(tmp_path: Path) -> None:
+    events: list[tuple[str, str]] = []
+    sup = Supervisor(stop_grace_s=2, on_event=lambda n, w: events.append((n, w)))
+    crash = ChildSpec("actor", _py("print('boom from actor'); raise SystemExit(3)"), tmp_path / "actor.log",
+                      max_restarts=2)
+    err = _child_failure(sup, crash)
     assert err.name == "actor" and err.returncode == 3
     assert "boom from actor" in err.log_tail
     assert sup.children["actor"].restarts == 2
@@ -96,16 +102,7 @@ def test_critical_failure_stops_the_others(tmp_path: Path) -> None:
     sleeper = ChildSpec("engine", _py("import time; time.sleep(60)"), tmp_path / "engine.log")
     learner = ChildSpec("learner", _py("import time; time.sleep(0.5); raise SystemExit(1)"),
                         tmp_path / "learner.log", critical=True)
-
-    async def main() -> None:
-        async with trio.open_nursery() as n:
-            await sup.start(n, sleeper)
-            await sup.start(n, learner)
-            n.start_soon(sup.wait_for_failure)
-
-    with pytest.raises(BaseExceptionGroup) as info:
-        trio.run(main)
-    assert info.value.subgroup(ChildFailed).exceptions[0].name == "learner"
+    assert _child_failure(sup, sleeper, learner).name == "learner"
     engine_pid = sup.children["engine"].process.pid
     assert _gone_soon(engine_pid)
 
@@ -175,15 +172,7 @@ def test_a_redacted_child_logs_everything_but_its_secrets(tmp_path: Path) -> Non
             "    sys.stdout.write(part); sys.stdout.flush(); time.sleep(0.2)\n"
             "sys.stderr.write('Traceback: bad key sk-live-42'); sys.stderr.flush(); sys.exit(5)")
     spec = ChildSpec("engine0", _py(code), tmp_path / "engine0.log", critical=True, redact=("sk-live-42",))
-
-    async def main() -> None:
-        async with trio.open_nursery() as n:
-            await sup.start(n, spec)
-            n.start_soon(sup.wait_for_failure)
-
-    with pytest.raises(BaseExceptionGroup) as info:
-        trio.run(main)
-    err = info.value.subgroup(ChildFailed).exceptions[0]
+    err = _child_failure(sup, spec)
     assert (tmp_path / "engine0.log").read_text() == "api_key=<redacted> ok\nTraceback: bad key <redacted>"
     assert err.returncode == 5 and err.log_tail.endswith("Traceback: bad key <redacted>")
 
