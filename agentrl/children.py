@@ -14,8 +14,10 @@ environment without starting it. :mod:`agentrl.supervisor` runs the :class:`Chil
   dies, up to ``MAX_RESTARTS`` times (the supervisor backs off between tries). An engine comes
   back *without* a weight version (``--weight-version default``: it serves the warm start,
   reports SGLang's "no version", and actors wait on it) until the learner notices it and
-  pushes its policy (``agentrl.learner.weight_push``, "Membership"). A learner comes back from
-  its latest checkpoint and journal; an actor continues its budget under the same id.
+  pushes its policy (``agentrl.learner.weight_push``, "Membership"); engines that serve a LoRA
+  adapter (``learner.lora.sync = "adapter"``) also start without one, until the learner loads it.
+  A learner comes back from its latest checkpoint and journal; an actor continues its budget
+  under the same id.
 """
 
 from __future__ import annotations
@@ -99,7 +101,11 @@ def engine_specs(cfg: AgentRLConfig, run_dir: Path, placement: Placement,
                  secret: Callable[[str], str] | None = None) -> list[ChildSpec]:
     """The engines this run starts (``engine.urls`` of a planned config), each on its own devices.
     First started at version 0 (they serve ``model.path``, the learner's version 0); restarted
-    without a version, so that nothing they answer before the learner's push counts.
+    without a version, so that nothing they answer before the learner's push counts. With
+    ``learner.lora.sync = "adapter"`` also first started without one: every actor request names
+    the adapter, which only the learner loads (it then sets the version), and SGLang refuses a
+    request naming an adapter it has never loaded (actors wait on such an engine while it reports
+    ``"default"``; a number means it holds the adapter).
 
     SGLang takes its keys only as flags and logs them at start (``server_args=...``, info level, from
     ``sglang/srt/entrypoints/engine.py:Engine._launch_subprocesses``; only watermark secrets are masked):
@@ -107,18 +113,37 @@ def engine_specs(cfg: AgentRLConfig, run_dir: Path, placement: Placement,
     from agentrl.engine.launch import config_engine_args, engine_command
     from agentrl.secrets import read_secret
 
-    extra = config_engine_args(cfg, secret=secret)
-    unversioned = config_engine_args(cfg, secret=secret, weight_version="default")
-    e, secret = cfg.engine, secret or read_secret
-    keys = tuple(k for k in (secret(e.api_key_env), secret(e.admin_api_key_env)) if k) if e.backend == "sglang" else ()
+    e, python, secret_of = cfg.engine, cfg.engine.sglang_python, secret or read_secret
+    keys = tuple(k for k in (secret_of(e.api_key_env), secret_of(e.admin_api_key_env)) if k) if e.backend == "sglang" else ()
     specs = []
     for i, url in enumerate(cfg.engine.urls):
         host, port = url.rsplit("//", 1)[1].rsplit(":", 1)
-        argv = engine_command(cfg.model.path, int(port), backend=cfg.engine.backend, host=host, extra=extra)
-        again = engine_command(cfg.model.path, int(port), backend=cfg.engine.backend, host=host, extra=unversioned)
-        specs.append(ChildSpec(f"engine{i}", argv, run_dir / "logs" / f"engine{i}.log", env=placement.engine_env(i),
-                               max_restarts=MAX_RESTARTS, restart_argv=again, redact=keys))
+        on_cpu = i >= len(placement.engines) or not placement.engines[i]
+        unversioned = config_engine_args(cfg, secret=secret, weight_version="default", on_cpu=on_cpu)
+        extra = unversioned if cfg.learner.lora.served_adapter else config_engine_args(cfg, secret=secret,
+                                                                                        on_cpu=on_cpu)
+        argv = engine_command(cfg.model.path, int(port), backend=e.backend, host=host, extra=extra, python=python)
+        again = engine_command(cfg.model.path, int(port), backend=e.backend, host=host, extra=unversioned,
+                               python=python)
+        specs.append(ChildSpec(f"engine{i}", argv, run_dir / "logs" / f"engine{i}.log",
+                               env=engine_env(cfg, placement, i, on_cpu), max_restarts=MAX_RESTARTS,
+                               restart_argv=again, redact=keys))
     return specs
+
+
+def engine_env(cfg: AgentRLConfig, placement: Placement, index: int, on_cpu: bool) -> dict[str, str]:
+    """Engine ``index``'s environment: its GPUs, and for SGLang its CPU switches (on no GPU) and
+    ``engine.sglang_env`` (a ``PYTHONPATH`` there goes after the CPU stand-in's)."""
+    env = placement.engine_env(index)
+    if cfg.engine.backend != "sglang":
+        return env
+    from agentrl.engine.launch import sglang_cpu_env
+
+    user = dict(cfg.engine.sglang_env)
+    if on_cpu:
+        env.update(sglang_cpu_env(user) if "PYTHONPATH" in user else sglang_cpu_env())
+        user.pop("PYTHONPATH", None)
+    return {**env, **user}
 
 
 def learner_spec(cfg: AgentRLConfig, run_dir: Path, placement: Placement) -> ChildSpec:

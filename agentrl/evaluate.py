@@ -69,6 +69,30 @@ def evaluate_command(cfg: AgentRLConfig, *, checkpoint: Path | None = None, num_
     return result
 
 
+def load_policy_into_engines(cfg: AgentRLConfig, version: int = 0) -> None:
+    """Every engine in ``engine.urls`` loads the policy ``model.path`` from disk and reports
+    ``version``: pause, ``/update_weights_from_disk`` (SGLang's ``UpdateWeightFromDiskReqInput``:
+    ``model_path``, ``weight_version``, ``flush_cache``), continue. ``agentrl run`` calls it for
+    engines it did not start, before the evaluation before RL: their weights are unknown (an earlier
+    run may have left its policy under any version number, even ``"0"``), so every one of them
+    loads this run's policy, whatever it reports. With ``learner.lora.sync = "adapter"`` the
+    adapter is unloaded first (the embedded engine merges it into the weights every request runs
+    on; the learner loads its own). Raises ``WeightUpdateError`` naming the engine and the fix."""
+    from agentrl.config import LORA_ADAPTER_NAME
+    from agentrl.learner.weight_push import WeightUpdater, WeightUpdateError
+
+    with WeightUpdater.from_config(cfg.engine) as updater:
+        if cfg.learner.lora.served_adapter:
+            updater.unload_adapter_everywhere(LORA_ADAPTER_NAME)
+        try:
+            updater.push_from_disk(cfg.model.path, version)
+        except WeightUpdateError as e:
+            raise WeightUpdateError(
+                f"the engines in engine.urls must hold this run's policy before the evaluation before RL, and "
+                f"loading {cfg.model.path} failed ({e}): the folder must be readable at that path by every engine "
+                "(the same machine, or a shared file system)", e.status) from None
+
+
 def _log(cfg: AgentRLConfig, result: dict[str, Any]) -> None:
     if not cfg.tracking.enabled:
         return

@@ -7,9 +7,13 @@
 # torch from the index is used unless AGENTRL_TORCH says otherwise.
 # System packages (bubblewrap for the local code sandbox) are installed when running as
 # root with apt-get available; elsewhere the script says what is missing.
+# SGLang (opt-in, AGENTRL_SGLANG=1): a second virtualenv (AGENTRL_SGLANG_VENV, default .venv-sglang)
+# with the SGLang release agentrl is tested against and sglang-router. SGLang pins its own torch and
+# transformers, so it cannot share .venv; point engine.sglang_python at its interpreter. About 11 GB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${AGENTRL_VENV:-.venv}
+SGLANG_ROUTER_PIN=0.3.2  # the router release whose flags agentrl passes (agentrl/cluster.py)
 PY=${PYTHON:-python3}
 
 if ! command -v bwrap >/dev/null 2>&1; then
@@ -31,3 +35,11 @@ if [ -z "${AGENTRL_TORCH:-}" ]; then
 fi
 pip_install "$AGENTRL_TORCH" -e ".[dev]"
 "$VENV/bin/python" -c "import agentrl, torch; print(f'agentrl {agentrl.__version__} installed in $VENV (torch {torch.__version__})')"
+
+if [ "${AGENTRL_SGLANG:-0}" = 1 ]; then
+  SGLANG_VENV=${AGENTRL_SGLANG_VENV:-.venv-sglang}
+  SGLANG_PIN=$("$VENV/bin/python" -c "from agentrl.engine.launch import SGLANG_VERSION as v; print(v)")
+  [ -x "$SGLANG_VENV/bin/python" ] || "$PY" -m venv "$SGLANG_VENV"
+  VENV=$SGLANG_VENV pip_install "sglang==$SGLANG_PIN" "sglang-router==$SGLANG_ROUTER_PIN"
+  "$SGLANG_VENV/bin/python" -c "import importlib.metadata as m; print('sglang', m.version('sglang'), 'and sglang-router', m.version('sglang-router'), 'installed in $SGLANG_VENV: engine.sglang_python = \"$SGLANG_VENV/bin/python\"')"
+fi

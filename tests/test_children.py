@@ -19,7 +19,9 @@ from agentrl.config import load_config
 from agentrl.placement import placement_for
 from tests._learner_helpers import REPO, subprocess_env, tiny_model  # noqa: F401
 from tests._processes import stop_agentrl_run
+from agentrl.engine.launch import SGLANG_VERSION
 from tests.test_cli import run_cli
+from tests.test_sglang_launch import interpreter_with_sglang
 
 
 def _pairs(argv: list[str]) -> dict[str, str]:
@@ -123,9 +125,10 @@ def test_colocated_children_share_the_gpu_and_push_weights_over_gloo(tmp_path):
 
 def test_dry_run_prints_the_placement_and_every_childs_command(tmp_path, monkeypatch):
     config = tmp_path / "run.toml"
-    # no model folder yet (as before a first run): the env check does not load a tokenizer
-    config.write_text(f"[model]\npath = '{tmp_path / 'model'}'\n[engine]\nbackend = 'sglang'\nnum_engines = 2\n"
-                      "[learner]\ngpus = 2\n")
+    python = interpreter_with_sglang(tmp_path, SGLANG_VERSION)  # what the engine check asks (without importing it)
+    # no model folder yet (as before a first run) of a size the check does not build: it loads no tokenizer
+    config.write_text(f"[model]\npath = '{tmp_path / 'model'}'\ninit_size = 'small'\n[engine]\nbackend = 'sglang'\nnum_engines = 2\n"
+                      f"sglang_python = '{python}'\n[learner]\ngpus = 2\n")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-a,GPU-b,GPU-c,GPU-d")
     monkeypatch.setenv("AGENTRL_ENGINE_API_KEY", "never-printed")
     rc, text, heavy, err = run_cli("run", str(config), "--dry-run", "--run-dir", str(tmp_path / "r"))
@@ -136,7 +139,8 @@ def test_dry_run_prints_the_placement_and_every_childs_command(tmp_path, monkeyp
     assert "  engine0: GPU GPU-c" in comments and "  engine1: GPU GPU-d" in comments
     children = {line.split()[0]: line for line in comments if line.startswith("  ") and " -m " in line}
     assert set(children) == {"engine0", "engine1", "learner", "actor0"}
-    assert "CUDA_VISIBLE_DEVICES=GPU-d " in children["engine1"] and "-m sglang.launch_server" in children["engine1"]
+    assert "CUDA_VISIBLE_DEVICES=GPU-d " in children["engine1"]
+    assert f"{python} -m sglang.launch_server" in children["engine1"]
     assert "--tp-size 1 --base-gpu-id 0" in children["engine1"] and "--weight-version 0" in children["engine1"]
     assert "--api-key '$AGENTRL_ENGINE_API_KEY'" in children["engine0"] and "never-printed" not in text
     assert "CUDA_VISIBLE_DEVICES=GPU-a,GPU-b " in children["learner"]

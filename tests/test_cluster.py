@@ -10,11 +10,15 @@ objects, ports and environment, and never hold a key's value.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import stat
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
+
+import httpx
 
 import pytest
 import yaml
@@ -26,9 +30,8 @@ from tests._learner_helpers import REPO
 
 EXAMPLE = REPO / "examples" / "gpu_sglang" / "config.toml"
 SEARCH = "env.kwargs.search_url=http://search:8001"
-# sglang_router.launch_router's flags, by hand: the project pins no sglang-router version whose wheel
-# could be read here the way the SGLang wheel is
-ROUTER_FLAGS = {"--host", "--port", "--worker-urls", "--policy"}
+ROUTER_FLAGS = {"--host", "--port", "--worker-urls", "--policy"}  # what agentrl passes (plus --api-key with a key)
+ROUTER_VERSION = "0.3.2"  # sglang-router, whose launcher's flags are read from its wheel (router_flags)
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +42,28 @@ def sglang_flags() -> frozenset[str]:
         return sglang_spec.launch_server_flags()
     except RuntimeError as e:
         pytest.fail(str(e))
+
+
+@pytest.fixture(scope="module")
+def router_flags() -> frozenset[str]:
+    """``python -m sglang_router.launch_router``'s flags, read from the sglang-router wheel's argparse
+    calls (``router_args.py``; its Rust core takes them from there). Downloaded once next to SGLang's."""
+    cache = sglang_spec.wheel_cache()
+    found = sorted(cache.glob(f"sglang_router-{ROUTER_VERSION}-*.whl"))
+    if not found:
+        cmd = [sys.executable, "-m", "pip", "download", f"sglang-router=={ROUTER_VERSION}", "--no-deps",
+               "--only-binary=:all:", "--python-version", "3.11", "--platform", "manylinux2014_x86_64",
+               "--dest", str(cache), "--quiet", "--disable-pip-version-check"]
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        found = sorted(cache.glob(f"sglang_router-{ROUTER_VERSION}-*.whl"))
+        if not found:
+            pytest.fail(f"could not download sglang-router {ROUTER_VERSION}: {run.stderr[-2000:]}")
+    with zipfile.ZipFile(found[0]) as wheel:
+        source = wheel.read("sglang_router/router_args.py").decode()
+    flags = {f"--{name}" for name in re.findall(r'f"--\{prefix\}([a-z0-9-]+)"', source)}
+    flags |= set(re.findall(r'"(--[a-z][a-z0-9-]+)"', source))
+    assert {"--worker-urls", "--policy", "--api-key", "--health-check-endpoint"} <= flags  # the parse works
+    return frozenset(flags)
 
 
 def launch(tmp_path: Path, target: str, *args: str) -> tuple[subprocess.CompletedProcess, Path]:
@@ -63,14 +88,14 @@ def _stub(folder: Path, name: str, body: str) -> None:
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
 
 
-def test_slurm_script_and_its_logic(tmp_path):
+def test_slurm_script_and_its_logic(tmp_path, router_flags):
     res, out = launch(tmp_path, "slurm", "-s", SEARCH, "-s", "engine.num_engines=5", "-s", "engine.gpus_per_engine=2",
                       "-s", "learner.gpus=8", "-s", "actors.num_processes=3", "--learner-nodes", "2",
                       "--gpus-per-node", "8", "--partition", "gpu", "--time", "02:00:00")
     assert res.returncode == 0, res.stderr
-    sbatch, engines = out / "agentrl.sbatch", out / "engines.sh"
+    sbatch, engines, router_sh = out / "agentrl.sbatch", out / "engines.sh", out / "router.sh"
     assert f"submit: sbatch {sbatch}" in res.stdout
-    for script in (sbatch, engines):
+    for script in (sbatch, engines, router_sh):
         check = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
         assert check.returncode == 0, check.stderr
         assert "sk-never-in-a-file" not in script.read_text()
@@ -99,16 +124,15 @@ def test_slurm_script_and_its_logic(tmp_path):
     for line in log.read_text().splitlines():
         step = shlex.split(line)
         kind = next(a.rsplit("/", 1)[-1] for a in step
-                    if a.endswith("engines.sh") or a in ("sglang_router.launch_router", "serve-actors", "learn"))
+                    if a.endswith(("engines.sh", "router.sh")) or a in ("serve-actors", "learn"))
         steps.setdefault(kind, []).append(step)
-    assert {k: len(v) for k, v in steps.items()} == {"engines.sh": 2, "sglang_router.launch_router": 1,
-                                                      "serve-actors": 3, "learn": 1}
+    assert {k: len(v) for k, v in steps.items()} == {"engines.sh": 2, "router.sh": 1, "serve-actors": 3, "learn": 1}
     engine_steps = {next(a for a in s if a.startswith("--nodelist=")): s for s in steps["engines.sh"]}
     assert engine_steps["--nodelist=gpu-b10"][-1] == "4" and engine_steps["--nodelist=gpu-b02"][-1] == "1"
     urls = [f"http://gpu-b10:{30000 + j}" for j in range(4)] + ["http://gpu-b02:30000"]
-    (router,) = steps["sglang_router.launch_router"]
-    assert router[router.index("--worker-urls") + 1: router.index("--policy")] == urls
-    assert _flags(router[router.index("sglang_router.launch_router") + 1:]) == ROUTER_FLAGS
+    (router,) = steps["router.sh"]
+    assert router[router.index(str(router_sh)) + 1:] == urls
+    check_router_sh(tmp_path, router_sh, urls, router_flags)
 
     def settings(step: list[str]) -> list[str]:
         return [step[i + 1] for i, a in enumerate(step) if a == "-s"]
@@ -146,6 +170,31 @@ def test_launch_server_flags_come_from_sglangs_source(sglang_flags):
     assert {"--tensor-parallel-size", "--model", "--config", "--sampling-backend"} <= sglang_flags  # aliases, add_argument
     # the embedded engine's flags, a no_cli field (watermark_key) and an abbreviation are not SGLang's
     assert not {"--max-context-tokens", "--api-key-env", "--num-threads", "--watermark-key", "--tp"} & sglang_flags
+
+
+def check_router_sh(tmp_path: Path, router_sh: Path, urls: list[str], router_flags: frozenset[str]) -> None:
+    """router.sh with a stand-in for python that logs its arguments (keys included, as a router might) and
+    records its argv: the engines' api key reaches ``--api-key`` (also from a _FILE), never the log."""
+    bin_dir, argv_log = tmp_path / "router-bin", tmp_path / "router-argv.log"
+    bin_dir.mkdir()
+    _stub(bin_dir, "python", f'printf "%q " "$@" >> {argv_log}; echo >> {argv_log}; echo "router config: $*" >&2')
+    key_file = tmp_path / "router-key"
+    key_file.write_text("sk-router-from-file\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTRL_ENGINE_")}
+    env["PATH"] = f"{bin_dir}:{os.environ['PATH']}"
+    for extra, key in (({"AGENTRL_ENGINE_API_KEY_FILE": str(key_file)}, "sk-router-from-file"), ({}, None)):
+        run = subprocess.run(["bash", str(router_sh), *urls], env={**env, **extra}, capture_output=True, text=True,
+                             timeout=60)
+        assert run.returncode == 0, run.stderr
+        argv = shlex.split(argv_log.read_text().splitlines()[-1])
+        assert argv[:2] == ["-m", "sglang_router.launch_router"]
+        assert argv[argv.index("--worker-urls") + 1: argv.index("--policy")] == urls
+        assert _flags(argv) <= router_flags, _flags(argv) - router_flags
+        if key:
+            assert _flags(argv) == ROUTER_FLAGS | {"--api-key"} and argv[argv.index("--api-key") + 1] == key
+            assert key not in run.stdout + run.stderr and "--api-key <redacted>" in run.stdout
+        else:
+            assert _flags(argv) == ROUTER_FLAGS
 
 
 def test_slurm_engine_node_gives_each_server_its_gpus_and_keys(tmp_path, sglang_flags):
@@ -189,7 +238,7 @@ def test_slurm_engine_node_gives_each_server_its_gpus_and_keys(tmp_path, sglang_
 # ------------------------------------------------------------------------------ Kubernetes
 
 
-def test_kubernetes_manifests(tmp_path, sglang_flags):
+def test_kubernetes_manifests(tmp_path, sglang_flags, router_flags):
     res, out = launch(tmp_path, "k8s", "-s", "env.kwargs.search_url=http://agentrl-search:8001", "-s",
                       "engine.num_engines=3", "-s", "engine.gpus_per_engine=2", "-s", "engine.mem_fraction_static=0.8",
                       "-s", "engine.admin_api_key_env=ADMIN_TOKEN", "--learner-nodes", "2", "--namespace", "rl",
@@ -241,10 +290,21 @@ def test_kubernetes_manifests(tmp_path, sglang_flags):
     assert flags["--mem-fraction-static"] == "0.8" and '--admin-api-key "$key"' in script(sglang)
     assert by_kind[("Service", "agentrl-engine")]["spec"]["clusterIP"] == "None"
 
+    # probes: /ping (no generation, 200 while paused), never SGLang's /health with a 1 s limit; no liveness
+    for probe in ("startupProbe", "readinessProbe"):
+        command = sglang[probe]["exec"]["command"]
+        assert command[:2] == ["python", "-c"] and "/ping" in command[2] and "AGENTRL_ENGINE_API_KEY" in command[2]
+        assert sglang[probe]["timeoutSeconds"] >= 6  # the probe's own request waits 5 s
+    assert sglang["startupProbe"]["failureThreshold"] * sglang["startupProbe"]["periodSeconds"] >= 1800
+    assert "livenessProbe" not in sglang and "/health" not in str(sglang)
+
     router = container("Deployment", "agentrl-router")
-    assert router["command"][:3] == ["python", "-m", "sglang_router.launch_router"]
-    assert _flags(router["command"]) == ROUTER_FLAGS
-    assert router["command"][router["command"].index("--worker-urls") + 1:][:3] == urls
+    router_argv = shlex.split(script(router).rsplit("exec ", 1)[1].split(" ${ROUTER_KEYS")[0])
+    assert router_argv[:3] == ["python", "-m", "sglang_router.launch_router"]
+    assert _flags(router_argv) == ROUTER_FLAGS and _flags(router_argv) <= router_flags
+    assert router_argv[router_argv.index("--worker-urls") + 1:][:3] == urls
+    assert '--api-key "$key"' in script(router) and "$(secret AGENTRL_ENGINE_API_KEY)" in script(router)
+    assert key_env(router) == {"AGENTRL_ENGINE_API_KEY": keys["AGENTRL_ENGINE_API_KEY"]}  # not the admin key
     assert by_kind[("Service", "agentrl-router")]["spec"]["ports"][0]["port"] == 30010
 
     learner_job = by_kind[("Job", "agentrl-learner")]["spec"]
@@ -267,6 +327,49 @@ def test_kubernetes_manifests(tmp_path, sglang_flags):
     assert "resources" not in actor and key_env(actor) == keys
     serve = shlex.split(script(actor).removeprefix("exec "))
     assert serve[:2] == ["agentrl", "serve-actors"] and serve[serve.index("--index") + 1] == "$JOB_COMPLETION_INDEX"
+
+
+@pytest.fixture(scope="module")
+def keyed_engine(engine_model, tmp_path_factory):
+    """An embedded engine with an api key (SGLang's auth rules: /ping is a normal route)."""
+    from tests.conftest_engine import start_engines
+
+    (proc,) = start_engines(engine_model, 1, tmp_path_factory.mktemp("keyed_engine"),
+                            env={**os.environ, "AGENTRL_ENGINE_API_KEY": PROBE_KEY})
+    yield proc.url
+    proc.stop()
+
+
+PROBE_KEY = "sk-probe-0123456789"
+
+
+def test_the_engine_probe_passes_with_the_pods_key_and_while_paused(keyed_engine):
+    """The manifest's probe command itself, run against a real engine that wants a key."""
+    from agentrl.cluster import ping_probe
+    from agentrl.engine.launch import free_port
+
+    cfg = load_config(None, [SEARCH])
+    port = int(keyed_engine.rsplit(":", 1)[1])
+    command = ping_probe(cfg, port)["exec"]["command"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTRL_ENGINE_")}
+
+    def probe(**extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, *command[1:]], env={**env, **extra}, capture_output=True, text=True,
+                              timeout=30)
+
+    assert probe(AGENTRL_ENGINE_API_KEY=PROBE_KEY).returncode == 0
+    refused = probe()
+    assert refused.returncode == 1 and "401" in refused.stderr
+    headers = {"Authorization": f"Bearer {PROBE_KEY}"}
+    assert httpx.post(keyed_engine + "/pause_generation", json={"mode": "in_place"}, headers=headers,
+                      timeout=10).status_code == 200
+    try:
+        assert probe(AGENTRL_ENGINE_API_KEY=PROBE_KEY).returncode == 0
+        assert httpx.get(keyed_engine + "/ready", timeout=10).status_code == 503  # /ready: not while paused
+    finally:
+        httpx.post(keyed_engine + "/continue_generation", json={}, headers=headers, timeout=10)
+    nobody = ping_probe(cfg, free_port())["exec"]["command"][2]  # no engine there: the probe fails
+    assert subprocess.run([sys.executable, "-c", nobody], env=env, capture_output=True, timeout=30).returncode == 1
 
 
 def test_launch_refuses_what_a_cluster_cannot_run(tmp_path):

@@ -173,10 +173,12 @@ class _FlakyServer:
         from starlette.routing import Route
 
         self.calls = 0
+        self.rids: list[str] = []
 
         async def generate(request):
             self.calls += 1
             body = await request.json()
+            self.rids.append(body["rid"])
             if body["sampling_params"].get("bad"):
                 return JSONResponse({"error": {"message": "sampling_params has an unknown field 'bad'"}}, 400)
             if self.calls <= 2:
@@ -185,7 +187,7 @@ class _FlakyServer:
                 "id": body["rid"], "finish_reason": {"type": "length", "length": 1}, "prompt_tokens": 1,
                 "completion_tokens": 1, "weight_version": "3", "output_token_logprobs": [[-0.5, 4, None]]}})
 
-        async def health(request):
+        async def health(request):  # no /ping: the client falls back to /health
             return Response(status_code=200)
 
         app = Starlette(routes=[Route("/generate", generate, methods=["POST"]), Route("/health", health)])
@@ -248,6 +250,41 @@ def test_paused_engines_hold_calls_and_aborted_results_are_returned(urls):
     assert held.finish_reason["type"] == "length"
     assert aborted.aborted and 0 < len(aborted.output_ids) < 900
     assert len(aborted.output_logprobs) == len(aborted.output_ids)
+
+
+def test_a_paused_engine_stays_in_rotation_and_health_probes_park_nothing(urls):
+    """The client probes /ping, which answers from a flag while paused. SGLang's /health (the embedded
+    engine's too) would park a one-token request at the pause gate, outlive the probe's time limit and
+    drop the engine: shown first, as the border the client's probes must stay inside."""
+    url = urls[0]
+
+    async def main():
+        async with EngineClient([url], health_check_interval_s=0.05, health_timeout_s=0.5) as client:
+            await client.pause("in_place")
+            try:
+                async with httpx.AsyncClient() as http:
+                    with pytest.raises(httpx.ReadTimeout):
+                        await http.get(url + "/health", timeout=0.5)
+                    parked = server_info(url)["num_waiting"]
+                    await http.post(url + "/abort_request", json={"abort_all": True})
+                    probes: list[str] = []
+                    http_hooks = client._client().event_hooks
+                    http_hooks["request"].append(lambda r: _append_now(probes, r.url.path))
+                    with trio.fail_after(30):  # several health intervals of the background loop
+                        while len(probes) < 5:
+                            await trio.sleep(0.02)
+                    during = (client.healthy_urls(), server_info(url)["num_waiting"], set(probes))
+            finally:
+                await client.continue_generation()
+            return parked, during
+
+    parked, (healthy, waiting, paths) = trio.run(main)
+    assert parked == 1  # /health parked its generation
+    assert healthy == [url] and waiting == 0 and paths == {"/ping"}
+
+
+async def _append_now(out: list, item) -> None:
+    out.append(item)
 
 
 def test_router_url_takes_generation_and_control_goes_to_each_engine(urls):

@@ -237,7 +237,7 @@ def request_errors(req: dict, spec: sglang_spec.Spec) -> list[str]:
 def test_every_request_agentrl_sends_is_one_sglang_understands(recorded, spec):
     sent = {(r["method"], r["path"]) for r in recorded}
     # The capture really covers the client and the weight push (a broken driver must not pass quietly).
-    assert {("POST", "/generate"), ("GET", "/health"), ("POST", "/pause_generation"), ("POST", "/abort_request"),
+    assert {("POST", "/generate"), ("GET", "/ping"), ("POST", "/pause_generation"), ("POST", "/abort_request"),
             ("POST", "/init_weights_update_group"), ("POST", "/update_weights_from_distributed"),
             ("POST", "/update_weights_from_disk"), ("POST", "/destroy_weights_update_group"),
             ("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("POST", "/load_lora_adapter"),

@@ -261,3 +261,59 @@ def test_control_endpoints(url):
     assert "between begin_weight_update() and end_weight_update()" in r.json()["message"]
     r = post(url, "/update_weights_from_disk", {"model_path": "/nonexistent"})
     assert r.status_code == 400 and "safetensors" in r.json()["message"]
+
+
+# ------------------------------------------------------------------ probes as SGLang has them
+
+PROBE_KEY = "sk-probes-0123456789"
+
+
+@pytest.fixture(scope="module")
+def probed(engine_model, tmp_path_factory):
+    """An engine started through `agentrl serve-engine` without --weight-version, with an api key and
+    SGLang's health-check time limit at 1 s (``SGLANG_HEALTH_CHECK_TIMEOUT``)."""
+    import os
+
+    from tests.conftest_engine import ENGINE_FLAGS, start_engines
+
+    at = ENGINE_FLAGS.index("--weight-version")
+    flags = ENGINE_FLAGS[:at] + ENGINE_FLAGS[at + 2:]
+    env = {**os.environ, "AGENTRL_ENGINE_API_KEY": PROBE_KEY, "SGLANG_HEALTH_CHECK_TIMEOUT": "1"}
+    (proc,) = start_engines(engine_model, 1, tmp_path_factory.mktemp("probed"), via_cli=True, flags=flags, env=env)
+    yield proc.url
+    proc.stop()
+
+
+def test_serve_engine_reports_default_without_a_weight_version(probed):
+    key = {"Authorization": f"Bearer {PROBE_KEY}"}
+    assert httpx.get(probed + "/model_info", headers=key, timeout=10).json()["weight_version"] == "default"
+    r = httpx.post(probed + "/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}},
+                   headers=key, timeout=60)
+    assert r.json()["meta_info"]["weight_version"] == "default"
+
+
+def test_ping_is_a_flag_and_health_generates_as_in_sglang(probed):
+    key = {"Authorization": f"Bearer {PROBE_KEY}"}
+
+    def status(path: str, **kw) -> int:
+        return httpx.get(probed + path, timeout=30, **kw).status_code
+
+    ping = httpx.get(probed + "/ping", headers=key, timeout=10)
+    assert (ping.status_code, ping.content) == (200, b"")
+    assert status("/ping") == 401 and status("/health") == 200 and status("/ready") == 200  # /ping wants the key
+    assert post(probed, "/pause_generation", {"mode": "in_place"}, headers=key).status_code == 200
+    try:
+        assert status("/ping", headers=key) == 200 and status("/ready") == 503  # paused: alive, not ready
+        start = time.monotonic()
+        assert status("/health") == 503  # its one token waited at the pause for the 1 s limit
+        assert time.monotonic() - start >= 1.0
+        assert load_keyed(probed)["num_waiting"] == 0  # and was taken back
+        assert status("/ping", headers=key) == 503  # SGLang marks itself unhealthy until a check passes
+    finally:
+        post(probed, "/continue_generation", headers=key)
+    assert status("/ping", headers=key) == 503
+    assert status("/health_generate") == 200 and status("/ping", headers=key) == 200 and status("/ready") == 200
+
+
+def load_keyed(url: str) -> dict:
+    return httpx.get(url + "/server_info", headers={"Authorization": f"Bearer {PROBE_KEY}"}, timeout=10).json()

@@ -200,3 +200,155 @@ def test_a_full_update_under_a_merged_adapter_replaces_the_base_beneath_it(tiny_
             assert max_abs_diff(lp, Teacher(expected).logprobs(PROMPT, out)) <= 1e-4
         finally:
             updater.push(list(original.named_parameters()), version=0)  # leave the engine as it was
+
+
+# ------------------------------------------------------------------ adapter mode in a run: nothing fails
+
+
+def _adapter_run(tiny_model, run_dir):
+    """A planned ``sync = "adapter"`` run with one engine, the engine's ChildSpec (as ``agentrl run``
+    starts and restarts it) and a learner on it (its real weight updater, no actors)."""
+    from agentrl.children import engine_specs, plan_config
+    from agentrl.config import load_config
+    from agentrl.learner.loop import Learner, LearnerIO
+    from agentrl.learner.weight_push import WeightUpdater
+    from agentrl.placement import placement_for
+    from tests._learner_helpers import ListSource, Recorder
+
+    cfg = load_config(None, [f'model.path="{tiny_model}"', f'run.run_dir="{run_dir}"', "run.torch_num_threads=1",
+                             "learner.lora.rank=4", "learner.lora.alpha=8.0", "learner.lora.sync=adapter",
+                             'learner.device="cpu"', "learner.max_tokens_per_microbatch=96", "learner.lr=5e-2",
+                             "tracking.enabled=false", "engine.max_context_tokens=1024"])
+    placement = placement_for(cfg, ())
+    cfg = plan_config(cfg, run_dir, str(tiny_model), placement)
+    (spec,) = engine_specs(cfg, run_dir, placement)
+    for argv in (spec.argv, spec.restart_argv):  # first start and restart: no version until the adapter is in
+        assert argv[argv.index("--weight-version") + 1] == "default"
+
+    def learner() -> Learner:
+        updater = WeightUpdater.from_config(cfg.engine)
+        updater.connect()
+        return Learner(cfg, io=LearnerIO(source=ListSource([]), progress=Recorder(), weights=updater))
+
+    return cfg, spec, learner
+
+
+def _start_spec(spec, argv, url: str, log_path):
+    from agentrl.engine.launch import EngineProcess
+
+    proc = EngineProcess(spec.argv[spec.argv.index("--model") + 1], int(url.rsplit(":", 1)[1]), log_path=log_path)
+    proc.argv = list(argv)
+    return proc.start(wait_s=240)
+
+
+async def _until(condition, timeout_s: float, what: str) -> None:
+    """Poll ``condition`` (it depends on another process's answers) until it holds."""
+    import trio
+
+    deadline = trio.current_time() + timeout_s
+    while not condition():
+        assert trio.current_time() < deadline, f"not within {timeout_s} s: {what}"
+        await trio.sleep(0.05)
+
+
+async def _episode_waits_until(url: str, tokenizer, bring_adapter) -> "object":
+    """An actor's episode naming the adapter on ``url``; once it waits, ``bring_adapter()`` runs
+    (in a thread, as the learner's process would); returns the episode's trajectory."""
+    import trio
+
+    from agentrl.actors import rollout
+    from agentrl.actors.rollout import EpisodeLimits, run_episode, toolbox_for
+    from agentrl.engine.client import EngineClient
+    from agentrl.envs.base import Task
+    from tests._actors_user_env import AddEnv
+
+    env, out = AddEnv(), {}
+    limits = EpisodeLimits(max_turns=2, max_new_tokens_per_turn=8, max_total_tokens=512)
+
+    async def play(client) -> None:
+        out["traj"] = await run_episode(client, tokenizer, env, toolbox_for(env), Task(id="t", data={"a": 1, "b": 2}),
+                                        {"temperature": 0.0}, limits)
+
+    async with EngineClient([url], lora_path=LORA_ADAPTER_NAME) as client:
+        with trio.fail_after(200):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(play, client)
+                await _until(lambda: url in rollout._waiting_logged, 60, "the episode waits")
+                assert "traj" not in out
+                refused = await trio.to_thread.run_sync(lambda: _generate(url, LORA_ADAPTER_NAME))
+                assert refused.status_code == 400, refused.text  # what SGLang answers: nothing holds it
+                assert "never been loaded" in refused.json()["error"]["message"]
+                await trio.to_thread.run_sync(bring_adapter)
+    return out["traj"]
+
+
+def _versions(traj) -> set[int]:
+    return set(traj.weight_versions[traj.loss_mask == 1].tolist())
+
+
+def test_a_fresh_adapter_run_s_first_episodes_wait_for_the_learner_s_adapter(tiny_model, dist_info, tmp_path):
+    """Engines of an adapter run start at "default" without the adapter; an actor's request naming
+    it (SGLang: 400) waits instead of failing, until the learner's start loads it as version 0."""
+    import trio
+    from transformers import AutoTokenizer
+
+    cfg, spec, new_learner = _adapter_run(tiny_model, tmp_path / "run")
+    url = cfg.engine.urls[0]
+    proc = _start_spec(spec, spec.argv, url, tmp_path / "engine.log")
+    try:
+        assert httpx.get(url + "/model_info", timeout=10).json()["weight_version"] == "default"
+        learner = new_learner()
+        tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+
+        def learner_starts() -> None:  # Learner.run's first lines: check the engines, push where needed
+            learner._update_engines(learner._engines_changed())
+
+        try:
+            traj = trio.run(_episode_waits_until, url, tokenizer, learner_starts)
+        finally:
+            learner.io.close()
+        assert _versions(traj) == {0} and traj.metadata["num_turns"] >= 1
+        assert httpx.get(url + "/model_info", timeout=10).json()["weight_version"] == "0"
+    finally:
+        proc.stop()
+
+
+def test_a_restarted_engine_gets_the_adapter_before_its_answers_count(tiny_model, dist_info, tmp_path):
+    """An engine restarted mid-run comes back at "default" without the adapter: the episode on it
+    waits; the learner notices the restart and loads its adapter (its first load into the new
+    process: no unload to refuse); the episode then runs on the learner's policy."""
+    import trio
+    from transformers import AutoTokenizer
+
+    cfg, spec, new_learner = _adapter_run(tiny_model, tmp_path / "run")
+    url = cfg.engine.urls[0]
+    proc = _start_spec(spec, spec.argv, url, tmp_path / "engine.log")
+    learner = None
+    try:
+        learner = new_learner()
+        learner._update_engines(learner._engines_changed())
+        learner.trainer.rl_step(fixed_samples(21))
+        learner.steps_since_sync = 1
+        learner._sync_weights()
+        assert httpx.get(url + "/model_info", timeout=10).json()["weight_version"] == "1"
+        teacher = _merged_teacher(tiny_model, learner.trainer)
+
+        proc.stop()
+        proc = _start_spec(spec, spec.restart_argv, url, tmp_path / "engine-restarted.log")
+        assert httpx.get(url + "/model_info", timeout=10).json()["weight_version"] == "default"
+        reasons = []
+
+        def learner_notices() -> None:  # what its poll does every ENGINE_CHECK_S
+            reasons.append(learner._engines_changed())
+            learner._update_engines(reasons[-1])
+
+        traj = trio.run(_episode_waits_until, url, AutoTokenizer.from_pretrained(tiny_model), learner_notices)
+        assert "restarted" in reasons[0]
+        assert _versions(traj) == {1}
+        assert httpx.get(url + "/model_info", timeout=10).json()["weight_version"] == "1"
+        out, lp = _logprobs(_generate(url, LORA_ADAPTER_NAME))
+        assert max_abs_diff(lp, teacher.logprobs(PROMPT, out)) <= 1e-4  # the learner's adapter, not the base
+    finally:
+        if learner is not None:
+            learner.io.close()
+        proc.stop()

@@ -297,3 +297,55 @@ def test_keys_go_where_sglang_wants_them_and_never_into_logs(monkeypatch, caplog
         fake.stop()
         old_build.stop()
     assert api not in caplog.text and admin not in caplog.text
+
+
+# ------------------------------------------------------------------------------ NCCL: the host waits
+
+
+def test_settle_synchronises_the_host_with_a_cuda_device_only(monkeypatch):
+    """NCCL's work.wait() does not block the host (the stream waits): on CUDA the host is
+    synchronised with the device; gloo's CPU tensors are done after wait(), nothing to do."""
+    from agentrl.learner.weight_push import _settle
+
+    synced: list = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    assert _settle(torch.device("cpu")) is False and _settle("cpu") is False
+    assert synced == []
+    assert _settle(torch.device("cuda", 1)) is True
+    assert _settle("cuda:0") is True
+    assert [torch.device(d) for d in synced] == [torch.device("cuda", 1), torch.device("cuda", 0)]
+
+
+def test_a_broadcast_settles_on_its_device_after_every_wait_and_a_device_error_breaks_it(monkeypatch):
+    """The broadcast's time is taken, and the engines' answers read, only after _broadcast
+    returns: it must have settled by then; an error the device reports there is a broken broadcast."""
+    import torch.distributed as dist
+
+    from agentrl.learner import weight_push
+
+    events: list[tuple[str, str]] = []
+
+    class Work:
+        def __init__(self, name: str):
+            self.name = name
+
+        def wait(self) -> None:
+            events.append(("wait", self.name))
+
+    bucket = [("a", torch.zeros(2)), ("b", torch.ones(3))]
+    names = iter(n for n, _ in bucket)
+    monkeypatch.setattr(dist, "broadcast", lambda t, src, group, async_op: Work(next(names)))
+    monkeypatch.setattr(weight_push, "_settle", lambda device: events.append(("settle", torch.device(device).type)))
+    updater = WeightUpdater(["http://127.0.0.1:9"])
+    try:
+        assert updater._broadcast(bucket, flattened=False) == ""
+        assert events == [("wait", "a"), ("wait", "b"), ("settle", "cpu")]
+
+        def failing(device):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        names = iter(["a", "b"])
+        monkeypatch.setattr(weight_push, "_settle", failing)
+        assert "illegal memory access" in updater._broadcast(bucket, flattened=False)
+    finally:
+        updater.close()

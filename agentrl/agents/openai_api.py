@@ -12,7 +12,8 @@ checks every response key against SGLang's pydantic models.
 * *used*: ``messages``, ``model`` (any name is accepted, as SGLang does, so agent code written for
   another model runs unchanged), ``n``, ``temperature``, ``top_p``, ``max_tokens`` /
   ``max_completion_tokens``, ``stop``, ``seed`` (choice *i* samples with ``seed + i``, so the ``n``
-  choices differ and each is reproducible), ``stream``, ``stream_options.include_usage``, ``tools``,
+  choices differ and each is reproducible; SGLang's ``sampling_seed``, which SGLang honours only
+  under ``--enable-deterministic-inference``), ``stream``, ``stream_options.include_usage``, ``tools``,
   ``tool_choice`` (``auto`` / ``none``), ``logprobs``; SGLang's ``top_k`` and ``min_p``;
 * *accepted and ignored* (labels, no effect on the tokens): ``user``, ``metadata``, ``store``,
   ``prompt_cache_key``, ``prompt_cache_retention``, ``safety_identifier``, ``service_tier``;

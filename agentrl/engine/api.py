@@ -20,7 +20,8 @@ What mirrors SGLang (``sglang/srt/sampling/sampling_params.py``, ``managers/io_s
 * Errors: HTTP 400 with ``{"error": {"message": ...}}``; the context-length messages are
   SGLang's wording.
 * Batches: ``input_ids`` as a list of lists; ``sampling_params``/``rid``/``return_logprob``
-  either one value for all or one per prompt; a single ``rid`` string becomes ``rid_i``.
+  either one value for all or one per prompt; a single ``rid`` string becomes ``rid_i``; a rid
+  repeated within the batch is refused with SGLang's message.
 
 What the embedded engine does not implement is *accepted at its default value and rejected
 otherwise* (400 naming the field): penalties, ``min_new_tokens``, ``n`` > 1, constrained
@@ -364,6 +365,9 @@ def parse_generate(body: Any, *, vocab_size: int, context_len: int, encode=None)
         rids = rid
     else:
         raise RequestError("rid must be a string, or a list of strings with one per prompt")
+    repeated = sorted({r for r in rids if rids.count(r) > 1})
+    if repeated:  # SGLang's message (io_struct.py), with the field named
+        raise RequestError(f"rid: Duplicate request IDs detected within the request: {repeated}")
 
     lora = body.get("lora_path")
     if batched and isinstance(lora, list) and len(lora) != n:  # SGLang's check and message

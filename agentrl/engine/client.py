@@ -13,11 +13,21 @@ Usable from trio and asyncio (httpx + anyio). One :class:`EngineClient` spreads
   and raises :class:`EngineRequestError` at once. A result with
   ``finish_reason.type == "abort"`` (the server was paused with mode ``abort``, e.g. for a
   weight update) is a *result*, returned with its partial output and never retried.
-* **Health**: a background task (started by ``async with``) polls ``/health``; a server
-  that fails is dropped from the rotation and re-admitted when it answers again. When no
-  server is healthy a call *waits* (re-probing) until one is, up to ``timeout_s``, instead
-  of failing -- an engine that is restarting or busy with a weight update is not an error.
-  A paused server simply holds the requests it receives (SGLang's behaviour), so calls wait.
+* **Health**: a background task (started by ``async with``) polls each engine's ``/ping``,
+  SGLang's liveness flag, which stays 200 while generation is paused; never ``/health``, which in
+  SGLang generates a token: a paused engine parks that request, and after 20 s marks itself
+  unhealthy. An engine without ``/ping`` (404) is probed at ``/health`` from then on; the router
+  (which has no ``/ping``) at its own ``/health``. A server that fails is dropped from the
+  rotation and re-admitted when it answers again; a 401/403 is an answer (the calls themselves
+  report the key). When no server is healthy a call *waits* (re-probing) until one is, up to
+  ``timeout_s``, instead of failing -- an engine that is restarting is not an error. A paused
+  server simply holds the requests it receives (SGLang's behaviour), so calls wait.
+* **Request ids**: SGLang aborts by rid *prefix* (``abort_request``: every live rid that starts
+  with the one named) and refuses a rid that is still live (400 "Duplicate request ID"). So the
+  rid a caller passes is a *base*: each attempt (a retry too) sends :func:`attempt_rid` ``(base)``
+  = the base with ``%`` and ``#`` escaped, then ``#`` and 16 hex digits. No rid made so can be a
+  proper prefix of another (the first ``#`` ends the base, the suffix has a fixed width);
+  :meth:`EngineClient.abort` with a base aborts every attempt of a call still in progress.
 * **Router**: with ``router_url`` (sglang-router), generation goes through the router,
   which balances by itself; control calls (``pause``, ``abort`` ...) still go to each engine
   in ``urls`` because the router does not fan them out. Weight updates are
@@ -28,8 +38,9 @@ Usable from trio and asyncio (httpx + anyio). One :class:`EngineClient` spreads
 * **Keys** (SGLang's ``--api-key`` / ``--admin-api-key``, bearer tokens): ``/generate`` and
   ``/model_info`` carry the api key; the control calls (pause, continue, abort) the admin key,
   or the api key when there is no admin key -- SGLang's rules (``sglang/srt/utils/auth.py``).
-  ``/health`` is open. A refusal (401/403) is an :class:`EngineRequestError` at once that
-  says which variable to set; keys never appear in messages or logs.
+  ``/ping`` carries the api key too (a normal route; ``/health`` is open). A refusal (401/403) is
+  an :class:`EngineRequestError` at once that says which variable to set; keys never appear in
+  messages or logs.
 """
 
 from __future__ import annotations
@@ -48,6 +59,15 @@ import httpx
 from agentrl.secrets import bearer
 
 log = logging.getLogger(__name__)
+
+
+RID_SUFFIX_HEX = 16  # hex digits after the '#' of an attempt's rid
+
+
+def attempt_rid(base: str) -> str:
+    """The rid of one attempt of request ``base`` (module docstring): prefix-free and fresh each call."""
+    escaped = base.replace("%", "%25").replace("#", "%23")
+    return f"{escaped}#{uuid.uuid4().hex[:RID_SUFFIX_HEX]}"
 
 
 class EngineError(RuntimeError):
@@ -114,6 +134,7 @@ class _Shard:
 class _Server:
     url: str
     healthy: bool = True
+    probe_path: str = "/ping"  # "/health" for the router, or an engine without /ping
     outstanding: int = 0
     served: int = 0
     last_error: str = ""
@@ -142,7 +163,7 @@ class EngineClient:
         if not urls and not router_url:
             raise ValueError("EngineClient needs engine urls, a router_url, or both")
         self.engines = [_Server(u.rstrip("/")) for u in urls]
-        self.router = _Server(router_url.rstrip("/")) if router_url else None
+        self.router = _Server(router_url.rstrip("/"), probe_path="/health") if router_url else None
         self.max_retries, self.timeout_s = max_retries, timeout_s
         self.health_check_interval_s, self.health_timeout_s = health_check_interval_s, health_timeout_s
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
@@ -157,6 +178,7 @@ class EngineClient:
         self._api_headers = bearer(api_key)
         self._admin_headers = bearer(admin_api_key or api_key)
         self._key_hints = key_hints  # what to set when /generate, or a control call, is refused
+        self._attempts: dict[str, set[str]] = {}  # rid base -> the rids of its attempts (calls in progress)
         self.lora_path = lora_path  # the LoRA adapter every /generate names ("": none)
 
     @classmethod
@@ -229,17 +251,26 @@ class EngineClient:
     # -- health -------------------------------------------------------------------------------
     async def _probe(self, server: _Server) -> None:
         try:
-            r = await self._client().get(f"{server.url}/health", timeout=self.health_timeout_s)
-            ok, why = r.status_code == 200, f"HTTP {r.status_code}"
+            r = await self._get_probe(server)
+            if r.status_code == 404 and server.probe_path == "/ping":
+                log.info("engine %s has no /ping: probing its /health, which generates a token", server.url)
+                server.probe_path = "/health"
+                r = await self._get_probe(server)
+            ok, why = r.status_code in (200, 401, 403), f"HTTP {r.status_code}"  # a refusal is an answer
         except httpx.HTTPError as e:
             ok, why = False, f"{type(e).__name__}: {e}"
         if ok and not server.healthy:
             log.info("engine %s is healthy again", server.url)
         elif not ok and server.healthy:
-            log.warning("engine %s dropped: /health failed (%s)", server.url, why)
+            log.warning("engine %s dropped: %s failed (%s)", server.url, server.probe_path, why)
         server.healthy = ok
         if not ok:
             server.last_error = why
+
+    async def _get_probe(self, server: _Server) -> httpx.Response:
+        headers = self._api_headers if server.probe_path == "/ping" else None  # /ping is a normal route
+        return await self._client().get(server.url + server.probe_path, headers=headers,
+                                        timeout=self.health_timeout_s)
 
     async def check_health(self, only_unhealthy: bool = False) -> None:
         """Probe every server (or only the dropped ones) once, concurrently."""
@@ -300,16 +331,29 @@ class EngineClient:
     # -- calls --------------------------------------------------------------------------------
     async def generate(self, input_ids: list[int], sampling_params: dict, *, affinity_key: str | None = None,
                        rid: str | None = None, return_logprob: bool = True) -> GenerateResult:
-        """One ``/generate`` call (a single prompt), balanced, retried and health-aware."""
+        """One ``/generate`` call (a single prompt), balanced, retried and health-aware. ``rid`` is the
+        request's base id (module docstring): each attempt sends a fresh :func:`attempt_rid` of it."""
         payload = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params),
-                   "return_logprob": return_logprob, "rid": rid or uuid.uuid4().hex}
+                   "return_logprob": return_logprob}
         if self.lora_path:
             payload["lora_path"] = self.lora_path
-        body, url = await self._request("/generate", payload, affinity_key)
+        body, url = await self._request("/generate", payload, affinity_key, rid_base=rid or uuid.uuid4().hex)
         return GenerateResult.from_response(body, url)
 
-    async def _request(self, path: str, payload: dict, affinity_key: str | None) -> tuple[Any, str]:
-        """POST with balancing, retries and health handling; returns (JSON body, server url)."""
+    async def _request(self, path: str, payload: dict, affinity_key: str | None,
+                       rid_base: str | None = None) -> tuple[Any, str]:
+        """POST with balancing, retries and health handling; returns (JSON body, server url). With
+        ``rid_base`` every attempt carries a fresh rid of it, each registered until the call ends (an
+        attempt whose connection dropped may still run on its server: :meth:`abort` reaches it too)."""
+        sent: list[str] = []
+        try:
+            return await self._attempts_until_answered(path, payload, affinity_key, rid_base, sent)
+        finally:
+            for rid in sent:
+                self._forget_attempt(rid_base or "", rid)
+
+    async def _attempts_until_answered(self, path: str, payload: dict, affinity_key: str | None,
+                                       rid_base: str | None, sent: list[str]) -> tuple[Any, str]:
         deadline = time.monotonic() + self.timeout_s
         attempt, avoid = 0, None
         while True:
@@ -317,6 +361,10 @@ class EngineClient:
             if server is None:
                 await self._wait_for_healthy(deadline)
                 continue
+            if rid_base is not None:
+                payload = {**payload, "rid": attempt_rid(rid_base)}
+                sent.append(payload["rid"])
+                self._attempts.setdefault(rid_base, set()).add(payload["rid"])
             server.outstanding += 1
             shard = self._shard()
             shard.in_flight += 1
@@ -350,6 +398,13 @@ class EngineClient:
                 raise EngineUnavailableError(f"{path} failed and the time limit is reached; last: {why}")
             log.info("retrying %s in %.2f s (attempt %d): %s", path, delay, attempt, why)
             await anyio.sleep(delay)
+
+    def _forget_attempt(self, base: str, rid: str) -> None:
+        live = self._attempts.get(base)
+        if live is not None:
+            live.discard(rid)
+            if not live:
+                del self._attempts[base]
 
     def _refusal(self, resp: httpx.Response, where: str, admin: bool = False) -> EngineRequestError:
         message = _error_message(resp)
@@ -406,8 +461,13 @@ class EngineClient:
         await self._broadcast("/continue_generation")
 
     async def abort(self, rid: str | None = None) -> None:
-        """Abort ``rid`` (or everything when None) on every engine."""
-        await self._broadcast("/abort_request", {"rid": rid or "", "abort_all": rid is None})
+        """Abort request ``rid`` (a base, as :meth:`generate` takes it: every attempt of it in flight),
+        or everything when None, on every engine."""
+        if rid is None:
+            await self._broadcast("/abort_request", {"rid": "", "abort_all": True})
+            return
+        for one in sorted(self._attempts.get(rid, ())) or [rid]:  # no call in progress: SGLang ignores it
+            await self._broadcast("/abort_request", {"rid": one, "abort_all": False})
 
     MODEL_INFO_FIELDS_READ = ("weight_version",)  # read by weight_versions() (checked like the above)
 

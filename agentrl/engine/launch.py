@@ -4,11 +4,18 @@
 group (so stopping it stops its whole tree) and waits until ``/health`` answers. SGLang is
 only ever run as ``python -m sglang.launch_server`` in a child process -- never imported --
 and when it is missing we fail at once with the install hint instead of at first request.
+
+SGLang pins its own torch and transformers, so it usually lives in a virtualenv of its own:
+``engine.sglang_python`` names that interpreter (``scripts/install.sh`` builds one with
+``AGENTRL_SGLANG=1``). On a machine without a GPU (an engine placed on no GPU) agentrl passes
+SGLang's CPU flags and environment itself (:data:`SGLANG_CPU_FLAGS`, :func:`sglang_cpu_env`, with
+the ``sgl_kernel`` stand-in in ``sglang_cpu/``) and sizes its KV pool (``--max-total-tokens``)
+from the run's concurrency and context (:func:`cpu_kv_tokens`).
 """
 
 from __future__ import annotations
 
-import importlib.util
+import logging
 import os
 import signal
 import socket
@@ -16,12 +23,21 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import IO, Callable, Sequence
+from typing import IO, Callable, Mapping, Sequence
 
+log = logging.getLogger(__name__)
+
+SGLANG_VERSION = "0.5.23"  # the SGLang release agentrl is tested against (tests/sglang_spec.py, the real-SGLang tier)
 SGLANG_INSTALL_HINT = (
-    "the 'sglang' backend needs SGLang (a CUDA machine): pip install 'agentrl[sglang]' "
-    "(or pip install 'sglang[all]>=0.5' sglang-router); use --backend embedded on machines without it"
+    f"SGLang pins its own torch and transformers, so give it a virtualenv of its own: AGENTRL_SGLANG=1 bash "
+    f"scripts/install.sh (builds .venv-sglang with sglang=={SGLANG_VERSION}), or python -m venv V && "
+    f"V/bin/pip install sglang=={SGLANG_VERSION}; then set engine.sglang_python = \"V/bin/python\" "
+    f"(serve-engine: --sglang-python). Or use the embedded engine (engine.backend = \"embedded\")"
 )
+# SGLang's CPU path (REFERENCE.md): torch-native attention and sampling; the x86 default backend needs sgl_kernel
+SGLANG_CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+                    "--skip-server-warmup")
+SGLANG_CPU_SHIM = Path(__file__).parent / "sglang_cpu"  # the folder holding the sgl_kernel stand-in
 
 
 class EngineLaunchError(RuntimeError):
@@ -35,23 +51,58 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def sglang_available() -> bool:
-    return importlib.util.find_spec("sglang") is not None
+def sglang_problem(python: str = "") -> str | None:
+    """Why ``python`` (default: this interpreter) cannot start SGLang, or None when it can. Asks the
+    interpreter for sglang's installed version without importing sglang (a fraction of a second)."""
+    python = python or sys.executable
+    probe = ("import importlib.metadata as m, importlib.util as u, sys\n"
+             "sys.exit(3) if u.find_spec('sglang') is None else print(m.version('sglang'))")
+    try:
+        out = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"engine.sglang_python {python!r} cannot be run ({e}). {SGLANG_INSTALL_HINT}"
+    if out.returncode != 0:
+        return f"{python} has no sglang. {SGLANG_INSTALL_HINT}"
+    version = out.stdout.strip()
+    if version != SGLANG_VERSION:
+        log.warning("%s has sglang %s; agentrl is tested against %s", python, version, SGLANG_VERSION)
+    return None
 
 
-def require_sglang() -> None:
-    if not sglang_available():
-        raise EngineLaunchError(SGLANG_INSTALL_HINT)
+def require_sglang(python: str = "") -> None:
+    problem = sglang_problem(python)
+    if problem:
+        raise EngineLaunchError(problem)
+
+
+def sglang_cpu_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What an SGLang process on the CPU needs in its environment: SGLang's CPU switch, and the
+    ``sgl_kernel`` stand-in first on ``PYTHONPATH`` (before anything ``environ`` already has there)."""
+    environ = os.environ if environ is None else environ
+    path = os.pathsep.join(p for p in (str(SGLANG_CPU_SHIM), environ.get("PYTHONPATH", "")) if p)
+    return {"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": path}
+
+
+def cpu_kv_tokens(cfg) -> int:
+    """SGLang's ``--max-total-tokens`` for an engine on the CPU: every request it may run at once
+    (its share of the actors' concurrent episodes, at most ``max_running_requests``) at the longest
+    episode's token budget. Too small a pool makes SGLang retract requests under load."""
+    e = cfg.engine
+    episodes = cfg.actors.num_processes * cfg.actors.num_concurrent_episodes
+    per_engine = -(-episodes // max(1, len(e.urls) or e.num_engines))
+    longest = min(e.max_context_tokens, max(s.max_total_tokens for s in cfg.env_sections))
+    return max(min(e.max_running_requests, per_engine) * longest, e.max_context_tokens)
 
 
 def engine_command(model_path: str, port: int, *, backend: str = "embedded", host: str = "127.0.0.1",
-                   extra: Sequence[str] = ()) -> list[str]:
-    """argv for a server process serving ``model_path`` on ``host:port``."""
+                   extra: Sequence[str] = (), python: str = "") -> list[str]:
+    """argv for a server process serving ``model_path`` on ``host:port``; ``python`` is SGLang's
+    interpreter (default: this one)."""
     if backend == "embedded":
         return [sys.executable, "-m", "agentrl.engine.server", "--model", str(model_path),
                 "--host", host, "--port", str(port), *extra]
     if backend == "sglang":
-        return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
+        return [python or sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
                 "--host", host, "--port", str(port), *extra]
     raise ValueError(f"unknown engine backend {backend!r}; choose embedded or sglang")
 
@@ -60,7 +111,7 @@ def engine_args(backend: str, *, device: str = "auto", dtype: str = "auto", max_
                 max_context_tokens: int = 2048, weight_version: str = "0", num_threads: int = 0,
                 gpus_per_engine: int = 1, mem_fraction_static: float = 0.0, api_key: str = "",
                 admin_api_key: str = "", api_key_env: str = "", admin_api_key_env: str = "",
-                sglang_args: Sequence[str] = ()) -> list[str]:
+                sglang_args: Sequence[str] = (), on_cpu: bool = False, max_total_tokens: int = 0) -> list[str]:
     """The shared settings as flags of either server (SGLang's own flag names for ``sglang``).
 
     ``--weight-version`` is always there: a server started without it reports ``"default"``
@@ -68,12 +119,19 @@ def engine_args(backend: str, *, device: str = "auto", dtype: str = "auto", max_
     agentrl/placement.py), so it starts at ``--base-gpu-id 0`` with ``--tp-size`` = its GPUs.
     Keys are SGLang's ``--api-key``/``--admin-api-key``; the embedded engine reads its keys from
     the environment itself, from the variables named by ``--api-key-env``/``--admin-api-key-env``.
+    ``on_cpu``: SGLang's CPU flags (float32 unless ``dtype`` says otherwise) and, when
+    ``max_total_tokens`` is set, its KV pool size.
     """
     if backend == "sglang":
         args = ["--tp-size", str(gpus_per_engine), "--base-gpu-id", "0", "--context-length", str(max_context_tokens),
                 "--max-running-requests", str(max_running_requests), "--weight-version", str(weight_version)]
         if mem_fraction_static:
             args += ["--mem-fraction-static", str(mem_fraction_static)]
+        if on_cpu:
+            args += list(SGLANG_CPU_FLAGS)
+            dtype = "float32" if dtype == "auto" else dtype
+        if max_total_tokens:
+            args += ["--max-total-tokens", str(max_total_tokens)]
         if dtype != "auto":
             args += ["--dtype", dtype]
         if api_key:
@@ -93,9 +151,12 @@ def engine_args(backend: str, *, device: str = "auto", dtype: str = "auto", max_
     return args
 
 
-def config_engine_args(cfg, *, secret: Callable[[str], str] | None = None, weight_version: str = "0") -> list[str]:
+def config_engine_args(cfg, *, secret: Callable[[str], str] | None = None, weight_version: str = "0",
+                       on_cpu: bool = False) -> list[str]:
     """``engine_args`` for a run config's ``[engine]`` and ``[model]`` sections. ``secret(var)`` gives the
-    value of an API-key variable (default: ``agentrl.secrets.read_secret``; SGLang takes keys as flags)."""
+    value of an API-key variable (default: ``agentrl.secrets.read_secret``; SGLang takes keys as flags).
+    ``on_cpu``: the engine is placed on no GPU (SGLang's CPU flags; a KV pool sized by :func:`cpu_kv_tokens`
+    unless ``engine.sglang_args`` sets ``--max-total-tokens``)."""
     from agentrl.secrets import read_secret
 
     e = cfg.engine
@@ -109,10 +170,13 @@ def config_engine_args(cfg, *, secret: Callable[[str], str] | None = None, weigh
                             "--lora-target-modules", *lora.target_modules]
     else:  # the embedded engine takes /load_lora_adapter without flags
         keys = {"api_key_env": e.api_key_env, "admin_api_key_env": e.admin_api_key_env}
+    sized = any(a.split("=", 1)[0] == "--max-total-tokens" for a in sglang_args)
+    kv_tokens = cpu_kv_tokens(cfg) if on_cpu and e.backend == "sglang" and not sized else 0
     return engine_args(e.backend, device=e.device, dtype=cfg.model.dtype, max_running_requests=e.max_running_requests,
                        max_context_tokens=e.max_context_tokens, weight_version=weight_version,
                        num_threads=cfg.run.torch_num_threads, gpus_per_engine=e.gpus_per_engine,
-                       mem_fraction_static=e.mem_fraction_static, sglang_args=sglang_args, **keys)
+                       mem_fraction_static=e.mem_fraction_static, sglang_args=sglang_args,
+                       on_cpu=on_cpu and e.backend == "sglang", max_total_tokens=kv_tokens, **keys)
 
 
 def wait_ready(url: str, timeout_s: float, *, process: subprocess.Popen | None = None) -> None:
@@ -125,7 +189,8 @@ def wait_ready(url: str, timeout_s: float, *, process: subprocess.Popen | None =
         if process is not None and process.poll() is not None:
             raise EngineLaunchError(f"engine at {url} exited with code {process.returncode} before it was ready")
         try:
-            r = httpx.get(f"{url.rstrip('/')}/health", timeout=2.0)
+            # SGLang's /health generates a token and checks each second, up to 20 s: wait longer than that
+            r = httpx.get(f"{url.rstrip('/')}/health", timeout=max(1.0, min(30.0, deadline - time.monotonic())))
             if r.status_code == 200:
                 return
             last = f"HTTP {r.status_code}"
@@ -139,11 +204,12 @@ class EngineProcess:
     """One server process (its own process group), started with :meth:`start`, ended with :meth:`stop`."""
 
     def __init__(self, model_path: str, port: int, *, backend: str = "embedded", host: str = "127.0.0.1",
-                 extra: Sequence[str] = (), log_path: str | Path | None = None, env: dict | None = None):
+                 extra: Sequence[str] = (), log_path: str | Path | None = None, env: dict | None = None,
+                 python: str = ""):
         if backend == "sglang":
-            require_sglang()
+            require_sglang(python)
         self.url = f"http://{host}:{port}"
-        self.argv = engine_command(model_path, port, backend=backend, host=host, extra=extra)
+        self.argv = engine_command(model_path, port, backend=backend, host=host, extra=extra, python=python)
         self.log_path = Path(log_path) if log_path else None
         self.env = env
         self.process: subprocess.Popen | None = None

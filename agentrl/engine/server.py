@@ -28,7 +28,16 @@ Strict where SGLang 0.5.23 is (``sglang/srt/entrypoints/http_server.py``, ``mana
   with SGLang's bearer rules (``agentrl.http_auth``); each route declares its level below.
 
 A client that disconnects aborts its requests (as SGLang does), so abandoned generations do
-not hold batch slots.
+not hold batch slots. Request ids as SGLang treats them: a rid that is still live is refused (400
+"Duplicate request ID detected: <rid>", as are repeats inside one batch), and ``/abort_request``
+for a live rid aborts every live request whose rid starts with it (``Scheduler.abort``).
+
+Probes as in SGLang: ``/health`` = ``/health_generate`` submits a one-token request and answers
+200 once the engine produces anything, or 503 after ``SGLANG_HEALTH_CHECK_TIMEOUT`` (20) seconds,
+marking the engine unhealthy until a later one succeeds (a paused engine parks it meanwhile);
+``/ping`` (a normal route: the api key when one is set) answers from that flag only, 200 while
+paused; ``/ready`` is 200 when healthy and not paused. (SGLang checks every second; this engine
+answers as soon as it sees progress.)
 
 LoRA (``/load_lora_adapter``, ``/unload_lora_adapter``, SGLang's request structs and
 ``{success, error_message, loaded_adapters}`` answers): one adapter at a time, merged into the
@@ -56,6 +65,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 import time
 import uuid
@@ -88,6 +98,15 @@ NOT_FLUSHED = ("Weights were updated, but the cache was not flushed because requ
 NO_SESSION = "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
 SESSION_OPEN = "a weight-update session is already open; call end_weight_update() first"
 SESSION_CLOSED = "no weight-update session is open; call begin_weight_update() first"
+DUPLICATE_RID = "Duplicate request ID detected: {}"  # managers/tokenizer_manager.py, answered with a 400
+HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # sglang/srt/constants.py
+
+
+def health_check_timeout() -> float:
+    """SGLang's ``HEALTH_CHECK_TIMEOUT``: ``SGLANG_HEALTH_CHECK_TIMEOUT`` seconds, default 20."""
+    return float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))
+
+
 FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
            "requests, the operation will not be performed.)\n")
 
@@ -205,6 +224,8 @@ class EngineServer:
         self.receiver = EngineWeightReceiver(self.runner, tp_size=tp_size)
         self.tokenizer = self.runner.tokenizer
         self.started = time.time()
+        self.live_rids: set[str] = set()  # rids submitted and not finished (SGLang's rid_to_state)
+        self.healthy = True  # SGLang's server_status == Up: cleared by a failed /health, set by a passed one
 
     def start(self) -> None:
         self.scheduler.start()
@@ -230,11 +251,21 @@ class EngineServer:
         return build_response(c, inp, text, token_texts)
 
     def submit(self, call: GenerateCall, on_update: Callable[[int, Completion], None]) -> None:
+        """Hand ``call`` to the scheduler; RequestError (nothing submitted) when one of its rids is live."""
         from agentrl.engine.scheduler import Request
 
+        live = [inp.rid for inp in call.inputs if inp.rid in self.live_rids]
+        if live:
+            raise RequestError(DUPLICATE_RID.format(live[0]))
+        self.live_rids.update(inp.rid for inp in call.inputs)
         for i, inp in enumerate(call.inputs):
-            sink = lambda req, c, i=i: on_update(i, c)  # noqa: E731
-            self.scheduler.submit(Request(inp, sink, stream=call.stream))
+            self.scheduler.submit(Request(inp, lambda req, c, i=i: self._update(req.rid, c, i, on_update),
+                                          stream=call.stream))
+
+    def _update(self, rid: str, c: Completion, i: int, on_update: Callable[[int, Completion], None]) -> None:
+        if c.finish_reason is not None:
+            self.live_rids.discard(rid)
+        on_update(i, c)
 
     async def generate(self, input_ids: list[int], sampling_params: dict, *, affinity_key: str | None = None,
                        rid: str | None = None, return_logprob: bool = True) -> Any:
@@ -243,8 +274,10 @@ class EngineServer:
         cancelling the call aborts the request."""
         from agentrl.engine.client import GenerateResult
 
+        from agentrl.engine.client import attempt_rid
+
         body = {"input_ids": list(input_ids), "sampling_params": sampling_params, "return_logprob": return_logprob,
-                "rid": rid or uuid.uuid4().hex}
+                "rid": attempt_rid(rid or uuid.uuid4().hex)}
         call = parse_generate(body, vocab_size=self.runner.vocab_size, context_len=self.runner.max_context_tokens)
         loop = asyncio.get_running_loop()
         done = loop.create_future()
@@ -367,15 +400,18 @@ def build_app(server: EngineServer, *, api_key: str = "", admin_api_key: str = "
             return _error("the engine scheduler is not running", 503)
         loop = asyncio.get_running_loop()
         rids = [inp.rid for inp in call.inputs]
-        if call.stream:
-            return _stream(server, call, loop, rids)
         futures = [loop.create_future() for _ in call.inputs]
 
         def on_update(i: int, c: Completion) -> None:
             if c.finish_reason is not None:
                 loop.call_soon_threadsafe(_resolve, futures[i], c)
 
-        server.submit(call, on_update)
+        try:
+            if call.stream:
+                return _stream(server, call, loop, rids)
+            server.submit(call, on_update)
+        except RequestError as e:  # a live rid
+            return _error(str(e))
         gathered = asyncio.ensure_future(asyncio.gather(*futures))
         disconnect = asyncio.ensure_future(_wait_disconnect(request))
         await asyncio.wait({gathered, disconnect}, return_when=asyncio.FIRST_COMPLETED)
@@ -387,24 +423,37 @@ def build_app(server: EngineServer, *, api_key: str = "", admin_api_key: str = "
         out = [server.render(c, inp) for c, inp in zip(gathered.result(), call.inputs)]
         return JSONResponse(out if call.batched else out[0])
 
-    async def health(request: HttpRequest) -> Response:
-        return Response(status_code=200 if sched.alive else 503)
-
     async def health_generate(request: HttpRequest) -> Response:
+        """``/health`` and ``/health_generate``: SGLang's one-token check (module docstring)."""
         if not sched.alive:
             return Response(status_code=503)
+        rid = f"{HEALTH_CHECK_RID_PREFIX}_{uuid.uuid4().hex}"
         call = parse_generate({"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
-                               "rid": f"HEALTH_CHECK_{time.time()}"},
-                              vocab_size=server.runner.vocab_size, context_len=server.runner.max_context_tokens)
+                               "rid": rid}, vocab_size=server.runner.vocab_size,
+                              context_len=server.runner.max_context_tokens)
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
+        steps = sched.num_steps
         server.submit(call, lambda i, c: c.finish_reason is not None and loop.call_soon_threadsafe(_resolve, fut, c))
-        try:
-            await asyncio.wait_for(fut, 20.0)
-        except asyncio.TimeoutError:
-            server.abort([call.inputs[0].rid])
-            return Response(status_code=503)
-        return Response(status_code=200)
+        deadline = loop.time() + health_check_timeout()
+        while loop.time() < deadline:
+            await asyncio.wait({fut}, timeout=min(0.05, max(0.0, deadline - loop.time())))
+            if fut.done() or sched.num_steps > steps:  # the engine produced something since the check began
+                if not fut.done():
+                    server.abort([rid])
+                server.healthy = True
+                return Response(status_code=200)
+        server.abort([rid])
+        log.error("Health check failed: no progress in %.0f s", health_check_timeout())
+        server.healthy = False
+        return Response(status_code=503)
+
+    async def ping(request: HttpRequest) -> Response:
+        """SGLang's ``/ping`` (SageMaker's liveness check): the health flag only, 200 while paused."""
+        return Response(status_code=200 if sched.alive and server.healthy else 503)
+
+    async def ready(request: HttpRequest) -> Response:
+        return Response(status_code=200 if sched.alive and server.healthy and not sched.paused else 503)
 
     async def model_info(request: HttpRequest) -> Response:
         return JSONResponse(server.model_info())
@@ -639,8 +688,10 @@ def build_app(server: EngineServer, *, api_key: str = "", admin_api_key: str = "
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", v1_models, methods=["GET"]),
         Route("/v1/models/{model:path}", v1_model, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
+        Route("/health", health_generate, methods=["GET"]),
         Route("/health_generate", health_generate, methods=["GET"]),
+        Route("/ping", ping, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
         Route("/model_info", model_info, methods=["GET"]),
         Route("/get_model_info", model_info, methods=["GET"]),  # deprecated in SGLang
         Route("/server_info", server_info, methods=["GET"]),

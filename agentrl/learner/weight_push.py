@@ -34,10 +34,12 @@ bad backend) fails the connect at once instead of leaving the trainer in the ren
 ``/begin_weight_update`` -> per bucket: fire the HTTP update at every engine *without
 waiting*, broadcast the tensors in exactly that order (all posted at once as async ops, so
 there is no per-tensor round trip), collect the answers -> ``/end_weight_update`` ->
-continue. End and continue also run when a bucket fails, and the remaining buckets are still
-gathered (the other learner ranks are in those collectives). Pausing first is what avoids
-the classic hang (a server that waits for its running requests while the trainer already
-blocks in a broadcast). SGLang 0.5.23 refuses updates outside begin/end; older builds answer
+continue. On NCCL a broadcast's ``wait()`` does not block the host, so the host synchronises with
+the device (:func:`_settle`) before the broadcast's time is taken and the answers are read.
+End and continue also run when a bucket fails, and the remaining buckets are still gathered
+(the other learner ranks are in those collectives). Pausing first is what avoids the classic
+hang (a server that waits for its running requests while the trainer already blocks in a
+broadcast). SGLang 0.5.23 refuses updates outside begin/end; older builds answer
 404 there, which is skipped with one warning per engine.
 
 **The cache.** SGLang keeps the radix cache across an update unless asked to flush it, and
@@ -90,10 +92,14 @@ gathers the adapters' factors (a few MB), rank 0 writes them as a PEFT folder
 (``agentrl-policy``), so requests name it in ``lora_path`` whatever the version. SGLang waits in
 the unload for every request that uses the adapter; paused with ``retract`` or ``in_place``
 those requests keep it and the unload would never return, so only ``abort`` is accepted. The
-folder must be readable by the engines (one machine, or a shared file system). SGLang's
-``/load_lora_adapter_from_tensors`` is not used: its tensors are pickled ``torch`` tensors
-(``MultiprocessingSerializer``), which SGLang reads through shared memory or CUDA IPC of the same
-host, like ``/update_weights_from_tensor``.
+folder must be readable by the engines (one machine, or a shared file system). An engine that
+reports a version holds the adapter: engines that serve it start and restart without a version
+(``agentrl.children``), the learner loads it into every engine at its first push and into every
+engine that reports another version than it left there (a restarted engine, whose first load
+needs no unload), and actors wait on an engine that refuses the adapter while it reports
+``"default"`` (``agentrl.actors.rollout``). SGLang's ``/load_lora_adapter_from_tensors`` is not
+used: its tensors are pickled ``torch`` tensors (``MultiprocessingSerializer``), which SGLang reads
+through shared memory or CUDA IPC of the same host, like ``/update_weights_from_tensor``.
 """
 
 from __future__ import annotations
@@ -266,6 +272,20 @@ def push_adapter(model: "nn.Module", updater: "WeightUpdater | None", version: i
         shutil.rmtree(old, ignore_errors=True)
     return {**stats, "write_s": write_s, "total_s": time.perf_counter() - t0,
             "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+
+
+def _settle(device: "torch.device | str") -> bool:
+    """Block the host until the work queued on ``device`` has run; True when it had to (CUDA).
+
+    On NCCL, a broadcast's ``work.wait()`` only makes the current CUDA stream wait for it: the host
+    goes on at once, so a time taken or an engine's answer read as success right after it would
+    come before the bytes left. Gloo (CPU tensors) completes in ``wait()``: nothing to do."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return False
+    torch.cuda.synchronize(device)
+    return True
 
 
 # ----------------------------------------------------------------------------- the updater
@@ -540,9 +560,12 @@ class WeightUpdater:
         if left_out:
             log.warning("weight group without %s: not answering (it joins when it answers again)",
                         ", ".join(left_out))
-        old_members, old_name = self.members, self.group_id
+        old_members, old_name, old_labels = self.members, self.group_id, self.labels
         self.members = [u for u in self.engine_urls if reported[u] is not None]
         self.labels = {u: reported[u] for u in self.members}  # type: ignore[misc]
+        # an engine that left or reports another version than this updater left on it was restarted:
+        # it holds no adapter (its first adapter load is then the first, see _unload_adapter)
+        self._adapter_loaded = {u for u in self._adapter_loaded if old_labels.get(u) == self.labels.get(u)}
         if old_name:  # this updater's previous group, on the engines that were in it and still answer
             self._best_effort([u for u in old_members if u in self.members], "/destroy_weights_update_group",
                               {"group_name": old_name})
@@ -787,6 +810,7 @@ class WeightUpdater:
                 works = [dist.broadcast(t, src=0, group=self.group, async_op=True) for _, t in bucket]
             for w in works:
                 w.wait()
+            _settle(bucket[0][1].device)  # NCCL: wait() only orders the stream; the host waits here
         except RuntimeError as e:  # torch's DistBackendError too
             return f"{type(e).__name__}: {e}"
         finally:
@@ -804,6 +828,11 @@ class WeightUpdater:
             self.labels.update({u: str(version) for u in self.members})
         finally:
             self._finish("/continue_generation", urls)
+
+    def unload_adapter_everywhere(self, name: str = LORA_ADAPTER_NAME) -> None:
+        """``/unload_lora_adapter`` on every configured engine, a refusal (none loaded) only logged."""
+        self._best_effort(self.engine_urls, "/unload_lora_adapter", {"lora_name": name})
+        self._adapter_loaded.clear()
 
     def close(self) -> None:
         if self.group is not None:
