@@ -15,6 +15,9 @@ Each child is a :class:`ChildSpec`: an argv, a log file, a restart budget and wh
   the others and raises :class:`ChildFailed` naming the child and quoting the end of its log;
 * on cancellation (Ctrl-C, or the caller leaving the nursery) sends SIGTERM to every
   process group, waits ``stop_grace_s``, then SIGKILLs what is left. Nothing outlives it.
+  Children named with a ``stop_first`` prefix (``agentrl run``: the actors) are stopped first;
+  the others wait for them (at most ``stop_grace_s``), so a stopping actor still gets the
+  learner's acknowledgements and prints its final report, and a clean stop kills no actor.
 
 A child that exits with status 0 is done: it is not restarted (``agentrl learn`` finishing
 its steps is how a run ends).
@@ -54,6 +57,7 @@ class ChildState:
 
 REDACTED = b"<redacted>"
 LOG_DRAIN_S = 5.0  # how long an exited child's last output may take to reach its log (grandchildren hold the pipe)
+STOP_GRACE_S = 10.0  # SIGTERM to SIGKILL; an actor's drain (ActorSettings.drain_timeout_s) ends well inside it
 
 
 def redact(data: bytes, secrets: list[bytes]) -> bytes:
@@ -113,9 +117,11 @@ def log_tail(path: Path, num_lines: int = 20) -> str:
 class Supervisor:
     """Owns the children of one run. Use :meth:`start` inside a nursery, then :meth:`wait`."""
 
-    def __init__(self, stop_grace_s: float = 10.0, on_event: Callable[[str, str], None] | None = None):
+    def __init__(self, stop_grace_s: float = STOP_GRACE_S, on_event: Callable[[str, str], None] | None = None,
+                 stop_first: tuple[str, ...] = ()):
         self.children: dict[str, ChildState] = {}
         self.stop_grace_s = stop_grace_s
+        self.stop_first = tuple(stop_first)
         self.on_event = on_event or (lambda name, what: None)
         self._failure: ChildFailed | None = None
         self._failed = trio.Event()
@@ -192,11 +198,20 @@ class Supervisor:
         if proc is None or proc.returncode is not None:
             _kill_group(proc, signal.SIGKILL)  # leftovers of an exited leader
             return
+        if self.stop_first and not state.spec.name.startswith(self.stop_first):
+            with trio.move_on_after(self.stop_grace_s):
+                await self._first_ones_stopped()
         _kill_group(proc, signal.SIGTERM)
         with trio.move_on_after(self.stop_grace_s):
             await proc.wait()
         _kill_group(proc, signal.SIGKILL)
         await proc.wait()
+
+    async def _first_ones_stopped(self) -> None:
+        """Until no child named with a ``stop_first`` prefix runs (they are being stopped too)."""
+        while any(c.spec.name.startswith(self.stop_first) and c.process is not None and c.process.poll() is None
+                  for c in self.children.values()):
+            await trio.sleep(0.05)
 
     async def wait_for_failure(self) -> None:
         """Return only by raising :class:`ChildFailed` when a child has failed for good."""

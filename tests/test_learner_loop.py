@@ -120,7 +120,9 @@ def test_loop_waits_for_data_then_gives_up_cleanly(tiny_model, tmp_path):
     init_distributed("cpu")
     rec = Recorder()
     cfg = load_config(None, _overrides(tiny_model, tmp_path, **{"learner.max_wait_for_data_s": 1.0}))
-    learner = Learner(cfg, io=LearnerIO(source=ListSource([]), progress=rec, weights=rec))
+    # one group of the two a step needs: the wait's clock runs once data flows (none: it waits on)
+    one = [make_group(np.random.default_rng(0), group_id="only", session="s", seq=0)]
+    learner = Learner(cfg, io=LearnerIO(source=ListSource(one), progress=rec, weights=rec))
     assert learner.run() == "data_timeout"
     assert learner.trainer.step == 0 and rec.progress and not rec.progress[-1].done
     assert (tmp_path / "checkpoints" / "learn" / "latest").exists()

@@ -41,7 +41,8 @@ which the learner reports per env.
 Stopping. ``request_stop`` (SIGTERM/SIGINT, ``Progress.done``, ``max_groups`` reached, too
 many groups lost in a row) stops new starts; in-flight groups are cancelled (abandoned and
 counted); groups that already finished are still dumped and sent, for at most
-``drain_timeout_s`` when sending blocks, and the actor waits (within the same time) for the
+``drain_timeout_s`` (4 s, well inside ``agentrl run``'s 10 s stop grace, which stops the actors
+before the learner) when sending blocks, and the actor waits (within the same time) for the
 learner to acknowledge what it holds, unless the learner is done. A second signal cancels
 everything at once. The report (a dict, printed as JSON by ``serve-actors``) says what was
 sent, acknowledged, resent, lost and abandoned.
@@ -108,7 +109,9 @@ class ActorSettings:
     seed: int = 0
     max_staleness: int = 1  # only checked against the learner's (the learner's value governs)
     log_interval_s: float = 30.0
-    drain_timeout_s: float = 10.0
+    # well inside the grace agentrl run gives a stopping child (agentrl.supervisor.STOP_GRACE_S, 10 s), so a
+    # stopped actor prints its report; the learner acknowledges within a poll (2 s) or a step
+    drain_timeout_s: float = 4.0
     max_consecutive_lost: int = 20
 
     def __post_init__(self) -> None:

@@ -22,7 +22,9 @@ checkpoint in charge.
 
 **Which checkpoint.** :func:`latest_checkpoint` takes the one ``latest`` names when it is
 complete; when ``latest`` is missing, dangling or names an incomplete folder, it falls back
-to the newest complete checkpoint (by save time) and says so.
+to the newest complete checkpoint (by save time) and says so. A learner whose checkpoint
+root refuses writes (retried first) saves under :func:`fallback_root` instead;
+:func:`latest_run_checkpoint` takes the newer of the two.
 
 **Retention by step, per lineage.** A lineage is one training run's chain of checkpoints: a
 fresh start begins a new one, a resume continues the loaded checkpoint's (``meta.json``
@@ -70,6 +72,33 @@ _LINEAGES: dict[Path, str] = {}
 
 def checkpoint_root(run_dir: str | Path, kind: str) -> Path:
     return Path(run_dir) / "checkpoints" / kind
+
+
+def fallback_root(run_dir: str | Path, kind: str) -> Path:
+    """Where a learner puts a checkpoint that :func:`checkpoint_root` refused, again and again (an
+    unwritable or full folder): the trained weights are kept somewhere rather than lost."""
+    return Path(run_dir) / "checkpoints_fallback" / kind
+
+
+def latest_run_checkpoint(run_dir: str | Path, kind: str) -> Path | None:
+    """The newest complete checkpoint of a run folder, in :func:`checkpoint_root` or :func:`fallback_root`."""
+    found = [p for root in (checkpoint_root(run_dir, kind), fallback_root(run_dir, kind))
+             if (p := latest_checkpoint(root)) is not None]
+    return max(found, key=lambda p: ((checkpoint_meta(p) or {}).get("saved_at", 0.0), p.name), default=None)
+
+
+def write_problem(root: str | Path) -> str:
+    """Why a checkpoint cannot be written under ``root`` (``""``: it can), from creating it and a
+    probe file in it: a folder that cannot be written fails here, before any collective save."""
+    root = Path(root)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+    return ""
 
 
 def checkpoint_meta(path: str | Path) -> dict[str, Any] | None:

@@ -120,3 +120,9 @@ class Journal:
             self.sync()
             self._file.close()
             self._file = None
+
+
+def count_records(directory: str | Path, first_segment: int = 0) -> int:
+    """How many records a lineage's segments from ``first_segment`` on hold (what a resume replays)."""
+    paths = [p for p in Path(directory).glob("*.log") if p.stem.isdigit() and int(p.stem) >= first_segment]
+    return sum(1 for path in paths for _ in Journal._read(path))

@@ -46,6 +46,8 @@ def _setup_logging() -> None:
         format=f"%(asctime)s [learner rank {rank}] %(levelname)s %(message)s",
         datefmt="%H:%M:%S",
     )
+    for noisy in ("httpx", "httpcore"):  # one INFO line per request: GET /model_info every ENGINE_CHECK_S
+        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,8 @@ def run_here(command: str, cfg: AgentRLConfig) -> int:
             if os.environ.get("RANK", "0") == "0":
                 check_rank0_addresses(cfg)
             reason = learn(cfg)
-            code = 0 if reason in ("done", "stopped") else 3
+            # data_timeout too ended cleanly, with a checkpoint: a restart would only wait again
+            code = 0 if reason in ("done", "stopped", "data_timeout") else 3
         elif command == "sft":
             from agentrl.learner.sft import sft
 

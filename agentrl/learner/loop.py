@@ -15,8 +15,11 @@ however long the actors take.
 
 **Waiting for data.** With no actor connected the learner keeps polling, publishes its
 progress every poll (a late subscriber still learns the version) and logs what it has
-every ``wait_log_interval_s``. ``max_wait_for_data_s > 0`` turns a long silence into a
-clean stop (checkpoint first).
+every ``wait_log_interval_s``. ``max_wait_for_data_s > 0`` (default 600 s) stops the learner
+cleanly (checkpoint first, the zero-variance explanation when that is the cause) when no batch
+fills for that long once data flows: the clock counts from the start of the wait or from the
+first group this learner holds, whichever is later, so start-up and the evaluation before RL
+never count. A step's data takes seconds; an engine restarting a large model takes minutes.
 
 **Exactly once** (``agentrl.transport.delivery``). Every group carries its actor's id,
 session and sequence number. Rank 0 drops a group its :class:`Ledger` has seen before
@@ -88,6 +91,8 @@ log = logging.getLogger("agentrl.learner")
 POLL_S = 2.0  # longest a non-zero rank waits in one control broadcast
 ENGINE_CHECK_S = 2.0  # how often rank 0 re-checks the engines (membership, versions) between pushes
 MAX_PUSH_ATTEMPTS = 3  # pushes that lose an engine before the learner trains on and checks again later
+CHECKPOINT_ATTEMPTS = 3  # writes per checkpoint folder before the fallback folder (then: reported, training goes on)
+CHECKPOINT_BACKOFF_S = 1.0  # doubled after each failed write
 
 
 @dataclass
@@ -185,6 +190,11 @@ class Learner:
         self._wait_started: float | None = None  # when the wait for the current batch began (None: training)
         self._wait_counters: dict[str, int] = {}  # the buffer's counters when that wait began
         self._data_warning = ""  # plain words when the data cannot fill a batch (see _starved_by_zero_variance)
+        self._data_since: float | None = None  # when this learner first held a group (the data-wait clock)
+        self._stop_message = ""  # why the learner stopped early, in words (learner_status.json)
+        self._checkpoint_errors: list[str] = []  # checkpoint writes that failed (learner_status.json)
+        self._saved_step: int | None = None  # the step of the last checkpoint written or loaded
+        self._finished = False  # the loop has ended (learner_status.json then says why)
         self._batch_stats: dict[str, float] = {}
         self.io: LearnerIO | None = None
         self.buffer: GroupBuffer | None = None
@@ -223,7 +233,6 @@ class Learner:
             self._update_engines(self._engines_changed())
             self._log_params()
             self._publish()
-            last_checkpoint_step = self.trainer.step
             while self.trainer.step < self.lc.max_steps:
                 started = time.perf_counter()
                 samples = self._next_batch()
@@ -240,7 +249,6 @@ class Learner:
                 every = self.lc.checkpoint_every_steps
                 if every and self.trainer.step % every == 0:
                     checkpoint_s = self._checkpoint()
-                    last_checkpoint_step = self.trainer.step
                 tokens = sum(s.num_tokens for s in samples)
                 metrics.update(
                     {
@@ -256,12 +264,12 @@ class Learner:
                 self._log_step(metrics)
             if self.exit_reason == "done" and self.steps_since_sync > 0:
                 self._sync_weights()  # the engines end with the final policy (evaluation reads it)
-            if self.trainer.step != last_checkpoint_step or self.trainer.step == 0:
+            if self._saved_step != self.trainer.step or self.trainer.step == 0:
                 self._checkpoint()
-            if self.exit_reason == "done":
-                self._publish(done=True)
-            elif self.buffer is not None:
-                self._write_status()  # a stop or a data timeout: the last counts, for the summary
+            # done: actors stop; a stop or a data timeout: the last acknowledgements (actors draining
+            # stop waiting) and counts, for the summary
+            self._finished = True
+            self._publish(done=self.exit_reason == "done")
             return self.exit_reason
         finally:
             if self.journal is not None:
@@ -326,11 +334,13 @@ class Learner:
             if now - self._last_wait_log >= self.lc.wait_log_interval_s:
                 self._last_wait_log = now
                 self._log_wait(now - started)
-            if self.lc.max_wait_for_data_s and now - started >= self.lc.max_wait_for_data_s:
-                log.error(
-                    "no batch after %.0f s (learner.max_wait_for_data_s); stopping with a checkpoint",
-                    now - started,
-                )
+            since = max(started, self._data_since) if self._data_since is not None else None
+            if self.lc.max_wait_for_data_s and since is not None and now - since >= self.lc.max_wait_for_data_s:
+                self._data_warning = self._starved_by_zero_variance(now - started) or self._data_warning
+                self._stop_message = (f"no batch after {now - since:.0f} s with data arriving (learner.max_wait_for_"
+                                      f"data_s = {self.lc.max_wait_for_data_s:g}); stopped with a checkpoint"
+                                      + (f". {self._data_warning}" if self._data_warning else ""))
+                log.error("%s", self._stop_message)
                 return ("stop", "data_timeout")
             if now >= deadline:
                 self._publish()
@@ -348,6 +358,8 @@ class Learner:
             return
         self.journal.append(encode(group))
         self.ledger.record(group)
+        if self._data_since is None:
+            self._data_since = time.monotonic()
         self.rollout.add(group, self.version)
         self._add(group)
 
@@ -446,6 +458,9 @@ class Learner:
             "duplicate": counters.get("duplicate", 0),
             "dropped": {k[len("dropped_"):]: v for k, v in sorted(counters.items()) if k.startswith("dropped_")},
             "warning": self._data_warning,
+            "exit_reason": self.exit_reason if self._finished else None,
+            "stop_message": self._stop_message, "checkpoint_step": self._saved_step,
+            "checkpoint_errors": self._checkpoint_errors[-10:],
         }
         tmp = self.run_dir / "learner_status.json.tmp"
         tmp.write_text(json.dumps(status))
@@ -547,7 +562,7 @@ class Learner:
     def _checkpoint(self) -> float:
         import msgpack
 
-        from agentrl.learner.checkpoint import checkpoint_meta, kept_checkpoints, save_checkpoint
+        from agentrl.learner.checkpoint import checkpoint_meta, fallback_root, kept_checkpoints
 
         started = time.perf_counter()
         pending = b""
@@ -560,28 +575,79 @@ class Learner:
             state["env_counters"] = {env: dict(c) for env, c in self.buffer.env_counters.items()}
             state["ledger"] = self.ledger.state()
             state["journal_segment"] = self.journal.rotate()  # groups from now on: replayed after this checkpoint
-        path = save_checkpoint(self.ckpt_root, self.trainer, state=state, pending_groups=pending,
-                               keep=self.lc.keep_checkpoints, lineage=self.lineage)
+        path = self._save_retrying(state, pending)
+        if path is None:
+            return time.perf_counter() - started
+        self._saved_step = self.trainer.step
         if self.journal is not None:
-            kept = [checkpoint_meta(p) or {} for p in kept_checkpoints(self.ckpt_root, self.lineage)]
+            roots = (self.ckpt_root, fallback_root(self.run_dir, "learn"))
+            kept = [checkpoint_meta(p) or {} for root in roots for p in kept_checkpoints(root, self.lineage)]
             segments = [m.get("caller", {}).get("journal_segment") for m in kept]
             self.journal.prune(min((s for s in segments if isinstance(s, int)), default=0))
         if self.dist.is_main:
             log.info("checkpoint %s (policy version %d)", path, self.version)
         return time.perf_counter() - started
 
+    def _save_retrying(self, state: dict[str, Any], pending: bytes) -> Path | None:
+        """Every rank: write the checkpoint, ``CHECKPOINT_ATTEMPTS`` times with back-off under the
+        checkpoint folder, then as often under the fallback folder; None (logged, and in
+        learner_status.json) when every write failed: training goes on, the next checkpoint tries
+        again. Rank 0 tests the folder first, so a folder that refuses writes fails on every rank
+        alike; a write failing inside the collective save is retried on a single rank only."""
+        from agentrl.learner.checkpoint import fallback_root, save_checkpoint, write_problem
+        from agentrl.learner.distributed import broadcast_object
+
+        errors: list[str] = []
+        for root in (self.ckpt_root, fallback_root(self.run_dir, "learn")):
+            for attempt in range(CHECKPOINT_ATTEMPTS):
+                if attempt:
+                    time.sleep(CHECKPOINT_BACKOFF_S * 2 ** (attempt - 1))
+                problem = str(broadcast_object(write_problem(root) if self.dist.is_main else None) or "")
+                if not problem:
+                    try:
+                        path = save_checkpoint(root, self.trainer, state=state, pending_groups=pending,
+                                               keep=self.lc.keep_checkpoints, lineage=self.lineage)
+                    except OSError as e:
+                        if self.dist.world_size > 1:
+                            raise
+                        problem = f"{type(e).__name__}: {e}"
+                    else:
+                        if errors and self.dist.is_main:
+                            self._report_checkpoint_error(f"checkpoint of step {self.trainer.step} written to "
+                                                          f"{path} after {len(errors)} failed writes: {errors[-1]}")
+                        return path
+                errors.append(problem)
+                if self.dist.is_main:
+                    log.warning("checkpoint of step %d under %s failed (attempt %d/%d): %s", self.trainer.step, root,
+                                attempt + 1, CHECKPOINT_ATTEMPTS, problem)
+        if self.dist.is_main:
+            self._report_checkpoint_error(f"checkpoint of step {self.trainer.step} failed {len(errors)} times, also "
+                                          f"in the fallback folder: {errors[-1]}; training goes on (the engines hold "
+                                          "the policy; the next checkpoint tries again)")
+        return None
+
+    def _report_checkpoint_error(self, message: str) -> None:
+        log.error("%s", message)
+        self._checkpoint_errors.append(message)
+        if self.buffer is not None:
+            self._write_status()
+
     def _resume(self) -> None:
         """Every rank: restore the latest checkpoint (``resume = "auto"``); rank 0: the ledger,
         the counters, the waiting groups, then the journal's groups received after it."""
         import msgpack
 
-        from agentrl.learner.checkpoint import latest_checkpoint, load_checkpoint
+        from agentrl.learner.checkpoint import latest_run_checkpoint, load_checkpoint
         from agentrl.learner.distributed import broadcast_object
 
         path = None
         if self.lc.resume == "auto":
-            path = broadcast_object(latest_checkpoint(self.ckpt_root) if self.dist.is_main else None)
+            path = broadcast_object(latest_run_checkpoint(self.run_dir, "learn") if self.dist.is_main else None)
         state = load_checkpoint(path, self.trainer) if path is not None else {}
+        if path is not None:
+            self._saved_step = self.trainer.step
+        if self.lc.resume == "auto" and self.dist.is_main:
+            drop_rows_after(self.metrics_file, self.trainer.step)  # the steps after it are redone
         if path is None and self.lc.resume == "auto" and self.dist.is_main:
             state = self._journal_without_checkpoint()
         self.version = int(state.get("policy_version", 0))
@@ -606,6 +672,8 @@ class Learner:
                     if group is not None and self.ledger.record(group):
                         self._add(group)
                         replayed += 1
+            if len(self.buffer) or self.buffer.counters.get("received", 0):
+                self._data_since = time.monotonic()  # data flows already (see _poll's data-wait clock)
             if path is not None or replayed:
                 log.info(
                     "resumed from %s: next step %d, policy version %d, %d pending groups, %d groups from the "
@@ -712,6 +780,31 @@ class Learner:
 
         old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
         return lambda: [signal.signal(s, h) for s, h in old.items()]
+
+
+def drop_rows_after(path: Path, step: int) -> int:
+    """Rewrite a JSONL file of per-step rows without the rows after ``step`` (and a torn last line):
+    a resumed learner redoes those steps, and their old rows belong to weights that died. Returns
+    how many rows were dropped."""
+    if not path.exists():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row_step = int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            dropped += 1
+            continue
+        if row_step <= step:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(f"{line}\n" for line in kept))
+        tmp.replace(path)
+        log.info("%s: dropped %d rows after step %d (redone from the checkpoint)", path.name, dropped, step)
+    return dropped
 
 
 def learn(cfg: AgentRLConfig, *, io: LearnerIO | None = None) -> str:
