@@ -45,9 +45,12 @@ def test_dry_run_prints_the_resolved_config(tmp_path: Path) -> None:
     config = tmp_path / "run.toml"
     config.write_text("[learner]\nlr = 1e-3\n")
     rc, text, heavy, _ = run_cli("run", str(config), "--dry-run", "--set", "learner.max_steps=7", "-s", "run.name=dry",
-                                 "-s", f"model.path={tmp_path / 'no-model-yet'}", "-s", "env.kwargs.min_ops=1")
-    assert rc == 0 and "torch" not in heavy and "mlflow" not in heavy  # no model to load: the check stays light
-    assert "# env check: ok" in text and "tools: calculator" in text and "prompt not rendered" in text
+                                 "-s", f"model.path={tmp_path / 'no-model-yet'}", "-s", "model.init_size=small",
+                                 "-s", "env.kwargs.min_ops=1")
+    # a model to build that is not the tiny one: not built, the check stays light and says how to build it
+    assert rc == 0 and "torch" not in heavy and "mlflow" not in heavy
+    assert "# env check: ok, but 1 piece(s) not checked" in text and "tools: calculator" in text
+    assert f"NOT CHECKED: the first prompt: no model at {tmp_path / 'no-model-yet'} yet" in text
     printed = tomllib.loads(text)
     assert printed["learner"]["lr"] == 1e-3 and printed["learner"]["max_steps"] == 7
     assert printed["env"]["kwargs"] == {"min_ops": 1} and printed["run"]["name"] == "dry"
@@ -55,7 +58,7 @@ def test_dry_run_prints_the_resolved_config(tmp_path: Path) -> None:
     dumped = tmp_path / "printed.toml"
     dumped.write_text(text)
     assert load_config(dumped) == load_config(config, ["learner.max_steps=7", "run.name=dry", "env.kwargs.min_ops=1",
-                                                       f"model.path={tmp_path / 'no-model-yet'}"])
+                                                       f"model.path={tmp_path / 'no-model-yet'}", "model.init_size=small"])
 
 
 def test_agentrl_module_entry_point_and_config_errors(tmp_path: Path) -> None:

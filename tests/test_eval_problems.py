@@ -107,7 +107,7 @@ def test_tool_crashes_are_counted_but_the_model_s_own_mistakes_are_not(tmp_path_
     assert result["problems"]["tool_faults"]["first"] == [
         "Error: broken_add failed: ZeroDivisionError: the adder fell over"]
     assert describe_problems(result) == [
-        "3 tool calls crashed or timed out; first: Error: broken_add failed: ZeroDivisionError: the adder fell over"]
+        "3 tool calls crashed or timed out (to answer with an error on purpose, a tool raises ToolError); first: Error: broken_add failed: ZeroDivisionError: the adder fell over"]
 
 
 def test_a_clean_evaluation_reports_no_problems():

@@ -10,16 +10,87 @@ Episodes are counted as episodes, not trajectories: an agent episode may be seve
 and success are per episode; tokens and the summed per-trajectory numbers (turns, latencies,
 finish reasons) are over trajectories. ``by_env`` holds groups, episodes, reward and success
 per env name.
+
+Reward errors (a reward that raised or was not finite; the episode scored 0, see
+:func:`agentrl.envs.base.score_episode`) are kept per env and message (:class:`RewardErrors`):
+each distinct one is logged once, when first seen, and then only counted. So that ``agentrl
+run`` can show them while training, the counts go into the actor's log as a JSON line
+(``REWARD_ERRORS_MARKER``: at most every ``REWARD_ERRORS_EVERY_S``, at once for a new message,
+and whenever ``summary()`` is taken, so also at the final report). Each line holds the totals
+of this process, under an id of its own: a reader keeps the last line per id, which also counts
+a killed actor's errors up to its last line. Messages past ``MAX_REWARD_ERROR_KINDS`` per env
+(one per task, say) are counted as one kind.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import time
+import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from agentrl.protocol import TrajectoryGroup
+
+log = logging.getLogger("agentrl.actors")
+
+REWARD_ERRORS_MARKER = "reward errors so far: "  # then one JSON object (parse_reward_errors)
+REWARD_ERRORS_EVERY_S = 10.0
+MAX_REWARD_ERROR_KINDS = 20  # distinct messages per env; later ones count as OTHER_REWARD_ERRORS
+MAX_REWARD_ERROR_CHARS = 300
+OTHER_REWARD_ERRORS = f"(other messages, past the first {MAX_REWARD_ERROR_KINDS})"
+
+
+@dataclass
+class RewardErrors:
+    """Reward errors of one actor process per (env, message), logged once each (module docstring)."""
+
+    counts: Counter = field(default_factory=Counter)
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    _written_at: float = 0.0
+    _written: int = -1  # the total of the last line written
+
+    def add(self, env: str, error: str) -> None:
+        error = error[:MAX_REWARD_ERROR_CHARS]
+        if (env, error) not in self.counts:
+            if sum(1 for e, _ in self.counts if e == env) >= MAX_REWARD_ERROR_KINDS:
+                error = OTHER_REWARD_ERRORS
+            else:
+                log.warning("reward error in env %s (first of its kind, counted from now on): %s", env, error)
+                self._written_at = 0.0  # a new message goes out at once
+        self.counts[(env, error)] += 1
+        self.write()
+
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def as_list(self) -> list[dict[str, Any]]:
+        """``[{env, error, count}]``, the most frequent first."""
+        return [{"env": env, "error": error, "count": n} for (env, error), n in self.counts.most_common()]
+
+    def write(self, force: bool = False) -> None:
+        """The totals as one marked log line, when they changed and it is time (or ``force``)."""
+        now = time.monotonic()
+        if self.total() == self._written or not (force or now - self._written_at >= REWARD_ERRORS_EVERY_S):
+            return
+        self._written_at, self._written = now, self.total()
+        log.info("%s%s", REWARD_ERRORS_MARKER, json.dumps({"id": self.id, "errors": self.as_list()}))
+
+
+def parse_reward_errors(line: str) -> dict[str, Any] | None:
+    """A line written by :meth:`RewardErrors.write` as ``{"id", "errors": [{env, error, count}]}``,
+    else None (any other line, or one cut short)."""
+    _, marker, rest = line.rpartition(REWARD_ERRORS_MARKER)  # the last: a killed process's line may precede it
+    if not marker:
+        return None
+    try:
+        data = json.loads(rest)
+        errors = [{"env": str(e["env"]), "error": str(e["error"]), "count": int(e["count"])} for e in data["errors"]]
+        return {"id": str(data["id"]), "errors": errors}
+    except (ValueError, KeyError, TypeError):
+        return None
 
 _SUMMED = ("num_turns", "num_tool_calls", "num_tool_errors", "num_aborts", "num_generate_calls",
            "tool_latency_s", "tool_wall_s", "generation_latency_s", "episode_wall_s", "num_model_tokens")
@@ -56,6 +127,7 @@ class ActorStats:
     tokens: int = 0
     reward_sum: float = 0.0
     reward_errors: int = 0
+    reward_error_kinds: RewardErrors = field(default_factory=RewardErrors)
     sums: Counter = field(default_factory=Counter)
     finish_reasons: Counter = field(default_factory=Counter)
     lost_reasons: Counter = field(default_factory=Counter)
@@ -80,7 +152,9 @@ class ActorStats:
                 seen.add(episode)
                 self.episodes += 1
                 self.reward_sum += t.reward
-                self.reward_errors += int("reward_error" in md)
+                if "reward_error" in md:
+                    self.reward_errors += 1
+                    self.reward_error_kinds.add(group.env, str(md["reward_error"]))
                 per_env.episodes += 1
                 per_env.reward_sum += t.reward
                 per_env.successes += int(md.get("success") is True)
@@ -95,6 +169,9 @@ class ActorStats:
             self.env(env).groups_lost += 1
 
     def summary(self) -> dict[str, Any]:
+        """The totals (the actor's periodic log line and its final report); also writes the reward
+        errors' line when they changed since the last one."""
+        self.reward_error_kinds.write(force=True)
         n = max(1, self.episodes)
         elapsed = max(1e-9, time.monotonic() - self.started_at)
         turns = self.sums["num_turns"]
@@ -108,6 +185,7 @@ class ActorStats:
             "episodes": self.episodes, "episodes_abandoned": self.episodes_abandoned,
             "turns_per_s": turns / elapsed, "episodes_per_s": self.episodes / elapsed,
             "reward_mean": self.reward_sum / n, "reward_errors": self.reward_errors,
+            "reward_error_kinds": self.reward_error_kinds.as_list(),
             "turns_mean": turns / n,
             "tool_calls_mean": self.sums["num_tool_calls"] / n,
             "tool_errors_mean": self.sums["num_tool_errors"] / n,

@@ -26,7 +26,7 @@ from agentrl.envs.base import Env, Message, Task, load_env, run_cleanup, score_e
 if TYPE_CHECKING:
     from agentrl.config import AgentRLConfig, EnvSection
 
-__all__ = ["Env", "Message", "Task", "check_env_names", "demonstrations", "env_section", "load_env",
+__all__ = ["Env", "Message", "Task", "check_env_names", "demonstrated", "demonstrations", "env_section", "load_env",
            "make_env", "make_envs", "run_cleanup", "score_episode", "total_reward"]
 
 
@@ -107,6 +107,13 @@ def demonstrations(env: Env, num: int, seed: int = 0, split: str = "train",
     harder than the calculator's ``demo_max_ops``) are skipped; at most ``max_tasks``
     (default ``100 * num``) tasks are looked at.
     """
+    for _, record in demonstrated(env, num, seed, split, max_tasks):
+        yield record
+
+
+def demonstrated(env: Env, num: int, seed: int = 0, split: str = "train",
+                 max_tasks: int | None = None) -> Iterator[tuple[Task, dict[str, Any]]]:
+    """:func:`demonstrations` with the task of each record (to score it with ``env.reward``)."""
     schemas = [t.schema() for t in env.tools()]
     made = 0
     for i, task in enumerate(env.tasks(split, seed)):
@@ -116,4 +123,4 @@ def demonstrations(env: Env, num: int, seed: int = 0, split: str = "train",
         if messages is None:
             continue
         made += 1
-        yield {"task_id": task.id, "messages": messages, "tools": schemas}
+        yield task, {"task_id": task.id, "messages": messages, "tools": schemas}

@@ -97,7 +97,9 @@ class Env:
 
 
 def _import_module_or_file(name: str) -> Any:
-    """``pkg.module`` by import, or ``path/to/file.py`` from that file (relative to the cwd)."""
+    """``pkg.module`` by import, or ``path/to/file.py`` from that file (relative to the cwd), with
+    the file's folder put on ``sys.path`` (at its end) so that it can import modules next to it.
+    Every process that loads the env (actors, the SFT learner, ``agentrl run``) comes here."""
     if name.endswith(".py"):
         from importlib.util import module_from_spec, spec_from_file_location
         from pathlib import Path
@@ -105,6 +107,8 @@ def _import_module_or_file(name: str) -> Any:
         path = Path(name).resolve()
         if not path.is_file():
             raise ValueError(f"env file {name!r} does not exist (paths are relative to {Path.cwd()})")
+        if str(path.parent) not in sys.path:  # its sibling modules import as they would for `python file.py`
+            sys.path.append(str(path.parent))  # appended: an installed module of the same name wins
         spec = spec_from_file_location(f"agentrl_user_env_{path.stem}", path)
         module = module_from_spec(spec)
         sys.modules[spec.name] = module

@@ -2,11 +2,22 @@
 
 A newcomer's env fails in ways that a config check cannot see: a wrong ``env.cls``, a tool
 whose schema cannot be built, ``tasks`` or ``initial_messages`` that raise, a first prompt that
-does not fit ``env.max_total_tokens``, a warm start asked of an env without demonstrations.
-:func:`check_env` runs each piece once, the way the actors will, and collects every problem
-(one line each, naming the piece) instead of stopping at the first; ``notes`` say what was
-checked. Nothing here trains or starts a server; the tokenizer is loaded only when the model
-folder exists (a tiny model is built later by ``agentrl run`` itself).
+does not fit ``env.max_total_tokens``, a warm start asked of an env without demonstrations, a
+``reward`` that raises or is not finite, a demonstration that calls a tool the env does not
+have (SFT would teach that call). :func:`check_env` runs each piece once, the way the actors
+will, and collects every problem (one line each, naming the piece) instead of stopping at the
+first; ``notes`` say what was checked. Nothing here trains or starts a server.
+
+Rewards are scored as the actor scores them (``setup``, ``reward``, ``cleanup``) on the first
+``DEMOS_SCORED`` demonstrations and on the first task answered "I do not know." (a reward must
+not raise on a wrong answer either). The tool calls of the first ``DEMOS_CHECKED``
+demonstrations (``agentrl make-demos``: of every one it writes) are checked against the env's
+tools: the name, then the arguments as the ToolBox checks a model's call (:class:`DemoChecker`).
+
+The first prompt is rendered with the model's chat template. On a fresh clone the model folder
+does not exist yet: with ``model.init_size = "tiny"`` it is built now, as ``agentrl run`` would
+(about a second); a bigger size is not built here and the note says the one command that does;
+with no ``init_size`` a run could not start, which is a problem.
 
 Every env of the run is checked (``[[envs]]``: each entry, its lines prefixed with the entry
 and the env's name, and two envs with one name are a problem). An
@@ -17,6 +28,8 @@ first prompt to render: its check is its tasks, that it implements ``run``, that
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,10 +41,17 @@ if TYPE_CHECKING:
     from agentrl.envs.base import Task
 
 
+DEMOS_CHECKED = 20  # demonstrations whose tool calls --dry-run checks
+DEMOS_SCORED = 3  # demonstrations scored by the env's reward
+MAX_CALL_PROBLEMS = 5  # bad tool calls named one by one; the rest are counted
+NON_ANSWER = "I do not know."  # the wrong answer a reward is also tried on
+
+
 @dataclass
 class EnvCheck:
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    unchecked: list[str] = field(default_factory=list)  # what could not be checked, and how to check it
 
     @property
     def ok(self) -> bool:
@@ -54,34 +74,53 @@ def check_env(cfg: "AgentRLConfig") -> EnvCheck:
         check_env_names([(section.cls, env.name) for _, section, env in built])
     except ValueError as e:
         report.problems.append(str(e))
+    import trio
+
+    checked = 0
     try:
         for key, section, env in built:
             one = EnvCheck()
-            _check_one(cfg, key, section, env, one)
+            trio.run(_check_one, cfg, key, section, env, one)  # one event loop: the env's resources live in it
+            checked += 1
             prefix = f"{key} ({env.name}): " if several else ""
             report.notes += [prefix + note for note in one.notes]
             report.problems += [prefix + problem for problem in one.problems]
+            report.unchecked += [what for what in one.unchecked if what not in report.unchecked]
     finally:
-        for _, _, env in built:
+        for _, _, env in built[checked:]:
             close_quietly(env)
     return report
 
 
-def _check_one(cfg: "AgentRLConfig", key: str, section: Any, env: "Env", report: EnvCheck) -> None:
+async def _check_one(cfg: "AgentRLConfig", key: str, section: Any, env: "Env", report: EnvCheck) -> None:
+    """Every check of one env, then ``env.aclose()`` in the same event loop (a sandbox pool opened
+    to score a reward is closed where it was opened)."""
+    import trio
+
     from agentrl.agents import AgentEnv
 
-    report.notes.append(f"env {section.cls} built with kwargs {sorted(section.kwargs)}")
-    schemas = _check_tools(env, report)
-    task = _first_task(env, "train", cfg.run.seed, report)
-    _first_task(env, cfg.eval.split, cfg.run.seed, report)
-    if isinstance(env, AgentEnv):
-        _check_agent(env, report)
-    elif task is not None:
-        messages = _check_messages(env, task, report)
-        if messages is not None:
-            _check_prompt(cfg, key, section, env, messages, schemas, report)
-    if task is not None and cfg.sft.enabled and not cfg.sft.data:
-        _check_demonstration(env, task, report)
+    try:
+        report.notes.append(f"env {section.cls} built with kwargs {sorted(section.kwargs)}")
+        schemas = _check_tools(env, report)
+        task = _first_task(env, "train", cfg.run.seed, report)
+        _first_task(env, cfg.eval.split, cfg.run.seed, report)
+        also: list[tuple[str, Task, list[dict[str, Any]]]] = []  # scored with the demonstrations
+        if isinstance(env, AgentEnv):
+            _check_agent(env, report)
+        elif task is not None:
+            messages = _check_messages(env, task, report)
+            if messages is not None:
+                _check_prompt(cfg, key, section, env, messages, schemas, report)
+                also.append((f"task {task.id!r} answered {NON_ANSWER!r}", task,
+                             [*messages, {"role": "assistant", "content": NON_ANSWER}]))
+        if task is not None:
+            await _check_demonstrations(cfg, env, report, also)
+    finally:
+        with trio.CancelScope(shield=True):
+            try:
+                await env.aclose()
+            except Exception:  # noqa: BLE001 - closing must not hide what the check found
+                pass
 
 
 def _check_agent(env: "Env", report: EnvCheck) -> None:
@@ -147,8 +186,7 @@ def _check_messages(env: "Env", task: "Task", report: EnvCheck) -> list[dict[str
 def _check_prompt(cfg: "AgentRLConfig", key: str, section: Any, env: "Env", messages: list[dict[str, Any]],
                   schemas: list[dict[str, Any]] | None, report: EnvCheck) -> None:
     """Render the first prompt with the model's chat template and check it leaves room to answer."""
-    if not (Path(cfg.model.path) / "config.json").exists():
-        report.notes.append(f"prompt not rendered: no model at {cfg.model.path} yet")
+    if not _model_ready(cfg, report):
         return
     from transformers import AutoTokenizer
 
@@ -173,23 +211,173 @@ def _check_prompt(cfg: "AgentRLConfig", key: str, section: Any, env: "Env", mess
                                f"model within {key}.max_total_tokens = {max_total}")
 
 
-def _check_demonstration(env: "Env", task: "Task", report: EnvCheck) -> None:
-    from agentrl.envs import demonstrations
+def _model_ready(cfg: "AgentRLConfig", report: EnvCheck) -> bool:
+    """Whether ``model.path`` holds a model, building the tiny one when ``model.init_size`` asks for it."""
+    path, size = cfg.model.path, cfg.model.init_size
+    if (Path(path) / "config.json").exists():
+        return True
+    command = f"agentrl init-model {path} --size {size or 'tiny'} --seed {cfg.run.seed}"
+    if not size:
+        report.problems.append(f"no model at {path} (config.json missing) and model.init_size is empty, so a run "
+                               f"cannot start: build one with `{command}`, or set model.path to a Hugging Face "
+                               "model folder")
+        return False
+    if size != "tiny":
+        report.unchecked.append(f"the first prompt: no model at {path} yet (`agentrl run` builds the {size} model "
+                                f"there first); to check it now: `{command}`")
+        return False
+    from agentrl.model_builder import ensure_model
 
     try:
-        found = next(iter(demonstrations(env, 1)), None)
+        ensure_model(path, size, seed=cfg.run.seed)
+    except Exception as e:  # a folder it cannot write...
+        report.problems.append(f"building the tiny model at {path} (model.init_size = 'tiny'): "
+                               f"{type(e).__name__}: {e}")
+        return False
+    report.notes.append(f"built the tiny model at {path} (model.init_size = 'tiny'), as `agentrl run` would")
+    return True
+
+
+async def _score(env: "Env", task: "Task", messages: list[dict[str, Any]],
+                 max_abs_reward: float) -> tuple[float, str | None]:
+    """Score ``messages`` as the actor does (``setup``, ``reward``, ``cleanup``): (reward, error)."""
+    from agentrl.envs.base import run_cleanup, score_episode
+
+    try:
+        state = await env.setup(task)
     except Exception as e:
-        report.problems.append(f"demonstration(): {type(e).__name__}: {e} (sft.enabled needs demonstrations "
-                               "or sft.data)")
-        return
-    if found is None:
-        report.problems.append("sft.enabled = true but the env demonstrates no task (demonstration() returns "
-                               "None): set sft.data to a JSONL of conversations, or sft.enabled = false")
+        return 0.0, f"setup raised {type(e).__name__}: {e}"
+    try:
+        total, _, error = await score_episode(env, task, state, messages, max_abs_reward=max_abs_reward)
+    finally:
+        cleanup_error = await run_cleanup(env, task, state)
+    return total, error or cleanup_error
+
+
+class DemoChecker:
+    """Checks demonstrations as they are made: every tool call against the env's tools (``add``),
+    then ``env.reward`` of the first ``scored`` (``finish``). Problems name the task and message."""
+
+    def __init__(self, env: "Env", max_abs_reward: float = math.inf, scored: int = DEMOS_SCORED):
+        from agentrl.agents import AgentEnv
+        from agentrl.tools.base import ToolBox
+
+        if isinstance(env, AgentEnv) and type(env).reward is Env.reward:
+            scored = 0  # its run() returns the reward: nothing to score a demonstration with
+        self.env, self.max_abs_reward, self.scored = env, max_abs_reward, scored
+        try:
+            self.tools: dict[str, Any] | None = {t.name: t for t in ToolBox(env.tools()).tools}
+        except Exception:  # noqa: BLE001 - tools() is checked (and reported) on its own
+            self.tools = None
+        self.count = 0
+        self.call_problems: list[str] = []
+        self.calls = 0
+        self._to_score: list[tuple[Task, list[dict[str, Any]]]] = []
+
+    def add(self, task: "Task", messages: list[dict[str, Any]]) -> None:
+        self.count += 1
+        if len(self._to_score) < self.scored:
+            self._to_score.append((task, messages))
+        for i, message in enumerate(messages if isinstance(messages, list) else []):
+            calls = message.get("tool_calls") if isinstance(message, dict) else None
+            for call in calls or []:
+                self.calls += 1
+                why = self._call_problem(call)
+                if why:
+                    self.call_problems.append(f"the demonstration of task {task.id!r}, message {i}: {why}")
+
+    def _call_problem(self, call: Any) -> str | None:
+        from agentrl.tools.base import check_arguments
+
+        if self.tools is None:
+            return None
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            return f"a tool call must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}, got {call!r:.200}"
+        name, arguments = function["name"], function.get("arguments", {})
+        if name not in self.tools:
+            return f"calls the unknown tool {name!r}; the env's tools: {', '.join(self.tools) or 'none'}"
+        if isinstance(arguments, str):  # the OpenAI form: a JSON string
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError as e:
+                return f"the arguments of {name} are not JSON ({e}): {arguments!r:.200}"
+        return check_arguments(self.tools[name], arguments)
+
+    async def score(self, also: list[tuple[str, "Task", list[dict[str, Any]]]] = ()) -> tuple[list[str], list[str]]:
+        """(problems, notes): the bad tool calls, then the rewards of the first demonstrations and of
+        ``also`` (``(label, task, messages)``: a wrong answer), each scored as the actor does."""
+        problems = self.call_problems[:MAX_CALL_PROBLEMS]
+        if len(self.call_problems) > MAX_CALL_PROBLEMS:
+            problems.append(f"... and {len(self.call_problems) - MAX_CALL_PROBLEMS} more bad tool calls in the "
+                            "demonstrations")
+        if self.call_problems:
+            problems[-1] += " (SFT would teach the model these calls)"
+        rewards, notes = [], []
+        for task, messages in self._to_score:
+            reward, error = await _score(self.env, task, messages, self.max_abs_reward)
+            if error:
+                problems.append(f"the demonstration of task {task.id!r}: {error}")
+            rewards.append(f"{reward:g}")
+        if self.count:
+            notes.append(f"demonstrations: {self.count} checked ({self.calls} tool calls), rewards of the first "
+                         f"{len(rewards)}: {', '.join(rewards) or '-'}")
+        for label, task, messages in also:
+            reward, error = await _score(self.env, task, messages, self.max_abs_reward)
+            if error:
+                problems.append(f"{label}: {error} (the actors would score every such episode 0)")
+            else:
+                notes.append(f"reward of {label}: {reward:g}")
+        return problems, notes
+
+    def finish(self) -> tuple[list[str], list[str]]:
+        """:meth:`score` in an event loop of its own, which then closes the env (``aclose``)."""
+        import trio
+
+        async def score_and_close() -> tuple[list[str], list[str]]:
+            try:
+                return await self.score()
+            finally:
+                with trio.CancelScope(shield=True):
+                    await self.env.aclose()
+
+        return trio.run(score_and_close)
+
+
+async def _check_demonstrations(cfg: "AgentRLConfig", env: "Env", report: EnvCheck,
+                                also: list[tuple[str, "Task", list[dict[str, Any]]]]) -> None:
+    """The first demonstrations' tool calls and rewards (and ``also``'s rewards); no demonstration
+    is a problem when SFT needs them."""
+    from agentrl.envs import demonstrated
+
+    needed = cfg.sft.enabled and not cfg.sft.data
+    checker = DemoChecker(env, cfg.learner.max_abs_reward)
+    try:
+        for task, record in demonstrated(env, DEMOS_CHECKED, seed=cfg.run.seed):
+            checker.add(task, record["messages"])
+    except Exception as e:
+        checker = DemoChecker(env, cfg.learner.max_abs_reward)  # what was added is not trusted
+        line = f"demonstration(): {type(e).__name__}: {e}"
+        if needed:
+            report.problems.append(f"{line} (sft.enabled needs demonstrations or sft.data)")
+        else:
+            report.notes.append(f"{line} (unused: sft.enabled = false or sft.data is set)")
+    else:
+        if not checker.count and needed:
+            report.problems.append("sft.enabled = true but the env demonstrates no task (demonstration() returns "
+                                   "None): set sft.data to a JSONL of conversations, or sft.enabled = false")
+    problems, notes = await checker.score(also)
+    report.problems += problems
+    report.notes += notes
 
 
 def summary_lines(report: EnvCheck) -> list[str]:
     """What ``--dry-run`` prints after the config."""
-    lines = [f"# env check: {'ok' if report.ok else f'{len(report.problems)} problem(s)'}"]
+    verdict = "ok" if report.ok else f"{len(report.problems)} problem(s)"
+    if report.ok and report.unchecked:
+        verdict += f", but {len(report.unchecked)} piece(s) not checked"
+    lines = [f"# env check: {verdict}"]
     lines += [f"#   {note}" for note in report.notes]
+    lines += [f"#   NOT CHECKED: {what}" for what in report.unchecked]
     lines += [f"#   PROBLEM: {problem}" for problem in report.problems]
     return lines

@@ -21,7 +21,10 @@ wrote, a ``tuple`` parameter a tuple.
 :class:`ToolBox` executes calls for the agent loop. Every failure mode -- unknown tool,
 arguments that do not fit the schema, an exception, a time-out, an oversized output -- turns
 into a :class:`ToolResult` with ``is_error=True`` and a message the model can read. Only
-``trio.Cancelled`` (the episode itself being cancelled) propagates.
+``trio.Cancelled`` (the episode itself being cancelled) propagates. A tool answers with an error
+on purpose by raising :class:`ToolError` (a country the atlas does not know): the model reads its
+message, and it is counted as the tool's answer (``error_kind="tool_error"``), apart from the
+crashes and time-outs an evaluation reports as the tool's fault.
 """
 
 from __future__ import annotations
@@ -54,13 +57,19 @@ class ToolResult:
     is_error: bool = False
     latency_s: float = 0.0
     name: str = ""
-    # why it failed: "unknown_tool" / "bad_arguments" (the model's mistake), "crash" / "timeout"
-    # (the tool's fault: an evaluation reports these); "" when it did not fail
+    # why it failed: "unknown_tool" / "bad_arguments" (the model's mistake), "tool_error" (the tool
+    # raised ToolError: an answer on purpose), "crash" / "timeout" (the tool's fault: an evaluation
+    # reports these); "" when it did not fail
     error_kind: str = ""
 
     @property
     def tool_fault(self) -> bool:
         return self.error_kind in ("crash", "timeout")
+
+
+class ToolError(Exception):
+    """Raise it in a tool to answer the model with an error on purpose (``Error: <message>``):
+    an unknown country, a unit the converter does not know. Any other exception is a crash."""
 
 
 class Tool:
@@ -397,6 +406,8 @@ class ToolBox:
                 out = await tool_.run(**kwargs)
         except trio.Cancelled:
             raise
+        except ToolError as e:  # the tool's answer, on purpose
+            return ToolResult(f"Error: {e}", is_error=True, error_kind="tool_error")
         except (Exception, SystemExit) as e:  # a crashed (or exiting) tool is an observation, not a crashed episode
             return ToolResult(f"Error: {call.name} failed: {type(e).__name__}: {e}", is_error=True, error_kind="crash")
         if scope.cancelled_caught:

@@ -3,7 +3,7 @@
 from agentrl.envs.base import Env
 from agentrl.envs.rewards import exact_match, final_assistant_text
 from agentrl.envs.sources import TaskSource
-from agentrl.tools.base import tool
+from agentrl.tools.base import ToolError, tool
 
 
 class CapitalsEnv(Env):
@@ -23,7 +23,7 @@ class CapitalsEnv(Env):
             """
             capital = capitals.get(country.strip().lower())
             if capital is None:
-                raise KeyError(f"no country named {country!r}")  # the model sees this as an error
+                raise ToolError(f"no country named {country!r}")  # the model reads it as an error
             return f"The capital of {country} is {capital}."
 
         self._tools = [atlas]
