@@ -52,15 +52,26 @@ def init_model_cmd(
     typer.echo(f"wrote a {size} model ({count_parameters(path):,} parameters) to {path}")
 
 
+def _sglang_problem(cfg) -> str | None:
+    """Why the SGLang engines this run would start cannot start (checked before anything runs)."""
+    if cfg.engine.backend != "sglang" or cfg.engine.urls:
+        return None
+    from agentrl.engine.launch import sglang_problem
+
+    return sglang_problem(cfg.engine.sglang_python)
+
+
 @app.command("run")
 def run_cmd(
     config: ConfigArg,
     overrides: OverrideOpt = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the resolved config, the GPU placement and "
                                                          "every child's command, and check the env (tools, a "
-                                                         "task, its prompt), then exit.")] = False,
+                                                         "task, its prompt, its reward, its demonstrations), "
+                                                         "then exit.")] = False,
     run_dir: Annotated[Optional[Path], typer.Option("--run-dir", help="Run folder (default: runs/<name>-<time>).")] = None,
-    live: Annotated[bool, typer.Option("--live/--no-live", help="Show the live progress table.")] = True,
+    live: Annotated[bool, typer.Option("--live/--no-live", help="Show the live progress table (on a terminal); "
+                                       "--no-live: a plain progress line every 10 s instead.")] = True,
 ) -> None:
     """Run everything a config needs: warm start, engines, learner, actors, evaluations."""
     from agentrl.config import dump_toml
@@ -75,6 +86,7 @@ def run_cmd(
     from agentrl.children import dry_run_lines, resolve_run_dir
 
     folder = resolve_run_dir(cfg, run_dir)
+    engine_problem = _sglang_problem(cfg)
     if dry_run:
         from agentrl.envs.check import check_env, summary_lines
 
@@ -82,9 +94,14 @@ def run_cmd(
         typer.echo("\n".join(f"# {line}" for line in dry_run_lines(cfg, folder, placement)))
         report = check_env(cfg)
         typer.echo("\n".join(summary_lines(report)))
-        if not report.ok:
+        if engine_problem:
+            typer.secho(f"engine check: {engine_problem}", fg=typer.colors.RED, err=True)
+        if not report.ok or engine_problem:
             raise typer.Exit(2)
         return
+    if engine_problem:
+        typer.secho(f"error: {engine_problem}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2)
     import json
     import logging
 
@@ -143,7 +160,8 @@ def launch_cmd(
         typer.echo(line)
     for path in files:
         typer.echo(f"wrote {path}")
-    typer.echo(f"submit: {'sbatch ' + str(files[-2]) if target == 'slurm' else 'kubectl apply -f ' + str(files[0])}")
+    first = next(p for p in files if p.name in ("agentrl.sbatch", "agentrl.yaml"))
+    typer.echo(f"submit: {'sbatch' if target == 'slurm' else 'kubectl apply -f'} {first}")
 
 
 # ---------------------------------------------------------------- engine commands (serve-engine)
@@ -159,32 +177,36 @@ def serve_engine_cmd(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 30000,
     backend: Annotated[str, typer.Option(help="embedded (this process, CPU or one GPU) or sglang.")] = "embedded",
-    device: Annotated[str, typer.Option(help="embedded: auto, cpu, cuda or cuda:N.")] = "auto",
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N (sglang: cpu adds SGLang's CPU flags).")] = "auto",
     dtype: Annotated[str, typer.Option(help="auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16.")] = "auto",
     max_running_requests: Annotated[int, typer.Option(help="Requests decoded together at most.")] = 64,
     max_context_tokens: Annotated[int, typer.Option(help="Prompt + completion tokens per request at most.")] = 2048,
-    weight_version: Annotated[str, typer.Option(help="weight_version reported until the first update.")] = "0",
+    weight_version: Annotated[str, typer.Option(help="weight_version reported until the first update "
+                                                     "(SGLang's default: \"default\").")] = "default",
     num_threads: Annotated[int, typer.Option(help="embedded: torch threads (0: torch's default).")] = 0,
+    sglang_python: Annotated[str, typer.Option(help="sglang: the interpreter of the virtualenv that has sglang "
+                                                    "(default: this one).")] = "",
 ) -> None:
     """Serve a model over SGLang's native HTTP API (extra arguments go to the server as they are)."""
-    from agentrl.engine.launch import EngineLaunchError, engine_args, engine_command, require_sglang
+    from agentrl.engine.launch import EngineLaunchError, engine_args, engine_command, require_sglang, sglang_cpu_env
 
     if backend not in ("embedded", "sglang"):
         typer.secho(f"unknown backend {backend!r}; choose embedded or sglang", fg=typer.colors.RED, err=True)
         raise typer.Exit(2)
     flags = engine_args(backend, device=device, dtype=dtype, max_running_requests=max_running_requests,
                         max_context_tokens=max_context_tokens, weight_version=weight_version,
-                        num_threads=num_threads) + list(ctx.args)
+                        num_threads=num_threads, on_cpu=backend == "sglang" and device == "cpu") + list(ctx.args)
     if backend == "sglang":
         try:
-            require_sglang()
+            require_sglang(sglang_python)
         except EngineLaunchError as e:
             typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
             raise typer.Exit(2) from None
         import os
 
-        argv = engine_command(str(model), port, backend="sglang", host=host, extra=flags)
-        os.execv(argv[0], argv)  # SGLang's own process tree replaces this one
+        argv = engine_command(str(model), port, backend="sglang", host=host, extra=flags, python=sglang_python)
+        env = {**os.environ, **(sglang_cpu_env() if device == "cpu" else {})}
+        os.execve(argv[0], argv, env)  # SGLang's own process tree replaces this one
     from agentrl.engine.server import main as serve_main
 
     serve_main(["--model", str(model), "--host", host, "--port", str(port), *flags])
@@ -219,11 +241,13 @@ def make_demos_cmd(
     num: Annotated[int, typer.Option("--num", "-n", help="Number of demonstrations.")] = 1000,
     overrides: OverrideOpt = None,
 ) -> None:
-    """Write the configured env's demonstration episodes (correct tool use) as JSONL for SFT
-    (with [[envs]], each env's share of NUM by weight)."""
+    r"""Write the configured env's demonstration episodes (correct tool use) as JSONL for SFT
+    (with [\[envs]], each env's share of NUM by weight). The env's demonstrations are checked first
+    (tool calls against its tools, a few scored by its reward): a problem exits 2 and writes nothing."""
     import json
 
-    from agentrl.envs import close_quietly, demonstrations, make_envs
+    from agentrl.envs import demonstrated, make_envs
+    from agentrl.envs.check import DemoChecker
 
     cfg = _load(config, overrides)
     try:
@@ -233,15 +257,29 @@ def make_demos_cmd(
         raise typer.Exit(2) from None
     out.parent.mkdir(parents=True, exist_ok=True)
     total_weight = sum(section.weight for section, _ in envs)
-    with out.open("w") as f:
+    partial = out.with_name(out.name + ".partial")  # becomes ``out`` only when every demonstration passed
+    problems: list[str] = []
+    with partial.open("w") as f:
         for section, env in envs:
             share = num if len(envs) == 1 else round(num * section.weight / total_weight)
-            count = 0
-            for record in demonstrations(env, share, seed=cfg.run.seed):
-                f.write(json.dumps(record) + "\n")
-                count += 1
-            close_quietly(env)
-            typer.echo(f"wrote {count} demonstrations of {type(env).__name__} to {out}")
+            checker = DemoChecker(env, cfg.learner.max_abs_reward)
+            try:
+                for task, record in demonstrated(env, share, seed=cfg.run.seed):
+                    checker.add(task, record["messages"])
+                    f.write(json.dumps(record) + "\n")
+            except Exception as e:  # the env's tasks() or demonstration() raised
+                problems.append(f"{env.name}: demonstrations: {type(e).__name__}: {e}")
+            found, notes = checker.finish()  # which closes the env
+            problems += [f"{env.name}: {problem}" for problem in found]
+            typer.echo(f"{type(env).__name__}: {'; '.join(notes) or 'no demonstrations'}")
+    if problems:
+        partial.unlink()
+        for problem in problems:
+            typer.secho(f"make-demos: PROBLEM: {problem}", fg=typer.colors.RED, err=True)
+        typer.secho(f"make-demos: nothing written to {out}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2)
+    partial.replace(out)
+    typer.echo(f"wrote them to {out}")
 
 
 @app.command("serve-actors")

@@ -76,10 +76,12 @@ class EngineSection(Section):
     mem_fraction_static: float = Field(default=0.0, ge=0, lt=1)  # SGLang's --mem-fraction-static; 0: SGLang's default
     colocate: bool = False  # engines share the learner's GPUs (one-GPU machines); sglang then needs mem_fraction_static
     request_retries: int = Field(default=5, ge=0)  # retries of a /generate call on connection errors and 5xx, with back-off
-    health_check_interval_s: float = Field(default=2.0, gt=0)  # how often the client polls each engine's /health
+    health_check_interval_s: float = Field(default=2.0, gt=0)  # how often the client polls each engine's /ping (liveness, no generation)
     weight_group_backend: Literal["auto", "gloo", "nccl"] = "auto"  # backend of the weight-update group; auto: nccl when the learner sees a GPU, else gloo
     weight_bucket_mb: float = Field(default=64.0, gt=0)  # size of a weight-push bucket (one HTTP call + its broadcasts)
     sglang_args: list[str] = []  # extra flags for `python -m sglang.launch_server`
+    sglang_python: str = ""  # interpreter of the virtualenv that has sglang (AGENTRL_SGLANG=1 scripts/install.sh builds .venv-sglang); empty: agentrl's own
+    sglang_env: dict[str, str] = {}  # extra environment variables of the SGLang engine processes `agentrl run` starts
     # Bearer tokens: the config names the environment variables, never holds a key (agentrl/secrets.py)
     api_key_env: str = "AGENTRL_ENGINE_API_KEY"  # NAME of the variable (or <NAME>_FILE) holding SGLang's --api-key (/generate)
     admin_api_key_env: str = "AGENTRL_ENGINE_ADMIN_API_KEY"  # NAME of the variable (or <NAME>_FILE) holding --admin-api-key (weights, pause...)
@@ -197,7 +199,7 @@ class LearnerSection(Section):
     max_staleness: int = Field(default=1, ge=0)  # groups older than this many versions are dropped
     dynamic_sampling: bool = True  # drop groups whose rewards do not vary
     wait_log_interval_s: float = Field(default=30.0, gt=0)  # how often to log while waiting for groups
-    max_wait_for_data_s: float = Field(default=0.0, ge=0)  # stop (with a checkpoint) after this long without a batch; 0: wait forever
+    max_wait_for_data_s: float = Field(default=600.0, ge=0)  # stop (with a checkpoint) after this long without a batch once data flows (e.g. every group zero-variance); 0: wait forever
     max_abs_reward: float = Field(default=1000.0, gt=0)  # a reward (or component) beyond +-this, or not finite, is a bug: the group is dropped as malformed_reward
     # Systems
     sync_every_steps: int = Field(default=1, ge=1)  # steps between weight pushes (each bumps the policy version)
@@ -387,10 +389,34 @@ def _format_errors(err: ValidationError, source: str) -> str:
         if not key:  # a rule across sections: its message names the keys
             lines.append(f"{e['msg'].removeprefix('Value error, ')} (in {source})")
         elif e["type"] == "extra_forbidden":
-            lines.append(f"unknown key '{key}' in {source}")
+            lines.append(f"unknown key '{key}' in {source}{_did_you_mean(e['loc'])}")
         else:
             lines.append(f"invalid value for '{key}' in {source}: {e['msg']}")
     return "; ".join(lines)
+
+
+def _did_you_mean(loc: tuple[Any, ...]) -> str:
+    """``"; did you mean 'learner.lr'?"`` for an unknown key close to a field of its section
+    (difflib over the section's fields), else ``""``."""
+    import difflib
+    import typing
+
+    model: Any = AgentRLConfig
+    for part in loc[:-1]:
+        if isinstance(part, int):  # an [[envs]] entry
+            continue
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            return ""
+        types = [field.annotation, *typing.get_args(field.annotation)]
+        types += [inner for t in types for inner in typing.get_args(t)]  # list[EnvSection] | None
+        model = next((t for t in types if isinstance(t, type) and issubclass(t, BaseModel)), None)
+        if model is None:  # a free-form table such as env.kwargs
+            return ""
+    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1, cutoff=0.6)
+    if not close:
+        return ""
+    return f"; did you mean '{'.'.join(str(p) for p in (*loc[:-1], close[0]))}'?"
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> AgentRLConfig:

@@ -5,20 +5,25 @@ Stages, in order, all under one trio nursery (:class:`agentrl.supervisor.Supervi
 1. **Model.** Build the tiny model at ``model.path`` when it is absent (``model.init_size``).
 2. **Warm start** (``sft.enabled``): ``agentrl sft`` on the env's demonstrations, exported to
    ``<run_dir>/sft/model``, which becomes the policy for every later stage. Skipped when that
-   folder already exists (a restarted run does not redo it).
+   folder already exists (a restarted run does not redo it), unless the envs (config or code),
+   ``[sft]`` or the base model changed since the folder's last run (``run_fingerprint.json``):
+   then the folder's contents move to ``superseded-<time>/`` and the run starts afresh.
 3. **Engines.** ``engine.num_engines`` embedded (or SGLang) servers on free ports, unless
    ``engine.urls`` points at servers that already run. A retrieval server (``agentrl
    serve-search``) for each env with ``kwargs.search_url = "auto"``, restarted if it dies.
 4. **Evaluation before** RL: greedy episodes on ``eval.num_tasks`` held-out tasks, played by
-   this process through the same engines. A fresh learner starts meanwhile (it pushes nothing
+   this process through the same engines. Engines this run did not start (``engine.urls``)
+   first load the run's policy from disk as version 0, whatever they held. A fresh learner starts meanwhile (it pushes nothing
    before the actors bring data), so its start-up is not on the way to the first update.
 5. **RL.** ``agentrl learn`` and ``actors.num_processes`` × ``agentrl serve-actors``. Any
    child that dies -- an engine, the learner, an actor -- is restarted (``agentrl.children``:
    restart policy), and the run goes on: a restarted engine gets the learner's policy before
    its answers count, the learner resumes from its checkpoint and journal, an actor continues
    its budget. Every restart is an event and counted per child (``summary.json``, the live
-   table). While they run, a live table shows step, reward, staleness and throughput, and an
-   evaluation runs every ``eval.every_steps`` policy versions.
+   table). While they run, a live table (a plain line every ``PLAIN_LINE_S`` when stdout is not
+   a terminal, or with ``--no-live``) shows step, reward, staleness, throughput and the actors'
+   reward errors (each new message also an event), and an evaluation runs every
+   ``eval.every_steps`` policy versions.
 6. **Evaluation after**: the engines now hold the learner's final weights (the learner
    pushes them after its last step); only the engines that report its final version are
    evaluated (an engine restarted after the learner ended holds the warm start). Then
@@ -72,6 +77,7 @@ class RunState:
     eval_after: dict[str, Any] | None = None
     evals: list[dict[str, Any]] = field(default_factory=list)
     versions_seen: set[int] = field(default_factory=set)
+    versions_in_order: list[int] = field(default_factory=list)  # each version announced, in order (no repeats)
     events: list[str] = field(default_factory=list)
     last_metrics: dict[str, Any] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)  # per child
@@ -84,12 +90,26 @@ class RunState:
         "received": 0, "consumed": 0, "duplicate": 0, "dropped": {}, "buffered": 0, "groups_per_step": 0,
         "waiting_s": 0.0, "warning": ""})
     warned: str = ""
+    # reward errors the actors write in their logs (agentrl.actors.metrics.RewardErrors): the last
+    # line of each actor process, by its id; where each log was read up to; the kinds already said
+    reward_error_lines: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    log_offsets: dict[str, int] = field(default_factory=dict)
+    reward_errors_said: set[tuple[str, str]] = field(default_factory=set)
+    learner_status: dict[str, Any] = field(default_factory=dict)  # learner_status.json as last read
+    checkpoint_errors: list[str] = field(default_factory=list)  # the learner's failed checkpoint writes, as events
 
     def event(self, name: str, what: str, level: int = logging.INFO) -> str:
         line = f"{time.strftime('%H:%M:%S')} {name}: {what}"
         self.events.append(line)
         log.log(level, "%s: %s", name, what)
         return line
+
+    def see_version(self, version: int) -> None:
+        """A policy version announced by the learner, kept in order: summary.json shows one going
+        backwards (a learner restarted from an older checkpoint), which a set hid."""
+        self.versions_seen.add(version)
+        if not self.versions_in_order or self.versions_in_order[-1] != version:
+            self.versions_in_order.append(version)
 
     @property
     def actor_restarts(self) -> int:
@@ -102,12 +122,56 @@ class RunState:
             status = json.loads((self.run_dir / "learner_status.json").read_text())
         except (FileNotFoundError, json.JSONDecodeError):
             return
+        self.learner_status = status
         for key in self.data:
             if key in status:
                 self.data[key] = status[key]
         if self.data["warning"] and self.data["warning"] != self.warned:
             self.warned = self.data["warning"]
             self.event("learner", self.data["warning"], logging.WARNING)
+        for error in status.get("checkpoint_errors") or []:
+            if error not in self.checkpoint_errors:
+                self.checkpoint_errors.append(error)
+                self.event("learner", error, logging.ERROR)
+
+    def read_reward_errors(self) -> None:
+        """New lines of the actors' logs: each actor process's reward-error totals, and an event
+        for each (env, message) seen for the first time."""
+        from agentrl.actors.metrics import parse_reward_errors
+
+        for path in sorted((self.run_dir / "logs").glob("actor*.log")):
+            for line in self._new_lines(path):
+                found = parse_reward_errors(line)
+                if found is not None:
+                    self.reward_error_lines[found["id"]] = found["errors"]
+        for e in self.reward_errors:
+            if (e["env"], e["error"]) not in self.reward_errors_said:
+                self.reward_errors_said.add((e["env"], e["error"]))
+                self.event("actors", f"reward error in env {e['env']}: {e['error']} (episodes scored 0; counted in "
+                           "summary.json reward_errors)", logging.WARNING)
+
+    def _new_lines(self, path: Path) -> list[str]:
+        """The complete lines appended to ``path`` since the last call."""
+        start = self.log_offsets.get(str(path), 0)
+        try:
+            with path.open("rb") as f:
+                f.seek(start)
+                data = f.read()
+        except OSError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self.log_offsets[str(path)] = start + end
+        return data[:end].decode(errors="replace").splitlines()
+
+    @property
+    def reward_errors(self) -> list[dict[str, Any]]:
+        """``[{env, error, count}]`` over every actor process, the most frequent first."""
+        counts: dict[tuple[str, str], int] = {}
+        for errors in self.reward_error_lines.values():
+            for e in errors:
+                counts[(e["env"], e["error"])] = counts.get((e["env"], e["error"]), 0) + e["count"]
+        ranked = sorted(counts.items(), key=lambda kv: -kv[1])
+        return [{"env": env, "error": error, "count": n} for (env, error), n in ranked]
 
     def eval_event(self, when: str, result: dict[str, Any]) -> None:
         """The evaluation's success, and in words every problem it met (aborts, reward errors...)."""
@@ -144,10 +208,36 @@ async def warm_start(sup: Supervisor, nursery: trio.Nursery, cfg: AgentRLConfig,
     spec = ChildSpec("sft", agentrl_argv("sft", "--config", str(sft_cfg)), run_dir / "logs" / "sft.log",
                      env=placement.learner_env(), critical=True, max_restarts=0)
     await sup.start(nursery, spec)
-    await sup.wait_finished("sft")
+    async with trio.open_nursery() as follow:
+        follow.start_soon(_follow_sft, spec.log_path)
+        await sup.wait_finished("sft")
+        follow.cancel_scope.cancel()
     if sup.children["sft"].returncode != 0:
         await trio.sleep_forever()  # the supervisor raises ChildFailed
     return str(out)
+
+
+async def _follow_sft(log_path: Path) -> None:
+    """The warm start's progress (its last ``sft step i/n`` log line) every ``PLAIN_LINE_S``, when it moved."""
+    said = ""
+    while True:
+        await trio.sleep(PLAIN_LINE_S)
+        line = _last_line_with(log_path, "sft step ")
+        if line and line != said:
+            said = line
+            log.info("sft: %s", line[line.index("sft step ") + 4:])
+
+
+def _last_line_with(path: Path, text: str) -> str:
+    """The last line of ``path``'s last 64 KiB that contains ``text``, or ""."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - 65536))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return next((line for line in reversed(lines) if text in line), "")
 
 
 async def start_engines(sup: Supervisor, nursery: trio.Nursery, cfg: AgentRLConfig, run_dir: Path,
@@ -278,9 +368,10 @@ async def watch_progress(cfg: AgentRLConfig, state: RunState, run_dir: Path, liv
         while True:
             with trio.move_on_after(1.0):
                 progress = await sub.receive()
-                state.versions_seen.add(progress.policy_version)
+                state.see_version(progress.policy_version)
             state.last_metrics = _last_json_line(metrics_file) or state.last_metrics
             state.read_learner_status()
+            state.read_reward_errors()
             if live is not None:
                 live.update(_table(state, cfg) if not isinstance(live, _PlainLines) else None)
             version = max(state.versions_seen, default=0)
@@ -350,6 +441,10 @@ def _table(state: RunState, cfg: AgentRLConfig) -> Any:
         ("restarts", ", ".join(f"{name} {n}" for name, n in sorted(state.restarts.items())) or "-"),
     ]
     rows += _env_rows(state)
+    if state.reward_errors:
+        from rich.markup import escape  # an exception's message may hold [brackets]
+
+        rows.append(("[bold yellow]reward errors", f"[yellow]{escape(_fmt_reward_errors(state.reward_errors))}"))
     if state.data["warning"]:
         rows.append(("[bold yellow]warning", f"[yellow]{state.data['warning']}"))
     for key, value in rows:
@@ -380,7 +475,17 @@ def progress_line(state: RunState, cfg: AgentRLConfig) -> str:
             f"| policy v{max(state.versions_seen, default=0)} | reward {m.get('reward/mean', float('nan')):.3f} "
             f"| groups received {d['received']} consumed {d['consumed']} dropped {_fmt_dropped(d['dropped'])} "
             f"| {_episodes_per_s(state, cfg):.1f} episodes/s | learner {_fmt_learner(d)}")
+    errors = sum(e["count"] for e in state.reward_errors)
+    line += f" | reward errors {errors}" if errors else ""
     return line + (f" | WARNING: {d['warning']}" if d["warning"] else "")
+
+
+def _fmt_reward_errors(errors: list[dict[str, Any]]) -> str:
+    """The count, and the most frequent message (each one is an event when first seen)."""
+    top = errors[0]
+    kinds = f"{len(errors)} kinds; " if len(errors) > 1 else ""
+    return (f"{sum(e['count'] for e in errors)} episodes scored 0 ({kinds}most: {top['count']} × env "
+            f"{top['env']}: {top['error'][:120]})")
 
 
 def _fmt_dropped(dropped: dict[str, int]) -> str:
@@ -446,8 +551,15 @@ def _fmt_eval(result: dict[str, Any] | None) -> str:
 
 
 def summarize(state: RunState, cfg: AgentRLConfig, run_dir: Path) -> dict[str, Any]:
+    """``summary.json``, written whatever happened to the run (stopped, failed: with what it saw).
+    ``learner_steps`` is the step of the learner's last checkpoint (the weights that survive),
+    ``groups_produced`` counts every actor session, killed ones included (``agentrl.accounting``)."""
     state.read_learner_status()  # the learner's last counts, also when it never finished a step
+    state.read_reward_errors()  # the actors' last lines (a clean stop writes one with its report)
+    state.last_metrics = _last_json_line(run_dir / "learner_metrics.jsonl") or state.last_metrics
     m = state.last_metrics
+    accounting = _accounting(run_dir) if state.rl_started is not None else None
+    status = state.learner_status
     recent = [e["success_rate"] for e in state.evals[-3:]]
     summary = {
         "config": str(run_dir / "config.toml"),
@@ -459,14 +571,19 @@ def summarize(state: RunState, cfg: AgentRLConfig, run_dir: Path) -> dict[str, A
         "success_rise_by_env": _rise_by_env(state.eval_before, state.eval_after),
         "evals_during_training": state.evals,
         "eval_recent_mean_success": statistics.fmean(recent) if recent else None,
-        "learner_steps": int(m.get("step", 0)),
+        "learner_steps": (accounting["checkpoint_step"] if accounting and accounting.get("checkpoint")
+                          else int(m.get("step", 0))),
+        "learner_stop": ({"reason": status.get("exit_reason"), "message": status.get("stop_message") or None}
+                         if status.get("exit_reason") else None),
+        "checkpoint_errors": state.checkpoint_errors,
         "groups_consumed": state.data["consumed"],
         "groups_received": state.data["received"],
         "groups_dropped": state.data["dropped"],
         "groups_duplicate": state.data["duplicate"],
         "data_warning": state.data["warning"] or None,
-        "groups_produced": _actor_totals(run_dir),
-        "policy_versions_seen": sorted(state.versions_seen),
+        "reward_errors": state.reward_errors,  # [{env, error, count}]: rewards that raised or were not finite
+        "groups_produced": _groups_produced(run_dir, accounting),
+        "policy_versions_seen": state.versions_in_order,  # in the order announced: a drop is a resume
         "actor_restarts": state.actor_restarts,
         "restarts": dict(sorted(state.restarts.items())),
         "restart_events": state.restart_events,
@@ -474,8 +591,8 @@ def summarize(state: RunState, cfg: AgentRLConfig, run_dir: Path) -> dict[str, A
         "rl_started_at": state.rl_started_at,
         "events": state.events[-50:],
     }
-    if state.rl_started is not None:
-        summary["accounting"] = _accounting(run_dir)
+    if accounting is not None:
+        summary["accounting"] = accounting
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
 
@@ -497,6 +614,20 @@ def _accounting(run_dir: Path) -> dict[str, Any]:
         return {"balanced": False, "problems": [f"cannot read the run folder's accounting: {type(e).__name__}: {e}"]}
 
 
+def _groups_produced(run_dir: Path, accounting: dict[str, Any] | None) -> dict[str, int]:
+    """What the actors produced: the totals of the final reports of the sessions that ended cleanly,
+    plus every killed session's groups (``agentrl.accounting``: from the sequence numbers the
+    learner received, or the dumps); ``total`` counts every session."""
+    totals = _actor_totals(run_dir)
+    if not accounting or "sessions" not in accounting:
+        return totals
+    killed = [s for s in accounting["sessions"] if s["killed"]]
+    totals["groups_delivered"] = totals.get("groups_delivered", 0) + sum(s["produced"] for s in killed)
+    totals.update({"total": accounting["produced"], "sessions": accounting["actor_sessions"],
+                   "sessions_killed": len(killed), "of_killed_sessions": sum(s["produced"] for s in killed)})
+    return totals
+
+
 def _actor_totals(run_dir: Path) -> dict[str, int]:
     """Sum the final reports the actor processes print (one JSON object per line in their logs)."""
     from agentrl.accounting import final_reports
@@ -509,22 +640,36 @@ def _actor_totals(run_dir: Path) -> dict[str, int]:
     return totals
 
 
-def log_to_mlflow(cfg: AgentRLConfig, run_dir: Path, summary: dict[str, Any], status: str = "FINISHED") -> None:
+def summary_metrics(summary: dict[str, Any]) -> list[tuple[int, dict[str, float]]]:
+    """(step, metrics) of what the summary adds to MLflow, each at the step it describes:
+    ``eval_before/*`` at 0 (the warm start), every evaluation during training as ``eval/*`` at the
+    policy version it evaluated, ``eval_after/*``, the rise and the reward errors at the last step."""
     from agentrl.evaluate import eval_metrics
     from agentrl.learner.batching import metric_name
+
+    out: list[tuple[int, dict[str, float]]] = []
+    if summary.get("eval_before"):
+        out.append((0, eval_metrics(summary["eval_before"], "eval_before")))
+    for result in summary.get("evals_during_training") or []:
+        if isinstance(result.get("policy_version"), int):
+            out.append((result["policy_version"], eval_metrics(result, "eval")))
+    last: dict[str, float] = eval_metrics(summary["eval_after"], "eval_after") if summary.get("eval_after") else {}
+    if summary.get("success_rise") is not None:
+        last["eval/success_rise"] = summary["success_rise"]
+    for env, rise in (summary.get("success_rise_by_env") or {}).items():
+        last[f"eval/env/{metric_name(env)}/success_rise"] = rise
+    last["actors/reward_errors"] = sum(e["count"] for e in summary.get("reward_errors") or [])
+    out.append((int(summary.get("learner_steps") or 0), last))
+    return out
+
+
+def log_to_mlflow(cfg: AgentRLConfig, run_dir: Path, summary: dict[str, Any], status: str = "FINISHED") -> None:
     from agentrl.tracking import open_tracker
 
     tracker = open_tracker(cfg.tracking, run_dir, run_name=cfg.run.name, resume_run_id=cfg.tracking.run_id or None)
     try:
-        metrics = {}
-        for name in ("eval_before", "eval_after"):
-            if summary.get(name):
-                metrics.update(eval_metrics(summary[name], name))
-        if summary.get("success_rise") is not None:
-            metrics["eval/success_rise"] = summary["success_rise"]
-        for env, rise in (summary.get("success_rise_by_env") or {}).items():
-            metrics[f"eval/env/{metric_name(env)}/success_rise"] = rise
-        tracker.log_metrics(metrics, step=summary.get("learner_steps", 0))
+        for step, metrics in summary_metrics(summary):
+            tracker.log_metrics(metrics, step=step)
         tracker.log_artifact(run_dir / "summary.json")
         if (run_dir / "config.toml").exists():
             tracker.log_artifact(run_dir / "config.toml")
@@ -546,16 +691,81 @@ def create_mlflow_run(cfg: AgentRLConfig, run_dir: Path) -> str:
 # ------------------------------------------------------------------------------ main
 
 
+FINGERPRINT_FILE = "run_fingerprint.json"  # what the folder's warm start and learner state come from
+
+
+def run_fingerprint(cfg: AgentRLConfig) -> dict[str, str]:
+    """A hash of each thing a run folder's warm start and learner state were made from: every env
+    section, the source file of its class's module (an edited env counts), the ``[sft]`` section
+    and the base model."""
+    import hashlib
+
+    def digest(value: Any) -> str:
+        data = value if isinstance(value, bytes) else json.dumps(value, sort_keys=True, default=str).encode()
+        return hashlib.sha256(data).hexdigest()[:16]
+
+    parts = {}
+    for key, section in cfg._env_keys():
+        parts[key] = digest(section.model_dump())
+        parts[f"{key} code"] = digest(_module_source(section.cls.rsplit(":", 1)[0]))
+    parts["sft"] = digest(cfg.sft.model_dump())
+    parts["model"] = digest({"path": cfg.model.path, "init_size": cfg.model.init_size})
+    return parts
+
+
+def _module_source(module: str) -> bytes:
+    """The bytes of an env module's file (``path/to/file.py``, or found by import), b"" if none."""
+    import importlib.util
+
+    try:
+        if module.endswith(".py"):
+            return Path(module).read_bytes()
+        spec = importlib.util.find_spec(module)
+        return Path(spec.origin).read_bytes() if spec is not None and spec.origin else b""
+    except (OSError, ImportError, ValueError):
+        return b""
+
+
+def supersede_changed_run(cfg: AgentRLConfig, run_dir: Path) -> str:
+    """A run folder whose last run had other envs (config or code), ``[sft]`` or base model: its
+    warm start and the learner's state are another policy's, so its contents move to
+    ``<run_dir>/superseded-<time>/`` and this run starts afresh, warm start included. Returns
+    what happened, in words ("" when nothing changed, or the folder is new or predates
+    fingerprints)."""
+    try:
+        old = json.loads((run_dir / FINGERPRINT_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return ""
+    new = run_fingerprint(cfg)
+    changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    if not changed:
+        return ""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    names = (f"superseded-{stamp}" + (f"-{i}" if i > 1 else "") for i in itertools.count(1))
+    archive = next(run_dir / name for name in names if not (run_dir / name).exists())
+    archive.mkdir()
+    for entry in list(run_dir.iterdir()):
+        if not entry.name.startswith("superseded-"):
+            entry.rename(archive / entry.name)
+    return (f"{', '.join(changed)} changed since this folder's last run: its warm start, checkpoints, journal, "
+            f"logs and metrics moved to {archive}; this run starts afresh, with a new warm start")
+
+
 async def run_async(cfg: AgentRLConfig, run_dir: Path, *, live_display: bool = True,
                     placement: Placement | None = None) -> dict[str, Any]:
     from agentrl.model_builder import ensure_model
 
     placement = placement or placement_for(cfg, visible_gpus())  # refused before anything starts
+    superseded = supersede_changed_run(cfg, run_dir)  # before anything is written into the folder
     run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / FINGERPRINT_FILE).write_text(json.dumps(run_fingerprint(cfg), indent=2))
     state = RunState(run_dir)
+    if superseded:
+        state.event("run", superseded, logging.WARNING)
     for line in placement.describe():
         state.event("placement", line)
-    sup = Supervisor(on_event=lambda name, what: _on_event(state, name, what))
+    # actors stop first: the learner still acknowledges what they deliver, and they print their reports
+    sup = Supervisor(on_event=lambda name, what: _on_event(state, name, what), stop_first=("actor",))
     if cfg.tracking.enabled and not cfg.tracking.uri:
         cfg = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(
             update={"uri": f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"})})
@@ -578,6 +788,11 @@ async def run_async(cfg: AgentRLConfig, run_dir: Path, *, live_display: bool = T
                 await start_search(sup, outer, cfg.env_sections[i], f"search{k or ''}", run_dir, placement)
             await start_engines(sup, outer, cfg, run_dir, own_engines, placement)
             state.event("engines", f"ready at {', '.join(cfg.engine.urls)}")
+            if not own_engines:  # weights unknown (another run's?): the evaluation before sees this run's policy
+                from agentrl.evaluate import load_policy_into_engines
+
+                await trio.to_thread.run_sync(load_policy_into_engines, cfg)
+                state.event("engines", f"loaded this run's policy {cfg.model.path} as version 0")
             await _train(sup, outer, cfg, run_dir, state, live_display, eval_lock, placement)
             async with eval_lock:
                 state.eval_after = await evaluate_on_newest_policy(cfg, state, "after RL")
@@ -590,6 +805,10 @@ async def run_async(cfg: AgentRLConfig, run_dir: Path, *, live_display: bool = T
         raise
     finally:
         summary = summarize(state, cfg, run_dir)
+        if summary.get("accounting"):
+            from agentrl.accounting import balance_line
+
+            print(balance_line(summary["accounting"]), flush=True)
         if cfg.tracking.enabled:  # a stopped or failed run is closed in MLflow with what it saw
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(log_to_mlflow, cfg, run_dir, summary, status)
@@ -620,8 +839,9 @@ async def _train(sup: Supervisor, outer: trio.Nursery, cfg: AgentRLConfig, run_d
     from rich.live import Live
 
     # a terminal gets the live table; a log file or a pipe gets a plain line every PLAIN_LINE_S
+    # (--no-live too: the table is a terminal's view, the plain line is the same progress)
     live = Live(_table(state, cfg), refresh_per_second=2, transient=False) if live_display and sys.stdout.isatty() \
-        else _PlainLines(state, cfg) if live_display else None
+        else _PlainLines(state, cfg)
     async with trio.open_nursery() as inner:
         # A learner that has never stepped in this folder holds the warm start (version 0) and pushes
         # nothing before it has data, which only the actors bring: it starts now, and its start-up
@@ -642,21 +862,67 @@ async def _train(sup: Supervisor, outer: trio.Nursery, cfg: AgentRLConfig, run_d
             await sup.wait_finished("learner")
             state.last_metrics = _last_json_line(run_dir / "learner_metrics.jsonl") or state.last_metrics
             state.read_learner_status()
+            if state.learner_status.get("stop_message"):  # ended early by itself (e.g. data that cannot fill a batch)
+                print(state.event("learner", state.learner_status["stop_message"], logging.WARNING), flush=True)
             inner.cancel_scope.cancel()
 
 
 RESTART_NOTES = {  # what a restart of each kind of child means for the run
     "actor": "its unacknowledged and running groups are abandoned; the same id continues its budget",
     "engine": "back without a weight version: actors wait on it until the learner pushes its policy",
-    "learner": "resumes from its latest checkpoint and journal; live actors resend what it had not acknowledged",
+    "learner": "restarting (its checkpoint and journal could not be read)",  # see learner_restart_note
 }
+
+
+def learner_restart_note(run_dir: Path) -> str:
+    """What a restarted learner will really do, from the run folder: resume from its newest
+    checkpoint (which step) or start from the initial weights, how many journal groups it
+    replays, and why it died (the last error line of its log)."""
+    from agentrl.accounting import newest_journal
+    from agentrl.learner.checkpoint import checkpoint_meta, latest_run_checkpoint
+    from agentrl.learner.journal import count_records
+
+    ckpt = latest_run_checkpoint(run_dir, "learn")
+    meta = (checkpoint_meta(ckpt) or {}) if ckpt is not None else {}
+    caller = meta.get("caller", {})
+    if ckpt is not None:
+        lineage, segment = str(caller.get("lineage", "")), caller.get("journal_segment")
+        replayed = count_records(run_dir / "journal" / lineage, segment) if lineage and isinstance(segment, int) else 0
+        what = (f"resumes from its checkpoint at step {meta['step']} ({ckpt}), replays {replayed} journal groups "
+                f"received after it and redoes the steps after {meta['step']}")
+    else:
+        journal = newest_journal(run_dir)
+        replayed = count_records(journal) if journal is not None else 0
+        what = (f"no checkpoint: starts again from the initial weights, redoing every step, and replays "
+                f"{replayed} journal groups")
+    why = last_error_line(run_dir / "logs" / "learner.log")
+    return f"{what}; live actors resend what it had not acknowledged{f'; its last error: {why}' if why else ''}"
+
+
+def last_error_line(log_path: Path, scan_lines: int = 400) -> str:
+    """The last line of a log that names an exception (a traceback's last line) or an ERROR."""
+    import re
+
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()[-scan_lines:]
+    except OSError:
+        return ""
+    for line in reversed(lines):
+        if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b", line) or " ERROR " in line:
+            return line.strip()[:300]
+    return ""
 
 
 def _on_event(state: RunState, name: str, what: str) -> None:
     if "; restart " in what:  # the supervisor's "exited with status N; restart i/n"
         state.restarts[name] = state.restarts.get(name, 0) + 1
         note = next((v for k, v in RESTART_NOTES.items() if name.startswith(k)), "")
-        state.restart_events.append(state.event(name, f"{what}{f' ({note})' if note else ''}", logging.WARNING))
+        if name == "learner":
+            with contextlib.suppress(Exception):  # the restart goes on; the fallback note says it could not look
+                note = learner_restart_note(state.run_dir)
+        line = state.event(name, f"{what}{f' ({note})' if note else ''}", logging.WARNING)
+        state.restart_events.append(line)
+        print(f"restart: {line}", flush=True)  # the console says so as it happens (above a live table)
         return
     state.event(name, what)
 

@@ -26,7 +26,9 @@ until the learner sets a version (it does when it connects, before its first pro
 A reply under ``"default"`` is not kept (no policy version produced it): the turn waits (logged
 once per engine) and asks again, for at most ``EpisodeLimits.max_version_wait_s``, then the
 episode fails with what to do. Any other version that is not an integer fails the episode at
-once, naming the engine. Evaluation (``evaluate``) does not need versions and takes any.
+once, naming the engine. Evaluation (``evaluate``) does not need versions and takes any. With
+``learner.lora.sync = "adapter"`` a request names the adapter, which an engine at ``"default"``
+may not hold yet (SGLang answers 400): such a refusal from an engine at ``"default"`` waits too.
 
 Finish reasons: ``answer`` (the env accepted a text turn), ``max_turns``, ``context_full``
 (no room for another turn or its observation; also a turn cut by the room left),
@@ -110,6 +112,23 @@ def parse_weight_version(version: Any, url: str) -> int:
     raise EpisodeFailed(f"engine {url or '(unknown url)'} reports weight_version {version!r}, which is not a "
                         "policy version (an integer): start it with --weight-version 0, or without --weight-version "
                         "and let the learner set the version when it connects")
+
+
+async def _adapter_not_loaded_yet(client: Any, error: Exception) -> str:
+    """The engine's URL when ``error`` is a 400 to a request naming the LoRA adapter
+    (``learner.lora.sync = "adapter"``) from an engine that reports ``"default"``: a fresh or
+    restarted engine the learner has not loaded the adapter into yet (it sets the version after
+    loading it), so the turn waits as for ``"default"``; else ``""`` (the error stands)."""
+    url = str(getattr(error, "url", ""))
+    if getattr(error, "status", None) != 400 or not getattr(client, "lora_path", "") or not url:
+        return ""
+    try:
+        versions = dict(zip([s.url for s in client.engines], await client.weight_versions()))
+    except Exception:  # noqa: BLE001 - no answer: the refusal stands
+        return ""
+    mine = [v for u, v in versions.items() if url.startswith(u + "/")]  # the url is engine + path
+    unset = UNSET_VERSION in (mine or list(versions.values()))  # behind a router: any engine
+    return url.rsplit("/", 1)[0] if unset else ""
 
 
 @dataclass(frozen=True)
@@ -247,7 +266,13 @@ class _Episode:
             try:
                 result = await self.client.generate(chat.tokens, params, affinity_key=self.id, rid=rid)
             except Exception as e:  # the client has already retried; trio.Cancelled is not an Exception
-                raise EpisodeFailed(f"generate failed: {type(e).__name__}: {e}") from e
+                unset = await _adapter_not_loaded_yet(self.client, e)
+                if not unset:
+                    raise EpisodeFailed(f"generate failed: {type(e).__name__}: {e}") from e
+                if version_wait_started is None:
+                    version_wait_started = time.monotonic()
+                await self._wait_for_version(unset, time.monotonic() - version_wait_started)
+                continue
             self.counters.generation_latency_s += time.monotonic() - start
             self.counters.num_generate_calls += 1
             try:
@@ -556,7 +581,7 @@ PROBLEM_KINDS = {
     "failed": "episodes failed (no trajectory; left out of the rates)",
     "aborted": "episodes were aborted by the engine (scored as played)",
     "reward_errors": "episodes' rewards raised (scored 0)",
-    "tool_faults": "tool calls crashed or timed out",
+    "tool_faults": "tool calls crashed or timed out (to answer with an error on purpose, a tool raises ToolError)",
 }
 
 
