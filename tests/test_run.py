@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -66,7 +67,8 @@ def _start_strict_engine(cfg, model: Path, log_dir: Path, env: dict[str, str]):
 
 @pytest.mark.timeout(900)
 def test_shortened_quickstart_learns_against_an_sglang_strict_engine(tiny_model: Path, tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                    monkeypatch: pytest.MonkeyPatch,
+                                                                    quickstart_warm_start: Path) -> None:
     """The quickstart's own warm start, then 8 RL steps against an engine that behaves like a
     hand-started SGLang server (see _start_strict_engine): the run sets the version, forms a
     weight group with both TP ranks, skips the missing routes, sends the keys, and learns."""
@@ -77,11 +79,7 @@ def test_shortened_quickstart_learns_against_an_sglang_strict_engine(tiny_model:
     cfg = load_config(EXAMPLE, [f"model.path={tiny_model}", "learner.max_steps=8", "eval.num_tasks=200"])
     assert cfg.learner.max_staleness >= 1
     warm = run_dir / "sft" / "model"  # `agentrl run` reuses a warm start it finds there
-    subprocess.run([sys.executable, "-m", "agentrl", "sft", "-c", str(EXAMPLE), "-s", f"model.path={tiny_model}",
-                    "-s", f"run.run_dir={run_dir}", "-s", f"sft.output_dir={warm}", "-s", "tracking.enabled=false",
-                    "-s", f"run.torch_num_threads={os.cpu_count() or 1}"],
-                   cwd=ROOT, check=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                   stdout=subprocess.DEVNULL)
+    shutil.copytree(quickstart_warm_start, warm)  # the quickstart's SFT of the same tiny model, once per session
     engine = _start_strict_engine(cfg, warm, tmp_path, keys)
     try:
         assert httpx.get(engine.url + "/model_info", timeout=10,
