@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 
@@ -67,15 +66,15 @@ def test_config_engine_args_take_keys_from_the_environment_for_sglang_only(monke
     assert emb[emb.index("--api-key-env") + 1] == "MY_ENGINE_KEY"  # from the variable the config names
 
 
-def test_serve_engine_with_sglang_missing_fails_at_once(monkeypatch):
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a))
-    assert not launch.sglang_available()
-    result = CliRunner().invoke(app, ["serve-engine", "--model", "/m", "--backend", "sglang"])
+def test_serve_engine_with_sglang_missing_fails_at_once(tmp_path):
+    from tests.test_sglang_launch import interpreter_with_sglang
+
+    python = interpreter_with_sglang(tmp_path, None)  # an interpreter without sglang
+    result = CliRunner().invoke(app, ["serve-engine", "--model", "/m", "--backend", "sglang", "--sglang-python", python])
     assert result.exit_code == 2
-    assert "pip install 'agentrl[sglang]'" in result.output
-    with pytest.raises(EngineLaunchError, match="agentrl\\[sglang\\]"):
-        launch.EngineProcess("/m", 1, backend="sglang")
+    assert "has no sglang" in result.output and "AGENTRL_SGLANG=1 bash scripts/install.sh" in result.output
+    with pytest.raises(EngineLaunchError, match="has no sglang"):
+        launch.EngineProcess("/m", 1, backend="sglang", python=python)
 
 
 def test_serve_engine_rejects_an_unknown_backend():
