@@ -43,7 +43,7 @@ def init_model_cmd(
     seed: Annotated[int, typer.Option(help="Seed for the tokenizer corpus and the weights.")] = 0,
 ) -> None:
     """Build a Qwen3-architecture model and byte-level BPE tokenizer offline."""
-    from agentrl.model_builder import SIZES, count_parameters, init_model
+    from agentrl.models.builder import SIZES, count_parameters, init_model
 
     if size not in SIZES:
         typer.secho(f"unknown size {size!r}; choose one of {', '.join(SIZES)}", fg=typer.colors.RED, err=True)
@@ -75,7 +75,7 @@ def run_cmd(
 ) -> None:
     """Run everything a config needs: warm start, engines, learner, actors, evaluations."""
     from agentrl.config import dump_toml
-    from agentrl.placement import PlacementError, placement_for, visible_gpus
+    from agentrl.run.placement import PlacementError, placement_for, visible_gpus
 
     cfg = _load(config, overrides)
     try:
@@ -83,12 +83,13 @@ def run_cmd(
     except PlacementError as e:
         typer.secho(f"placement error: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
-    from agentrl.children import dry_run_lines, resolve_run_dir
+    from agentrl.run.process_plan import dry_run_lines
+    from agentrl.config import resolve_run_dir
 
     folder = resolve_run_dir(cfg, run_dir)
     engine_problem = _sglang_problem(cfg)
     if dry_run:
-        from agentrl.envs.check import check_env, summary_lines
+        from agentrl.run.preflight import check_env, summary_lines
 
         typer.echo(dump_toml(cfg))
         typer.echo("\n".join(f"# {line}" for line in dry_run_lines(cfg, folder, placement)))
@@ -105,8 +106,8 @@ def run_cmd(
     import json
     import logging
 
-    from agentrl.run import StopSignal, run
-    from agentrl.supervisor import ChildFailed
+    from agentrl.run.stages import StopSignal, run
+    from agentrl.run.supervisor import ChildFailed
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpx2", "httpcore", "mlflow"):  # one line per request otherwise
@@ -145,8 +146,8 @@ def launch_cmd(
     namespace: Annotated[str, typer.Option(help="k8s: the namespace.")] = "default",
 ) -> None:
     """Write what to submit to a cluster for a config: a SLURM batch script or Kubernetes manifests."""
-    from agentrl.cluster import ClusterOptions, write_launch
-    from agentrl.placement import PlacementError
+    from agentrl.run.cluster import ClusterOptions, write_launch
+    from agentrl.run.placement import PlacementError
 
     cfg = _load(config, overrides)
     opts = ClusterOptions(gpus_per_node=gpus_per_node, learner_nodes=learner_nodes, router=router,
@@ -207,7 +208,7 @@ def serve_engine_cmd(
         argv = engine_command(str(model), port, backend="sglang", host=host, extra=flags, python=sglang_python)
         env = {**os.environ, **(sglang_cpu_env() if device == "cpu" else {})}
         os.execve(argv[0], argv, env)  # SGLang's own process tree replaces this one
-    from agentrl.engine.server import main as serve_main
+    from agentrl.run.engine_process import main as serve_main
 
     serve_main(["--model", str(model), "--host", host, "--port", str(port), *flags])
 
@@ -247,7 +248,7 @@ def make_demos_cmd(
     import json
 
     from agentrl.envs import demonstrated, make_envs
-    from agentrl.envs.check import DemoChecker
+    from agentrl.run.preflight import DemoChecker
 
     cfg = _load(config, overrides)
     try:
@@ -304,7 +305,7 @@ def serve_actors_cmd(
 ) -> None:
     """Run many concurrent episodes against the engines and send them to the learner as groups."""
     cfg = _load(config, overrides)
-    from agentrl.actors.serve import serve_actors
+    from agentrl.run.actor_process import serve_actors
 
     try:
         code = serve_actors(cfg, dump_path=dump_trajectories, max_groups=max_groups, index=index,
@@ -339,7 +340,7 @@ def _learner_launch(command: str, config: Path | None, nproc: int | None, overri
     cfg = _load(config, overrides)  # validate before starting anything
     from agentrl.config import ConfigError
     from agentrl.learner.launch import Nodes, launch
-    from agentrl.placement import learner_ranks
+    from agentrl.run.placement import learner_ranks
 
     nodes = Nodes(nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, local_addr=local_addr)
     try:
@@ -402,7 +403,7 @@ def eval_cmd(
     """Success rate and mean reward on held-out tasks (greedy by default), printed and logged."""
     import json
 
-    from agentrl.evaluate import evaluate_command
+    from agentrl.run.evaluate import evaluate_command
 
     cfg = _load(config, overrides)
     try:
@@ -411,7 +412,7 @@ def eval_cmd(
         typer.secho(f"eval error: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
     typer.echo(json.dumps(result, indent=2))
-    from agentrl.actors.rollout import describe_problems
+    from agentrl.episode.rollout import describe_problems
 
     for line in describe_problems(result):
         typer.secho(f"warning: {line}", fg=typer.colors.YELLOW, err=True)

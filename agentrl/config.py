@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import re
+import time
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -71,7 +72,7 @@ class EngineSection(Section):
     max_running_requests: int = Field(default=64, ge=1)  # requests an engine decodes together at most (its batch)
     max_context_tokens: int = Field(default=2048, ge=16)  # prompt + completion tokens of one request at most (SGLang's --context-length)
     device: str = "auto"  # auto | cpu | cuda
-    # Placement (agentrl/placement.py): each engine `agentrl run` starts gets its own GPUs
+    # Placement (agentrl/run/placement.py): each engine `agentrl run` starts gets its own GPUs
     gpus_per_engine: int = Field(default=1, ge=1)  # GPUs per engine, SGLang's --tp-size (embedded: 1)
     mem_fraction_static: float = Field(default=0.0, ge=0, lt=1)  # SGLang's --mem-fraction-static; 0: SGLang's default
     colocate: bool = False  # engines share the learner's GPUs (one-GPU machines); sglang then needs mem_fraction_static
@@ -505,3 +506,13 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, dict):
         return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot render {type(value).__name__} as TOML")
+
+
+def resolve_run_dir(cfg: AgentRLConfig, run_dir: str | Path | None = None) -> Path:
+    """``run_dir`` (``--run-dir``), else ``run.run_dir``, else ``runs/<name>-<timestamp>`` (resume needs a
+    fixed one). The one place a run's folder is decided: ``agentrl run``, the learner and SFT ask here."""
+    if run_dir:
+        return Path(run_dir)
+    if cfg.run.run_dir:
+        return Path(cfg.run.run_dir)
+    return Path("runs") / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"

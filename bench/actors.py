@@ -194,7 +194,7 @@ def bench_env(turns: int):
 
 
 def make_script(tokenizer, turns: int) -> dict[str, Any]:
-    from agentrl.actors.chat import codec_for
+    from agentrl.episode.chat import codec_for
 
     codec = codec_for(tokenizer)
     call = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
@@ -230,8 +230,8 @@ async def bare_loop(client, script, prompt_ids, observation_ids, episodes: int, 
 
 
 async def framework_loop(client, tokenizer, env, episodes: int, concurrency: int, group_size: int) -> dict:
-    from agentrl.actors.rollout import EpisodeLimits, toolbox_for
-    from agentrl.actors.service import ActorEnv, ActorService, ActorSettings
+    from agentrl.episode.rollout import EpisodeLimits, toolbox_for
+    from agentrl.actors.actor import ActorEnv, ActorService, ActorSettings
 
     class Discard:
         async def send(self, group):
@@ -286,9 +286,9 @@ def main() -> None:
         serve(args.serve, json.loads(args.script))
         return
 
-    from agentrl.model_builder import build_tokenizer
-    from agentrl.actors.chat import TokenChat, codec_for
-    from agentrl.actors.rollout import toolbox_for
+    from agentrl.models.builder import build_tokenizer
+    from agentrl.episode.chat import TokenChat, codec_for
+    from agentrl.episode.rollout import toolbox_for
 
     tokenizer = build_tokenizer(512, seed=0)
     env = bench_env(args.turns)

@@ -49,12 +49,12 @@ def main() -> None:
     import httpx
     import trio
 
-    from agentrl.actors.chat import ChatCodec, TokenChat
-    from agentrl.agents.env import AgentEnv
-    from agentrl.agents.runner import AgentRunner
+    from agentrl.episode.chat import ChatCodec, TokenChat
+    from agentrl.envs.agent import AgentEnv
+    from agentrl.agents.agent_runner import AgentRunner
     from agentrl.engine.client import EngineClient
     from agentrl.envs.base import Task
-    from agentrl.model_builder import SIZES, build_tokenizer
+    from agentrl.models.builder import SIZES, build_tokenizer
 
     tokenizer = build_tokenizer(SIZES["tiny"]["vocab_target"], seed=0)
     codec = ChatCodec(tokenizer)

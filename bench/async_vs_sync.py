@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 def run_mode(name: str, staleness: int, args: argparse.Namespace, model: str, workdir: Path) -> dict:
     from agentrl.config import load_config
-    from agentrl.run import run
+    from agentrl.run.stages import run
 
     overrides = [
         f"run.name=bench-{name}", "run.torch_num_threads=1", f"model.path={model}",
@@ -75,7 +75,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "bench"), str(ROOT), os.environ.get("PYTHONPATH", "")])
     sys.path.insert(0, str(ROOT / "bench"))
-    from agentrl.model_builder import ensure_model
+    from agentrl.models.builder import ensure_model
 
     with tempfile.TemporaryDirectory(prefix="agentrl-async-bench-") as tmp:
         work = Path(tmp)

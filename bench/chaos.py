@@ -7,7 +7,7 @@ evaluation before and after.
                           [-s section.key=value ...]
 
 Targets: every fault survived (the child restarted, the run finished every step), exact
-accounting (``agentrl.accounting``: produced = received + abandoned, received = consumed +
+accounting (``agentrl.run.accounting``: produced = received + abandoned, received = consumed +
 dropped + held, trained twice 0) and greedy success still rising by at least 30 points.
 
 The run gets ``learner.checkpoint_every_steps = 5`` (a learner that must survive being killed
@@ -160,7 +160,7 @@ def survived(code: int, faults: list[Fault], summary: dict, max_steps: int) -> l
 
 
 def report(code: int, faults: list[Fault], summary: dict, max_steps: int) -> list[str]:
-    from agentrl.accounting import describe
+    from agentrl.run.accounting import describe
 
     lines = ["faults (SIGKILL, seeded):"]
     for f in faults:

@@ -1,4 +1,4 @@
-"""Per-turn CPU cost of the token-in/token-out bookkeeping (:class:`agentrl.actors.chat.TokenChat`).
+"""Per-turn CPU cost of the token-in/token-out bookkeeping (:class:`agentrl.episode.chat.TokenChat`).
 
 Scripted episodes shaped like the calculator quickstart: a system prompt, a question and the
 tools; then ``--turns`` model turns, each a tool call answered by a tool result; then the answer,
@@ -46,7 +46,7 @@ def turns(family: str, n: int) -> list[tuple[str, list[dict]]]:
 
 def tokenizer_for(family: str):
     if family == "tiny":
-        from agentrl.model_builder import SIZES, build_tokenizer
+        from agentrl.models.builder import SIZES, build_tokenizer
 
         return build_tokenizer(SIZES["tiny"]["vocab_target"], seed=0)
     from tests._chat_templates import family_tokenizer
@@ -56,7 +56,7 @@ def tokenizer_for(family: str):
 
 def play_token_chat(codec, script, episodes: int) -> float:
     """Seconds per model turn with TokenChat."""
-    from agentrl.actors.chat import TokenChat
+    from agentrl.episode.chat import TokenChat
 
     model = [(codec.encode(text) + [codec.end_of_turn_id], obs) for text, obs in script]
     TokenChat.start(codec, START, TOOLS)  # the prompt cache is warm, as for the n samples of a group
@@ -100,7 +100,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, nargs="+", default=[1, 3, 8], help="tool-call turns per episode")
     parser.add_argument("--families", nargs="+", default=["tiny", "qwen2_5", "qwen3", "llama3_1"])
     args = parser.parse_args()
-    from agentrl.actors.chat import codec_for
+    from agentrl.episode.chat import codec_for
 
     print(f"{'template':10} {'turns':>5} {'TokenChat us/turn':>18} {'full render us/turn':>20} {'ratio':>6}")
     for family in args.families:

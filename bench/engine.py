@@ -154,7 +154,7 @@ def breakdown_worker(tree: str, model_path: str, device: str, threads: int) -> d
     import torch
 
     from agentrl.engine import runner as runner_mod, scheduler as scheduler_mod
-    from agentrl.engine.api import parse_generate
+    from agentrl.engine.native_api import parse_generate
 
     if threads:
         torch.set_num_threads(threads)
@@ -320,7 +320,7 @@ def bench_push(small_model: Path, engine, reps: int, dtype=None) -> dict:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from agentrl.engine.launch import free_port
+    from agentrl.net import free_port
     from agentrl.learner.weight_push import WeightUpdater
     from agentrl.weight_group import destroy_weight_group, init_weight_group
 
@@ -397,8 +397,9 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from agentrl.engine.launch import EngineProcess, free_port, wait_ready
-    from agentrl.model_builder import init_model
+    from agentrl.engine.launch import EngineProcess, wait_ready
+    from agentrl.net import free_port
+    from agentrl.models.builder import init_model
 
     if args.threads:  # 0: torch's default (the engine reads --num-threads 0 the same way)
         torch.set_num_threads(args.threads)

@@ -93,7 +93,7 @@ def main() -> None:
     from agentrl.learner.distributed import init_distributed
     from agentrl.learner.model import load_causal_lm
     from agentrl.learner.trainer import Trainer, TrainerSpec
-    from agentrl.model_builder import init_model
+    from agentrl.models.builder import init_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -97,7 +97,7 @@ def main() -> None:
 
     from agentrl.learner.distributed import init_distributed, shutdown_distributed
     from agentrl.learner.lora import LoraSpec
-    from agentrl.model_builder import init_model
+    from agentrl.models.builder import init_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -70,8 +70,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
 
-    from agentrl.engine.launch import EngineProcess, free_port, wait_ready
-    from agentrl.model_builder import init_model
+    from agentrl.engine.launch import EngineProcess, wait_ready
+    from agentrl.net import free_port
+    from agentrl.models.builder import init_model
 
     tmp = Path(tempfile.mkdtemp(prefix="agentrl-bench-"))
     model = args.model or str(init_model(tmp / "tiny", "tiny"))

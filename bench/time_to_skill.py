@@ -96,10 +96,11 @@ def evaluate_checkpoints(config: Path, run_dir: Path, sets: list[str]) -> dict[i
     import trio
 
     from agentrl.config import load_config
-    from agentrl.engine.launch import EngineProcess, engine_args, free_port
+    from agentrl.engine.launch import EngineProcess, engine_args
+    from agentrl.net import free_port
     from agentrl.learner.checkpoint import checkpoint_meta, checkpoint_root
     from agentrl.learner.export import export_checkpoint
-    from agentrl.run import evaluate_policy
+    from agentrl.run.evaluate import evaluate_policy
 
     transformers.utils.logging.disable_progress_bar()  # one "Writing model shards" bar per export otherwise
     cfg = load_config(config, [*sets, f"model.path={run_dir / 'sft' / 'model'}", "tracking.enabled=false"])

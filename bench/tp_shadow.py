@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def join(url: str, world: int, group: str):
     import httpx
 
-    from agentrl.engine.launch import free_port
+    from agentrl.net import free_port
     from agentrl.weight_group import init_weight_group
 
     port = free_port()
@@ -81,9 +81,10 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from agentrl.engine.launch import EngineProcess, free_port, wait_ready
+    from agentrl.engine.launch import EngineProcess, wait_ready
+    from agentrl.net import free_port
     from agentrl.weight_group import destroy_weight_group
-    from agentrl.model_builder import init_model
+    from agentrl.models.builder import init_model
 
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="agentrl-bench-"))

@@ -13,7 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${AGENTRL_VENV:-.venv}
-SGLANG_ROUTER_PIN=0.3.2  # the router release whose flags agentrl passes (agentrl/cluster.py)
+SGLANG_ROUTER_PIN=0.3.2  # the router release whose flags agentrl passes (agentrl/run/cluster.py)
 PY=${PYTHON:-python3}
 
 if ! command -v bwrap >/dev/null 2>&1; then

@@ -27,7 +27,7 @@ _TINY: dict[str, Path] = {}
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The tiny model (random weights) and its tokenizer, built once per test session."""
     if "model" not in _TINY:
-        from agentrl.model_builder import init_model
+        from agentrl.models.builder import init_model
 
         _TINY["model"] = init_model(tmp_path_factory.mktemp("actors-tiny") / "tiny", "tiny")
     return _TINY["model"]
@@ -36,7 +36,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 def tiny_tokenizer_dir(tmp_path_factory) -> Path:
     """The tiny model's tokenizer alone (no torch, no weights: seconds faster), built once per session."""
     if "tokenizer" not in _TINY:
-        from agentrl.model_builder import SIZES, build_tokenizer
+        from agentrl.models.builder import SIZES, build_tokenizer
 
         path = tmp_path_factory.mktemp("actors-tokenizer") / "tiny"
         build_tokenizer(SIZES["tiny"]["vocab_target"], seed=0).save_pretrained(path)
@@ -188,7 +188,7 @@ class TurnScript:
     NO_STOP = "\x00nostop"
 
     def __init__(self, tokenizer, script: Callable[[int, str], str]):
-        from agentrl.actors.chat import codec_for
+        from agentrl.episode.chat import codec_for
 
         self.codec = codec_for(tokenizer)
         self.script = script

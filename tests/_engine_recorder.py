@@ -1,7 +1,7 @@
 """Test helper: the embedded engine behind a recording ASGI middleware (test code only).
 
-``python -m tests._engine_recorder RECORD.jsonl <agentrl.engine.server flags>`` serves like
-``python -m agentrl.engine.server`` and appends, for each HTTP request, one JSON line:
+``python -m tests._engine_recorder RECORD.jsonl <engine flags>`` serves like
+``python -m agentrl.run.engine_process`` and appends, for each HTTP request, one JSON line:
 ``{"method", "path", "query", "body" (parsed JSON or null), "status"}``. The conformance test
 drives agentrl's real client and weight updater against it and checks every line against
 SGLang's contract. The engine runs in its own process because the trainer joins the weight
@@ -55,6 +55,7 @@ def main(argv: list[str]) -> None:
     import torch
     import uvicorn
 
+    from agentrl.agents.engine_routes import openai_routes
     from agentrl.engine.server import EngineServer, build_app, parse_args
 
     record, args = argv[0], parse_args(argv[1:])
@@ -66,7 +67,7 @@ def main(argv: list[str]) -> None:
                           weight_update_bracket=not args.disable_weight_update_bracket)
     server.start()
     try:
-        uvicorn.run(Recorder(build_app(server), record), host=args.host, port=args.port, log_level="warning",
+        uvicorn.run(Recorder(build_app(server, extra_routes=openai_routes(server)), record), host=args.host, port=args.port, log_level="warning",
                     lifespan="off")
     finally:
         server.stop()

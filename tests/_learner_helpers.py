@@ -40,7 +40,7 @@ _SEQ = itertools.count()  # make_group's sequence numbers: unique within a test 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen3 (0.86M parameters) shared by every learner test module."""
-    from agentrl.model_builder import init_model
+    from agentrl.models.builder import init_model
 
     path = tmp_path_factory.getbasetemp() / "learner-tiny-model"
     if not (path / "config.json").exists():
@@ -97,7 +97,7 @@ def make_agent_group(
     **kw,
 ) -> TrajectoryGroup:
     """A group of agent episodes: episode ``i`` is ``sequences[i]`` trajectories, each with the
-    episode's reward and ``metadata`` as :mod:`agentrl.agents.episodes` writes it."""
+    episode's reward and ``metadata`` as :mod:`agentrl.agents.recording` writes it."""
     per_trajectory = [r for n, r in zip(sequences, rewards) for _ in range(n)]
     group = make_group(rng, group_size=len(per_trajectory), rewards=per_trajectory, group_id=group_id, **kw)
     group.env = env

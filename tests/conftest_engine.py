@@ -18,7 +18,7 @@ ENGINE_FLAGS = ["--num-threads", "1", "--max-running-requests", "64", "--max-con
 
 @pytest.fixture(scope="session")
 def engine_model(tmp_path_factory) -> Path:
-    from agentrl.model_builder import init_model
+    from agentrl.models.builder import init_model
 
     return init_model(tmp_path_factory.mktemp("engine_model") / "tiny", "tiny", seed=0)
 
@@ -44,7 +44,8 @@ def engine_teacher(engine_model):
 def start_engines(model: Path, n: int, log_dir: Path, *, via_cli: bool = False, flags: list[str] = ENGINE_FLAGS,
                   env: dict | None = None):
     """Start ``n`` embedded engines on free ports (optionally the first through ``agentrl serve-engine``)."""
-    from agentrl.engine.launch import EngineProcess, free_port, wait_ready
+    from agentrl.engine.launch import EngineProcess, wait_ready
+    from agentrl.net import free_port
 
     procs = []
     try:

@@ -100,7 +100,8 @@ def start_sglang(model: Path, log_path: Path, *, api_key: str = API_KEY, admin_k
                  weight_version: str | None = "0", extra: tuple[str, ...] = ()):
     """A real SGLang server on the CPU, started by agentrl's launch code; skips (fails in CI) when it cannot start.
     ``weight_version=None``: started without ``--weight-version`` (it reports "default")."""
-    from agentrl.engine.launch import EngineLaunchError, EngineProcess, engine_args, free_port, sglang_cpu_env
+    from agentrl.engine.launch import EngineLaunchError, EngineProcess, engine_args, sglang_cpu_env
+    from agentrl.net import free_port
     from agentrl.engine.launch import sglang_problem, wait_ready
 
     python = sglang_python()
@@ -162,7 +163,8 @@ def sglang_server(engine_model, tmp_path_factory) -> Engine:
 
 @pytest.fixture(scope="session")
 def embedded_twin(engine_model, tmp_path_factory) -> Engine:
-    from agentrl.engine.launch import EngineProcess, free_port
+    from agentrl.engine.launch import EngineProcess
+    from agentrl.net import free_port
 
     from tests.conftest_engine import ENGINE_FLAGS
 

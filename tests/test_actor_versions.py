@@ -1,4 +1,4 @@
-"""How an actor reads an engine's weight_version (agentrl/actors/rollout.py), over real HTTP
+"""How an actor reads an engine's weight_version (agentrl/episode/rollout.py), over real HTTP
 against a scripted SGLang-style engine: numbers are kept, SGLang's "default" is waited for,
 anything else fails with the engine named and the fix."""
 
@@ -9,7 +9,7 @@ import logging
 import pytest
 import trio
 
-from agentrl.actors.rollout import EpisodeFailed, EpisodeLimits, GroupLost, evaluate, run_episode, run_group, toolbox_for
+from agentrl.episode.rollout import EpisodeFailed, EpisodeLimits, GroupLost, evaluate, run_episode, run_group, toolbox_for
 from agentrl.envs.base import Task
 from tests._actors_helpers import HttpEngineClient, ScriptedEngine, TurnScript, load_tokenizer, tiny_tokenizer_dir
 from tests._actors_user_env import AddEnv, solver
@@ -46,7 +46,7 @@ def test_an_engine_still_at_default_is_waited_for_until_the_learner_sets_a_versi
         return script(ids, params)
 
     engine.policy = policy
-    with engine, caplog.at_level(logging.WARNING, logger="agentrl.actors.rollout"):
+    with engine, caplog.at_level(logging.WARNING, logger="agentrl.episode.rollout"):
         traj = _episode(engine, tokenizer, EpisodeLimits(max_new_tokens_per_turn=96))
     assert traj.reward == 1.0
     assert set(traj.weight_versions[traj.loss_mask == 1].tolist()) == {4}  # nothing kept from "default"

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agentrl.actors.chat import TokenChat, codec_for
+from agentrl.episode.chat import TokenChat, codec_for
 
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add.", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
@@ -18,7 +18,7 @@ START = [{"role": "system", "content": "Use the tools."}, {"role": "user", "cont
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from agentrl.model_builder import build_tokenizer
+    from agentrl.models.builder import build_tokenizer
 
     return build_tokenizer(512, seed=0)
 

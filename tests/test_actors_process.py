@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from agentrl.engine.launch import free_port
+from agentrl.net import free_port
 from agentrl.protocol import Progress, TrajectoryGroup
 from agentrl.transport import GroupReceiver, ProgressPublisher
 from tests._actors_helpers import ScriptedEngine, TurnScript, load_tokenizer, tiny_tokenizer_dir

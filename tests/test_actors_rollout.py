@@ -10,8 +10,8 @@ import pytest
 import trio
 
 import agentrl.envs
-from agentrl.actors.chat import codec_for
-from agentrl.actors.rollout import EpisodeLimits, GroupLost, evaluate, run_episode, run_group, toolbox_for
+from agentrl.episode.chat import codec_for
+from agentrl.episode.rollout import EpisodeLimits, GroupLost, evaluate, run_episode, run_group, toolbox_for
 from agentrl.envs.base import Env, Task, load_env
 from agentrl.protocol import decode, encode
 from agentrl.tools.base import ToolBox

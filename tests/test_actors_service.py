@@ -11,8 +11,8 @@ import pytest
 import trio
 from trio.testing import wait_all_tasks_blocked
 
-from agentrl.actors.rollout import EpisodeLimits, toolbox_for
-from agentrl.actors.service import ActorEnv, ActorService, ActorSettings, budget_share
+from agentrl.episode.rollout import EpisodeLimits, toolbox_for
+from agentrl.actors.actor import ActorEnv, ActorService, ActorSettings, budget_share
 from agentrl.protocol import ActorAck, Progress
 from tests._actors_helpers import (HttpEngineClient, MemoryProgress, MemorySender, ScriptedEngine, TurnScript,
                                    load_tokenizer, tiny_tokenizer_dir)
@@ -284,7 +284,7 @@ def test_reward_errors_do_not_stop_the_actor(tokenizer):
 
 
 def test_limits_and_sampling_from_config():
-    from agentrl.actors.rollout import sampling_from_config
+    from agentrl.episode.rollout import sampling_from_config
     from agentrl.config import load_config
 
     cfg = load_config(None, ["env.max_turns=6", "env.max_total_tokens=900", "actors.max_new_tokens_per_turn=50",
@@ -324,7 +324,7 @@ def test_finite_split_then_blocked_send_still_stops(tokenizer):
 
 
 def agent_runner(tokenizer, url: str):
-    from agentrl.agents.runner import AgentRunner
+    from agentrl.agents.agent_runner import AgentRunner
 
     return AgentRunner(tokenizer, lambda: HttpEngineClient([url]), forced_sampling={"temperature": 1.0},
                        default_max_tokens=64)
@@ -411,8 +411,8 @@ def test_an_agent_env_reads_tool_calls_in_its_own_format_through_the_processs_ru
     """serve-actors' wiring (the env built from the config, the runner from ``agent_runner(cfg)``): an AgentEnv
     whose ``tool_parser`` is llama3 (set from ``env.kwargs``) gets the model's Llama 3 JSON calls as OpenAI
     ``tool_calls``; with the default (Hermes) the same text is plain content."""
-    from agentrl.actors.serve import agent_runner as runner_from_config
-    from agentrl.actors.serve import build_actor_envs
+    from agentrl.run.actor_process import agent_runner as runner_from_config
+    from agentrl.run.actor_process import build_actor_envs
     from agentrl.config import load_config
 
     cfg = load_config(None, ["env.cls=tests._actors_user_env:AddAgentEnv", f"env.kwargs.tool_format={tool_format}"])

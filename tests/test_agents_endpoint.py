@@ -1,5 +1,5 @@
 """The agent endpoint with real clients: the official ``openai`` SDK, the OpenAI Agents SDK and LangChain's
-``ChatOpenAI`` drive AgentEnv episodes through :class:`agentrl.agents.runner.AgentRunner`.
+``ChatOpenAI`` drive AgentEnv episodes through :class:`agentrl.agents.agent_runner.AgentRunner`.
 
 * Against a real embedded engine process (the tiny random model): the recorded sequences are, token for
   token, what the engine generated (a direct ``/generate`` with the same prompt and seed gives the same ids
@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 import trio
 
-from agentrl.actors.chat import ChatCodec
-from agentrl.actors.rollout import EpisodeFailed, GroupLost
-from agentrl.agents.env import AgentEnv
+from agentrl.episode.chat import ChatCodec
+from agentrl.episode.rollout import EpisodeFailed, GroupLost
+from agentrl.envs.agent import AgentEnv
 from agentrl.agents.openai_api import split_tool_calls
-from agentrl.agents.runner import AgentRunner, play_agent_episode
+from agentrl.agents.agent_runner import AgentRunner, play_agent_episode
 from agentrl.engine.client import EngineClient
 from agentrl.envs.base import Task
 from agentrl.tools.parsing import HermesToolCallParser
@@ -737,7 +737,7 @@ def test_a_failed_episode_loses_its_group_and_cancels_the_others(tokenizer):
 def test_an_episode_ends_at_the_envs_limits_and_is_scored_as_played(tokenizer, codec):
     """max_turns bounds the calls of an episode, max_total_tokens each sequence: the call past a limit is a
     400, and an agent that raises on it has not failed -- its episode is scored by env.reward."""
-    from agentrl.actors.rollout import EpisodeLimits
+    from agentrl.episode.rollout import EpisodeLimits
 
     async def loop_forever(task, client):  # an agent that never stops calling the tool
         messages = list(USER)
@@ -776,7 +776,7 @@ def test_an_episode_ends_at_the_envs_limits_and_is_scored_as_played(tokenizer, c
 
 
 def test_a_reward_beyond_max_abs_reward_scores_zero_with_the_error(tokenizer):
-    from agentrl.actors.rollout import EpisodeLimits
+    from agentrl.episode.rollout import EpisodeLimits
 
     async def agent(task, client):
         await client.chat.completions.create(model="m", messages=USER)

@@ -1,4 +1,4 @@
-"""The OpenAI wire format (agentrl/agents/openai_api.py) and the stitching rule (agentrl/agents/episodes.py),
+"""The OpenAI wire format (agentrl/agents/openai_api.py) and the stitching rule (agentrl/agents/recording.py),
 without engines: what is accepted, refused and how; messages for the template; tool calls out; how
 calls become sequences. The endpoint over real engines and real clients is tests/test_agents_endpoint.py."""
 
@@ -8,13 +8,13 @@ import json
 
 import pytest
 
-from agentrl.actors.chat import ChatCodec
-from agentrl.agents.episodes import Episode
+from agentrl.episode.chat import ChatCodec
+from agentrl.agents.recording import Episode
 from agentrl.agents.openai_api import (
     ALL_FIELDS, DEFAULT_ONLY_FIELDS, ChoiceOut, OpenAIRequestError, chat_completion_chunks, convert_message,
     message_view, parse_chat_request, split_reasoning, split_tool_calls,
 )
-from agentrl.agents.serving import ChoiceResult
+from agentrl.agents.chat_service import ChoiceResult
 from agentrl.tools.parsing import HermesToolCallParser
 from tests._actors_helpers import load_tokenizer, tiny_tokenizer_dir
 
@@ -305,7 +305,7 @@ def test_real_templates_stitch_where_prefix_stable_and_a_rewritten_history_start
     rendering of its messages and its model tokens are exactly what the engine returned."""
     import asyncio
 
-    from agentrl.agents.serving import ChatService
+    from agentrl.agents.chat_service import ChatService
     from agentrl.tools.parsing import get_parser
     from tests._chat_templates import family_tokenizer
     from tests.test_chat_templates import call_text, llama, think, thinks

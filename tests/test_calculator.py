@@ -181,7 +181,7 @@ def test_sloppy_demonstrator_sends_only_the_first_operation():
 
 def test_episode_fits_a_tiny_context():
     """The whole correct episode, rendered with the tiny model's tokenizer, stays short."""
-    from agentrl.model_builder import SIZES, build_tokenizer
+    from agentrl.models.builder import SIZES, build_tokenizer
 
     tokenizer = build_tokenizer(int(SIZES["tiny"]["vocab_target"]))
     env = CalculatorEnv(max_ops=2)

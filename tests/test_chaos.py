@@ -4,7 +4,7 @@ and the learner are each killed with SIGKILL (``bench/chaos.py`` drives it; the 
 the warm start and seeded random moments is ``python bench/chaos.py``).
 
 Checked: every victim was restarted and the run finished every step; where every group went
-balances exactly (``agentrl.accounting``); the engine, restarted without a weight version, got
+balances exactly (``agentrl.run.accounting``); the engine, restarted without a weight version, got
 the learner's policy before anything it generated was trained on (with ``max_staleness = 0``
 every batch is the current policy's, so the learner's recomputed logprobs must equal the
 behaviour logprobs the engines reported, step after step across the restart); the learner came
@@ -74,7 +74,7 @@ def test_a_run_survives_kill_9_of_its_engine_actor_and_learner(tiny_model: Path,
     assert summary["eval_after"] is not None and summary["eval_after"]["n"] + summary["eval_after"]["n_failed"] == 8
 
     # the balance has teeth: a group trained twice, or one received that no actor produced, is named
-    from agentrl.accounting import account
+    from agentrl.run.accounting import account
 
     batches = run_dir / "learner_batches.jsonl"
     rows = batches.read_text().splitlines()

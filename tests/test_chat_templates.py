@@ -18,8 +18,8 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agentrl.actors.chat import ChatCodec, TemplateMismatch, TokenChat, codec_for
-from agentrl.actors.rollout import EpisodeLimits, run_episode, toolbox_for
+from agentrl.episode.chat import ChatCodec, TemplateMismatch, TokenChat, codec_for
+from agentrl.episode.rollout import EpisodeLimits, run_episode, toolbox_for
 from agentrl.envs.base import Task
 from agentrl.learner.sft import tokenize_conversation
 from agentrl.tools.parsing import get_parser

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.children import actor_specs, child_specs, plan_config
+from agentrl.run.process_plan import actor_specs, child_specs, plan_config
 from agentrl.config import load_config
-from agentrl.placement import placement_for
+from agentrl.run.placement import placement_for
 from tests._learner_helpers import REPO, subprocess_env, tiny_model  # noqa: F401
 from tests._processes import stop_agentrl_run
 from agentrl.engine.launch import SGLANG_VERSION
@@ -80,7 +80,7 @@ def test_an_sglang_engines_keys_never_reach_its_log(tmp_path):
 
     import trio
 
-    from agentrl.supervisor import ChildFailed, Supervisor
+    from agentrl.run.supervisor import ChildFailed, Supervisor
 
     cfg = load_config(None, ["engine.backend=sglang", "engine.num_engines=1", "model.path=/models/m"])
     placement = placement_for(cfg, ("0", "1"))
@@ -174,7 +174,7 @@ def _processes_with(marker: str) -> dict[int, tuple[list[str], str | None]]:
 
 
 def _role(argv: list[str], ports: list[str]) -> str:
-    if "agentrl.engine.server" in argv:
+    if "agentrl.run.engine_process" in argv:
         return f"engine{ports.index(argv[argv.index('--port') + 1])}"
     if "serve-actors" in argv:
         return f"actor{argv[argv.index('--index') + 1]}"

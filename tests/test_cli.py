@@ -118,7 +118,7 @@ class Units(Env):
 def test_dry_run_checks_the_env_and_reports_every_problem(tmp_path: Path) -> None:
     """A wrong env.cls, a tool without a type hint, tasks() that raise, a prompt longer than
     env.max_total_tokens, a warm start without demonstrations: each is named, exit status 2."""
-    from agentrl.model_builder import init_model
+    from agentrl.models.builder import init_model
 
     model = init_model(tmp_path / "tiny", "tiny")
     (tmp_path / "broken_env.py").write_text(BROKEN_ENV)

@@ -345,8 +345,8 @@ PROBE_KEY = "sk-probe-0123456789"
 
 def test_the_engine_probe_passes_with_the_pods_key_and_while_paused(keyed_engine):
     """The manifest's probe command itself, run against a real engine that wants a key."""
-    from agentrl.cluster import ping_probe
-    from agentrl.engine.launch import free_port
+    from agentrl.run.cluster import ping_probe
+    from agentrl.net import free_port
 
     cfg = load_config(None, [SEARCH])
     port = int(keyed_engine.rsplit(":", 1)[1])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agentrl.engine.api import (
+from agentrl.engine.native_api import (
     TOP_K_ALL, Completion, GenerateInput, RequestError, build_response, output_text_ids, parse_generate,
     parse_sampling_params, trim_stop_str,
 )

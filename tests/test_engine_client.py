@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from agentrl.engine.client import EngineClient, EngineRequestError, GenerateResult
-from agentrl.engine.launch import free_port
+from agentrl.net import free_port
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 

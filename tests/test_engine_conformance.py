@@ -32,12 +32,14 @@ import pytest
 import torch
 import trio
 
-from agentrl.actors import rollout
+from agentrl.episode import rollout
 from agentrl.agents.openai_api import ALL_FIELDS as CHAT_COMPLETION_FIELDS
 from agentrl.config import LORA_ADAPTER_NAME
-from agentrl.engine.api import GENERATE_FIELDS
+from agentrl.engine.native_api import GENERATE_FIELDS
 from agentrl.engine.client import EngineClient, GenerateResult
-from agentrl.engine.launch import EngineProcess, free_port, wait_ready
+from agentrl.engine.launch import EngineProcess, wait_ready
+from agentrl.net import free_port
+from agentrl.agents.engine_routes import openai_routes
 from agentrl.engine.server import CONTROL_BODIES, REQUIRED, build_app
 from agentrl.http_auth import level_of
 from agentrl.learner.weight_push import WeightUpdater
@@ -58,7 +60,8 @@ def spec() -> sglang_spec.Spec:
 
 def embedded_routes() -> list:
     """The embedded engine's route table (build_app reads only these attributes before serving)."""
-    return build_app(types.SimpleNamespace(scheduler=None, weight_update_bracket=True)).routes
+    server = types.SimpleNamespace(scheduler=None, weight_update_bracket=True)
+    return build_app(server, extra_routes=openai_routes(server)).routes
 
 
 def response_fields_read() -> dict[str, tuple[str, ...]]:
@@ -116,7 +119,7 @@ async def drive_client(urls: list[str], model_path: Path) -> None:
     """Real episodes (the calculator env, the actors' sampling params) plus every control call."""
     from transformers import AutoTokenizer
 
-    from agentrl.actors.rollout import EpisodeLimits, run_episode, sampling_from_config, toolbox_for
+    from agentrl.episode.rollout import EpisodeLimits, run_episode, sampling_from_config, toolbox_for
     from agentrl.config import AgentRLConfig
     from agentrl.envs.calculator import CalculatorEnv
 
@@ -144,8 +147,8 @@ async def drive_openai_routes(urls: list[str], tokenizer, model_name: str) -> No
     stop, logprobs, a stitched streamed call) and the OpenAI SDK against the engine's own /v1 routes."""
     import openai
 
-    from agentrl.agents.env import AgentEnv
-    from agentrl.agents.runner import AgentRunner
+    from agentrl.envs.agent import AgentEnv
+    from agentrl.agents.agent_runner import AgentRunner
     from agentrl.envs.base import Task
 
     tools = [{"type": "function", "function": {"name": "add", "description": "Add.", "parameters": {

@@ -15,7 +15,7 @@ from agentrl.engine.launch import EngineLaunchError, engine_args, engine_command
 
 def test_engine_commands():
     emb = engine_command("/m", 31000, extra=["--num-threads", "1"])
-    assert emb[:3] == [sys.executable, "-m", "agentrl.engine.server"]
+    assert emb[:3] == [sys.executable, "-m", "agentrl.run.engine_process"]
     assert emb[3:] == ["--model", "/m", "--host", "127.0.0.1", "--port", "31000", "--num-threads", "1"]
     sg = engine_command("/m", 31001, backend="sglang", host="0.0.0.0",
                         extra=engine_args("sglang", dtype="bfloat16", max_running_requests=32, max_context_tokens=4096,

@@ -93,7 +93,7 @@ def _run_and_compare(runner, model) -> float:
 def test_runner_matches_transformers(model_dir, kind, fast):
     from transformers import AutoModelForCausalLM
 
-    from agentrl.engine.runner import ModelRunner
+    from agentrl.engine.model_runner import ModelRunner
 
     path = model_dir(kind)
     runner = ModelRunner(path, device="cpu", dtype="float32", max_running_requests=8, max_context_tokens=128)
@@ -108,7 +108,7 @@ def test_runner_matches_transformers(model_dir, kind, fast):
 
 def test_functional_forward_sees_weight_updates(model_dir):
     """It reads the model's own parameter tensors: an in-place copy (what a weight push does) shows at once."""
-    from agentrl.engine.runner import ModelRunner
+    from agentrl.engine.model_runner import ModelRunner
 
     runner = ModelRunner(model_dir("qwen3"), device="cpu", dtype="float32", max_running_requests=2,
                          max_context_tokens=64)
@@ -124,8 +124,8 @@ def test_functional_forward_sees_weight_updates(model_dir):
 def test_sampler_draws_from_the_truncated_softmax(engine_model):
     """Inverse-CDF draws: frequencies follow softmax(logits / T) restricted by top-k / top-p / min-p;
     removed tokens are never drawn; greedy rows take the argmax; a seed fixes a row's draws."""
-    from agentrl.engine.api import parse_sampling_params
-    from agentrl.engine.runner import ModelRunner
+    from agentrl.engine.native_api import parse_sampling_params
+    from agentrl.engine.model_runner import ModelRunner
 
     runner = ModelRunner(engine_model, device="cpu", dtype="float32", max_running_requests=2, max_context_tokens=64)
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -30.0, 1.5, 0.2]])

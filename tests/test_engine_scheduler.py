@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from agentrl.engine.api import Completion, GenerateInput, parse_sampling_params
+from agentrl.engine.native_api import Completion, GenerateInput, parse_sampling_params
 from agentrl.engine.scheduler import Request, Scheduler
 from tests.conftest_engine import max_abs_diff
 
@@ -44,7 +44,7 @@ class Waiter:
 
 @pytest.fixture(scope="module")
 def engine(engine_model):
-    from agentrl.engine.runner import ModelRunner
+    from agentrl.engine.model_runner import ModelRunner
 
     torch.set_num_threads(1)
     runner = ModelRunner(engine_model, device="cpu", dtype="float32", max_running_requests=16, max_context_tokens=512)
@@ -325,7 +325,7 @@ def test_weight_version_spans_follow_updates(engine):
 
 def test_bfloat16_runner_samples_with_fp32_logprobs(engine_model, teacher):
     """The GPU dtype path (bf16 weights, fp32 softmax), exercised on CPU."""
-    from agentrl.engine.runner import ModelRunner
+    from agentrl.engine.model_runner import ModelRunner
 
     runner = ModelRunner(engine_model, device="cpu", dtype="bfloat16", max_running_requests=4, max_context_tokens=128)
     sched = Scheduler(runner)

@@ -13,7 +13,9 @@ import httpx
 import pytest
 import torch
 
-from agentrl.engine.launch import EngineProcess, free_port, wait_ready
+from agentrl.engine.launch import EngineProcess, wait_ready
+from agentrl.net import free_port
+from agentrl.agents.engine_routes import openai_routes
 from agentrl.engine.server import build_app
 from agentrl.http_auth import AuthLevel, bearer_matches, decide_request_auth, level_of
 from tests.conftest_engine import ENGINE_FLAGS, Teacher, max_abs_diff
@@ -50,7 +52,8 @@ def engines(engine_model, tmp_path_factory):
 
 def routes(**server) -> list:
     """The embedded engine's route table (build_app only reads these attributes before serving)."""
-    return build_app(types.SimpleNamespace(scheduler=None, weight_update_bracket=True, **server)).routes
+    engine = types.SimpleNamespace(scheduler=None, weight_update_bracket=True, **server)
+    return build_app(engine, extra_routes=openai_routes(engine)).routes
 
 
 def bearer(key: str) -> dict[str, str]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from agentrl.actors.rollout import EpisodeLimits, toolbox_for
+from agentrl.episode.rollout import EpisodeLimits, toolbox_for
 from agentrl.config import load_config
 from agentrl.envs import demonstrations, load_env, make_env, run_cleanup, score_episode, total_reward
 from agentrl.envs.base import Env, Task

@@ -10,10 +10,10 @@ import httpx
 import pytest
 import trio
 
-from agentrl.actors.rollout import EpisodeLimits, describe_problems, evaluate
+from agentrl.episode.rollout import EpisodeLimits, describe_problems, evaluate
 from agentrl.engine.client import EngineClient
 from agentrl.envs.base import Task, load_env
-from agentrl.evaluate import eval_metrics
+from agentrl.run.evaluate import eval_metrics
 from agentrl.tools.base import tool
 from tests._actors_helpers import HttpEngineClient, ScriptedEngine, TurnScript, load_tokenizer, tiny_tokenizer_dir
 from tests._actors_user_env import AddEnv, call, solver

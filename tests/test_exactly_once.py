@@ -20,7 +20,7 @@ import pytest
 import torch
 import zmq
 
-from agentrl.engine.launch import free_port
+from agentrl.net import free_port
 from agentrl.protocol import Progress, Trajectory, TrajectoryGroup, decode, encode
 from tests._actors_helpers import ScriptedEngine, TurnScript, load_tokenizer
 from tests._actors_user_env import solver

@@ -1,7 +1,7 @@
 """Engines ``agentrl run`` did not start (``engine.urls``): whatever an earlier run left in them
 (other weights under any version number, a merged LoRA adapter), they hold this run's policy as
-version 0 before the evaluation before RL (``agentrl.evaluate.load_policy_into_engines``, called
-by ``agentrl.run``). Real embedded engine processes; "a fresh engine" is one started on the policy."""
+version 0 before the evaluation before RL (``agentrl.run.evaluate.load_policy_into_engines``, called
+by ``agentrl.run.stages``). Real embedded engine processes; "a fresh engine" is one started on the policy."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ PROMPT = [5, 17, 42, 99, 7, 3, 250, 31]
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> tuple[Path, Path]:
     """This run's policy, and the weights an earlier run left in the external engine."""
-    from agentrl.model_builder import init_model
+    from agentrl.models.builder import init_model
 
     root = tmp_path_factory.mktemp("external_models")
     return init_model(root / "policy", "tiny", seed=0), init_model(root / "other", "tiny", seed=1)
@@ -92,7 +92,7 @@ def test_an_adapter_an_earlier_run_merged_is_dropped_before_the_evaluation(model
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from agentrl.evaluate import load_policy_into_engines
+    from agentrl.run.evaluate import load_policy_into_engines
 
     policy, other = models
     fresh, external = engines
@@ -115,7 +115,7 @@ def test_an_adapter_an_earlier_run_merged_is_dropped_before_the_evaluation(model
 
 
 def test_a_policy_the_engines_cannot_read_is_a_clear_error(models, engines, tmp_path):
-    from agentrl.evaluate import load_policy_into_engines
+    from agentrl.run.evaluate import load_policy_into_engines
     from agentrl.learner.weight_push import WeightUpdateError
 
     _, external = engines

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
-from agentrl.engine.api import (
+from agentrl.engine.native_api import (
     GENERATE_FIELDS, SAMPLING_DEFAULTS, TOP_K_ALL, GenerateCall, RequestError, decode_body, parse_generate,
 )
 from agentrl.engine.server import CONTROL_BODIES, parse_control

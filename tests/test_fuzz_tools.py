@@ -173,7 +173,7 @@ def tokenizer():
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    from agentrl.model_builder import CHAT_TEMPLATE
+    from agentrl.models.builder import CHAT_TEMPLATE
 
     return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")),
                                    chat_template=CHAT_TEMPLATE)

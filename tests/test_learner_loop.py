@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from agentrl.engine.launch import free_port
+from agentrl.net import free_port
 from agentrl.protocol import ActorAck, Progress, decode, encode
 from tests._learner_helpers import (PYTHON, ListSource, Recorder, make_agent_group, make_group,  # noqa: F401
                                     subprocess_env, tiny_model)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from agentrl.config import load_config
-from agentrl.engine.launch import free_port
+from agentrl.net import free_port
 from agentrl.learner.launch import Nodes, check_rank0_addresses, torchrun_command
 from tests._learner_helpers import PYTHON, make_group, subprocess_env, tiny_model  # noqa: F401
 

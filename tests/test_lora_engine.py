@@ -208,11 +208,11 @@ def test_a_full_update_under_a_merged_adapter_replaces_the_base_beneath_it(tiny_
 def _adapter_run(tiny_model, run_dir):
     """A planned ``sync = "adapter"`` run with one engine, the engine's ChildSpec (as ``agentrl run``
     starts and restarts it) and a learner on it (its real weight updater, no actors)."""
-    from agentrl.children import engine_specs, plan_config
+    from agentrl.run.process_plan import engine_specs, plan_config
     from agentrl.config import load_config
     from agentrl.learner.loop import Learner, LearnerIO
     from agentrl.learner.weight_push import WeightUpdater
-    from agentrl.placement import placement_for
+    from agentrl.run.placement import placement_for
     from tests._learner_helpers import ListSource, Recorder
 
     cfg = load_config(None, [f'model.path="{tiny_model}"', f'run.run_dir="{run_dir}"', "run.torch_num_threads=1",
@@ -256,8 +256,8 @@ async def _episode_waits_until(url: str, tokenizer, bring_adapter) -> "object":
     (in a thread, as the learner's process would); returns the episode's trajectory."""
     import trio
 
-    from agentrl.actors import rollout
-    from agentrl.actors.rollout import EpisodeLimits, run_episode, toolbox_for
+    from agentrl.episode import rollout
+    from agentrl.episode.rollout import EpisodeLimits, run_episode, toolbox_for
     from agentrl.engine.client import EngineClient
     from agentrl.envs.base import Task
     from tests._actors_user_env import AddEnv

@@ -27,9 +27,9 @@ def write_config(tmp_path, text: str, *overrides: str):
 
 
 def test_evaluation_reports_every_env_and_their_sum(tmp_path_factory, tmp_path):
-    from agentrl.actors.rollout import describe_problems
-    from agentrl.evaluate import eval_metrics
-    from agentrl.run import evaluate_policy
+    from agentrl.episode.rollout import describe_problems
+    from agentrl.run.evaluate import eval_metrics
+    from agentrl.run.evaluate import evaluate_policy
 
     tok_dir = tiny_tokenizer_dir(tmp_path_factory)
     tokenizer = load_tokenizer(tok_dir)
@@ -55,7 +55,7 @@ def test_evaluation_reports_every_env_and_their_sum(tmp_path_factory, tmp_path):
 
 
 def test_dry_run_checks_each_env_and_understands_agent_envs(tmp_path):
-    from agentrl.envs.check import check_env, summary_lines
+    from agentrl.run.preflight import check_env, summary_lines
 
     report = check_env(write_config(tmp_path, ENVS, "sft.enabled=false"))
     text = "\n".join(summary_lines(report))
@@ -77,7 +77,7 @@ def test_dry_run_checks_each_env_and_understands_agent_envs(tmp_path):
 
 
 def test_one_agent_env_alone_passes_the_dry_run_and_its_first_demonstration_is_checked(tmp_path):
-    from agentrl.envs.check import check_env
+    from agentrl.run.preflight import check_env
 
     cfg = load_config("examples/openai_agent/config.toml", ["model.path=/nonexistent"])
     report = check_env(cfg)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from agentrl.config import load_config
-from agentrl.envs.check import DEMOS_CHECKED, check_env, summary_lines
+from agentrl.run.preflight import DEMOS_CHECKED, check_env, summary_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -181,7 +181,7 @@ def test_each_broken_piece_is_a_problem(env_dir: Path, tiny_model: Path, cls: st
 def test_bad_calls_past_the_first_few_are_counted(env_dir: Path, tiny_model: Path) -> None:
     from agentrl.envs import load_env
     from agentrl.envs.base import Task
-    from agentrl.envs.check import MAX_CALL_PROBLEMS, DemoChecker
+    from agentrl.run.preflight import MAX_CALL_PROBLEMS, DemoChecker
 
     env = load_env(f"{env_dir / 'units_env.py'}:UnknownTool")
     checker = DemoChecker(env, scored=0)

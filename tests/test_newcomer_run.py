@@ -40,7 +40,7 @@ ERROR = "reward of FlakyCalc failed: KeyError: 'dozen'"
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from agentrl.model_builder import init_model
+    from agentrl.models.builder import init_model
 
     return init_model(tmp_path_factory.mktemp("newcomer_model") / "tiny", "tiny")
 
@@ -64,7 +64,7 @@ def _run(env_file: Path, model: Path, run_dir: Path) -> tuple[int, str, str]:
 
 
 def test_a_flaky_reward_is_visible_and_a_changed_env_starts_afresh(tiny_model: Path, tmp_path: Path) -> None:
-    from agentrl.accounting import final_reports
+    from agentrl.run.accounting import final_reports
 
     envs = tmp_path / "my_envs"
     envs.mkdir()

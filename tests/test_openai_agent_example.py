@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from agentrl.actors.rollout import EpisodeLimits, run_episode, toolbox_for
-from agentrl.agents.runner import AgentRunner
+from agentrl.episode.rollout import EpisodeLimits, run_episode, toolbox_for
+from agentrl.agents.agent_runner import AgentRunner
 from agentrl.envs.base import load_env
 from agentrl.envs.calculator import CalculatorEnv
 from tests._actors_helpers import HttpEngineClient, ScriptedEngine, TurnScript, load_tokenizer, tiny_tokenizer_dir
@@ -88,7 +88,7 @@ def test_the_agent_records_the_quickstarts_tokens(tokenizer, case):
 
 def test_the_agents_first_prompt_is_the_warm_starts(tokenizer):
     """The warm start's demonstrations come from the agent env and start with what the agent sends."""
-    from agentrl.actors.chat import codec_for
+    from agentrl.episode.chat import codec_for
     from agentrl.envs import demonstrations
 
     env, calc = agent_env(), CalculatorEnv(max_ops=3)

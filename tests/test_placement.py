@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from agentrl.config import ConfigError, load_config
-from agentrl.placement import (Placement, PlacementError, parse_visible_devices, placement_for, plan_cluster,
+from agentrl.run.placement import (Placement, PlacementError, parse_visible_devices, placement_for, plan_cluster,
                                plan_placement, visible_gpus, weight_group_backend)
 
 

@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from agentrl.config import load_config
-from agentrl.run import run
-from agentrl.supervisor import ChildFailed
+from agentrl.run.stages import run
+from agentrl.run.supervisor import ChildFailed
 from tests._processes import stop_agentrl_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,7 +29,7 @@ EXAMPLE = ROOT / "examples" / "calculator" / "config.toml"
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from agentrl.model_builder import init_model
+    from agentrl.models.builder import init_model
 
     return init_model(tmp_path_factory.mktemp("run_model") / "tiny", "tiny")
 
@@ -55,7 +55,8 @@ def _start_strict_engine(cfg, model: Path, log_dir: Path, env: dict[str, str]):
     that a naive client trips over: no --weight-version (it reports "default"), --tp-size 2 (two
     ranks in the weight group), an api key and an admin key, and a build without
     /begin_weight_update and /end_weight_update (404)."""
-    from agentrl.engine.launch import EngineProcess, engine_args, free_port
+    from agentrl.engine.launch import EngineProcess, engine_args
+    from agentrl.net import free_port
 
     flags = engine_args("embedded", device="cpu", max_running_requests=cfg.engine.max_running_requests,
                         max_context_tokens=cfg.engine.max_context_tokens, num_threads=1)
@@ -187,7 +188,7 @@ def test_live_table_shows_rl_rates(tmp_path: Path) -> None:
 
     from rich.console import Console
 
-    from agentrl.run import RunState, _table
+    from agentrl.run.stages import RunState, _table
 
     cfg = load_config(EXAMPLE, ["learner.max_steps=20"])
     state = RunState(tmp_path)
@@ -234,7 +235,7 @@ def test_live_table_and_summary_show_drops_and_the_learner_s_warning_before_any_
     warning, in the live table, the events and summary.json (which said groups_received: 0)."""
     from rich.console import Console
 
-    from agentrl.run import RunState, _table, summarize
+    from agentrl.run.stages import RunState, _table, summarize
 
     cfg = load_config(EXAMPLE)
     state = RunState(tmp_path)
@@ -293,8 +294,8 @@ def test_without_a_terminal_the_live_view_is_a_plain_line_every_few_seconds(tmp_
                                                                             monkeypatch) -> None:
     """A batch job's log (stdout not a terminal) got the final table only; it now gets one plain
     progress line every PLAIN_LINE_S, with the data warning when there is one."""
-    import agentrl.run as run_module
-    from agentrl.run import RunState, _PlainLines
+    import agentrl.run.stages as run_module
+    from agentrl.run.stages import RunState, _PlainLines
 
     clock = [1000.0]
     monkeypatch.setattr(run_module.time, "monotonic", lambda: clock[0])

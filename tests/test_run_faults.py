@@ -105,7 +105,7 @@ def a_killed_and_a_clean_session(run_dir: Path) -> None:
 
 
 def test_accounting_without_dumps_counts_the_killed_session_and_balances(tmp_path: Path) -> None:
-    from agentrl.accounting import account, balance_line, describe
+    from agentrl.run.accounting import account, balance_line, describe
 
     a_killed_and_a_clean_session(tmp_path)
     acc = account(tmp_path)
@@ -125,7 +125,7 @@ def test_accounting_without_dumps_counts_the_killed_session_and_balances(tmp_pat
 def test_accounting_names_what_does_not_balance(tmp_path: Path) -> None:
     """The balance has teeth without dumps: a clean session's acknowledged group that the learner does
     not hold, a group trained twice, a received group past what its session reports producing."""
-    from agentrl.accounting import account, balance_line
+    from agentrl.run.accounting import account, balance_line
 
     a_killed_and_a_clean_session(tmp_path)
     write_report(tmp_path, 1, "C", produced=2, acked=2)  # acknowledged, but the learner holds none of them
@@ -144,7 +144,7 @@ def test_accounting_names_what_does_not_balance(tmp_path: Path) -> None:
 def test_accounting_of_a_learner_that_never_checkpointed_reads_its_journal(tmp_path: Path) -> None:
     """A failed run whose learner died before any checkpoint still gets its accounting: the journal
     says what was received; no weights survived, so all of it is held (a restart replays it)."""
-    from agentrl.accounting import account
+    from agentrl.run.accounting import account
 
     journal(tmp_path, "only", 0, [("actor0", "A", q) for q in range(4)])
     acc = account(tmp_path)
@@ -155,7 +155,7 @@ def test_accounting_of_a_learner_that_never_checkpointed_reads_its_journal(tmp_p
 
 
 def test_accounting_takes_the_fallback_checkpoint_when_it_is_newer(tmp_path: Path) -> None:
-    from agentrl.accounting import account
+    from agentrl.run.accounting import account
 
     write_checkpoint(tmp_path, step=1, received={("actor0", "A"): [0, 1]}, consumed=2, dropped={}, pending=0)
     write_checkpoint(tmp_path, step=2, received={("actor0", "A"): [0, 1, 2, 3]}, consumed=4, dropped={}, pending=0,
@@ -169,7 +169,7 @@ def test_summary_tells_steps_versions_and_every_session(tmp_path: Path) -> None:
     """learner_steps is the checkpoint's step (not the last metrics row), policy_versions_seen shows a
     version going backwards, groups_produced counts the killed session, the learner's stop and its
     failed checkpoint writes are there."""
-    from agentrl.run import RunState, summarize
+    from agentrl.run.stages import RunState, summarize
 
     a_killed_and_a_clean_session(tmp_path)
     (tmp_path / "learner_metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3)))
@@ -193,7 +193,7 @@ def test_summary_tells_steps_versions_and_every_session(tmp_path: Path) -> None:
 
 
 def test_the_learner_restart_note_says_what_really_happens(tmp_path: Path) -> None:
-    from agentrl.run import learner_restart_note
+    from agentrl.run.stages import learner_restart_note
 
     log = tmp_path / "logs" / "learner.log"
     log.parent.mkdir(parents=True)
@@ -213,7 +213,7 @@ def test_the_learner_restart_note_says_what_really_happens(tmp_path: Path) -> No
 
 
 def test_restarts_are_printed_on_the_console_as_they_happen(tmp_path: Path, capsys) -> None:
-    from agentrl.run import RunState, _on_event
+    from agentrl.run.stages import RunState, _on_event
 
     state = RunState(tmp_path)
     _on_event(state, "actor0", "exited with status -9; restart 1/3")
@@ -239,9 +239,9 @@ def test_a_clean_stop_stops_the_actors_first_and_within_the_grace(tmp_path: Path
     once they have exited. An actor's drain ends well inside the grace, so it prints its report."""
     import trio
 
-    from agentrl.actors.service import ActorSettings
-    from agentrl.children import ChildSpec
-    from agentrl.supervisor import STOP_GRACE_S, Supervisor
+    from agentrl.actors.actor import ActorSettings
+    from agentrl.run.process_plan import ChildSpec
+    from agentrl.run.supervisor import STOP_GRACE_S, Supervisor
 
     assert ActorSettings().drain_timeout_s <= STOP_GRACE_S / 2
     script = ("import signal, sys, time, pathlib\n"

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from agentrl.children import engine_specs, plan_config
+from agentrl.run.process_plan import engine_specs, plan_config
 from agentrl.config import load_config
 from agentrl.engine.launch import (SGLANG_CPU_FLAGS, SGLANG_CPU_SHIM, SGLANG_VERSION, cpu_kv_tokens,
                                    sglang_problem)
 from agentrl.engine.sglang_cpu import sgl_kernel
-from agentrl.placement import placement_for
+from agentrl.run.placement import placement_for
 from tests.test_cli import run_cli
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "calculator" / "config.toml"

@@ -397,7 +397,8 @@ def test_sglang_health_generates_so_it_hangs_while_paused(sglang_server):
 def test_sglang_router_with_the_workers_key_in_front_of_two_servers(sglang_server, engine_model, tmp_path):
     """A second server without --weight-version (it reports "default") and sglang-router 0.3.2 with
     --api-key in front of both; agentrl's client generates through the router."""
-    from agentrl.engine.launch import EngineProcess, free_port, wait_ready
+    from agentrl.engine.launch import EngineProcess, wait_ready
+    from agentrl.net import free_port
 
     python = sglang_python()
     probe = subprocess.run([python, "-c", "import sglang_router"], capture_output=True, text=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from agentrl.supervisor import ChildFailed, ChildSpec, Supervisor
+from agentrl.run.supervisor import ChildFailed, ChildSpec, Supervisor
 
 
 def _py(code: str) -> list[str]:
@@ -142,7 +142,7 @@ def test_copy_redacted_replaces_secrets_split_across_chunks(tmp_path: Path) -> N
     false start of itself and one that contains another: no secret reaches the log, nothing else changes."""
     from trio.testing import memory_stream_one_way_pair
 
-    from agentrl.supervisor import copy_redacted
+    from agentrl.run.supervisor import copy_redacted
 
     text = b"key=sk-sk-abc123; admin=sk-abc123-admin\nnot a key: sk-ab\ntail without newline sk-abc12"
     log = tmp_path / "engine.log"
@@ -182,7 +182,7 @@ def test_copy_redacted_is_the_whole_texts_redaction_however_it_is_chunked(tmp_pa
 
     from trio.testing import memory_stream_one_way_pair
 
-    from agentrl.supervisor import copy_redacted, redact
+    from agentrl.run.supervisor import copy_redacted, redact
 
     keys = ("sk-abc123", "sk-abc123-admin", "k9k9k")
     rng = random.Random(0)

@@ -320,7 +320,7 @@ def test_parser_round_trips_the_chat_template_rendering():
     """A call rendered by the model's chat template parses back to the same call."""
     from jinja2 import Template  # transformers' dependency
 
-    from agentrl.model_builder import CHAT_TEMPLATE
+    from agentrl.models.builder import CHAT_TEMPLATE
 
     messages = [{"role": "user", "content": "hi"},
                 {"role": "assistant", "content": "", "tool_calls": [

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from agentrl.config import TrackingSection
-from agentrl.engine.launch import free_port
+from agentrl.net import free_port
 from agentrl.tracking import NullTracker, Tracker, flatten, open_tracker
 
 pytestmark = pytest.mark.timeout(180)

@@ -19,7 +19,7 @@ import httpx
 import pytest
 import torch
 
-from agentrl.engine.launch import free_port
+from agentrl.net import free_port
 from agentrl.learner.weight_push import (EngineLost, WeightUpdateError, WeightUpdater, full_tensors, plan_buckets,
                                          rank_layout, without_tied_head)
 from agentrl.weight_group import bind_store_socket, destroy_weight_group, init_weight_group

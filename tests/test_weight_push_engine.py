@@ -20,7 +20,8 @@ import torch
 import trio
 
 from agentrl.engine.client import EngineClient, EngineRequestError
-from agentrl.engine.launch import EngineProcess, free_port, wait_ready
+from agentrl.engine.launch import EngineProcess, wait_ready
+from agentrl.net import free_port
 from agentrl.learner.weight_push import EngineLost, WeightUpdater, full_tensors, plan_buckets, without_tied_head
 from tests.conftest_engine import ENGINE_FLAGS, Teacher, max_abs_diff
 
@@ -107,7 +108,7 @@ class _Seen(logging.Handler):
 def test_an_actor_waits_for_the_learner_to_set_the_engines_version(engine, engine_model):
     from transformers import AutoTokenizer
 
-    from agentrl.actors.rollout import EpisodeLimits, run_episode, toolbox_for
+    from agentrl.episode.rollout import EpisodeLimits, run_episode, toolbox_for
     from tests._actors_user_env import AddEnv
 
     url = engine.url
@@ -117,7 +118,7 @@ def test_an_actor_waits_for_the_learner_to_set_the_engines_version(engine, engin
     env = AddEnv()
     limits = EpisodeLimits(max_turns=2, max_total_tokens=512, max_new_tokens_per_turn=16)
     task = next(env.tasks())
-    logger = logging.getLogger("agentrl.actors.rollout")
+    logger = logging.getLogger("agentrl.episode.rollout")
 
     def learner_connects() -> list[str]:
         from transformers import AutoModelForCausalLM

@@ -6,7 +6,7 @@ print a one-line summary every few seconds and a report when it stops. Counters 
 ``window()`` gives the rates since the previous call.
 
 Episodes are counted as episodes, not trajectories: an agent episode may be several sequences
-(:mod:`agentrl.agents.episodes`), each a trajectory with the episode's ``episode_id``. Rewards
+(:mod:`agentrl.agents.recording`), each a trajectory with the episode's ``episode_id``. Rewards
 and success are per episode; tokens and the summed per-trajectory numbers (turns, latencies,
 finish reasons) are over trajectories. ``by_env`` holds groups, episodes, reward and success
 per env name.

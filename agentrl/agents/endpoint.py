@@ -1,7 +1,7 @@
 """The agent endpoint: OpenAI's chat-completions API in front of the engines, recording every call of
 every episode.
 
-Routes (a starlette app; :mod:`agentrl.agents.runner` serves it with uvicorn):
+Routes (a starlette app; :mod:`agentrl.agents.agent_runner` serves it with uvicorn):
 
 * ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /v1/models/{model}`` with
   ``Authorization: Bearer <episode key>`` -- for clients that take an API key;
@@ -31,9 +31,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from agentrl.agents.episodes import Episode
+from agentrl.agents.recording import Episode
 from agentrl.agents.openai_api import error_body
-from agentrl.agents.serving import ChatService
+from agentrl.agents.chat_service import ChatService
 from agentrl.tools.parsing import ToolCallParser
 
 KEY_PREFIX = "agentrl-ep-"
@@ -60,7 +60,7 @@ class AgentEndpoint:
     def open_episode(self, episode_id: str, *, max_calls: int | None = None, max_len: int | None = None,
                      tool_parser: ToolCallParser | None = None, reasoning: bool | None = None) -> tuple[str, Episode]:
         """A new episode (with its limits and how its completions are read,
-        :class:`agentrl.agents.episodes.Episode`) and its key."""
+        :class:`agentrl.agents.recording.Episode`) and its key."""
         key = KEY_PREFIX + secrets.token_urlsafe(32)
         episode = Episode(episode_id, max_calls=max_calls, max_len=max_len, tool_parser=tool_parser,
                           reasoning=reasoning)

@@ -32,7 +32,7 @@ into an object (a 400 when they are not JSON), ``developer`` rendered as ``syste
 written before that role would drop it), ``None`` fields left out. Images, audio and files are a
 400. Each message also has a *view*: a canonical JSON string of what it says (role, text, tool
 calls as name + parsed arguments, ids of tool results), used to recognise a conversation that
-extends an earlier call's conversation (see :mod:`agentrl.agents.episodes`). Tool-call ids the
+extends an earlier call's conversation (see :mod:`agentrl.agents.recording`). Tool-call ids the
 server made up are left out of the view, so a framework that renumbers them still stitches.
 
 **Reasoning** (``<think>...</think>``, when the host enables it, as SGLang's ``--reasoning-parser``

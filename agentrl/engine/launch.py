@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -44,11 +43,6 @@ class EngineLaunchError(RuntimeError):
     """A server could not be started or did not become ready; the message says why."""
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def sglang_problem(python: str = "") -> str | None:
@@ -99,7 +93,7 @@ def engine_command(model_path: str, port: int, *, backend: str = "embedded", hos
     """argv for a server process serving ``model_path`` on ``host:port``; ``python`` is SGLang's
     interpreter (default: this one)."""
     if backend == "embedded":
-        return [sys.executable, "-m", "agentrl.engine.server", "--model", str(model_path),
+        return [sys.executable, "-m", "agentrl.run.engine_process", "--model", str(model_path),
                 "--host", host, "--port", str(port), *extra]
     if backend == "sglang":
         return [python or sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
@@ -116,7 +110,7 @@ def engine_args(backend: str, *, device: str = "auto", dtype: str = "auto", max_
 
     ``--weight-version`` is always there: a server started without it reports ``"default"``
     until the first update. An SGLang engine sees only its own GPUs (``CUDA_VISIBLE_DEVICES``,
-    agentrl/placement.py), so it starts at ``--base-gpu-id 0`` with ``--tp-size`` = its GPUs.
+    agentrl/run/placement.py), so it starts at ``--base-gpu-id 0`` with ``--tp-size`` = its GPUs.
     Keys are SGLang's ``--api-key``/``--admin-api-key``; the embedded engine reads its keys from
     the environment itself, from the variables named by ``--api-key-env``/``--admin-api-key-env``.
     ``on_cpu``: SGLang's CPU flags (float32 unless ``dtype`` says otherwise) and, when

@@ -42,10 +42,10 @@ from typing import Any, Callable
 
 import torch
 
-from agentrl.engine.api import (
+from agentrl.engine.native_api import (
     Completion, GenerateInput, finish_abort, finish_length, finish_stop_str, finish_stop_token,
 )
-from agentrl.engine.runner import ModelRunner
+from agentrl.engine.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 

@@ -1,10 +1,10 @@
 """The embedded engine's HTTP server: SGLang's native API over a :class:`Scheduler`.
 
-``python -m agentrl.engine.server --model PATH --port N`` (or ``agentrl serve-engine``).
+Started as a process by :mod:`agentrl.run.engine_process` (``agentrl serve-engine``), which mounts the ``/v1`` routes.
 
 Starlette + uvicorn on the main thread; the model runs in the scheduler thread. A handler
 turns the JSON body into scheduler requests (validation and error messages live in
-``agentrl.engine.api``), and the scheduler hands results back through
+``agentrl.engine.native_api``), and the scheduler hands results back through
 ``loop.call_soon_threadsafe``. Control calls (pause, abort, weight updates) run inside the
 scheduler thread between forward steps (``Scheduler.call``), so they never race a forward.
 The weight group's rendezvous runs in a worker thread (it blocks until the trainer joins)
@@ -53,8 +53,8 @@ reads from shared memory of the same host.
 
 OpenAI-compatible routes, as SGLang's server has them: ``POST /v1/chat/completions`` and
 ``GET /v1/models`` (+ ``/v1/models/{model}``), served by the agent endpoint's own implementation
-(:class:`agentrl.agents.serving.ChatService` over :meth:`EngineServer.generate`, with
-:class:`agentrl.agents.serving.FreshPrompts`: each request rendered with the model's chat template,
+(:class:`agentrl.agents.chat_service.ChatService` over :meth:`EngineServer.generate`, with
+:class:`agentrl.agents.chat_service.FreshPrompts`: each request rendered with the model's chat template,
 nothing recorded, an aborted request returned with ``finish_reason: "abort"``). The served model
 name is ``--model``'s path, as SGLang's default ``--served-model-name``.
 """
@@ -70,7 +70,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -78,7 +78,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from agentrl.engine.api import (
+from agentrl.engine.native_api import (
     Completion, GenerateCall, GenerateInput, RequestError, build_response, decode_body, error_body,
     output_text_ids, parse_generate, show, trim_stop_str,
 )
@@ -208,7 +208,7 @@ class EngineServer:
                  max_context_tokens: int = 2048, max_prefill_tokens: int = 8192, weight_version: str = "default",
                  seed: int = 0, prefix_cache_tokens: int = 65536, tp_size: int = 1, dp_size: int = 1,
                  weight_update_bracket: bool = True):
-        from agentrl.engine.runner import ModelRunner
+        from agentrl.engine.model_runner import ModelRunner
         from agentrl.engine.scheduler import Scheduler
         from agentrl.engine.weights import EngineWeightReceiver
 
@@ -385,7 +385,8 @@ async def _wait_disconnect(request: HttpRequest) -> None:
             return
 
 
-def build_app(server: EngineServer, *, api_key: str = "", admin_api_key: str = "") -> Starlette:
+def build_app(server: EngineServer, *, api_key: str = "", admin_api_key: str = "",
+              extra_routes: Sequence[Route] = ()) -> Starlette:
     sched = server.scheduler
 
     async def generate(request: HttpRequest) -> Response:
@@ -648,46 +649,8 @@ def build_app(server: EngineServer, *, api_key: str = "", admin_api_key: str = "
             return _lora_result(False, str(e))
         return _lora_result(True)
 
-    # -- OpenAI-compatible routes: the agent endpoint's implementation, over this scheduler, nothing recorded
-    openai: list = []
-
-    def chat_service():
-        if not openai:
-            from agentrl.actors.chat import ChatCodec
-            from agentrl.agents.serving import ChatService
-
-            openai.append(ChatService(ChatCodec(server.tokenizer), server, server.model_path,
-                                      max_model_len=server.runner.max_context_tokens, continue_aborts=False))
-        return openai[0]
-
-    async def chat_completions(request: HttpRequest) -> Response:
-        from agentrl.agents.openai_api import error_body
-        from agentrl.agents.serving import FreshPrompts
-
-        if not sched.alive:
-            return JSONResponse(error_body("the engine scheduler is not running", kind="server_error"), status_code=503)
-        try:
-            service = chat_service()
-        except ValueError as e:  # no chat template
-            return JSONResponse(error_body(str(e)), status_code=400)
-        return await service.handle(request, FreshPrompts())
-
-    async def v1_models(request: HttpRequest) -> Response:
-        from agentrl.agents.openai_api import model_list
-
-        return JSONResponse(model_list(server.model_path, server.runner.max_context_tokens))
-
-    async def v1_model(request: HttpRequest) -> Response:
-        from agentrl.agents.openai_api import retrieve_model
-
-        status, body = retrieve_model(request.path_params["model"], server.model_path, server.runner.max_context_tokens)
-        return JSONResponse(body, status_code=status)
-
     routes = [
         Route("/generate", generate, methods=["POST", "PUT"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/models", v1_models, methods=["GET"]),
-        Route("/v1/models/{model:path}", v1_model, methods=["GET"]),
         Route("/health", health_generate, methods=["GET"]),
         Route("/health_generate", health_generate, methods=["GET"]),
         Route("/ping", ping, methods=["GET"]),
@@ -708,6 +671,7 @@ def build_app(server: EngineServer, *, api_key: str = "", admin_api_key: str = "
         Route("/load_lora_adapter", load_lora_adapter, methods=["POST"]),
         Route("/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
     ]
+    routes += list(extra_routes)
     if server.weight_update_bracket:
         routes += [Route("/begin_weight_update", begin_weight_update, methods=["POST"]),
                    Route("/end_weight_update", end_weight_update, methods=["POST"])]
@@ -756,7 +720,7 @@ def _stream(server: EngineServer, call: GenerateCall, loop: asyncio.AbstractEven
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m agentrl.engine.server", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m agentrl.run.engine_process", description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, help="local Hugging Face model folder")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
@@ -789,7 +753,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def serve(args: argparse.Namespace) -> None:
+def serve(args: argparse.Namespace, routes_for: Callable[[EngineServer], list[Route]] | None = None) -> None:
+    """Serve until stopped; ``routes_for(server)`` adds routes (the process that starts the engine mounts ``/v1``)."""
     import torch
     import uvicorn
 
@@ -809,7 +774,8 @@ def serve(args: argparse.Namespace) -> None:
                           seed=args.seed, prefix_cache_tokens=args.prefix_cache_tokens, tp_size=args.tp_size,
                           dp_size=args.dp_size, weight_update_bracket=not args.disable_weight_update_bracket)
     server.start()
-    app = build_app(server, api_key=api_key, admin_api_key=admin_api_key)
+    app = build_app(server, api_key=api_key, admin_api_key=admin_api_key,
+                    extra_routes=routes_for(server) if routes_for else ())
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=False, timeout_keep_alive=30, timeout_graceful_shutdown=5, lifespan="off")
     auth = "admin and api keys" if api_key and admin_api_key else "admin key" if admin_api_key else \
@@ -822,10 +788,3 @@ def serve(args: argparse.Namespace) -> None:
     finally:
         server.stop()
 
-
-def main(argv: list[str] | None = None) -> None:
-    serve(parse_args(argv))
-
-
-if __name__ == "__main__":
-    main()

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from agentrl.engine.api import show
+from agentrl.engine.native_api import show
 from agentrl.weight_group import destroy_weight_group, init_weight_group, parse_dtype
 
 log = logging.getLogger(__name__)

@@ -6,8 +6,8 @@
   settings beyond the section, such as ``max_live`` or ``docker_host``). The section's
   ``name``, when set, becomes the env's ``name``. :func:`make_envs` builds every env of a run
   and refuses two with the same name (groups, metrics and evaluations are keyed by it).
-* An env's episode limits and toolbox come from :mod:`agentrl.actors.rollout`
-  (:meth:`~agentrl.actors.rollout.EpisodeLimits.from_config`, :func:`~agentrl.actors.rollout.toolbox_for`).
+* An env's episode limits and toolbox come from :mod:`agentrl.episode.rollout`
+  (:meth:`~agentrl.episode.rollout.EpisodeLimits.from_config`, :func:`~agentrl.episode.rollout.toolbox_for`).
 * :func:`demonstrations` yields correct episodes for the supervised warm start.
 * :func:`score_episode` and :func:`run_cleanup` call an env's ``reward`` and ``cleanup`` so
   that neither a raising reward nor a cancelled episode can crash an actor.

@@ -46,7 +46,7 @@ class Env:
 
     name: str = "env"
     # Episode limits; None means the [env] config section's max_turns / max_total_tokens.
-    # An env that needs tighter (or looser) limits sets them here (see agentrl.actors.rollout.EpisodeLimits.from_config).
+    # An env that needs tighter (or looser) limits sets them here (see agentrl.episode.rollout.EpisodeLimits.from_config).
     max_turns: int | None = None
     max_total_tokens: int | None = None
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from agentrl.engine.launch import free_port
+from agentrl.net import free_port
 
 
 @dataclass(frozen=True)

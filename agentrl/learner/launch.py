@@ -145,7 +145,7 @@ def torchrun_command(command: str, config: Path | None, overrides: list[str], np
 
 def launch(command: str, config: Path | None, overrides: list[str], nproc: int, nodes: Nodes = Nodes()) -> int:
     """Entry point of the CLI commands: one rank here, or ``nproc`` ranks (per node) through torchrun."""
-    from agentrl.children import resolve_run_dir
+    from agentrl.config import resolve_run_dir
 
     cfg = load_config(config, overrides)
     if not cfg.run.run_dir:

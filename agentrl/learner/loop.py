@@ -78,7 +78,7 @@ from typing import Any
 
 import numpy as np
 
-from agentrl.children import resolve_run_dir
+from agentrl.config import resolve_run_dir
 from agentrl.config import AgentRLConfig, dump_toml
 from agentrl.learner.journal import Journal
 from agentrl.learner.rollout_stats import RolloutStats, sample_episodes
@@ -168,7 +168,7 @@ class Learner:
         from agentrl.learner.checkpoint import checkpoint_root
         from agentrl.learner.distributed import broadcast_object, init_distributed
         from agentrl.learner.trainer import Trainer, TrainerSpec
-        from agentrl.model_builder import ensure_model
+        from agentrl.models.builder import ensure_model
 
         self.cfg = cfg
         self.lc = cfg.learner

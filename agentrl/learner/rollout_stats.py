@@ -1,8 +1,8 @@
 """What the actors did, as the learner sees it: ``rollout/*`` metrics per step and sample episodes.
 
 Every trajectory carries its episode's numbers in ``metadata`` (turns, tool calls and errors,
-latencies, finish reason, aborts survived, success; see :func:`agentrl.actors.rollout.run_episode`
-and :mod:`agentrl.agents.episodes`), and every group reaches the learner. So the learner
+latencies, finish reason, aborts survived, success; see :func:`agentrl.episode.rollout.run_episode`
+and :mod:`agentrl.agents.recording`), and every group reaches the learner. So the learner
 aggregates them, in one place and with no new channel: :class:`RolloutStats` takes every new
 group rank 0 receives (duplicates are not counted twice; groups it then drops as stale, flat or
 malformed are counted: they are what the actors did) and :meth:`RolloutStats.metrics` gives the

@@ -7,7 +7,7 @@ is empty, the environment (``env.cls``) supplies ``sft.num_demonstrations`` corr
 episodes through ``Env.demonstration(task)``, with its tools' schemas.
 
 **Tokens and loss mask.** A conversation is tokenised exactly as the actor would have
-produced it (:mod:`agentrl.actors.chat`), piece by piece: the prompt (the messages before
+produced it (:mod:`agentrl.episode.chat`), piece by piece: the prompt (the messages before
 the first assistant message, with the generation prompt); then for each assistant message
 the text the model generates for it (:meth:`ChatCodec.assistant_text`: the template's
 rendering of it as the latest turn, thinking and tool calls included, through the
@@ -57,7 +57,7 @@ Conversation = tuple[list[dict[str, Any]], list[dict[str, Any]] | None]
 def tokenize_conversation(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None) -> Sample:
     """The conversation's tokens as the actor would have produced them, ``loss_mask = 1`` on the
     assistant turns (thinking, content, tool calls and the end-of-turn token)."""
-    from agentrl.actors.chat import codec_for
+    from agentrl.episode.chat import codec_for
 
     if not messages:
         raise ValueError("empty conversation")
@@ -257,10 +257,10 @@ def sft(cfg: AgentRLConfig) -> Path:
     from agentrl.learner.checkpoint import checkpoint_root, latest_checkpoint, load_checkpoint, save_checkpoint
     from agentrl.learner.distributed import broadcast_object, init_distributed
     from agentrl.learner.export import export_checkpoint
-    from agentrl.children import resolve_run_dir
+    from agentrl.config import resolve_run_dir
     from agentrl.learner.loop import open_tracker, seed_everything
     from agentrl.learner.trainer import Trainer, TrainerSpec
-    from agentrl.model_builder import ensure_model
+    from agentrl.models.builder import ensure_model
 
     dist_info = init_distributed(cfg.learner.device)
     seed_everything(cfg.run.seed, cfg.run.torch_num_threads)

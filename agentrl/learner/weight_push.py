@@ -94,10 +94,10 @@ the unload for every request that uses the adapter; paused with ``retract`` or `
 those requests keep it and the unload would never return, so only ``abort`` is accepted. The
 folder must be readable by the engines (one machine, or a shared file system). An engine that
 reports a version holds the adapter: engines that serve it start and restart without a version
-(``agentrl.children``), the learner loads it into every engine at its first push and into every
+(``agentrl.run.process_plan``), the learner loads it into every engine at its first push and into every
 engine that reports another version than it left there (a restarted engine, whose first load
 needs no unload), and actors wait on an engine that refuses the adapter while it reports
-``"default"`` (``agentrl.actors.rollout``). SGLang's ``/load_lora_adapter_from_tensors`` is not
+``"default"`` (``agentrl.episode.rollout``). SGLang's ``/load_lora_adapter_from_tensors`` is not
 used: its tensors are pickled ``torch`` tensors (``MultiprocessingSerializer``), which SGLang reads
 through shared memory or CUDA IPC of the same host, like ``/update_weights_from_tensor``.
 """

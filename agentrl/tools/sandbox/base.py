@@ -4,7 +4,7 @@ A :class:`Sandbox` runs Python code and returns an :class:`ExecResult`; it keeps
 directory for one episode (files written by one call are there for the next), and
 :meth:`Sandbox.reset` empties it and ends leftover processes before the sandbox serves the
 next episode. All three backends run the same stdlib-only runner script
-(``agentrl/tools/sandbox/runner.py``) inside the sandbox, which applies the per-run limits
+(``agentrl/tools/sandbox/executor.py``) inside the sandbox, which applies the per-run limits
 (CPU time, address space, file size, processes, wall time) and reports what happened as
 JSON, so limits and reports read the same everywhere; each backend adds its own outer wall
 (namespaces, cgroups, a VM) and implements :meth:`Sandbox.execute` (one runner payload in,
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-RUNNER_PATH = Path(__file__).with_name("runner.py")
+RUNNER_PATH = Path(__file__).with_name("executor.py")
 MARKER = "__AGENTRL_RESULT__"
 
 

@@ -1,4 +1,4 @@
-"""Playing :class:`agentrl.agents.env.AgentEnv` episodes from trio: one asyncio thread per actor process.
+"""Playing :class:`agentrl.envs.agent.AgentEnv` episodes from trio: one asyncio thread per actor process.
 
 The actors run on trio; agent code written for the OpenAI SDK, the OpenAI Agents SDK or LangChain is
 asyncio code. :class:`AgentRunner` owns **one asyncio event loop in a worker thread**, and in that
@@ -22,12 +22,12 @@ cleanup. An agent that swallows the cancellation is left behind (logged); its ke
 cannot write into any episode.
 
 **Failures.** An agent (or ``setup``) that raises -- ``SystemExit`` included -- fails its episode with
-:class:`agentrl.actors.rollout.EpisodeFailed` naming the error; so does an agent that returns without
+:class:`agentrl.episode.rollout.EpisodeFailed` naming the error; so does an agent that returns without
 having called the model.
 
-**Limits.** ``play`` takes the env's :class:`agentrl.actors.rollout.EpisodeLimits`: the endpoint
+**Limits.** ``play`` takes the env's :class:`agentrl.episode.rollout.EpisodeLimits`: the endpoint
 refuses a call past ``max_turns`` calls, or one whose prompt leaves no room in ``max_total_tokens``
-(:mod:`agentrl.agents.episodes`, "Limits"). An agent that raises after such a refusal (most
+(:mod:`agentrl.agents.recording`, "Limits"). An agent that raises after such a refusal (most
 frameworks turn the 400 into an exception) has not failed: the episode ended at its limit, as
 agentrl's own loop ends one, and is scored as played -- by ``env.reward`` of the last call's
 conversation when the env has a ``reward``, else 0 -- with ``metadata["episode_limit"]``. A reward that raises or is not finite scores 0 with ``reward_error`` in the
@@ -49,11 +49,11 @@ from typing import Any, Callable
 
 import trio
 
-from agentrl.actors.chat import ChatCodec
-from agentrl.actors.rollout import EpisodeFailed, EpisodeLimits, GroupLost
+from agentrl.episode.chat import ChatCodec
+from agentrl.episode.rollout import EpisodeFailed, EpisodeLimits, GroupLost
 from agentrl.agents.endpoint import AgentEndpoint
-from agentrl.agents.env import AgentEnv
-from agentrl.agents.serving import ChatService
+from agentrl.envs.agent import AgentEnv
+from agentrl.agents.chat_service import ChatService
 from agentrl.envs.base import Env, Task, score_episode, total_reward
 from agentrl.protocol import Trajectory, TrajectoryGroup
 
@@ -70,9 +70,9 @@ class AgentRunner:
     ``engine`` builds the engine client inside the asyncio thread (an httpx client belongs to the loop
     that made it); it must be an async context manager with ``generate`` (``EngineClient``).
     ``versioned``/``forced_sampling``/``default_max_tokens``/``max_tokens_cap``: see
-    :class:`agentrl.agents.serving.ChatService` (training: versions on, the run's sampling forced). How an
+    :class:`agentrl.agents.chat_service.ChatService` (training: versions on, the run's sampling forced). How an
     episode's completions are read (tool-call format, reasoning) is its env's: ``env.tool_parser`` and
-    ``env.reasoning`` (:class:`agentrl.agents.env.AgentEnv`).
+    ``env.reasoning`` (:class:`agentrl.envs.agent.AgentEnv`).
     """
 
     def __init__(self, tokenizer: Any, engine: Callable[[], Any], *, host: str = "127.0.0.1", port: int = 0,
@@ -192,7 +192,7 @@ class AgentRunner:
                          limits: EpisodeLimits | None = None) -> TrajectoryGroup:
         """The ``n`` episodes of ``task``, concurrently (episode ids ``<group_id>-<i>``), as one group: every
         sequence of every episode, in episode order. When one episode fails the others are cancelled and
-        :class:`agentrl.actors.rollout.GroupLost` says why, as :func:`agentrl.actors.rollout.run_group` does.
+        :class:`agentrl.episode.rollout.GroupLost` says why, as :func:`agentrl.episode.rollout.run_group` does.
         The learner's advantages are per episode (:func:`agentrl.learner.batching.episode_index`)."""
         gid = group_id or uuid.uuid4().hex[:12]
         episodes: list[list[Trajectory]] = [[] for _ in range(n)]

@@ -9,7 +9,7 @@ Each child is a :class:`ChildSpec`: an argv, a log file, a restart budget and wh
   (an SGLang engine's keys, which SGLang logs at start);
 * restarts a non-critical child that exits with an error or is killed, up to ``max_restarts``
   times, backing off 0.5, 1, 2, 4, 5, 5 ... seconds, with ``restart_argv`` when the spec has
-  one (an engine comes back without a weight version, see ``agentrl.children``), and reports
+  one (an engine comes back without a weight version, see ``agentrl.run.process_plan``), and reports
   each restart through ``on_event``;
 * when a critical child exits with an error, or a child runs out of restarts, stops all
   the others and raises :class:`ChildFailed` naming the child and quoting the end of its log;
@@ -34,7 +34,7 @@ from typing import Callable
 
 import trio
 
-from agentrl.children import ChildSpec  # what to start; here: how
+from agentrl.run.process_plan import ChildSpec  # what to start; here: how
 
 
 class ChildFailed(RuntimeError):

@@ -1,6 +1,6 @@
 """``agentrl run CONFIG``: every process a run needs, started and supervised from one command.
 
-Stages, in order, all under one trio nursery (:class:`agentrl.supervisor.Supervisor`):
+Stages, in order, all under one trio nursery (:class:`agentrl.run.supervisor.Supervisor`):
 
 1. **Model.** Build the tiny model at ``model.path`` when it is absent (``model.init_size``).
 2. **Warm start** (``sft.enabled``): ``agentrl sft`` on the env's demonstrations, exported to
@@ -16,7 +16,7 @@ Stages, in order, all under one trio nursery (:class:`agentrl.supervisor.Supervi
    first load the run's policy from disk as version 0, whatever they held. A fresh learner starts meanwhile (it pushes nothing
    before the actors bring data), so its start-up is not on the way to the first update.
 5. **RL.** ``agentrl learn`` and ``actors.num_processes`` × ``agentrl serve-actors``. Any
-   child that dies -- an engine, the learner, an actor -- is restarted (``agentrl.children``:
+   child that dies -- an engine, the learner, an actor -- is restarted (``agentrl.run.process_plan``:
    restart policy), and the run goes on: a restarted engine gets the learner's policy before
    its answers count, the learner resumes from its checkpoint and journal, an actor continues
    its budget. Every restart is an event and counted per child (``summary.json``, the live
@@ -32,7 +32,7 @@ Stages, in order, all under one trio nursery (:class:`agentrl.supervisor.Supervi
 
 Every child gets the resolved config as a file in the run directory (``config.toml``), with
 the ports this run picked, so a child can be restarted by hand with the same command, and
-its own GPUs through ``CUDA_VISIBLE_DEVICES`` (``agentrl/placement.py``: the learner's ranks
+its own GPUs through ``CUDA_VISIBLE_DEVICES`` (``agentrl/run/placement.py``: the learner's ranks
 first, then each engine; actors and the retrieval server none). ``--dry-run`` prints the
 plan and every child's command; a plan that does not fit the visible GPUs is refused before
 anything starts.
@@ -58,13 +58,14 @@ from typing import Any
 
 import trio
 
-from agentrl.children import (MAX_RESTARTS, ChildSpec, actor_specs, agentrl_argv, engine_specs, learner_spec,
+from agentrl.run.process_plan import (MAX_RESTARTS, ChildSpec, actor_specs, agentrl_argv, engine_specs, learner_spec,
                               plan_config, write_config)
+from agentrl.run.evaluate import eval_metrics, evaluate_policy, load_policy_into_engines, newest_policy_engines
 from agentrl.config import AgentRLConfig, EnvSection
-from agentrl.placement import Placement, placement_for, visible_gpus
-from agentrl.supervisor import ChildFailed, Supervisor
+from agentrl.run.placement import Placement, placement_for, visible_gpus
+from agentrl.run.supervisor import ChildFailed, Supervisor
 
-log = logging.getLogger("agentrl.run")
+log = logging.getLogger("agentrl.run.stages")
 
 
 @dataclass
@@ -175,7 +176,7 @@ class RunState:
 
     def eval_event(self, when: str, result: dict[str, Any]) -> None:
         """The evaluation's success, and in words every problem it met (aborts, reward errors...)."""
-        from agentrl.actors.rollout import describe_problems
+        from agentrl.episode.rollout import describe_problems
 
         self.event("eval", f"{when}: success {result['success_rate']:.3f}")
         for line in describe_problems(result):
@@ -277,83 +278,6 @@ async def start_search(sup: Supervisor, nursery: trio.Nursery, section: EnvSecti
     await sup.start(nursery, ChildSpec(name, argv, run_dir / "logs" / f"{name}.log", env=placement.cpu_env(),
                                        max_restarts=MAX_RESTARTS))
     await trio.to_thread.run_sync(lambda: wait_ready(url, 120.0), abandon_on_cancel=True)
-
-
-async def newest_policy_engines(cfg: AgentRLConfig) -> tuple[int | None, list[str]]:
-    """The highest policy version an engine in ``engine.urls`` reports, and the engines that report
-    it. An engine that does not answer, or was restarted and holds no policy yet (``"default"``),
-    is left out, so an evaluation never mixes in the warm start."""
-    import httpx
-
-    from agentrl.secrets import bearer, read_secret
-
-    headers = bearer(read_secret(cfg.engine.api_key_env))
-    versions: dict[str, int] = {}
-    async with httpx.AsyncClient(timeout=10.0, headers=headers) as http:
-        for url in cfg.engine.urls:
-            try:
-                versions[url] = int((await http.get(f"{url.rstrip('/')}/model_info")).json()["weight_version"])
-            except (httpx.HTTPError, ValueError, KeyError, TypeError):
-                continue
-    newest = max(versions.values(), default=None)
-    return newest, [u for u, v in versions.items() if v == newest]
-
-
-async def evaluate_policy(cfg: AgentRLConfig, num_tasks: int | None = None, *, urls: list[str] | None = None,
-                          name_adapter: bool = True) -> dict[str, Any]:
-    """Greedy (or sampled) episodes on held-out tasks of every env through ``urls`` (default:
-    ``engine.urls``): ``eval.num_tasks`` tasks per env, each env's result under ``by_env`` and the
-    rates over all of them at the top (:func:`agentrl.actors.rollout.combine_evaluations`). An
-    AgentEnv is played by its agent through an agent endpoint opened for the evaluation.
-    ``name_adapter``: with ``learner.lora.sync = "adapter"``, every request names the learner's
-    adapter; False when the engines serve the policy as their own weights (before the learner has
-    loaded the adapter: the base model is the policy at version 0, the adapters start at B = 0)."""
-    from transformers import AutoTokenizer
-
-    from agentrl.actors.rollout import EpisodeLimits, combine_evaluations, evaluate, sampling_from_config, toolbox_for
-    from agentrl.actors.serve import agent_runner
-    from agentrl.agents import AgentEnv
-    from agentrl.engine.client import EngineClient
-    from agentrl.envs import make_envs
-
-    envs = make_envs(cfg)
-    tokenizer = await trio.to_thread.run_sync(AutoTokenizer.from_pretrained, cfg.model.path)
-    sampling = sampling_from_config(cfg, greedy=cfg.eval.greedy)
-    sampling["max_new_tokens"] = cfg.actors.max_new_tokens_per_turn
-
-    lora_path = cfg.learner.lora.served_adapter if name_adapter else ""
-
-    def new_client() -> EngineClient:
-        return EngineClient.from_config(cfg.engine, urls=list(urls or cfg.engine.urls), lora_path=lora_path)
-
-    by_env: dict[str, dict[str, Any]] = {}
-    started = time.monotonic()
-    try:
-        async with contextlib.AsyncExitStack() as stack:
-            client = await stack.enter_async_context(new_client())
-            agents = None
-            if any(isinstance(env, AgentEnv) for _, env in envs):
-                agents = await stack.enter_async_context(
-                    agent_runner(cfg, tokenizer, new_client, evaluation=True, greedy=cfg.eval.greedy))
-            for section, env in envs:
-                tasks = list(itertools.islice(env.tasks(cfg.eval.split, seed=cfg.run.seed), num_tasks or cfg.eval.num_tasks))
-                env_started = time.monotonic()
-                result = await evaluate(client, tokenizer, env, tasks, greedy=cfg.eval.greedy,
-                                        concurrency=cfg.actors.num_concurrent_episodes,
-                                        toolbox=toolbox_for(env, cfg, section),
-                                        limits=EpisodeLimits.from_config(cfg, env, section), sampling=sampling,
-                                        agents=agents)
-                result["seconds"] = round(time.monotonic() - env_started, 2)
-                by_env[env.name] = result
-    finally:
-        with trio.CancelScope(shield=True):
-            for _, env in envs:
-                with contextlib.suppress(Exception):
-                    await env.aclose()
-    result = combine_evaluations(by_env)
-    result["seconds"] = round(time.monotonic() - started, 2)
-    result["greedy"] = cfg.eval.greedy
-    return result
 
 
 async def watch_progress(cfg: AgentRLConfig, state: RunState, run_dir: Path, live: Any,
@@ -553,7 +477,7 @@ def _fmt_eval(result: dict[str, Any] | None) -> str:
 def summarize(state: RunState, cfg: AgentRLConfig, run_dir: Path) -> dict[str, Any]:
     """``summary.json``, written whatever happened to the run (stopped, failed: with what it saw).
     ``learner_steps`` is the step of the learner's last checkpoint (the weights that survive),
-    ``groups_produced`` counts every actor session, killed ones included (``agentrl.accounting``)."""
+    ``groups_produced`` counts every actor session, killed ones included (``agentrl.run.accounting``)."""
     state.read_learner_status()  # the learner's last counts, also when it never finished a step
     state.read_reward_errors()  # the actors' last lines (a clean stop writes one with its report)
     state.last_metrics = _last_json_line(run_dir / "learner_metrics.jsonl") or state.last_metrics
@@ -605,8 +529,8 @@ def _rise_by_env(before: dict[str, Any] | None, after: dict[str, Any] | None) ->
 
 
 def _accounting(run_dir: Path) -> dict[str, Any]:
-    """Where every group went (``agentrl.accounting``); a run folder it cannot read says why."""
-    from agentrl.accounting import account
+    """Where every group went (``agentrl.run.accounting``); a run folder it cannot read says why."""
+    from agentrl.run.accounting import account
 
     try:
         return account(run_dir)
@@ -616,7 +540,7 @@ def _accounting(run_dir: Path) -> dict[str, Any]:
 
 def _groups_produced(run_dir: Path, accounting: dict[str, Any] | None) -> dict[str, int]:
     """What the actors produced: the totals of the final reports of the sessions that ended cleanly,
-    plus every killed session's groups (``agentrl.accounting``: from the sequence numbers the
+    plus every killed session's groups (``agentrl.run.accounting``: from the sequence numbers the
     learner received, or the dumps); ``total`` counts every session."""
     totals = _actor_totals(run_dir)
     if not accounting or "sessions" not in accounting:
@@ -630,7 +554,7 @@ def _groups_produced(run_dir: Path, accounting: dict[str, Any] | None) -> dict[s
 
 def _actor_totals(run_dir: Path) -> dict[str, int]:
     """Sum the final reports the actor processes print (one JSON object per line in their logs)."""
-    from agentrl.accounting import final_reports
+    from agentrl.run.accounting import final_reports
 
     totals: dict[str, int] = {}
     for report in final_reports(run_dir):
@@ -644,7 +568,6 @@ def summary_metrics(summary: dict[str, Any]) -> list[tuple[int, dict[str, float]
     """(step, metrics) of what the summary adds to MLflow, each at the step it describes:
     ``eval_before/*`` at 0 (the warm start), every evaluation during training as ``eval/*`` at the
     policy version it evaluated, ``eval_after/*``, the rise and the reward errors at the last step."""
-    from agentrl.evaluate import eval_metrics
     from agentrl.learner.batching import metric_name
 
     out: list[tuple[int, dict[str, float]]] = []
@@ -753,7 +676,7 @@ def supersede_changed_run(cfg: AgentRLConfig, run_dir: Path) -> str:
 
 async def run_async(cfg: AgentRLConfig, run_dir: Path, *, live_display: bool = True,
                     placement: Placement | None = None) -> dict[str, Any]:
-    from agentrl.model_builder import ensure_model
+    from agentrl.models.builder import ensure_model
 
     placement = placement or placement_for(cfg, visible_gpus())  # refused before anything starts
     superseded = supersede_changed_run(cfg, run_dir)  # before anything is written into the folder
@@ -789,7 +712,6 @@ async def run_async(cfg: AgentRLConfig, run_dir: Path, *, live_display: bool = T
             await start_engines(sup, outer, cfg, run_dir, own_engines, placement)
             state.event("engines", f"ready at {', '.join(cfg.engine.urls)}")
             if not own_engines:  # weights unknown (another run's?): the evaluation before sees this run's policy
-                from agentrl.evaluate import load_policy_into_engines
 
                 await trio.to_thread.run_sync(load_policy_into_engines, cfg)
                 state.event("engines", f"loaded this run's policy {cfg.model.path} as version 0")
@@ -806,7 +728,7 @@ async def run_async(cfg: AgentRLConfig, run_dir: Path, *, live_display: bool = T
     finally:
         summary = summarize(state, cfg, run_dir)
         if summary.get("accounting"):
-            from agentrl.accounting import balance_line
+            from agentrl.run.accounting import balance_line
 
             print(balance_line(summary["accounting"]), flush=True)
         if cfg.tracking.enabled:  # a stopped or failed run is closed in MLflow with what it saw
@@ -878,7 +800,7 @@ def learner_restart_note(run_dir: Path) -> str:
     """What a restarted learner will really do, from the run folder: resume from its newest
     checkpoint (which step) or start from the initial weights, how many journal groups it
     replays, and why it died (the last error line of its log)."""
-    from agentrl.accounting import newest_journal
+    from agentrl.run.accounting import newest_journal
     from agentrl.learner.checkpoint import checkpoint_meta, latest_run_checkpoint
     from agentrl.learner.journal import count_records
 

@@ -1,8 +1,8 @@
 """One actor process: many concurrent episodes, gated by the learner's budget, sent as groups.
 
 Scheduling. The unit of work is a *group*: the ``group_size`` samples of one task of one env,
-run concurrently (:func:`agentrl.actors.rollout.run_group`, or for an
-:class:`agentrl.agents.AgentEnv` :meth:`agentrl.agents.runner.AgentRunner.play_group`, which
+run concurrently (:func:`agentrl.episode.rollout.run_group`, or for an
+:class:`agentrl.agents.AgentEnv` :meth:`agentrl.agents.agent_runner.AgentRunner.play_group`, which
 plays the env's own agent code against the process's one agent endpoint). A run of several
 envs (``[[envs]]``) picks the env of each new group at random by the envs' ``weight`` (a
 seeded generator per actor); a group never mixes envs. Everything below -- gating, budget,
@@ -65,8 +65,8 @@ from typing import Any, Iterator
 import trio
 
 from agentrl.actors.metrics import ActorStats
-from agentrl.actors.rollout import EngineClientLike, EpisodeLimits, GroupLost, run_group
-from agentrl.agents.env import AgentEnv
+from agentrl.episode.rollout import EngineClientLike, EpisodeLimits, GroupLost, run_group
+from agentrl.envs.agent import AgentEnv
 from agentrl.envs.base import Env, Task
 from agentrl.protocol import Progress, TrajectoryGroup
 from agentrl.tools.base import ToolBox
@@ -109,7 +109,7 @@ class ActorSettings:
     seed: int = 0
     max_staleness: int = 1  # only checked against the learner's (the learner's value governs)
     log_interval_s: float = 30.0
-    # well inside the grace agentrl run gives a stopping child (agentrl.supervisor.STOP_GRACE_S, 10 s), so a
+    # well inside the grace agentrl run gives a stopping child (agentrl.run.supervisor.STOP_GRACE_S, 10 s), so a
     # stopped actor prints its report; the learner acknowledges within a poll (2 s) or a step
     drain_timeout_s: float = 4.0
     max_consecutive_lost: int = 20
@@ -133,7 +133,7 @@ class ActorService:
     def __init__(self, *, client: EngineClientLike, tokenizer: Any, envs: list[ActorEnv], sampling: dict[str, Any],
                  settings: ActorSettings, agents: Any = None, sender: GroupSink | None = None,
                  progress: ProgressSource | None = None, dump_path: str | Path | None = None):
-        """``agents``: the process's :class:`agentrl.agents.runner.AgentRunner`, entered by the caller;
+        """``agents``: the process's :class:`agentrl.agents.agent_runner.AgentRunner`, entered by the caller;
         needed when an env is an :class:`agentrl.agents.AgentEnv`."""
         if not envs:
             raise ValueError("an actor needs at least one env")

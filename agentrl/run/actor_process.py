@@ -6,7 +6,7 @@ the real ones; tests of the logic above them use ``ActorService`` with in-memory
 
 Every env of the config (``[env]``, or each ``[[envs]]`` entry) is built with its section's
 tools and limits. When one is an :class:`agentrl.agents.AgentEnv`, the process also runs one
-:class:`agentrl.agents.runner.AgentRunner` (the agent endpoint and its asyncio thread) for all
+:class:`agentrl.agents.agent_runner.AgentRunner` (the agent endpoint and its asyncio thread) for all
 its agent episodes, with the run's sampling forced (the learner trains on
 ``actors.temperature``), ``actors.max_new_tokens_per_turn`` as every call's default and cap,
 and its own client of the same engines. Each episode's completions are read as its env says
@@ -32,9 +32,9 @@ def engine_urls(cfg: Any) -> list[str]:
 
 
 def build_actor_envs(cfg: Any) -> list[Any]:
-    """Every env of the config as an :class:`agentrl.actors.service.ActorEnv` (tools, limits, weight)."""
-    from agentrl.actors.rollout import EpisodeLimits, toolbox_for
-    from agentrl.actors.service import ActorEnv
+    """Every env of the config as an :class:`agentrl.actors.actor.ActorEnv` (tools, limits, weight)."""
+    from agentrl.episode.rollout import EpisodeLimits, toolbox_for
+    from agentrl.actors.actor import ActorEnv
     from agentrl.envs import make_envs
 
     return [ActorEnv(env, toolbox_for(env, cfg, section), EpisodeLimits.from_config(cfg, env, section), section.weight)
@@ -43,10 +43,10 @@ def build_actor_envs(cfg: Any) -> list[Any]:
 
 def agent_runner(cfg: Any, tokenizer: Any, client_factory: Any, *, evaluation: bool = False,
                  greedy: bool = False) -> Any:
-    """The process's :class:`agentrl.agents.runner.AgentRunner` for ``cfg``: training (versions on, the
+    """The process's :class:`agentrl.agents.agent_runner.AgentRunner` for ``cfg``: training (versions on, the
     run's sampling forced) or ``evaluation`` (any version; temperature 0 when ``greedy``)."""
-    from agentrl.actors.rollout import sampling_from_config
-    from agentrl.agents.runner import AgentRunner
+    from agentrl.episode.rollout import sampling_from_config
+    from agentrl.agents.agent_runner import AgentRunner
 
     return AgentRunner(tokenizer, client_factory, versioned=not evaluation,
                        forced_sampling=sampling_from_config(cfg, greedy=greedy),
@@ -69,9 +69,9 @@ def serve_actors(cfg: Any, *, dump_path: Path | None = None, max_groups: int | N
     import trio
     from transformers import AutoTokenizer
 
-    from agentrl.actors.rollout import sampling_from_config
-    from agentrl.actors.service import ActorService, ActorSettings
-    from agentrl.agents import AgentEnv
+    from agentrl.episode.rollout import sampling_from_config
+    from agentrl.actors.actor import ActorService, ActorSettings
+    from agentrl.envs.agent import AgentEnv
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

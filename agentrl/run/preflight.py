@@ -97,7 +97,7 @@ async def _check_one(cfg: "AgentRLConfig", key: str, section: Any, env: "Env", r
     to score a reward is closed where it was opened)."""
     import trio
 
-    from agentrl.agents import AgentEnv
+    from agentrl.envs.agent import AgentEnv
 
     try:
         report.notes.append(f"env {section.cls} built with kwargs {sorted(section.kwargs)}")
@@ -125,7 +125,7 @@ async def _check_one(cfg: "AgentRLConfig", key: str, section: Any, env: "Env", r
 
 def _check_agent(env: "Env", report: EnvCheck) -> None:
     """An AgentEnv: ``run`` is its own, and its client can be made."""
-    from agentrl.agents import AgentEnv
+    from agentrl.envs.agent import AgentEnv
 
     report.notes.append(f"agent env: its agent writes the prompts at run time ({type(env).__name__}.run); "
                         "no first prompt to render")
@@ -190,8 +190,8 @@ def _check_prompt(cfg: "AgentRLConfig", key: str, section: Any, env: "Env", mess
         return
     from transformers import AutoTokenizer
 
-    from agentrl.actors.chat import codec_for
-    from agentrl.actors.rollout import EpisodeLimits
+    from agentrl.episode.chat import codec_for
+    from agentrl.episode.rollout import EpisodeLimits
 
     try:
         codec = codec_for(AutoTokenizer.from_pretrained(cfg.model.path))
@@ -226,7 +226,7 @@ def _model_ready(cfg: "AgentRLConfig", report: EnvCheck) -> bool:
         report.unchecked.append(f"the first prompt: no model at {path} yet (`agentrl run` builds the {size} model "
                                 f"there first); to check it now: `{command}`")
         return False
-    from agentrl.model_builder import ensure_model
+    from agentrl.models.builder import ensure_model
 
     try:
         ensure_model(path, size, seed=cfg.run.seed)
@@ -259,7 +259,7 @@ class DemoChecker:
     then ``env.reward`` of the first ``scored`` (``finish``). Problems name the task and message."""
 
     def __init__(self, env: "Env", max_abs_reward: float = math.inf, scored: int = DEMOS_SCORED):
-        from agentrl.agents import AgentEnv
+        from agentrl.envs.agent import AgentEnv
         from agentrl.tools.base import ToolBox
 
         if isinstance(env, AgentEnv) and type(env).reward is Env.reward:

@@ -2,27 +2,27 @@
 two hosts.
 
 * The **agent endpoint** (:mod:`agentrl.agents.endpoint`) serves it over an
-  :class:`agentrl.engine.client.EngineClient`, with an :class:`agentrl.agents.episodes.Episode` as the
+  :class:`agentrl.engine.client.EngineClient`, with an :class:`agentrl.agents.recording.Episode` as the
   session: prompts are stitched onto the episode's earlier calls and every call is recorded.
 * The **embedded engine** (:mod:`agentrl.engine.server`) serves it over its own scheduler, with
   :class:`FreshPrompts` as the session (each request rendered on its own, nothing recorded), as
   SGLang's server does.
 
 A call: validate (:func:`agentrl.agents.openai_api.parse_chat_request`), ask the session for the
-``n`` prompts (:class:`agentrl.actors.chat.TokenChat` at the generation prompt), generate the ``n``
+``n`` prompts (:class:`agentrl.episode.chat.TokenChat` at the generation prompt), generate the ``n``
 completions concurrently with ``/generate`` on token ids, parse tool calls from each completion's
 text, let the session commit the call, answer with JSON or server-sent events.
 
 **Interrupted turns.** When the engine returns ``finish_reason.type == "abort"`` with partial output
 (a weight update paused it with mode ``abort``), the service keeps the tokens (with their logprobs
 and the old policy version) and asks again with the prompt extended by them, for the tokens still
-allowed, as the actors' loop does (:mod:`agentrl.actors.rollout`): the client sees one completion and
+allowed, as the actors' loop does (:mod:`agentrl.episode.rollout`): the client sees one completion and
 the per-token versions show where the policy changed. Only a run of ``max_empty_aborts`` aborts
 that return nothing finishes the choice with ``abort``. The engine host returns ``abort`` at once
 instead (``continue_aborts=False``), as SGLang does.
 
 **Versions.** With ``versioned=True`` (training) every token carries the policy version its engine
-reported (:func:`agentrl.actors.rollout.parse_weight_version`); an engine still reporting SGLang's
+reported (:func:`agentrl.episode.rollout.parse_weight_version`); an engine still reporting SGLang's
 ``"default"`` is waited for (up to ``max_version_wait_s``), as in the actors' loop.
 
 **Sampling.** ``forced_sampling`` (training) replaces the client's ``temperature``/``top_p``/``top_k``
@@ -57,14 +57,14 @@ from typing import Any, Protocol
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from agentrl.actors.chat import ChatCodec, TokenChat
-from agentrl.actors.rollout import EngineClientLike, EpisodeFailed, VersionNotSet, _unpack
+from agentrl.episode.chat import ChatCodec, TokenChat
+from agentrl.episode.rollout import EngineClientLike, EpisodeFailed, VersionNotSet, _unpack
 from agentrl.agents.openai_api import (
     ChatRequest, ChoiceOut, OpenAIRequestError, chat_completion, chat_completion_chunks, completion_id,
     finish_reason_of, model_list, parse_chat_request, retrieve_model, split_reasoning, split_tool_calls, sse,
     token_logprobs, usage,
 )
-from agentrl.engine.api import RequestError
+from agentrl.engine.native_api import RequestError
 from agentrl.engine.client import EngineRequestError
 from agentrl.tools.parsing import ToolCallParser, get_parser
 

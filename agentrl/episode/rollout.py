@@ -5,7 +5,7 @@ An episode alternates model turns and observations until it finishes:
 1. **Model turn.** Ask the engine for at most ``min(max_new_tokens_per_turn, room left)``
    tokens, where the room left keeps space for the template to close the turn, so an episode
    never exceeds ``max_total_tokens``. The returned ids are appended exactly as generated, with
-   their logprobs and the policy version the engine reports (see :mod:`agentrl.actors.chat`).
+   their logprobs and the policy version the engine reports (see :mod:`agentrl.episode.chat`).
 2. **Interruptions.** When a weight update pauses the engine with ``mode="abort"``, the request
    returns ``finish_reason.type == "abort"`` with its partial output. The loop keeps those tokens
    (with their logprobs and the old version) and asks again with the prompt extended by them,
@@ -55,7 +55,7 @@ from typing import Any, Protocol
 
 import trio
 
-from agentrl.actors.chat import ChatCodec, Message, TokenChat, codec_for
+from agentrl.episode.chat import ChatCodec, Message, TokenChat, codec_for
 from agentrl.envs.base import Env, Task, run_cleanup, score_episode
 from agentrl.envs.rewards import without_reasoning
 from agentrl.protocol import Trajectory, TrajectoryGroup
@@ -477,7 +477,7 @@ async def evaluate(client: EngineClientLike, tokenizer: Any, env: Env, tasks: li
     that completed (``n``); episodes that failed (engine unreachable...) are counted in ``n_failed``
     and left out of the rates, so an outage does not read as a bad policy. An
     :class:`agentrl.agents.AgentEnv` is played by its agent through ``agents`` (an entered
-    :class:`agentrl.agents.runner.AgentRunner` that samples as the evaluation asks); its finish
+    :class:`agentrl.agents.agent_runner.AgentRunner` that samples as the evaluation asks); its finish
     reason is the limit it reached, else its last call's.
 
     What went wrong without failing an episode is counted too, because it silently lowers the
@@ -485,7 +485,7 @@ async def evaluate(client: EngineClientLike, tokenizer: Any, env: Env, tasks: li
     reward raised (scored 0) and tool calls that crashed or timed out. ``problems`` holds each
     kind's count and first messages; :func:`describe_problems` says it in words.
     """
-    from agentrl.agents.env import AgentEnv
+    from agentrl.envs.agent import AgentEnv
 
     if isinstance(env, AgentEnv) and agents is None:
         raise ValueError(f"{type(env).__name__} is an AgentEnv: evaluating it needs an AgentRunner (agents=...)")

@@ -20,7 +20,10 @@ the success rate exactly like a bad policy would, so they must never pass unseen
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +34,9 @@ from agentrl.config import AgentRLConfig
 
 def evaluate_command(cfg: AgentRLConfig, *, checkpoint: Path | None = None, num_tasks: int | None = None,
                      greedy: bool = True) -> dict[str, Any]:
-    from agentrl.engine.launch import EngineProcess, free_port, engine_args
-    from agentrl.model_builder import ensure_model
-    from agentrl.run import evaluate_policy
+    from agentrl.engine.launch import EngineProcess, engine_args
+    from agentrl.net import free_port
+    from agentrl.models.builder import ensure_model
 
     with tempfile.TemporaryDirectory(prefix="agentrl-eval-") as tmp:
         model_path = cfg.model.path
@@ -122,3 +125,80 @@ def eval_metrics(result: dict[str, Any], prefix: str) -> dict[str, float]:
     for env, sub in (result.get("by_env") or {}).items():
         metrics.update(eval_metrics(sub, f"{prefix}/env/{metric_name(env)}"))
     return metrics
+
+
+async def newest_policy_engines(cfg: AgentRLConfig) -> tuple[int | None, list[str]]:
+    """The highest policy version an engine in ``engine.urls`` reports, and the engines that report
+    it. An engine that does not answer, or was restarted and holds no policy yet (``"default"``),
+    is left out, so an evaluation never mixes in the warm start."""
+    import httpx
+
+    from agentrl.secrets import bearer, read_secret
+
+    headers = bearer(read_secret(cfg.engine.api_key_env))
+    versions: dict[str, int] = {}
+    async with httpx.AsyncClient(timeout=10.0, headers=headers) as http:
+        for url in cfg.engine.urls:
+            try:
+                versions[url] = int((await http.get(f"{url.rstrip('/')}/model_info")).json()["weight_version"])
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                continue
+    newest = max(versions.values(), default=None)
+    return newest, [u for u, v in versions.items() if v == newest]
+
+
+async def evaluate_policy(cfg: AgentRLConfig, num_tasks: int | None = None, *, urls: list[str] | None = None,
+                          name_adapter: bool = True) -> dict[str, Any]:
+    """Greedy (or sampled) episodes on held-out tasks of every env through ``urls`` (default:
+    ``engine.urls``): ``eval.num_tasks`` tasks per env, each env's result under ``by_env`` and the
+    rates over all of them at the top (:func:`agentrl.episode.rollout.combine_evaluations`). An
+    AgentEnv is played by its agent through an agent endpoint opened for the evaluation.
+    ``name_adapter``: with ``learner.lora.sync = "adapter"``, every request names the learner's
+    adapter; False when the engines serve the policy as their own weights (before the learner has
+    loaded the adapter: the base model is the policy at version 0, the adapters start at B = 0)."""
+    from transformers import AutoTokenizer
+
+    from agentrl.episode.rollout import EpisodeLimits, combine_evaluations, evaluate, sampling_from_config, toolbox_for
+    from agentrl.run.actor_process import agent_runner
+    from agentrl.envs.agent import AgentEnv
+    from agentrl.engine.client import EngineClient
+    from agentrl.envs import make_envs
+
+    envs = make_envs(cfg)
+    tokenizer = await trio.to_thread.run_sync(AutoTokenizer.from_pretrained, cfg.model.path)
+    sampling = sampling_from_config(cfg, greedy=cfg.eval.greedy)
+    sampling["max_new_tokens"] = cfg.actors.max_new_tokens_per_turn
+
+    lora_path = cfg.learner.lora.served_adapter if name_adapter else ""
+
+    def new_client() -> EngineClient:
+        return EngineClient.from_config(cfg.engine, urls=list(urls or cfg.engine.urls), lora_path=lora_path)
+
+    by_env: dict[str, dict[str, Any]] = {}
+    started = time.monotonic()
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            client = await stack.enter_async_context(new_client())
+            agents = None
+            if any(isinstance(env, AgentEnv) for _, env in envs):
+                agents = await stack.enter_async_context(
+                    agent_runner(cfg, tokenizer, new_client, evaluation=True, greedy=cfg.eval.greedy))
+            for section, env in envs:
+                tasks = list(itertools.islice(env.tasks(cfg.eval.split, seed=cfg.run.seed), num_tasks or cfg.eval.num_tasks))
+                env_started = time.monotonic()
+                result = await evaluate(client, tokenizer, env, tasks, greedy=cfg.eval.greedy,
+                                        concurrency=cfg.actors.num_concurrent_episodes,
+                                        toolbox=toolbox_for(env, cfg, section),
+                                        limits=EpisodeLimits.from_config(cfg, env, section), sampling=sampling,
+                                        agents=agents)
+                result["seconds"] = round(time.monotonic() - env_started, 2)
+                by_env[env.name] = result
+    finally:
+        with trio.CancelScope(shield=True):
+            for _, env in envs:
+                with contextlib.suppress(Exception):
+                    await env.aclose()
+    result = combine_evaluations(by_env)
+    result["seconds"] = round(time.monotonic() - started, 2)
+    result["greedy"] = cfg.eval.greedy
+    return result

@@ -10,7 +10,7 @@ conversation so far -- the messages of its last call plus the assistant reply th
 compared by :func:`agentrl.agents.openai_api.message_view` -- followed by at least one new message,
 with the same tools. Its prompt is then the sequence's tokens (the previous prompt and the tokens
 the model generated, never re-tokenized) plus the chat template's rendering of the new messages,
-built by :meth:`agentrl.actors.chat.TokenChat.close_turn_and_add` exactly as the actors' own loop
+built by :meth:`agentrl.episode.chat.TokenChat.close_turn_and_add` exactly as the actors' own loop
 builds a turn; the completion is appended and the sequence grows. So the tokens the model saw are
 the tokens trained on, with no re-tokenization drift at turn boundaries.
 
@@ -53,9 +53,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentrl.actors.chat import ChatCodec, TemplateMismatch, TokenChat
+from agentrl.episode.chat import ChatCodec, TemplateMismatch, TokenChat
 from agentrl.agents.openai_api import ChatRequest, OpenAIRequestError, message_view
-from agentrl.agents.serving import CallPlan, clone_chats
+from agentrl.agents.chat_service import CallPlan, clone_chats
 from agentrl.protocol import Trajectory
 from agentrl.tools.parsing import ToolCallParser
 
@@ -95,7 +95,7 @@ class EpisodeClosed(OpenAIRequestError):
 
 
 class Episode:
-    """The calls of one episode as sequences; an :class:`agentrl.agents.serving.PromptSession`."""
+    """The calls of one episode as sequences; an :class:`agentrl.agents.chat_service.PromptSession`."""
 
     def __init__(self, episode_id: str, *, max_calls: int | None = None, max_len: int | None = None,
                  tool_parser: ToolCallParser | None = None, reasoning: bool | None = None):

@@ -1,7 +1,7 @@
 """``agentrl launch``: what a user submits to a cluster, generated from a run config.
 
 The layout is the one ``agentrl run`` has on one machine, spread over nodes
-(:func:`agentrl.placement.plan_cluster`): SGLang servers fill the first nodes, each on its
+(:func:`agentrl.run.placement.plan_cluster`): SGLang servers fill the first nodes, each on its
 own GPUs (``--tp-size`` = ``engine.gpus_per_engine``, ``--base-gpu-id 0`` inside its
 ``CUDA_VISIBLE_DEVICES``), behind sglang-router when there is more than one; the learner has
 its own nodes, one torchrun per node joined by c10d rendezvous (``agentrl learn --nnodes``);
@@ -52,7 +52,7 @@ from typing import Any
 
 from agentrl.config import AgentRLConfig, dump_toml
 from agentrl.engine.launch import config_engine_args
-from agentrl.placement import ClusterLayout, PlacementError, plan_cluster
+from agentrl.run.placement import ClusterLayout, PlacementError, plan_cluster
 
 TARGETS = ("slurm", "k8s")
 SECRET_NAME = "agentrl-engine-keys"  # Kubernetes Secret with keys `api-key` and `admin-api-key`

@@ -2,12 +2,12 @@
 
 Pure functions over a planned config (no trio, no torch), so that ``agentrl run --dry-run``
 prints exactly what a run would start, and tests can check every child's argv and
-environment without starting it. :mod:`agentrl.supervisor` runs the :class:`ChildSpec`\s;
-:mod:`agentrl.run` decides when.
+environment without starting it. :mod:`agentrl.run.supervisor` runs the :class:`ChildSpec`\s;
+:mod:`agentrl.run.stages` decides when.
 
 * :func:`plan_config` fills in what a run picks at start: the run folder, the policy, engine
   URLs and ZMQ endpoints on free loopback ports, and the weight group's backend when engines
-  share the learner's GPUs (:mod:`agentrl.placement`).
+  share the learner's GPUs (:mod:`agentrl.run.placement`).
 * Each child's environment is its placement: ``CUDA_VISIBLE_DEVICES`` with its own GPUs
   (the learner's ranks, engine *i*'s GPUs) or none (actors, the retrieval server).
 * **Restart policy**, one place: every long-running child of the RL stage is restarted when it
@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import shlex
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from agentrl.config import AgentRLConfig, dump_toml
-from agentrl.engine.launch import free_port
-from agentrl.placement import Placement, learner_ranks, weight_group_backend
+from agentrl.net import free_port
+from agentrl.run.placement import Placement, learner_ranks, weight_group_backend
 
 MAX_RESTARTS = 3  # how often a child of the RL stage (engine, learner, actor, retrieval server) is restarted
 
@@ -51,14 +50,6 @@ class ChildSpec:
     redact: tuple[str, ...] = ()  # secrets in argv: replaced by <redacted> in what the child writes to its log
 
 
-def resolve_run_dir(cfg: AgentRLConfig, run_dir: str | Path | None = None) -> Path:
-    """``run_dir`` (``--run-dir``), else ``run.run_dir``, else ``runs/<name>-<timestamp>`` (resume needs a
-    fixed one). The one place a run's folder is decided: ``agentrl run``, the learner and SFT ask here."""
-    if run_dir:
-        return Path(run_dir)
-    if cfg.run.run_dir:
-        return Path(cfg.run.run_dir)
-    return Path("runs") / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def plan_config(cfg: AgentRLConfig, run_dir: Path, policy_path: str, placement: Placement | None = None) -> AgentRLConfig:
@@ -197,7 +188,7 @@ def dry_run_lines(cfg: AgentRLConfig, run_dir: Path, placement: Placement) -> li
         return f"${var}" if read_secret(var) else ""
 
     planned = plan_config(cfg, run_dir, policy_path(cfg, run_dir), placement)
-    lines = ["placement (agentrl/placement.py):", *(f"  {line}" for line in placement.describe())]
+    lines = ["placement (agentrl/run/placement.py):", *(f"  {line}" for line in placement.describe())]
     if cfg.sft.enabled:
         lines.append(f"  warm start (sft): the learner's devices, {learner_ranks(cfg)} rank(s)")
     lines.append(f"children in {run_dir} (ports are picked again at start):")

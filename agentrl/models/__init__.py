@@ -1,0 +1,2 @@
+"""Local models: :mod:`agentrl.models.builder` builds the tiny Qwen3-architecture model and its tokenizer
+offline and finds models on disk."""
