@@ -7,7 +7,7 @@ body, so ``agentrl --help`` stays fast. Commands register here and nowhere else.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -20,9 +20,9 @@ app = typer.Typer(
 )
 
 ConfigArg = Annotated[Path, typer.Argument(help="Run config (TOML).", exists=False)]
-ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="Run config (TOML).")]
+ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="Run config (TOML).")]
 OverrideOpt = Annotated[
-    Optional[list[str]], typer.Option("--set", "-s", help="Override a config key: section.key=value (repeatable).")
+    list[str] | None, typer.Option("--set", "-s", help="Override a config key: section.key=value (repeatable).")
 ]
 
 
@@ -65,13 +65,24 @@ def _sglang_problem(cfg) -> str | None:
 def run_cmd(
     config: ConfigArg,
     overrides: OverrideOpt = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the resolved config, the GPU placement and "
-                                                         "every child's command, and check the env (tools, a "
-                                                         "task, its prompt, its reward, its demonstrations), "
-                                                         "then exit.")] = False,
-    run_dir: Annotated[Optional[Path], typer.Option("--run-dir", help="Run folder (default: runs/<name>-<time>).")] = None,
-    live: Annotated[bool, typer.Option("--live/--no-live", help="Show the live progress table (on a terminal); "
-                                       "--no-live: a plain progress line every 10 s instead.")] = True,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="Print the resolved config, the GPU placement and "
+            "every child's command, and check the env (tools, a "
+            "task, its prompt, its reward, its demonstrations), "
+            "then exit.",
+        ),
+    ] = False,
+    run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Run folder (default: runs/<name>-<time>).")] = None,
+    live: Annotated[
+        bool,
+        typer.Option(
+            "--live/--no-live",
+            help="Show the live progress table (on a terminal); --no-live: a plain progress line every 10 s instead.",
+        ),
+    ] = True,
 ) -> None:
     """Run everything a config needs: warm start, engines, learner, actors, evaluations."""
     from agentrl.config import dump_toml
@@ -83,8 +94,8 @@ def run_cmd(
     except PlacementError as e:
         typer.secho(f"placement error: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
-    from agentrl.run.process_plan import dry_run_lines
     from agentrl.config import resolve_run_dir
+    from agentrl.run.process_plan import dry_run_lines
 
     folder = resolve_run_dir(cfg, run_dir)
     engine_problem = _sglang_problem(cfg)
@@ -122,8 +133,9 @@ def run_cmd(
         typer.secho("interrupted: every process was stopped", fg=typer.colors.YELLOW, err=True)
         raise typer.Exit(130) from None
     except StopSignal as e:
-        typer.secho(f"{e}: every process was stopped; summary: {folder / 'summary.json'}",
-                    fg=typer.colors.YELLOW, err=True)
+        typer.secho(
+            f"{e}: every process was stopped; summary: {folder / 'summary.json'}", fg=typer.colors.YELLOW, err=True
+        )
         raise typer.Exit(128 + e.signum) from None
     keys = ("eval_before", "eval_after", "success_rise", "learner_steps", "policy_versions_seen", "wall_time_s")
     typer.echo(json.dumps({k: summary.get(k) for k in keys}, indent=2, default=str))
@@ -138,11 +150,15 @@ def launch_cmd(
     overrides: OverrideOpt = None,
     gpus_per_node: Annotated[int, typer.Option(min=1, help="GPUs of each node.")] = 8,
     learner_nodes: Annotated[int, typer.Option(min=1, help="Nodes of the learner (one torchrun each).")] = 1,
-    router: Annotated[Optional[bool], typer.Option("--router/--no-router",
-                                                   help="sglang-router in front of the engines (default: with > 1).")] = None,
+    router: Annotated[
+        bool | None,
+        typer.Option("--router/--no-router", help="sglang-router in front of the engines (default: with > 1)."),
+    ] = None,
     partition: Annotated[str, typer.Option(help="slurm: the partition.")] = "",
     time_limit: Annotated[str, typer.Option("--time", help="slurm: the job's time limit.")] = "24:00:00",
-    image: Annotated[str, typer.Option(help="k8s: an image with agentrl, sglang and sglang-router.")] = "agentrl:latest",
+    image: Annotated[
+        str, typer.Option(help="k8s: an image with agentrl, sglang and sglang-router.")
+    ] = "agentrl:latest",
     namespace: Annotated[str, typer.Option(help="k8s: the namespace.")] = "default",
 ) -> None:
     """Write what to submit to a cluster for a config: a SLURM batch script or Kubernetes manifests."""
@@ -150,8 +166,15 @@ def launch_cmd(
     from agentrl.run.placement import PlacementError
 
     cfg = _load(config, overrides)
-    opts = ClusterOptions(gpus_per_node=gpus_per_node, learner_nodes=learner_nodes, router=router,
-                          partition=partition, time_limit=time_limit, image=image, namespace=namespace)
+    opts = ClusterOptions(
+        gpus_per_node=gpus_per_node,
+        learner_nodes=learner_nodes,
+        router=router,
+        partition=partition,
+        time_limit=time_limit,
+        image=image,
+        namespace=namespace,
+    )
     try:
         layout, files = write_launch(cfg, target, out, opts)
     except PlacementError as e:
@@ -178,15 +201,21 @@ def serve_engine_cmd(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 30000,
     backend: Annotated[str, typer.Option(help="embedded (this process, CPU or one GPU) or sglang.")] = "embedded",
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N (sglang: cpu adds SGLang's CPU flags).")] = "auto",
-    dtype: Annotated[str, typer.Option(help="auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16.")] = "auto",
+    device: Annotated[
+        str, typer.Option(help="auto, cpu, cuda or cuda:N (sglang: cpu adds SGLang's CPU flags).")
+    ] = "auto",
+    dtype: Annotated[
+        str, typer.Option(help="auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16.")
+    ] = "auto",
     max_running_requests: Annotated[int, typer.Option(help="Requests decoded together at most.")] = 64,
     max_context_tokens: Annotated[int, typer.Option(help="Prompt + completion tokens per request at most.")] = 2048,
-    weight_version: Annotated[str, typer.Option(help="weight_version reported until the first update "
-                                                     "(SGLang's default: \"default\").")] = "default",
+    weight_version: Annotated[
+        str, typer.Option(help='weight_version reported until the first update (SGLang\'s default: "default").')
+    ] = "default",
     num_threads: Annotated[int, typer.Option(help="embedded: torch threads (0: torch's default).")] = 0,
-    sglang_python: Annotated[str, typer.Option(help="sglang: the interpreter of the virtualenv that has sglang "
-                                                    "(default: this one).")] = "",
+    sglang_python: Annotated[
+        str, typer.Option(help="sglang: the interpreter of the virtualenv that has sglang (default: this one).")
+    ] = "",
 ) -> None:
     """Serve a model over SGLang's native HTTP API (extra arguments go to the server as they are)."""
     from agentrl.engine.launch import EngineLaunchError, engine_args, engine_command, require_sglang, sglang_cpu_env
@@ -194,9 +223,16 @@ def serve_engine_cmd(
     if backend not in ("embedded", "sglang"):
         typer.secho(f"unknown backend {backend!r}; choose embedded or sglang", fg=typer.colors.RED, err=True)
         raise typer.Exit(2)
-    flags = engine_args(backend, device=device, dtype=dtype, max_running_requests=max_running_requests,
-                        max_context_tokens=max_context_tokens, weight_version=weight_version,
-                        num_threads=num_threads, on_cpu=backend == "sglang" and device == "cpu") + list(ctx.args)
+    flags = engine_args(
+        backend,
+        device=device,
+        dtype=dtype,
+        max_running_requests=max_running_requests,
+        max_context_tokens=max_context_tokens,
+        weight_version=weight_version,
+        num_threads=num_threads,
+        on_cpu=backend == "sglang" and device == "cpu",
+    ) + list(ctx.args)
     if backend == "sglang":
         try:
             require_sglang(sglang_python)
@@ -218,11 +254,13 @@ def serve_engine_cmd(
 
 @app.command("serve-search")
 def serve_search_cmd(
-    corpus: Annotated[Path, typer.Option("--corpus", help="JSONL corpus: one {\"id\", \"text\"} object per line.")],
+    corpus: Annotated[Path, typer.Option("--corpus", help='JSONL corpus: one {"id", "text"} object per line.')],
     host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port (0: a free one, printed at start-up).")] = 8001,
-    token_env: Annotated[str, typer.Option(help="Environment variable (or <NAME>_FILE) holding a bearer token "
-                                                "that /retrieve then requires.")] = "AGENTRL_SEARCH_TOKEN",
+    token_env: Annotated[
+        str,
+        typer.Option(help="Environment variable (or <NAME>_FILE) holding a bearer token that /retrieve then requires."),
+    ] = "AGENTRL_SEARCH_TOKEN",
 ) -> None:
     """Serve BM25 retrieval over a local corpus: POST /retrieve {"queries": [...], "top_k": k}."""
     from agentrl.secrets import SecretError
@@ -288,12 +326,12 @@ def serve_actors_cmd(
     config: ConfigOpt = None,
     overrides: OverrideOpt = None,
     dump_trajectories: Annotated[
-        Optional[Path], typer.Option("--dump-trajectories", help="Also append every group to this JSONL file.")
+        Path | None, typer.Option("--dump-trajectories", help="Also append every group to this JSONL file.")
     ] = None,
-    max_groups: Annotated[Optional[int], typer.Option("--max-groups", min=1, help="Stop after N groups.")] = None,
+    max_groups: Annotated[int | None, typer.Option("--max-groups", min=1, help="Stop after N groups.")] = None,
     index: Annotated[int, typer.Option("--index", min=0, help="This actor's index among the actor processes.")] = 0,
     num_actors: Annotated[
-        Optional[int],
+        int | None,
         typer.Option("--num-actors", min=1, help="Actor processes in all (default: actors.num_processes)."),
     ] = None,
     send: Annotated[bool, typer.Option("--send/--no-send", help="Send groups to the learner over ZMQ.")] = True,
@@ -308,9 +346,17 @@ def serve_actors_cmd(
     from agentrl.run.actor_process import serve_actors
 
     try:
-        code = serve_actors(cfg, dump_path=dump_trajectories, max_groups=max_groups, index=index,
-                            num_actors=num_actors, send=send, wait_for_learner=wait_for_learner, split=split,
-                            log_interval_s=log_interval_s)
+        code = serve_actors(
+            cfg,
+            dump_path=dump_trajectories,
+            max_groups=max_groups,
+            index=index,
+            num_actors=num_actors,
+            send=send,
+            wait_for_learner=wait_for_learner,
+            split=split,
+            log_interval_s=log_interval_s,
+        )
     except ValueError as e:
         typer.secho(f"serve-actors: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
@@ -320,8 +366,10 @@ def serve_actors_cmd(
 # ------------------------------------------------------------- learner commands (learn, sft, export)
 
 NprocOpt = Annotated[
-    Optional[int],
-    typer.Option("--nproc", help="Ranks on this machine (default: learner.gpus, else learner.nproc); > 1 uses torchrun."),
+    int | None,
+    typer.Option(
+        "--nproc", help="Ranks on this machine (default: learner.gpus, else learner.nproc); > 1 uses torchrun."
+    ),
 ]
 NnodesOpt = Annotated[int, typer.Option("--nnodes", min=1, help="Learner machines; > 1 joins them by c10d rendezvous.")]
 RdzvEndpointOpt = Annotated[
@@ -330,13 +378,24 @@ RdzvEndpointOpt = Annotated[
 RdzvIdOpt = Annotated[str, typer.Option("--rdzv-id", help="Rendezvous id, the same on every node of one job.")]
 LocalAddrOpt = Annotated[
     str,
-    typer.Option("--local-addr", help="This node's address as the others reach it; the node whose address sorts "
-                                      "first is rank 0 (default: its FQDN)."),
+    typer.Option(
+        "--local-addr",
+        help="This node's address as the others reach it; the node whose address sorts "
+        "first is rank 0 (default: its FQDN).",
+    ),
 ]
 
 
-def _learner_launch(command: str, config: Path | None, nproc: int | None, overrides: list[str] | None,
-                    nnodes: int, rdzv_endpoint: str, rdzv_id: str, local_addr: str) -> None:
+def _learner_launch(
+    command: str,
+    config: Path | None,
+    nproc: int | None,
+    overrides: list[str] | None,
+    nnodes: int,
+    rdzv_endpoint: str,
+    rdzv_id: str,
+    local_addr: str,
+) -> None:
     cfg = _load(config, overrides)  # validate before starting anything
     from agentrl.config import ConfigError
     from agentrl.learner.launch import Nodes, launch
@@ -352,15 +411,29 @@ def _learner_launch(command: str, config: Path | None, nproc: int | None, overri
 
 
 @app.command("learn")
-def learn_cmd(config: ConfigOpt = None, nproc: NprocOpt = None, overrides: OverrideOpt = None, nnodes: NnodesOpt = 1,
-              rdzv_endpoint: RdzvEndpointOpt = "", rdzv_id: RdzvIdOpt = "agentrl", local_addr: LocalAddrOpt = "") -> None:
+def learn_cmd(
+    config: ConfigOpt = None,
+    nproc: NprocOpt = None,
+    overrides: OverrideOpt = None,
+    nnodes: NnodesOpt = 1,
+    rdzv_endpoint: RdzvEndpointOpt = "",
+    rdzv_id: RdzvIdOpt = "agentrl",
+    local_addr: LocalAddrOpt = "",
+) -> None:
     """Train the policy from trajectory groups (FSDP2; torchrun when --nproc > 1 or --nnodes > 1)."""
     _learner_launch("learn", config, nproc, overrides, nnodes, rdzv_endpoint, rdzv_id, local_addr)
 
 
 @app.command("sft")
-def sft_cmd(config: ConfigOpt = None, nproc: NprocOpt = None, overrides: OverrideOpt = None, nnodes: NnodesOpt = 1,
-            rdzv_endpoint: RdzvEndpointOpt = "", rdzv_id: RdzvIdOpt = "agentrl", local_addr: LocalAddrOpt = "") -> None:
+def sft_cmd(
+    config: ConfigOpt = None,
+    nproc: NprocOpt = None,
+    overrides: OverrideOpt = None,
+    nnodes: NnodesOpt = 1,
+    rdzv_endpoint: RdzvEndpointOpt = "",
+    rdzv_id: RdzvIdOpt = "agentrl",
+    local_addr: LocalAddrOpt = "",
+) -> None:
     """Supervised warm-start on conversations (sft.data JSONL, or the env's demonstrations)."""
     _learner_launch("sft", config, nproc, overrides, nnodes, rdzv_endpoint, rdzv_id, local_addr)
 
@@ -370,10 +443,17 @@ def export_cmd(
     checkpoint: Annotated[Path, typer.Argument(help="A checkpoint folder, a checkpoint root, or a run folder.")],
     out_dir: Annotated[Path, typer.Argument(help="Folder to write the Hugging Face model to.")],
     dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "float32",
-    adapter: Annotated[bool, typer.Option("--adapter", help="LoRA checkpoints: write the PEFT adapter folder "
-                                          "instead of the merged model.")] = False,
-    base_model: Annotated[Optional[Path], typer.Option("--base-model", help="LoRA checkpoints: the base model's "
-                                                       "folder, when not where meta.json's model_path says.")] = None,
+    adapter: Annotated[
+        bool,
+        typer.Option("--adapter", help="LoRA checkpoints: write the PEFT adapter folder instead of the merged model."),
+    ] = False,
+    base_model: Annotated[
+        Path | None,
+        typer.Option(
+            "--base-model",
+            help="LoRA checkpoints: the base model's folder, when not where meta.json's model_path says.",
+        ),
+    ] = None,
 ) -> None:
     """Write a learner checkpoint as a Hugging Face folder (safetensors, config, tokenizer); a LoRA
     checkpoint merged into its base model, or with --adapter as a PEFT adapter folder."""
@@ -395,9 +475,11 @@ def eval_cmd(
     config: ConfigArg,
     overrides: OverrideOpt = None,
     checkpoint: Annotated[
-        Optional[Path], typer.Option("--checkpoint", help="A learner checkpoint (or run folder) to evaluate.")
+        Path | None, typer.Option("--checkpoint", help="A learner checkpoint (or run folder) to evaluate.")
     ] = None,
-    num_tasks: Annotated[Optional[int], typer.Option("--num-tasks", help="Held-out tasks (default eval.num_tasks).")] = None,
+    num_tasks: Annotated[
+        int | None, typer.Option("--num-tasks", help="Held-out tasks (default eval.num_tasks).")
+    ] = None,
     sampled: Annotated[bool, typer.Option("--sampled", help="Sample at actors.temperature instead of greedy.")] = False,
 ) -> None:
     """Success rate and mean reward on held-out tasks (greedy by default), printed and logged."""

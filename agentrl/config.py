@@ -29,14 +29,18 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-
 # SGLang flags that agentrl writes itself (agentrl/engine/launch.py:engine_args), with the key that sets them
 SGLANG_FLAGS_FROM_CONFIG = {
-    "--tp-size": "engine.gpus_per_engine", "--tensor-parallel-size": "engine.gpus_per_engine",
-    "--tp": "engine.gpus_per_engine", "--base-gpu-id": "engine.gpus_per_engine",
-    "--mem-fraction-static": "engine.mem_fraction_static", "--weight-version": "the learner's policy version",
-    "--context-length": "engine.max_context_tokens", "--max-running-requests": "engine.max_running_requests",
-    "--api-key": "engine.api_key_env", "--admin-api-key": "engine.admin_api_key_env",
+    "--tp-size": "engine.gpus_per_engine",
+    "--tensor-parallel-size": "engine.gpus_per_engine",
+    "--tp": "engine.gpus_per_engine",
+    "--base-gpu-id": "engine.gpus_per_engine",
+    "--mem-fraction-static": "engine.mem_fraction_static",
+    "--weight-version": "the learner's policy version",
+    "--context-length": "engine.max_context_tokens",
+    "--max-running-requests": "engine.max_running_requests",
+    "--api-key": "engine.api_key_env",
+    "--admin-api-key": "engine.admin_api_key_env",
 }
 
 
@@ -59,48 +63,70 @@ class RunSection(Section):
 class ModelSection(Section):
     path: str = "runs/models/tiny"  # a local Hugging Face folder
     init_size: Literal["tiny", "small", "0.5b", ""] = "tiny"  # built at `path` when absent; "" = never build
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # dtype of the engines' weights and of the pushed weights (the learner trains in fp32)
+    dtype: Literal["float32", "bfloat16", "float16"] = (
+        "float32"  # dtype of the engines' weights and of the pushed weights (the learner trains in fp32)
+    )
 
 
 class EngineSection(Section):
-    backend: Literal["embedded", "sglang"] = "embedded"  # embedded (this package's SGLang-compatible engine, CPU or one GPU) or sglang
+    backend: Literal["embedded", "sglang"] = (
+        "embedded"  # embedded (this package's SGLang-compatible engine, CPU or one GPU) or sglang
+    )
     urls: list[str] = []  # empty: `agentrl run` starts `num_engines` servers itself
     router_url: str = ""  # generation through sglang-router; weight updates still go to `urls`
     num_engines: int = Field(default=1, ge=1)  # servers `agentrl run` starts when `urls` is empty
     host: str = "127.0.0.1"  # address the engines `agentrl run` starts listen on
-    base_port: int = Field(default=30000, ge=1, le=65535)  # first port for engines started with fixed ports (agentrl run picks free ports)
+    base_port: int = Field(
+        default=30000, ge=1, le=65535
+    )  # first port for engines started with fixed ports (agentrl run picks free ports)
     max_running_requests: int = Field(default=64, ge=1)  # requests an engine decodes together at most (its batch)
-    max_context_tokens: int = Field(default=2048, ge=16)  # prompt + completion tokens of one request at most (SGLang's --context-length)
+    max_context_tokens: int = Field(
+        default=2048, ge=16
+    )  # prompt + completion tokens of one request at most (SGLang's --context-length)
     device: str = "auto"  # auto | cpu | cuda
     # Placement (agentrl/run/placement.py): each engine `agentrl run` starts gets its own GPUs
     gpus_per_engine: int = Field(default=1, ge=1)  # GPUs per engine, SGLang's --tp-size (embedded: 1)
     mem_fraction_static: float = Field(default=0.0, ge=0, lt=1)  # SGLang's --mem-fraction-static; 0: SGLang's default
     colocate: bool = False  # engines share the learner's GPUs (one-GPU machines); sglang then needs mem_fraction_static
-    request_retries: int = Field(default=5, ge=0)  # retries of a /generate call on connection errors and 5xx, with back-off
-    health_check_interval_s: float = Field(default=2.0, gt=0)  # how often the client polls each engine's /ping (liveness, no generation)
-    weight_group_backend: Literal["auto", "gloo", "nccl"] = "auto"  # backend of the weight-update group; auto: nccl when the learner sees a GPU, else gloo
+    request_retries: int = Field(
+        default=5, ge=0
+    )  # retries of a /generate call on connection errors and 5xx, with back-off
+    health_check_interval_s: float = Field(
+        default=2.0, gt=0
+    )  # how often the client polls each engine's /ping (liveness, no generation)
+    weight_group_backend: Literal["auto", "gloo", "nccl"] = (
+        "auto"  # backend of the weight-update group; auto: nccl when the learner sees a GPU, else gloo
+    )
     weight_bucket_mb: float = Field(default=64.0, gt=0)  # size of a weight-push bucket (one HTTP call + its broadcasts)
     sglang_args: list[str] = []  # extra flags for `python -m sglang.launch_server`
     sglang_python: str = ""  # interpreter of the virtualenv that has sglang (AGENTRL_SGLANG=1 scripts/install.sh builds .venv-sglang); empty: agentrl's own
     sglang_env: dict[str, str] = {}  # extra environment variables of the SGLang engine processes `agentrl run` starts
     # Bearer tokens: the config names the environment variables, never holds a key (agentrl/secrets.py)
-    api_key_env: str = "AGENTRL_ENGINE_API_KEY"  # NAME of the variable (or <NAME>_FILE) holding SGLang's --api-key (/generate)
+    api_key_env: str = (
+        "AGENTRL_ENGINE_API_KEY"  # NAME of the variable (or <NAME>_FILE) holding SGLang's --api-key (/generate)
+    )
     admin_api_key_env: str = "AGENTRL_ENGINE_ADMIN_API_KEY"  # NAME of the variable (or <NAME>_FILE) holding --admin-api-key (weights, pause...)
 
 
 class ActorsSection(Section):
-    num_processes: int = Field(default=1, ge=1)  # actor processes `agentrl run` starts (each takes a share of the budget)
+    num_processes: int = Field(
+        default=1, ge=1
+    )  # actor processes `agentrl run` starts (each takes a share of the budget)
     num_concurrent_episodes: int = Field(default=64, ge=1)  # episodes one actor process runs at once
     group_size: int = Field(default=8, ge=1)  # samples per task, sent as one group (GRPO's n)
     max_staleness: int = Field(default=1, ge=0)  # 0 = synchronous; see docs/architecture.md
-    temperature: float = Field(default=1.0, ge=0)  # sampling temperature of training episodes (the learner's logprobs use it too)
+    temperature: float = Field(
+        default=1.0, ge=0
+    )  # sampling temperature of training episodes (the learner's logprobs use it too)
     top_p: float = Field(default=1.0, gt=0, le=1)  # nucleus sampling of training episodes (1: off)
     top_k: int = -1  # top-k sampling of training episodes (-1: off)
     max_new_tokens_per_turn: int = Field(default=128, ge=1)  # tokens one model turn may generate at most
     trajectory_endpoint: str = "tcp://127.0.0.1:5557"  # actors PUSH -> learner PULL
     progress_endpoint: str = "tcp://127.0.0.1:5558"  # learner PUB -> actors SUB
     send_queue_groups: int = Field(default=16, ge=1)  # groups queued for sending before an actor waits for the learner
-    max_unacked_groups: int = Field(default=256, ge=1)  # sent groups an actor keeps to resend until the learner acknowledges them
+    max_unacked_groups: int = Field(
+        default=256, ge=1
+    )  # sent groups an actor keeps to resend until the learner acknowledges them
     dump_trajectories: bool = False  # agentrl run: each actor process appends every group it produces to <run_dir>/trajectories/actor<i>.jsonl
     # CURVE on both endpoints (agentrl/transport/security.py)
     curve_secret_key_env: str = "AGENTRL_CURVE_SECRET_KEY"  # NAME of the variable (or <NAME>_FILE) holding the run's CURVE secret key; required beyond loopback
@@ -116,7 +142,9 @@ class EnvSection(Section):
     weight: float = Field(default=1.0, gt=0)  # [[envs]]: relative share of the groups an actor starts from this env
     max_turns: int = Field(default=4, ge=1)  # model turns per episode (an AgentEnv: calls to the model per episode)
     max_total_tokens: int = Field(default=1024, ge=16)  # tokens per episode (an AgentEnv: per sequence of an episode)
-    tool_timeout_s: float = Field(default=10.0, gt=0)  # per tool call (agentrl's own loop; an AgentEnv runs its own tools)
+    tool_timeout_s: float = Field(
+        default=10.0, gt=0
+    )  # per tool call (agentrl's own loop; an AgentEnv runs its own tools)
     tool_max_output_chars: int = Field(default=2000, ge=16)  # a longer tool result is cut (agentrl's own loop)
     search_corpus: str = ""  # JSONL corpus `agentrl run` serves when env.kwargs.search_url = "auto"
     # the search tool reads env.kwargs.search_token_env (same default)
@@ -144,8 +172,12 @@ class LoraSection(Section):
     rank: int = Field(default=0, ge=0)  # adapter rank r; 0: LoRA off, every parameter is trained
     alpha: float = Field(default=16.0, gt=0)  # the adapters' output is scaled by alpha / rank
     dropout: float = Field(default=0.0, ge=0, lt=1)  # dropout on the adapters' input while training (0: none)
-    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS))  # names of the linear layers that get adapters
-    sync: Literal["merged", "adapter"] = "merged"  # engines get merged full weights (any SGLang), or the adapter alone via /load_lora_adapter (SGLang --enable-lora; a folder the engines can read)
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(LORA_TARGETS)
+    )  # names of the linear layers that get adapters
+    sync: Literal["merged", "adapter"] = (
+        "merged"  # engines get merged full weights (any SGLang), or the adapter alone via /load_lora_adapter (SGLang --enable-lora; a folder the engines can read)
+    )
 
     @property
     def served_adapter(self) -> str:
@@ -153,7 +185,7 @@ class LoraSection(Section):
         return LORA_ADAPTER_NAME if self.rank > 0 and self.sync == "adapter" else ""
 
     @model_validator(mode="after")
-    def _check(self) -> "LoraSection":
+    def _check(self) -> LoraSection:
         if self.rank == 0 and self.sync == "adapter":
             raise ValueError("learner.lora.sync = 'adapter' needs learner.lora.rank > 0")
         if self.rank > 0 and not self.target_modules:
@@ -173,13 +205,17 @@ class LearnerSection(Section):
     critic_lr: float = Field(default=1e-4, gt=0)  # the critic's learning rate (ppo)
     weight_decay: float = Field(default=0.0, ge=0)  # AdamW weight decay
     warmup_steps: int = Field(default=0, ge=0)  # linear learning-rate warm-up steps
-    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"  # after warm-up: constant, cosine or linear to 0 at max_steps
+    lr_schedule: Literal["constant", "cosine", "linear"] = (
+        "constant"  # after warm-up: constant, cosine or linear to 0 at max_steps
+    )
     max_steps: int = Field(default=100, ge=0)  # optimiser steps of the run (the learner exits after them)
     groups_per_step: int = Field(default=16, ge=1)  # trajectory groups (tasks x group_size episodes) per step
     max_tokens_per_microbatch: int = Field(default=8192, ge=16)  # tokens packed into one forward/backward
     grad_clip: float = Field(default=1.0, gt=0)  # gradient-norm clip
     # Loss (see agentrl/learner/loss.py)
-    advantage: Literal["grpo", "rloo", "gae"] = "grpo"  # grpo (group-normalised), rloo (leave-one-out) or gae (ppo's critic)
+    advantage: Literal["grpo", "rloo", "gae"] = (
+        "grpo"  # grpo (group-normalised), rloo (leave-one-out) or gae (ppo's critic)
+    )
     normalize_advantage_std: bool = False  # divide GRPO advantages by the group's reward std
     clip_eps_low: float = Field(default=0.2, ge=0)  # PPO ratio clip below 1
     clip_eps_high: float = Field(default=0.2, ge=0)  # PPO ratio clip above 1 (DAPO's clip-higher when larger)
@@ -187,7 +223,9 @@ class LearnerSection(Section):
     decoupled: bool = True  # AReaL: ratio to the proximal policy, weight prox/behaviour
     behavior_weight_cap: float = Field(default=2.0, gt=0)  # cap of the prox/behaviour (or TIS) importance weight
     behavior_weight_mode: Literal["clamp", "mask"] = "clamp"  # clamp the weight at the cap, or mask tokens beyond it
-    tis: Literal["none", "token", "sequence"] = "none"  # truncated importance sampling per token or sequence (with decoupled = false)
+    tis: Literal["none", "token", "sequence"] = (
+        "none"  # truncated importance sampling per token or sequence (with decoupled = false)
+    )
     kl_coef: float = Field(default=0.0, ge=0)  # KL penalty to the reference (initial) policy; 0: none
     kl_estimator: Literal["k1", "k3"] = "k3"  # k1 or k3 KL estimator
     entropy_coef: float = Field(default=0.0, ge=0)  # entropy bonus; 0: none
@@ -200,8 +238,12 @@ class LearnerSection(Section):
     max_staleness: int = Field(default=1, ge=0)  # groups older than this many versions are dropped
     dynamic_sampling: bool = True  # drop groups whose rewards do not vary
     wait_log_interval_s: float = Field(default=30.0, gt=0)  # how often to log while waiting for groups
-    max_wait_for_data_s: float = Field(default=600.0, ge=0)  # stop (with a checkpoint) after this long without a batch once data flows (e.g. every group zero-variance); 0: wait forever
-    max_abs_reward: float = Field(default=1000.0, gt=0)  # a reward (or component) beyond +-this, or not finite, is a bug: the group is dropped as malformed_reward
+    max_wait_for_data_s: float = Field(
+        default=600.0, ge=0
+    )  # stop (with a checkpoint) after this long without a batch once data flows (e.g. every group zero-variance); 0: wait forever
+    max_abs_reward: float = Field(
+        default=1000.0, gt=0
+    )  # a reward (or component) beyond +-this, or not finite, is a bug: the group is dropped as malformed_reward
     # Systems
     sync_every_steps: int = Field(default=1, ge=1)  # steps between weight pushes (each bumps the policy version)
     activation_checkpointing: bool = False  # recompute activations in the backward (less memory, more time)
@@ -213,7 +255,7 @@ class LearnerSection(Section):
     lora: LoraSection = LoraSection()  # [learner.lora]: train low-rank adapters instead of every parameter
 
     @model_validator(mode="after")
-    def _check_corrections(self) -> "LearnerSection":
+    def _check_corrections(self) -> LearnerSection:
         if self.decoupled and self.tis != "none":
             raise ValueError(
                 "learner.decoupled and learner.tis both correct pi_prox/pi_behaviour; "
@@ -247,8 +289,12 @@ class TrackingSection(Section):
     uri: str = ""  # empty: sqlite:///<run_dir>/mlflow.db
     experiment: str = "agentrl"  # MLflow experiment name
     run_id: str = ""  # log into this existing MLflow run (`agentrl run` sets it for its children)
-    sample_episodes_every: int = Field(default=10, ge=0)  # every this many learner steps, the best and worst episodes of a few of the step's groups as the artifact samples/step_<step>.json; 0: never
-    sample_episodes_groups: int = Field(default=2, ge=1)  # groups of the step shown in a sample, each as its best and worst episode
+    sample_episodes_every: int = Field(
+        default=10, ge=0
+    )  # every this many learner steps, the best and worst episodes of a few of the step's groups as the artifact samples/step_<step>.json; 0: never
+    sample_episodes_groups: int = Field(
+        default=2, ge=1
+    )  # groups of the step shown in a sample, each as its best and worst episode
 
 
 class AgentRLConfig(Section):
@@ -272,9 +318,11 @@ class AgentRLConfig(Section):
             return data
         has_env, has_envs = data.get("env") is not None, bool(data.get("envs"))
         if has_env and has_envs:
-            raise ValueError("the config has both [env] and [[envs]]: use [env] for a run of one env, or only "
-                             "[[envs]] entries for several (an override env.x=... on a config with [[envs]] "
-                             "adds an [env]; address an entry as envs.<index>.x=...)")
+            raise ValueError(
+                "the config has both [env] and [[envs]]: use [env] for a run of one env, or only "
+                "[[envs]] entries for several (an override env.x=... on a config with [[envs]] "
+                "adds an [env]; address an entry as envs.<index>.x=...)"
+            )
         if not has_env and not has_envs:
             data = {**data, "env": {}}
         return data
@@ -285,18 +333,21 @@ class AgentRLConfig(Section):
         return list(self.envs) if self.envs else [self.env or EnvSection()]
 
     @model_validator(mode="after")
-    def _cross_field_checks(self) -> "AgentRLConfig":
+    def _cross_field_checks(self) -> AgentRLConfig:
         for key, section in self._env_keys():
             if ":" not in section.cls:
                 raise ValueError(f"{key}.cls must be 'module:Class', got {section.cls!r}")
             if section.max_total_tokens > self.engine.max_context_tokens:
-                raise ValueError(f"{key}.max_total_tokens ({section.max_total_tokens}) exceeds "
-                                 f"engine.max_context_tokens ({self.engine.max_context_tokens})")
+                raise ValueError(
+                    f"{key}.max_total_tokens ({section.max_total_tokens}) exceeds "
+                    f"engine.max_context_tokens ({self.engine.max_context_tokens})"
+                )
         names = [s.name for s in self.envs if s.name]
         if len(names) != len(set(names)):
             twice = sorted({n for n in names if names.count(n) > 1})
-            raise ValueError(f"[[envs]] names must be unique in a run; {', '.join(map(repr, twice))} appear more "
-                             "than once")
+            raise ValueError(
+                f"[[envs]] names must be unique in a run; {', '.join(map(repr, twice))} appear more than once"
+            )
         if self.learner.dual_clip and self.learner.dual_clip <= 1.0:
             raise ValueError("learner.dual_clip must be 0 (off) or > 1")
         if self.learner.algorithm == "ppo" and self.learner.advantage != "gae":
@@ -313,19 +364,27 @@ class AgentRLConfig(Section):
             )
         e = self.engine
         if e.backend == "embedded" and e.gpus_per_engine > 1:
-            raise ValueError(f"engine.gpus_per_engine = {e.gpus_per_engine} needs engine.backend = 'sglang' "
-                             "(tensor parallel); the embedded engine runs on one device")
+            raise ValueError(
+                f"engine.gpus_per_engine = {e.gpus_per_engine} needs engine.backend = 'sglang' "
+                "(tensor parallel); the embedded engine runs on one device"
+            )
         if e.backend == "embedded" and e.mem_fraction_static:
-            raise ValueError("engine.mem_fraction_static is SGLang's --mem-fraction-static; the embedded engine "
-                             "has no static memory pool: set it to 0 or use engine.backend = 'sglang'")
+            raise ValueError(
+                "engine.mem_fraction_static is SGLang's --mem-fraction-static; the embedded engine "
+                "has no static memory pool: set it to 0 or use engine.backend = 'sglang'"
+            )
         owned = sorted({a.split("=", 1)[0] for a in e.sglang_args} & set(SGLANG_FLAGS_FROM_CONFIG))
         if owned:
-            raise ValueError(f"engine.sglang_args sets {', '.join(owned)}, which agentrl derives from its own keys "
-                             f"({', '.join(SGLANG_FLAGS_FROM_CONFIG[f] for f in owned)}): set those instead")
+            raise ValueError(
+                f"engine.sglang_args sets {', '.join(owned)}, which agentrl derives from its own keys "
+                f"({', '.join(SGLANG_FLAGS_FROM_CONFIG[f] for f in owned)}): set those instead"
+            )
         lc = self.learner
         if lc.gpus and lc.nproc > 1 and lc.nproc != lc.gpus:
-            raise ValueError(f"learner.gpus ({lc.gpus}) and learner.nproc ({lc.nproc}) disagree: the learner runs "
-                             "one rank per GPU; set only learner.gpus")
+            raise ValueError(
+                f"learner.gpus ({lc.gpus}) and learner.nproc ({lc.nproc}) disagree: the learner runs "
+                "one rank per GPU; set only learner.gpus"
+            )
         return self
 
     def _env_keys(self) -> list[tuple[str, EnvSection]]:
@@ -368,8 +427,10 @@ def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
         last = i == len(path) - 1
         if isinstance(node, list):
             if not (part.isdigit() and int(part) < len(node)):
-                raise ConfigError(f"cannot override {'.'.join(path)}: {'.'.join(path[:i])} has {len(node)} "
-                                  f"entries, addressed as 0..{len(node) - 1}")
+                raise ConfigError(
+                    f"cannot override {'.'.join(path)}: {'.'.join(path[:i])} has {len(node)} "
+                    f"entries, addressed as 0..{len(node) - 1}"
+                )
             if last:
                 node[int(part)] = value
                 return
@@ -488,8 +549,11 @@ def _toml_key(key: str) -> str:
 
 def _toml_string(text: str) -> str:
     """A TOML basic string: quotes, backslashes and control characters escaped."""
-    return '"' + "".join(_ESCAPES.get(ch) or (f"\\u{ord(ch):04x}" if ord(ch) < 0x20 or ord(ch) == 0x7F else ch)
-                         for ch in text) + '"'
+    return (
+        '"'
+        + "".join(_ESCAPES.get(ch) or (f"\\u{ord(ch):04x}" if ord(ch) < 0x20 or ord(ch) == 0x7F else ch) for ch in text)
+        + '"'
+    )
 
 
 def _toml_value(value: Any) -> str:

@@ -120,8 +120,9 @@ def reference() -> str:
 
 def undocumented() -> list[str]:
     """Keys with no meaning written next to them."""
-    return [key for section, _, cls, _ in sections()
-            for key, _, _, meaning in section_rows(section, cls) if not meaning]
+    return [
+        key for section, _, cls, _ in sections() for key, _, _, meaning in section_rows(section, cls) if not meaning
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:

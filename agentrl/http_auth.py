@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Callable
+from typing import Any
 
 OPEN_PREFIXES = ("/health", "/ready", "/metrics")
 
@@ -64,8 +65,9 @@ def bearer_matches(authorization: str | None, expected: str) -> bool:
     return secrets.compare_digest(token.encode(), expected.encode())
 
 
-def decide_request_auth(*, method: str, path: str, authorization: str | None, api_key: str, admin_api_key: str,
-                        level: AuthLevel) -> AuthDecision:
+def decide_request_auth(
+    *, method: str, path: str, authorization: str | None, api_key: str, admin_api_key: str, level: AuthLevel
+) -> AuthDecision:
     """SGLang's ``decide_request_auth``; empty keys mean "not configured"."""
     if method == "OPTIONS" or path.startswith(OPEN_PREFIXES):
         return AuthDecision(True)
@@ -104,12 +106,22 @@ class BearerAuthMiddleware:
         headers = dict(scope.get("headers") or [])
         raw = headers.get(b"authorization")
         decision = decide_request_auth(
-            method=scope["method"], path=scope["path"], authorization=raw.decode("latin-1") if raw else None,
-            api_key=self.api_key, admin_api_key=self.admin_api_key, level=self._level(scope))
+            method=scope["method"],
+            path=scope["path"],
+            authorization=raw.decode("latin-1") if raw else None,
+            api_key=self.api_key,
+            admin_api_key=self.admin_api_key,
+            level=self._level(scope),
+        )
         if decision.allowed:
             await self.app(scope, receive, send)
             return
         body = json.dumps({"error": "Unauthorized" if decision.status == 401 else "Forbidden"}).encode()
-        await send({"type": "http.response.start", "status": decision.status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": decision.status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": body})

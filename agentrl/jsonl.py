@@ -9,8 +9,9 @@ too deeply to decode (``RecursionError``) and integers longer than Python conver
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 
 def loads(text: str | bytes, where: str) -> Any:

@@ -32,7 +32,7 @@ class AdapterFiles:
     folder: Path
     scaling: float
     rank: int
-    factors: dict[str, tuple["torch.Tensor", "torch.Tensor"]] = field(default_factory=dict)  # layer -> (A, B)
+    factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # layer -> (A, B)
 
 
 def read_adapter(folder: str | Path) -> AdapterFiles:
@@ -57,7 +57,7 @@ def read_adapter(folder: str | Path) -> AdapterFiles:
             raise ValueError(f"{config_file}: {key} is not supported")
     if config.get("rank_pattern") or config.get("alpha_pattern"):
         raise ValueError(f"{config_file}: per-layer rank_pattern / alpha_pattern are not supported")
-    scaling = alpha / (rank ** 0.5) if config.get("use_rslora") else alpha / rank
+    scaling = alpha / (rank**0.5) if config.get("use_rslora") else alpha / rank
     weights = folder / ADAPTER_WEIGHTS
     if not weights.is_file():
         raise ValueError(f"{folder} has no {ADAPTER_WEIGHTS}")
@@ -66,7 +66,7 @@ def read_adapter(folder: str | Path) -> AdapterFiles:
     for name, tensor in load_file(str(weights)).items():
         if not name.startswith(PEFT_PREFIX) or not name.endswith(".weight"):
             raise ValueError(f"{weights}: unexpected tensor {name!r}")
-        stem = name[len(PEFT_PREFIX):-len(".weight")]
+        stem = name[len(PEFT_PREFIX) : -len(".weight")]
         layer, _, kind = stem.rpartition(".")
         if kind not in ("lora_A", "lora_B"):
             raise ValueError(f"{weights}: unexpected tensor {name!r} (only lora_A / lora_B of linear layers)")

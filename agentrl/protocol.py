@@ -301,7 +301,9 @@ def _to_builtin(obj: Any) -> Any:
         return obj.tolist()
     if isinstance(obj, (set, frozenset, tuple)):
         return list(obj)
-    raise TypeError(f"a metadata value of type {type(obj).__name__} cannot be sent (use str, int, float, bool, None, list, dict)")
+    raise TypeError(
+        f"a metadata value of type {type(obj).__name__} cannot be sent (use str, int, float, bool, None, list, dict)"
+    )
 
 
 def decode(data: bytes) -> TrajectoryGroup | Progress:

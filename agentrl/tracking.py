@@ -111,7 +111,7 @@ class Tracker:
         try:
             fn(*args, **kwargs)
             return True
-        except Exception as e:  # noqa: BLE001 - the store's failures must not stop training
+        except Exception as e:
             self._failures += 1
             if self._failures <= 5 or self._failures % 100 == 0:
                 log.warning("MLflow %s failed (%d failures so far): %s", what, self._failures, e)
@@ -124,7 +124,7 @@ class Tracker:
         flat = {k: str(v)[:_MAX_PARAM_CHARS] for k, v in flatten(params).items()}
         try:
             existing = self._client.get_run(self.run_id).data.params
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             log.warning("MLflow get_run failed, logging params blindly: %s", e)
             existing = {}
         for key in sorted(k for k in flat if k in existing and existing[k] != flat[k]):

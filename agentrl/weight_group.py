@@ -49,8 +49,16 @@ def bind_store_socket(address: str, port: int = 0) -> socket.socket:
     return sock
 
 
-def init_weight_group(backend: str, master_address: str, master_port: int, world_size: int, rank: int,
-                      group_name: str, timeout_s: float = 600.0, listen_socket: socket.socket | None = None):
+def init_weight_group(
+    backend: str,
+    master_address: str,
+    master_port: int,
+    world_size: int,
+    rank: int,
+    group_name: str,
+    timeout_s: float = 600.0,
+    listen_socket: socket.socket | None = None,
+):
     """Join the weight-update group (rank 0 hosts the store, on ``listen_socket`` when given,
     else on a socket it binds to ``master_address:master_port``). Blocks until every rank is in."""
     import torch.distributed as dist
@@ -62,11 +70,20 @@ def init_weight_group(backend: str, master_address: str, master_port: int, world
     if rank == 0:
         sock = listen_socket if listen_socket is not None else bind_store_socket(master_address, master_port)
         port = sock.getsockname()[1]
-        store = dist.TCPStore(master_address, port, world_size, is_master=True, timeout=timeout,
-                              multi_tenant=True, master_listen_fd=sock.detach(), use_libuv=True)
+        store = dist.TCPStore(
+            master_address,
+            port,
+            world_size,
+            is_master=True,
+            timeout=timeout,
+            multi_tenant=True,
+            master_listen_fd=sock.detach(),
+            use_libuv=True,
+        )
     else:
-        store = dist.TCPStore(master_address, master_port, world_size, is_master=False, timeout=timeout,
-                              multi_tenant=True)
+        store = dist.TCPStore(
+            master_address, master_port, world_size, is_master=False, timeout=timeout, multi_tenant=True
+        )
     store = dist.PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(world_size, rank, [], backend, store, group_name=group_name, timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
@@ -83,11 +100,11 @@ def destroy_weight_group(group) -> None:
             log.debug("destroy_process_group: %s", e)
 
 
-def dtype_name(dtype: "torch.dtype") -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def parse_dtype(name: Any) -> "torch.dtype":
+def parse_dtype(name: Any) -> torch.dtype:
     import torch
 
     dtype = getattr(torch, name, None) if isinstance(name, str) else None

@@ -26,7 +26,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,10 +48,20 @@ def serve(port: int, script: dict[str, Any]) -> None:
         ids = req["input_ids"]
         out = tool_ids if ids.count(marker) < turns - 1 else answer_ids
         out = out[: req["sampling_params"].get("max_new_tokens", 128)]
-        return json.dumps({"text": "", "output_ids": out, "meta_info": {
-            "id": req.get("rid", ""), "prompt_tokens": len(ids), "completion_tokens": len(out),
-            "finish_reason": {"type": "stop", "matched": out[-1]}, "weight_version": "0",
-            "output_token_logprobs": [[-0.1, t, None] for t in out]}}).encode()
+        return json.dumps(
+            {
+                "text": "",
+                "output_ids": out,
+                "meta_info": {
+                    "id": req.get("rid", ""),
+                    "prompt_tokens": len(ids),
+                    "completion_tokens": len(out),
+                    "finish_reason": {"type": "stop", "matched": out[-1]},
+                    "weight_version": "0",
+                    "output_token_logprobs": [[-0.1, t, None] for t in out],
+                },
+            }
+        ).encode()
 
     class Http(asyncio.Protocol):
         def connection_made(self, transport):
@@ -71,10 +80,14 @@ def serve(port: int, script: dict[str, Any]) -> None:
                         length = int(line.split(":", 1)[1])
                 if len(self.buf) < end + 4 + length:
                     return
-                body, self.buf = self.buf[end + 4:end + 4 + length], self.buf[end + 4 + length:]
+                body, self.buf = self.buf[end + 4 : end + 4 + length], self.buf[end + 4 + length :]
                 payload = answer(body) if head.startswith("post /generate") else b"{}"
-                self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
-                                     + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+                self.transport.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                    + str(len(payload)).encode()
+                    + b"\r\n\r\n"
+                    + payload
+                )
 
     async def main() -> None:
         server = await asyncio.get_running_loop().create_server(Http, "127.0.0.1", port, backlog=4096)
@@ -111,8 +124,9 @@ class BareHttpClient:
 
         self.url = urls[0]
         self.gate = trio.Semaphore(max_in_flight)
-        self.http = httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=max_in_flight,
-                                                                       max_keepalive_connections=max_in_flight))
+        self.http = httpx.AsyncClient(
+            timeout=120, limits=httpx.Limits(max_connections=max_in_flight, max_keepalive_connections=max_in_flight)
+        )
 
     async def __aenter__(self):
         return self
@@ -122,14 +136,27 @@ class BareHttpClient:
 
     async def generate(self, input_ids, sampling_params, *, affinity_key=None, rid=None, return_logprob=True):
         async with self.gate:
-            r = await self.http.post(self.url + "/generate", json={"input_ids": input_ids, "rid": rid,
-                                                                   "sampling_params": sampling_params,
-                                                                   "return_logprob": return_logprob})
+            r = await self.http.post(
+                self.url + "/generate",
+                json={
+                    "input_ids": input_ids,
+                    "rid": rid,
+                    "sampling_params": sampling_params,
+                    "return_logprob": return_logprob,
+                },
+            )
         r.raise_for_status()
         d = r.json()
         mi = d["meta_info"]
-        return Result(d["output_ids"], [e[0] for e in mi["output_token_logprobs"]], d["text"], mi["finish_reason"],
-                      mi["weight_version"], mi["prompt_tokens"], mi)
+        return Result(
+            d["output_ids"],
+            [e[0] for e in mi["output_token_logprobs"]],
+            d["text"],
+            mi["finish_reason"],
+            mi["weight_version"],
+            mi["prompt_tokens"],
+            mi,
+        )
 
 
 class InstantClient:
@@ -198,9 +225,12 @@ def make_script(tokenizer, turns: int) -> dict[str, Any]:
 
     codec = codec_for(tokenizer)
     call = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
-    return {"tool_ids": codec.encode(call) + [codec.end_of_turn_id],
-            "answer_ids": codec.encode("The answer is 5.") + [codec.end_of_turn_id],
-            "marker": tokenizer.convert_tokens_to_ids("<tool_response>"), "turns": turns}
+    return {
+        "tool_ids": codec.encode(call) + [codec.end_of_turn_id],
+        "answer_ids": codec.encode("The answer is 5.") + [codec.end_of_turn_id],
+        "marker": tokenizer.convert_tokens_to_ids("<tool_response>"),
+        "turns": turns,
+    }
 
 
 # ----------------------------------------------------------------------------- the two loops
@@ -218,8 +248,9 @@ async def bare_loop(client, script, prompt_ids, observation_ids, episodes: int, 
             remaining[0] -= 1
             ids = list(prompt_ids)
             for t in range(script["turns"]):
-                res = await client.generate(ids, {"temperature": 1.0, "max_new_tokens": 64}, affinity_key=str(w),
-                                            rid=f"{w}-{t}")
+                res = await client.generate(
+                    ids, {"temperature": 1.0, "max_new_tokens": 64}, affinity_key=str(w), rid=f"{w}-{t}"
+                )
                 ids = ids + res.output_ids + (observation_ids if t < script["turns"] - 1 else [])
                 turns[0] += 1
 
@@ -230,18 +261,28 @@ async def bare_loop(client, script, prompt_ids, observation_ids, episodes: int, 
 
 
 async def framework_loop(client, tokenizer, env, episodes: int, concurrency: int, group_size: int) -> dict:
-    from agentrl.episode.rollout import EpisodeLimits, toolbox_for
     from agentrl.actors.actor import ActorEnv, ActorService, ActorSettings
+    from agentrl.episode.rollout import EpisodeLimits, toolbox_for
 
     class Discard:
         async def send(self, group):
             pass
 
-    settings = ActorSettings(group_size=group_size, num_concurrent_episodes=concurrency,
-                             max_groups=max(1, episodes // group_size), log_interval_s=0)
+    settings = ActorSettings(
+        group_size=group_size,
+        num_concurrent_episodes=concurrency,
+        max_groups=max(1, episodes // group_size),
+        log_interval_s=0,
+    )
     limits = EpisodeLimits(max_turns=8, max_total_tokens=2048, max_new_tokens_per_turn=64)
-    service = ActorService(client=client, tokenizer=tokenizer, envs=[ActorEnv(env, toolbox_for(env), limits)],
-                           sampling={"temperature": 1.0}, settings=settings, sender=Discard())
+    service = ActorService(
+        client=client,
+        tokenizer=tokenizer,
+        envs=[ActorEnv(env, toolbox_for(env), limits)],
+        sampling={"temperature": 1.0},
+        settings=settings,
+        sender=Discard(),
+    )
     peak = [0]
 
     async def watch():
@@ -275,10 +316,18 @@ def main() -> None:
     ap.add_argument("--episodes", type=int, default=1000, help="episodes per measurement")
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--turns", type=int, default=2, help="model turns per episode")
-    ap.add_argument("--repeats", type=int, default=3,
-                    help="measure this many (bare, framework) pairs back to back; report the medians")
-    ap.add_argument("--client", choices=["auto", "real", "bare"], default="auto",
-                    help="agentrl.engine.client.EngineClient (real) or a minimal httpx client (bare)")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="measure this many (bare, framework) pairs back to back; report the medians",
+    )
+    ap.add_argument(
+        "--client",
+        choices=["auto", "real", "bare"],
+        default="auto",
+        help="agentrl.engine.client.EngineClient (real) or a minimal httpx client (bare)",
+    )
     ap.add_argument("--serve", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--script", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -286,9 +335,9 @@ def main() -> None:
         serve(args.serve, json.loads(args.script))
         return
 
-    from agentrl.models.builder import build_tokenizer
     from agentrl.episode.chat import TokenChat, codec_for
     from agentrl.episode.rollout import toolbox_for
+    from agentrl.models.builder import build_tokenizer
 
     tokenizer = build_tokenizer(512, seed=0)
     env = bench_env(args.turns)
@@ -321,9 +370,11 @@ def main() -> None:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)
-        print(f"actors bench: {args.concurrency} concurrent episodes, {args.episodes} episodes of {args.turns} turns "
-              f"per run, groups of {args.group_size}, client={kind}, prompt {len(prompt_ids)} tokens, "
-              f"{os.cpu_count()} CPUs")
+        print(
+            f"actors bench: {args.concurrency} concurrent episodes, {args.episodes} episodes of {args.turns} turns "
+            f"per run, groups of {args.group_size}, client={kind}, prompt {len(prompt_ids)} tokens, "
+            f"{os.cpu_count()} CPUs"
+        )
 
         async def run_bare(n=args.episodes):
             client = make_client(kind, url)
@@ -351,8 +402,9 @@ def main() -> None:
         peak = max(p[4] for p in pairs)
 
         async def run_instant():
-            return await framework_loop(InstantClient(script), tokenizer, env, args.episodes, args.concurrency,
-                                        args.group_size)
+            return await framework_loop(
+                InstantClient(script), tokenizer, env, args.episodes, args.concurrency, args.group_size
+            )
 
         report, wall, cpu = measure(run_instant)
         i_rate = report["turns_mean"] * report["episodes"] / wall

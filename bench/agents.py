@@ -49,11 +49,11 @@ def main() -> None:
     import httpx
     import trio
 
-    from agentrl.episode.chat import ChatCodec, TokenChat
-    from agentrl.envs.agent import AgentEnv
     from agentrl.agents.agent_runner import AgentRunner
     from agentrl.engine.client import EngineClient
+    from agentrl.envs.agent import AgentEnv
     from agentrl.envs.base import Task
+    from agentrl.episode.chat import ChatCodec, TokenChat
     from agentrl.models.builder import SIZES, build_tokenizer
 
     tokenizer = build_tokenizer(SIZES["tiny"]["vocab_target"], seed=0)
@@ -61,8 +61,9 @@ def main() -> None:
     answer = codec.encode("The answer is 5.") + [codec.end_of_turn_id]
     script = {"tool_ids": answer, "answer_ids": answer, "marker": -1, "turns": 1}
     port = free_port()
-    server = subprocess.Popen([sys.executable, str(ROOT / "bench" / "actors.py"), "--serve", str(port),
-                               "--script", json.dumps(script)])
+    server = subprocess.Popen(
+        [sys.executable, str(ROOT / "bench" / "actors.py"), "--serve", str(port), "--script", json.dumps(script)]
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
@@ -91,8 +92,9 @@ def main() -> None:
                 messages = list(user)
                 async with httpx.AsyncClient(base_url=str(client.base_url), verify=False) as http:  # http: no CA
                     for _ in range(args.turns):
-                        r = await http.post("chat/completions", json={"model": "m", "messages": messages,
-                                                                      "max_tokens": 32})
+                        r = await http.post(
+                            "chat/completions", json={"model": "m", "messages": messages, "max_tokens": 32}
+                        )
                         message = r.json()["choices"][0]["message"]
                         messages += [{"role": "assistant", "content": message["content"]}, follow]
                 return 1.0
@@ -136,12 +138,16 @@ def main() -> None:
                 wall, cpu = time.perf_counter(), time.process_time()
                 trio.run(fn)
                 results[name].append((time.perf_counter() - wall, time.process_time() - cpu))
-        print(f"{args.episodes} episodes x {args.turns} calls, concurrency {args.concurrency}, instant engine "
-              f"(best of {args.repeats}; runner start-up included)")
+        print(
+            f"{args.episodes} episodes x {args.turns} calls, concurrency {args.concurrency}, instant engine "
+            f"(best of {args.repeats}; runner start-up included)"
+        )
         best = {k: (min(w for w, _ in v), min(c for _, c in v)) for k, v in results.items()}
         for name, (wall, cpu) in best.items():
-            print(f"{name:13s} {calls / wall:8.1f} calls/s ({best['bare'][0] / wall:4.2f} of bare)   "
-                  f"{1e3 * cpu / calls:6.2f} ms CPU per call ({1e3 * (cpu - best['bare'][1]) / calls:+.2f})")
+            print(
+                f"{name:13s} {calls / wall:8.1f} calls/s ({best['bare'][0] / wall:4.2f} of bare)   "
+                f"{1e3 * cpu / calls:6.2f} ms CPU per call ({1e3 * (cpu - best['bare'][1]) / calls:+.2f})"
+            )
     finally:
         server.terminate()
         server.wait(10)

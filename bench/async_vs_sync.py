@@ -36,15 +36,26 @@ def run_mode(name: str, staleness: int, args: argparse.Namespace, model: str, wo
     from agentrl.run.stages import run
 
     overrides = [
-        f"run.name=bench-{name}", "run.torch_num_threads=1", f"model.path={model}",
-        "env.cls=latency_env:LatencyEnv", "env.max_turns=13", "env.max_total_tokens=1024",
-        "engine.max_context_tokens=1024", "engine.max_running_requests=256",
-        f"actors.group_size={args.group_size}", f"actors.num_concurrent_episodes={args.concurrency}",
-        f"actors.max_staleness={staleness}", "actors.max_new_tokens_per_turn=8",
-        f"learner.max_staleness={staleness}", f"learner.max_steps={args.steps}",
-        f"learner.groups_per_step={args.groups_per_step}", "learner.dynamic_sampling=false",
-        "learner.checkpoint_every_steps=0", "learner.lr=3e-4",
-        "eval.num_tasks=8", "tracking.enabled=false",
+        f"run.name=bench-{name}",
+        "run.torch_num_threads=1",
+        f"model.path={model}",
+        "env.cls=latency_env:LatencyEnv",
+        "env.max_turns=13",
+        "env.max_total_tokens=1024",
+        "engine.max_context_tokens=1024",
+        "engine.max_running_requests=256",
+        f"actors.group_size={args.group_size}",
+        f"actors.num_concurrent_episodes={args.concurrency}",
+        f"actors.max_staleness={staleness}",
+        "actors.max_new_tokens_per_turn=8",
+        f"learner.max_staleness={staleness}",
+        f"learner.max_steps={args.steps}",
+        f"learner.groups_per_step={args.groups_per_step}",
+        "learner.dynamic_sampling=false",
+        "learner.checkpoint_every_steps=0",
+        "learner.lr=3e-4",
+        "eval.num_tasks=8",
+        "tracking.enabled=false",
     ]
     cfg = load_config(None, overrides)
     run_dir = workdir / name
@@ -57,9 +68,13 @@ def run_mode(name: str, staleness: int, args: argparse.Namespace, model: str, wo
     trajectories = args.steps * args.groups_per_step * args.group_size
     final = [r.get("reward/mean", 0.0) for r in rows[-3:]]
     return {
-        "mode": name, "rl_wall_s": rl_time, "total_wall_s": time.monotonic() - started,
-        "trajectories_per_s": trajectories / rl_time, "learner_idle_fraction": wait / rl_time,
-        "final_reward": sum(final) / len(final), "steps": len(rows),
+        "mode": name,
+        "rl_wall_s": rl_time,
+        "total_wall_s": time.monotonic() - started,
+        "trajectories_per_s": trajectories / rl_time,
+        "learner_idle_fraction": wait / rl_time,
+        "final_reward": sum(final) / len(final),
+        "steps": len(rows),
         "staleness_mean": sum(r.get("staleness/mean", 0.0) for r in rows) / len(rows),
         "policy_versions_seen": summary.get("policy_versions_seen"),
     }
@@ -83,11 +98,15 @@ def main() -> None:
         results = [run_mode("sync", 0, args, model, work), run_mode("async", 4, args, model, work)]
     print(f"\n{'mode':<6} {'RL wall s':>10} {'traj/s':>8} {'idle':>6} {'final reward':>13} {'staleness':>10}")
     for r in results:
-        print(f"{r['mode']:<6} {r['rl_wall_s']:>10.1f} {r['trajectories_per_s']:>8.2f} "
-              f"{r['learner_idle_fraction']:>6.2f} {r['final_reward']:>13.3f} {r['staleness_mean']:>10.2f}")
+        print(
+            f"{r['mode']:<6} {r['rl_wall_s']:>10.1f} {r['trajectories_per_s']:>8.2f} "
+            f"{r['learner_idle_fraction']:>6.2f} {r['final_reward']:>13.3f} {r['staleness_mean']:>10.2f}"
+        )
     sync, asy = results
-    print(f"\nspeed ratio async/sync (trajectories/s): {asy['trajectories_per_s'] / sync['trajectories_per_s']:.2f}x "
-          f"(target >= 2.5x); final reward async - sync: {asy['final_reward'] - sync['final_reward']:+.3f}")
+    print(
+        f"\nspeed ratio async/sync (trajectories/s): {asy['trajectories_per_s'] / sync['trajectories_per_s']:.2f}x "
+        f"(target >= 2.5x); final reward async - sync: {asy['final_reward'] - sync['final_reward']:+.3f}"
+    )
 
 
 if __name__ == "__main__":

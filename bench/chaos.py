@@ -55,10 +55,17 @@ class ChaosRun:
     pids: dict[str, list[int]] = field(default_factory=dict)  # every pid each child had, in order
     started: float = field(default_factory=time.monotonic)
 
-    def start(self) -> "ChaosRun":
+    def start(self) -> ChaosRun:
         self.log = self.log_path.open("w")
-        self.proc = subprocess.Popen(self.argv, cwd=ROOT, stdout=self.log, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.argv,
+            cwd=ROOT,
+            stdout=self.log,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            start_new_session=True,
+        )
         self.reader = threading.Thread(target=self._follow, daemon=True)
         self.reader.start()
         return self
@@ -86,8 +93,9 @@ class ChaosRun:
         deadline = time.monotonic() + timeout_s
         while not predicate():
             if self.proc.poll() is not None:
-                raise RuntimeError(f"agentrl run exited ({self.proc.returncode}) while waiting for {what}; "
-                                   f"see {self.log_path}")
+                raise RuntimeError(
+                    f"agentrl run exited ({self.proc.returncode}) while waiting for {what}; see {self.log_path}"
+                )
             if time.monotonic() > deadline:
                 raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}; see {self.log_path}")
             time.sleep(0.2)
@@ -119,8 +127,9 @@ def plan_faults(seed: int, max_steps: int, victims: tuple[str, ...] = ("actor0",
     return [Fault(victim, step) for victim, step in zip(order, steps)]
 
 
-def run_with_faults(config: Path, run_dir: Path, faults: list[Fault], overrides: list[str],
-                    timeout_s: float = 3600.0) -> tuple[int, list[Fault], dict]:
+def run_with_faults(
+    config: Path, run_dir: Path, faults: list[Fault], overrides: list[str], timeout_s: float = 3600.0
+) -> tuple[int, list[Fault], dict]:
     """Run ``agentrl run`` and inject ``faults`` in order: each waits for its step and for the
     previous victim to have been restarted. Returns the exit status, the faults, summary.json."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -131,12 +140,18 @@ def run_with_faults(config: Path, run_dir: Path, faults: list[Fault], overrides:
     deadline = time.monotonic() + timeout_s
     try:
         for i, fault in enumerate(faults):
-            run.wait(lambda f=fault: run.learner_step() >= f.at_step and bool(run.pids.get(f.victim)),
-                     f"step {fault.at_step} to kill {fault.victim}", deadline - time.monotonic())
+            run.wait(
+                lambda f=fault: run.learner_step() >= f.at_step and bool(run.pids.get(f.victim)),
+                f"step {fault.at_step} to kill {fault.victim}",
+                deadline - time.monotonic(),
+            )
             known = len(run.pids[fault.victim])
             run.kill(fault)
-            run.wait(lambda f=fault, k=known: len(run.pids.get(f.victim, [])) > k,
-                     f"{fault.victim}'s restart", deadline - time.monotonic())
+            run.wait(
+                lambda f=fault, k=known: len(run.pids.get(f.victim, [])) > k,
+                f"{fault.victim}'s restart",
+                deadline - time.monotonic(),
+            )
             fault.restarted = True
         run.proc.wait(max(1.0, deadline - time.monotonic()))
     finally:
@@ -164,11 +179,15 @@ def report(code: int, faults: list[Fault], summary: dict, max_steps: int) -> lis
 
     lines = ["faults (SIGKILL, seeded):"]
     for f in faults:
-        lines.append(f"  {f.victim:<8} at learner step {f.at_step:>2} ({f.killed_at_s:6.1f} s into the run, pid {f.pid}): "
-                     f"{'restarted' if f.restarted else 'NOT restarted'}")
+        lines.append(
+            f"  {f.victim:<8} at learner step {f.at_step:>2} ({f.killed_at_s:6.1f} s into the run, pid {f.pid}): "
+            f"{'restarted' if f.restarted else 'NOT restarted'}"
+        )
     problems = survived(code, faults, summary, max_steps)
-    lines.append(f"faults injected {len(faults)}, survived {sum(f.restarted for f in faults) if not problems else 0}"
-                 f"{'' if not problems else ': ' + '; '.join(problems)}")
+    lines.append(
+        f"faults injected {len(faults)}, survived {sum(f.restarted for f in faults) if not problems else 0}"
+        f"{'' if not problems else ': ' + '; '.join(problems)}"
+    )
     lines.append(f"restarts: {summary.get('restarts', {})}")
     for event in summary.get("restart_events", []):
         lines.append(f"  {event}")
@@ -179,8 +198,10 @@ def report(code: int, faults: list[Fault], summary: dict, max_steps: int) -> lis
             groups = ", ".join(f"{k} {v:.1%}" for k, v in sorted(e.get("success_by_group", {}).items()))
             lines.append(f"greedy success {name}: {e['success_rate']:.1%} (n={e['n']}; {groups})")
     if summary.get("success_rise") is not None:
-        lines.append(f"rise: {100 * summary['success_rise']:+.1f} points; learner steps {summary.get('learner_steps')}, "
-                     f"wall {summary.get('wall_time_s')} s")
+        lines.append(
+            f"rise: {100 * summary['success_rise']:+.1f} points; learner steps {summary.get('learner_steps')}, "
+            f"wall {summary.get('wall_time_s')} s"
+        )
     return lines
 
 
@@ -203,8 +224,11 @@ def main() -> None:
     code, faults, summary = run_with_faults(args.config, run_dir, faults, overrides)
     lines = report(code, faults, summary, cfg.learner.max_steps)
     print("\n".join(lines))
-    ok = (not survived(code, faults, summary, cfg.learner.max_steps)
-          and summary.get("accounting", {}).get("balanced") and (summary.get("success_rise") or 0) >= 0.30)
+    ok = (
+        not survived(code, faults, summary, cfg.learner.max_steps)
+        and summary.get("accounting", {}).get("balanced")
+        and (summary.get("success_rise") or 0) >= 0.30
+    )
     print("target met: every fault survived, exact accounting, rise >= 30 points" if ok else "target NOT met")
     sys.exit(0 if ok else 1)
 

@@ -25,11 +25,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate an arithmetic expression.",
-                                           "parameters": {"type": "object", "properties": {
-                                               "expression": {"type": "string"}}, "required": ["expression"]}}}]
-START = [{"role": "system", "content": "Solve the problem. Use the calculator."},
-         {"role": "user", "content": "Tom has 12 apples and buys 30 more. How many apples does he have?"}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
+START = [
+    {"role": "system", "content": "Solve the problem. Use the calculator."},
+    {"role": "user", "content": "Tom has 12 apples and buys 30 more. How many apples does he have?"},
+]
 
 
 def turns(family: str, n: int) -> list[tuple[str, list[dict]]]:
@@ -86,7 +99,7 @@ def play_full_render(codec, script, episodes: int) -> float:
             rendered = codec.render(messages + obs, TOOLS, bool(obs), plain=True)
             expected = text + content + eot
             assert rendered.startswith(expected), "not prefix-stable"
-            tokens.extend(codec.encode(rendered[len(expected):]))
+            tokens.extend(codec.encode(rendered[len(expected) :]))
             messages.extend(obs)
             text = rendered
         spent += time.process_time() - t

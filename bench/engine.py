@@ -71,12 +71,21 @@ def bench_generate(model, reqs, batch: int) -> float:
         ids = torch.zeros((len(chunk), width), dtype=torch.long)
         mask = torch.zeros_like(ids)
         for j, (p, _) in enumerate(chunk):  # left padding, as generate wants
-            ids[j, width - len(p):] = torch.tensor(p)
-            mask[j, width - len(p):] = 1
+            ids[j, width - len(p) :] = torch.tensor(p)
+            mask[j, width - len(p) :] = 1
         longest = max(n for _, n in chunk)
         with torch.inference_mode():
-            model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=longest, min_new_tokens=longest, do_sample=True,
-                           temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0)
+            model.generate(
+                ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                pad_token_id=0,
+            )
         tokens += sum(n for _, n in chunk)
     return tokens / (time.perf_counter() - t0)
 
@@ -92,10 +101,17 @@ async def _drive(url: str, reqs, concurrency: int, pid: int | None = None) -> di
 
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=None)) as http:
+
         async def one(p, n):
             async with sem:
-                r = await http.post(url + "/generate", json={"input_ids": p, "return_logprob": True, "sampling_params": {
-                    "max_new_tokens": n, "temperature": 1.0, "ignore_eos": True}})
+                r = await http.post(
+                    url + "/generate",
+                    json={
+                        "input_ids": p,
+                        "return_logprob": True,
+                        "sampling_params": {"max_new_tokens": n, "temperature": 1.0, "ignore_eos": True},
+                    },
+                )
                 r.raise_for_status()
                 return r.json()["meta_info"]["completion_tokens"]
 
@@ -105,9 +121,12 @@ async def _drive(url: str, reqs, concurrency: int, pid: int | None = None) -> di
         elapsed, cpu = time.perf_counter() - t0, (_cpu_s(pid) - cpu0 if pid else 0.0)
         after = (await http.get(url + "/server_info")).json()
     steps = max(1, after["num_steps"] - before["num_steps"])
-    return {"tokens_per_s": sum(done) / elapsed, "ms_per_step": 1e3 * elapsed / steps,
-            "cpu_ms_per_step": 1e3 * cpu / steps,
-            "rows_per_step": (after["num_generated_tokens"] - before["num_generated_tokens"]) / steps}
+    return {
+        "tokens_per_s": sum(done) / elapsed,
+        "ms_per_step": 1e3 * elapsed / steps,
+        "cpu_ms_per_step": 1e3 * cpu / steps,
+        "rows_per_step": (after["num_generated_tokens"] - before["num_generated_tokens"]) / steps,
+    }
 
 
 def bench_engine(url: str, reqs, concurrency: int, pid: int | None = None) -> dict:
@@ -135,16 +154,25 @@ def bench_throughput(model, engines: dict, rounds: int) -> list[dict]:
                 engs[tree].append(bench_engine(e.url, reqs, conc, e.process.pid))
         best = {tree: max(runs, key=lambda r: r["tokens_per_s"]) for tree, runs in engs.items()}
         rows.append({"concurrency": conc, "requests": n, "generate": max(gens), "engines": best})
-        print(f"  concurrency {conc:>2}: generate {max(gens):7.0f} tok/s, " + ", ".join(
-            f"{tree_label(t)} {r['tokens_per_s']:7.0f} tok/s ({r['ms_per_step']:.1f} ms/step, "
-            f"{r['cpu_ms_per_step']:.1f} cpu ms/step)" for t, r in best.items()),
-            flush=True)
+        print(
+            f"  concurrency {conc:>2}: generate {max(gens):7.0f} tok/s, "
+            + ", ".join(
+                f"{tree_label(t)} {r['tokens_per_s']:7.0f} tok/s ({r['ms_per_step']:.1f} ms/step, "
+                f"{r['cpu_ms_per_step']:.1f} cpu ms/step)"
+                for t, r in best.items()
+            ),
+            flush=True,
+        )
     return rows
 
 
 # Scheduler and runner methods every tree has, timed (thread CPU) by the breakdown worker.
-TIMED = {"decode forward": ("runner", "decode"), "prefill forward": ("runner", "prefill"),
-         "sampling": ("runner", "sample"), "sampling params": ("runner", "row_params")}
+TIMED = {
+    "decode forward": ("runner", "decode"),
+    "prefill forward": ("runner", "prefill"),
+    "sampling": ("runner", "sample"),
+    "sampling params": ("runner", "row_params"),
+}
 
 
 def breakdown_worker(tree: str, model_path: str, device: str, threads: int) -> dict:
@@ -153,7 +181,8 @@ def breakdown_worker(tree: str, model_path: str, device: str, threads: int) -> d
     sys.path.insert(0, tree)
     import torch
 
-    from agentrl.engine import runner as runner_mod, scheduler as scheduler_mod
+    from agentrl.engine import runner as runner_mod
+    from agentrl.engine import scheduler as scheduler_mod
     from agentrl.engine.native_api import parse_generate
 
     if threads:
@@ -179,11 +208,20 @@ def breakdown_worker(tree: str, model_path: str, device: str, threads: int) -> d
 
         def run(reqs) -> None:
             for p, m in reqs:
-                call = parse_generate({"input_ids": p, "return_logprob": True, "sampling_params": {
-                    "max_new_tokens": m, "temperature": 1.0, "ignore_eos": True}}, vocab_size=runner.vocab_size,
-                    context_len=runner.max_context_tokens)
-                sched.submit(scheduler_mod.Request(call.inputs[0], lambda r, c: c.finish_reason and done.append(
-                    len(c.output_ids))))
+                call = parse_generate(
+                    {
+                        "input_ids": p,
+                        "return_logprob": True,
+                        "sampling_params": {"max_new_tokens": m, "temperature": 1.0, "ignore_eos": True},
+                    },
+                    vocab_size=runner.vocab_size,
+                    context_len=runner.max_context_tokens,
+                )
+                sched.submit(
+                    scheduler_mod.Request(
+                        call.inputs[0], lambda r, c: c.finish_reason and done.append(len(c.output_ids))
+                    )
+                )
             sched._drain_inbox()
             while sched.waiting or sched.running:
                 sched._step()
@@ -198,8 +236,12 @@ def breakdown_worker(tree: str, model_path: str, device: str, threads: int) -> d
         steps = sched.num_steps - steps0
         parts = {k: v / steps / 1e6 for k, v in spent.items()}
         parts["scheduler and the rest"] = (total - sum(spent.values())) / steps / 1e6
-        out[conc] = {"tokens_per_cpu_s": sum(done) / (total / 1e9), "ms_per_step": total / steps / 1e6,
-                     "steps": steps, "parts": parts}
+        out[conc] = {
+            "tokens_per_cpu_s": sum(done) / (total / 1e9),
+            "ms_per_step": total / steps / 1e6,
+            "steps": steps,
+            "parts": parts,
+        }
     return out
 
 
@@ -211,30 +253,56 @@ def bench_breakdown(model_path: Path, trees: list[str], device: str, threads: in
     runs: dict[str, list[dict]] = {t: [] for t in trees}
     for _ in range(rounds):
         for tree in trees:
-            out = subprocess.run([sys.executable, __file__, "--breakdown-worker", tree, "--model", str(model_path),
-                                  "--device", device, "--threads", str(threads)], capture_output=True, text=True,
-                                 env={**os.environ, "PYTHONSAFEPATH": "1"}, check=True)
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--breakdown-worker",
+                    tree,
+                    "--model",
+                    str(model_path),
+                    "--device",
+                    device,
+                    "--threads",
+                    str(threads),
+                ],
+                capture_output=True,
+                text=True,
+                env={**os.environ, "PYTHONSAFEPATH": "1"},
+                check=True,
+            )
             runs[tree].append(json.loads(out.stdout.splitlines()[-1]))
-    return {tree: {conc: min((r[conc] for r in rs), key=lambda x: x["ms_per_step"]) for conc in rs[0]}
-            for tree, rs in runs.items()}
+    return {
+        tree: {conc: min((r[conc] for r in rs), key=lambda x: x["ms_per_step"]) for conc in rs[0]}
+        for tree, rs in runs.items()
+    }
 
 
 def print_breakdown(result: dict, trees: list[str]) -> None:
     print("\nengine core in process (scheduler + runner, no HTTP), same workload: thread CPU ms per scheduler step")
     labels = [*TIMED, "scheduler and the rest"]
-    print(f"{'concurrency':>11} {'tree':>14} {'steps':>5} " + " ".join(f"{lab[:15]:>15}" for lab in labels)
-          + f" {'total':>7} {'tok/CPU-s':>9}")
+    print(
+        f"{'concurrency':>11} {'tree':>14} {'steps':>5} "
+        + " ".join(f"{lab[:15]:>15}" for lab in labels)
+        + f" {'total':>7} {'tok/CPU-s':>9}"
+    )
     for conc in result[trees[0]]:
         for tree in trees:
             r = result[tree][conc]
-            print(f"{conc:>11} {tree_label(tree)[:14]:>14} {r['steps']:>5} "
-                  + " ".join(f"{r['parts'].get(lab, 0.0):>15.3f}" for lab in labels)
-                  + f" {r['ms_per_step']:>7.2f} {r['tokens_per_cpu_s']:>9.0f}")
+            print(
+                f"{conc:>11} {tree_label(tree)[:14]:>14} {r['steps']:>5} "
+                + " ".join(f"{r['parts'].get(lab, 0.0):>15.3f}" for lab in labels)
+                + f" {r['ms_per_step']:>7.2f} {r['tokens_per_cpu_s']:>9.0f}"
+            )
         if len(trees) == 2:
             old, new = (result[t][conc] for t in trees)
-            print(f"{'':>11} {'new/old':>14} {'':>5} " + " ".join(
-                f"{old['parts'].get(lab, 0.0) / max(new['parts'].get(lab, 0.0), 1e-9):>14.2f}x" for lab in labels)
-                + f" {old['ms_per_step'] / new['ms_per_step']:>6.2f}x {new['tokens_per_cpu_s'] / old['tokens_per_cpu_s']:>8.2f}x")
+            print(
+                f"{'':>11} {'new/old':>14} {'':>5} "
+                + " ".join(
+                    f"{old['parts'].get(lab, 0.0) / max(new['parts'].get(lab, 0.0), 1e-9):>14.2f}x" for lab in labels
+                )
+                + f" {old['ms_per_step'] / new['ms_per_step']:>6.2f}x {new['tokens_per_cpu_s'] / old['tokens_per_cpu_s']:>8.2f}x"
+            )
 
 
 def bench_hf_cb(model, reqs) -> float:
@@ -309,8 +377,11 @@ def _fill_prefix_cache(url: str) -> None:
     import httpx
 
     for i in range(4):
-        httpx.post(url + "/generate", timeout=60, json={"input_ids": [3 + i] * 64, "sampling_params": {
-            "max_new_tokens": 1, "temperature": 0.0}}).raise_for_status()
+        httpx.post(
+            url + "/generate",
+            timeout=60,
+            json={"input_ids": [3 + i] * 64, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}},
+        ).raise_for_status()
 
 
 def bench_push(small_model: Path, engine, reps: int, dtype=None) -> dict:
@@ -320,8 +391,8 @@ def bench_push(small_model: Path, engine, reps: int, dtype=None) -> dict:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from agentrl.net import free_port
     from agentrl.learner.weight_push import WeightUpdater
+    from agentrl.net import free_port
     from agentrl.weight_group import destroy_weight_group, init_weight_group
 
     model = AutoModelForCausalLM.from_pretrained(small_model, dtype=dtype or torch.float32)
@@ -336,8 +407,9 @@ def bench_push(small_model: Path, engine, reps: int, dtype=None) -> dict:
 
     port = free_port()
     ctx = mp.get_context("spawn")
-    proc = ctx.Process(target=_raw_receiver,
-                       args=(port, [(tuple(t.shape), t.dtype) for _, t in named], reps * len(formats)))
+    proc = ctx.Process(
+        target=_raw_receiver, args=(port, [(tuple(t.shape), t.dtype) for _, t in named], reps * len(formats))
+    )
     proc.start()
     group = init_weight_group("gloo", "127.0.0.1", port, 2, 0, "raw_bench")
     flat = torch.empty(nbytes, dtype=torch.uint8)
@@ -364,8 +436,15 @@ def bench_push(small_model: Path, engine, reps: int, dtype=None) -> dict:
         proc.join(60)
         destroy_weight_group(group)
     best = {k: min(v, key=lambda p: p["total_s"]) for k, v in pushes.items()}
-    return {"bytes": nbytes, "tensors": len(named), "dtype": str(dtype or torch.float32).removeprefix("torch."),
-            "model": Path(small_model).name, "raw_tensors_s": min(raw_tensors), "raw_flat_s": min(raw_flat), **best}
+    return {
+        "bytes": nbytes,
+        "tensors": len(named),
+        "dtype": str(dtype or torch.float32).removeprefix("torch."),
+        "model": Path(small_model).name,
+        "raw_tensors_s": min(raw_tensors),
+        "raw_flat_s": min(raw_flat),
+        **best,
+    }
 
 
 def main() -> None:
@@ -373,18 +452,29 @@ def main() -> None:
     ap.add_argument("--model", default="", help="model folder (default: build one of --size in a temp dir)")
     ap.add_argument("--size", default="tiny", help="size to build when --model is not given (tiny, small, 0.5b)")
     ap.add_argument("--device", default="cpu", help="device of generate and of the engine (cpu, cuda)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads for generate and for the engine (0: torch's default)")
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch threads for generate and for the engine (0: torch's default)"
+    )
     ap.add_argument("--reps", type=int, default=3, help="weight pushes / raw broadcasts (best is reported)")
     ap.add_argument("--skip-push", action="store_true")
     ap.add_argument("--skip-throughput", action="store_true")
-    ap.add_argument("--trees", default="", help="comma-separated agentrl source trees whose engines run side by side "
-                    "(OLD,NEW: each level alternates between them; default: this tree)")
+    ap.add_argument(
+        "--trees",
+        default="",
+        help="comma-separated agentrl source trees whose engines run side by side "
+        "(OLD,NEW: each level alternates between them; default: this tree)",
+    )
     ap.add_argument("--rounds", type=int, default=2, help="rounds per level from concurrency 16 up (best counts)")
     ap.add_argument("--hf-cb", action="store_true", help="also measure transformers' continuous batching")
     ap.add_argument("--push-model", default="", help="model pushed in the weight-push part (default: build 'small')")
-    ap.add_argument("--push-dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the pushed weights")
-    ap.add_argument("--breakdown", action="store_true", help="also time the engine core's pieces per step, in "
-                    "process, for each tree (no HTTP)")
+    ap.add_argument(
+        "--push-dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the pushed weights"
+    )
+    ap.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also time the engine core's pieces per step, in process, for each tree (no HTTP)",
+    )
     ap.add_argument("--breakdown-worker", default="", help=argparse.SUPPRESS)
     ap.add_argument("--json", default="", help="also write the results to this file (bench/gpu_check.sh's table)")
     args = ap.parse_args()
@@ -398,26 +488,43 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from agentrl.engine.launch import EngineProcess, wait_ready
-    from agentrl.net import free_port
     from agentrl.models.builder import init_model
+    from agentrl.net import free_port
 
     if args.threads:  # 0: torch's default (the engine reads --num-threads 0 the same way)
         torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="agentrl-bench-"))
     model_path = Path(args.model) if args.model else init_model(tmp / args.size, args.size)
-    small_path = None if args.skip_push else (Path(args.push_model) if args.push_model else init_model(tmp / "small", "small"))
+    small_path = (
+        None if args.skip_push else (Path(args.push_model) if args.push_model else init_model(tmp / "small", "small"))
+    )
     print(f"model {model_path} on {args.device}, {args.threads} torch thread(s) on each side", flush=True)
     flags = ["--num-threads", str(args.threads), "--device", args.device]
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     trees = [str(Path(t).resolve()) for t in args.trees.split(",")] if args.trees else [str(ROOT)]
     # All servers load at once; the idle ones cost nothing while another is measured. PYTHONSAFEPATH: `python -m`
     # would otherwise put the working directory before PYTHONPATH, and every engine would run this tree.
-    engines = {} if args.skip_throughput else {
-        tree: EngineProcess(str(model_path), free_port(), extra=flags, log_path=tmp / f"engine{i}.log",
-                            env={**os.environ, "PYTHONPATH": tree, "PYTHONSAFEPATH": "1"}).start(wait_s=0)
-        for i, tree in enumerate(trees)}
-    push_engine = None if args.skip_push else EngineProcess(str(small_path), free_port(), extra=flags[:2],
-                                                            log_path=tmp / "push_engine.log").start(wait_s=0)
+    engines = (
+        {}
+        if args.skip_throughput
+        else {
+            tree: EngineProcess(
+                str(model_path),
+                free_port(),
+                extra=flags,
+                log_path=tmp / f"engine{i}.log",
+                env={**os.environ, "PYTHONPATH": tree, "PYTHONSAFEPATH": "1"},
+            ).start(wait_s=0)
+            for i, tree in enumerate(trees)
+        }
+    )
+    push_engine = (
+        None
+        if args.skip_push
+        else EngineProcess(str(small_path), free_port(), extra=flags[:2], log_path=tmp / "push_engine.log").start(
+            wait_s=0
+        )
+    )
     rows, breakdown = [], None
     try:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(args.device).eval()
@@ -428,29 +535,39 @@ def main() -> None:
             rows = bench_throughput(model, engines, args.rounds)
             for e in engines.values():
                 e.stop()
-        breakdown = bench_breakdown(model_path, trees, args.device, args.threads, args.rounds) if args.breakdown \
-            else None
+        breakdown = (
+            bench_breakdown(model_path, trees, args.device, args.threads, args.rounds) if args.breakdown else None
+        )
         if args.hf_cb and rows:
             cb = bench_hf_cb(model, workload(LEVELS[64], seed=64))
-        push = None if push_engine is None else bench_push(small_path, push_engine, args.reps,
-                                                           getattr(torch, args.push_dtype))
+        push = (
+            None
+            if push_engine is None
+            else bench_push(small_path, push_engine, args.reps, getattr(torch, args.push_dtype))
+        )
     finally:
         for e in [*engines.values(), push_engine]:
             if e is not None:
                 e.stop()
 
     if rows:
-        print("\nthroughput (useful tokens/s; ragged prompts of 8-96 tokens, outputs of 8-64 tokens; "
-              "wall and engine-CPU ms per scheduler step, rows per step)")
+        print(
+            "\nthroughput (useful tokens/s; ragged prompts of 8-96 tokens, outputs of 8-64 tokens; "
+            "wall and engine-CPU ms per scheduler step, rows per step)"
+        )
         labels = [tree_label(t) for t in trees]
-        print(f"{'concurrency':>11} {'requests':>8} {'generate':>9} " + " ".join(
-            f"{lab[:12]:>12} {'/generate':>9} {'ms/step':>7} {'cpu ms':>6} {'rows':>5}" for lab in labels)
-            + (f" {'new/old':>8}" if len(trees) == 2 else ""))
+        print(
+            f"{'concurrency':>11} {'requests':>8} {'generate':>9} "
+            + " ".join(f"{lab[:12]:>12} {'/generate':>9} {'ms/step':>7} {'cpu ms':>6} {'rows':>5}" for lab in labels)
+            + (f" {'new/old':>8}" if len(trees) == 2 else "")
+        )
         for r in rows:
             engs = [r["engines"][t] for t in trees]
             line = f"{r['concurrency']:>11} {r['requests']:>8} {r['generate']:>9.0f} " + " ".join(
                 f"{e['tokens_per_s']:>12.0f} {e['tokens_per_s'] / r['generate']:>8.2f}x {e['ms_per_step']:>7.1f} "
-                f"{e['cpu_ms_per_step']:>6.1f} {e['rows_per_step']:>5.1f}" for e in engs)
+                f"{e['cpu_ms_per_step']:>6.1f} {e['rows_per_step']:>5.1f}"
+                for e in engs
+            )
             if len(trees) == 2:
                 line += f" {engs[1]['tokens_per_s'] / engs[0]['tokens_per_s']:>7.2f}x"
             print(line)
@@ -460,8 +577,10 @@ def main() -> None:
 
     if args.hf_cb and rows:
         eng64 = rows[-1]["engines"][trees[-1]]["tokens_per_s"]
-        print(f"\ntransformers continuous batching at concurrency 64: {cb:.0f} tok/s "
-              f"(embedded engine {eng64:.0f} tok/s, {eng64 / cb:.2f}x)")
+        print(
+            f"\ntransformers continuous batching at concurrency 64: {cb:.0f} tok/s "
+            f"(embedded engine {eng64:.0f} tok/s, {eng64 / cb:.2f}x)"
+        )
 
     if push is not None:
         r = push
@@ -469,30 +588,45 @@ def main() -> None:
         print(f"\nweight push: {mb:.0f} MiB in {r['tensors']} {r['dtype']} tensors ({r['model']}), best of {args.reps}")
         print(f"  {'raw broadcast, one flat buffer':<44} {r['raw_flat_s'] * 1e3:8.1f} ms")
         print(f"  {'raw broadcast, same tensors (async)':<44} {r['raw_tensors_s'] * 1e3:8.1f} ms")
-        for key, label in (("default", "push, one broadcast per tensor (default)"),
-                           ("flattened_bucket", "push, flattened_bucket")):
+        for key, label in (
+            ("default", "push, one broadcast per tensor (default)"),
+            ("flattened_bucket", "push, flattened_bucket"),
+        ):
             p = r[key]
-            print(f"  {label:<44} {p['total_s'] * 1e3:8.1f} ms  ({p['num_buckets']} buckets; pause "
-                  f"{p['pause_s'] * 1e3:.1f}, broadcast {p['broadcast_s'] * 1e3:.1f}, continue {p['continue_s'] * 1e3:.1f})")
+            print(
+                f"  {label:<44} {p['total_s'] * 1e3:8.1f} ms  ({p['num_buckets']} buckets; pause "
+                f"{p['pause_s'] * 1e3:.1f}, broadcast {p['broadcast_s'] * 1e3:.1f}, continue {p['continue_s'] * 1e3:.1f})"
+            )
         p = r["default"]
         print(f"  {'push / raw, same tensors':<44} {p['total_s'] / r['raw_tensors_s']:8.2f}x")
         print(f"  {'push / raw, one flat buffer':<44} {p['total_s'] / r['raw_flat_s']:8.2f}x")
         q = r["separate_flush"]
         print(f"\ncache flush (prefix cache filled before each push), best of {args.reps}")
         print(f"  {'flush_cache on the last bucket (default)':<44} {p['total_s'] * 1e3:8.1f} ms")
-        print(f"  {'separate /flush_cache call':<44} {q['total_s'] * 1e3:8.1f} ms  "
-              f"(the call itself {q['flush_call_s'] * 1e3:.1f} ms)")
+        print(
+            f"  {'separate /flush_cache call':<44} {q['total_s'] * 1e3:8.1f} ms  "
+            f"(the call itself {q['flush_call_s'] * 1e3:.1f} ms)"
+        )
         print(f"  {'separate / last bucket':<44} {q['total_s'] / p['total_s']:8.2f}x")
     print("\ntargets: engine/generate >= 1.0x at 16 and 64; push/raw <= 1.5x")
     if args.json:
         import json
 
-        result = {"model": Path(model_path).name, "device": args.device,
-                  "throughput": [{"concurrency": r["concurrency"], "requests": r["requests"],
-                                  "generate_tokens_per_s": r["generate"],
-                                  "engine_tokens_per_s": r["engines"][trees[-1]]["tokens_per_s"],
-                                  "engines": {tree_label(t): e for t, e in r["engines"].items()}} for r in rows],
-                  "push": push}
+        result = {
+            "model": Path(model_path).name,
+            "device": args.device,
+            "throughput": [
+                {
+                    "concurrency": r["concurrency"],
+                    "requests": r["requests"],
+                    "generate_tokens_per_s": r["generate"],
+                    "engine_tokens_per_s": r["engines"][trees[-1]]["tokens_per_s"],
+                    "engines": {tree_label(t): e for t, e in r["engines"].items()},
+                }
+                for r in rows
+            ],
+            "push": push,
+        }
         Path(args.json).write_text(json.dumps(result, indent=2, default=str))
 
 

@@ -11,7 +11,8 @@ few learner steps move it and "final reward no worse" can be checked.
 from __future__ import annotations
 
 import random
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import trio
 
@@ -21,8 +22,15 @@ from agentrl.envs.base import Env, Message, Task
 class LatencyEnv(Env):
     name = "latency"
 
-    def __init__(self, pareto_alpha: float = 1.1, max_turns: int = 12, latency_median_s: float = 0.5,
-                 latency_sigma: float = 1.2, max_latency_s: float = 6.0, max_chars: int = 120):
+    def __init__(
+        self,
+        pareto_alpha: float = 1.1,
+        max_turns: int = 12,
+        latency_median_s: float = 0.5,
+        latency_sigma: float = 1.2,
+        max_latency_s: float = 6.0,
+        max_chars: int = 120,
+    ):
         self.alpha, self.turn_cap = pareto_alpha, max_turns
         self.median, self.sigma, self.max_latency = latency_median_s, latency_sigma, max_latency_s
         self.max_chars = max_chars

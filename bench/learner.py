@@ -82,7 +82,9 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per side")
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default); 1 is steadier on a shared CPU")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads (0: torch's default); 1 is steadier on a shared CPU"
+    )
     parser.add_argument("--peak-tflops", type=float, default=989.0)
     parser.add_argument("--json", default="", help="also write the results to this file (bench/gpu_check.sh's table)")
     args = parser.parse_args()
@@ -119,7 +121,11 @@ def main() -> None:
     n_loss = float(sum(mb.num_loss_tokens for mb in micro_batches))
 
     def bare_step() -> None:
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+        autocast = (
+            torch.autocast("cuda", dtype=torch.bfloat16)
+            if device.type == "cuda"
+            else torch.autocast("cpu", enabled=False)
+        )
         for mb in micro_batches:
             with autocast:
                 keep = mb.loss_mask.nonzero().squeeze(-1)  # the LM head on loss positions only, as the learner
@@ -164,17 +170,26 @@ def main() -> None:
     for clock, i in clocks:
         learner_tps = tokens / statistics.median(t[i] for t in learner_t)
         bare_tps = tokens / statistics.median(t[i] for t in bare_t)
-        print(f"[{clock:4s}] learner {learner_tps:10,.0f} tokens/s | bare {bare_tps:10,.0f} tokens/s | "
-              f"ratio learner/bare = {learner_tps / bare_tps:.3f} (overhead {100 * (1 - learner_tps / bare_tps):+.1f}%, "
-              f"target <= 10%; median of {args.steps} steps)")
+        print(
+            f"[{clock:4s}] learner {learner_tps:10,.0f} tokens/s | bare {bare_tps:10,.0f} tokens/s | "
+            f"ratio learner/bare = {learner_tps / bare_tps:.3f} (overhead {100 * (1 - learner_tps / bare_tps):+.1f}%, "
+            f"target <= 10%; median of {args.steps} steps)"
+        )
     learner_tps = tokens / statistics.median(t[0] for t in learner_t)
     bare_tps = tokens / statistics.median(t[0] for t in bare_t)
     fpt = flops_per_token(trainer.hf_config, mean_len)
-    result = {"model": Path(model_path).name, "parameters": sum(p.numel() for p in bare_model.parameters()),
-              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "tokens": tokens,
-              "microbatch_tokens": args.microbatch_tokens, "learner_tokens_per_s": learner_tps,
-              "bare_tokens_per_s": bare_tps, "peak_tflops": args.peak_tflops,
-              "mfu_learner": fpt * learner_tps / (args.peak_tflops * 1e12), "mfu_bare": fpt * bare_tps / (args.peak_tflops * 1e12)}
+    result = {
+        "model": Path(model_path).name,
+        "parameters": sum(p.numel() for p in bare_model.parameters()),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "tokens": tokens,
+        "microbatch_tokens": args.microbatch_tokens,
+        "learner_tokens_per_s": learner_tps,
+        "bare_tokens_per_s": bare_tps,
+        "peak_tflops": args.peak_tflops,
+        "mfu_learner": fpt * learner_tps / (args.peak_tflops * 1e12),
+        "mfu_bare": fpt * bare_tps / (args.peak_tflops * 1e12),
+    }
     if device.type == "cuda":
         for name in ("learner", "bare"):
             print(f"MFU {name:8s} {100 * result['mfu_' + name]:5.1f}%  (peak {args.peak_tflops:.0f} TFLOP/s)")

@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.learner import synthetic_samples  # noqa: E402
+from bench.learner import synthetic_samples
 
 
 def _bytes(tensors) -> int:
@@ -55,7 +55,10 @@ def measure(model_path: str, lora, samples, args, dist_info) -> dict:
     trainer = Trainer(spec, dist_info)
     grads: list[int] = []
     trainer.optimizer.register_step_pre_hook(
-        lambda opt, a, k: grads.append(_bytes(p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None)))
+        lambda opt, a, k: grads.append(
+            _bytes(p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None)
+        )
+    )
     times = []
     for _ in range(args.steps + 1):  # the first step warms up and is not timed
         start, cpu = time.perf_counter(), time.process_time()
@@ -116,23 +119,31 @@ def main() -> None:
 
     full = results["full"]
     tokens = sum(s.num_tokens for s in samples)
-    print(f"model {Path(model_path).name}, {full['trainable']:,} parameters, on {dist_info.device}; "
-          f"{len(samples)} sequences / {tokens} tokens per step; LoRA on q,k,v,o,gate,up,down, alpha {args.alpha:g}")
+    print(
+        f"model {Path(model_path).name}, {full['trainable']:,} parameters, on {dist_info.device}; "
+        f"{len(samples)} sequences / {tokens} tokens per step; LoRA on q,k,v,o,gate,up,down, alpha {args.alpha:g}"
+    )
     mib = lambda b: f"{b / 2**20:9.2f} MiB"  # noqa: E731
-    header = f"{'':14s} {'trainable':>12s} {'gradients':>13s} {'optimiser':>13s} {'grad+optim':>13s} " \
-             f"{'vs full':>8s} {'step wall':>10s} {'step cpu':>9s}"
+    header = (
+        f"{'':14s} {'trainable':>12s} {'gradients':>13s} {'optimiser':>13s} {'grad+optim':>13s} "
+        f"{'vs full':>8s} {'step wall':>10s} {'step cpu':>9s}"
+    )
     if "peak_gpu_bytes" in full:
         header += f" {'peak GPU':>13s}"
     print(header)
     for name, r in results.items():
         both = r["grad_bytes"] + r["optimizer_bytes"]
-        line = (f"{name:14s} {r['trainable']:12,d} {mib(r['grad_bytes'])} {mib(r['optimizer_bytes'])} {mib(both)} "
-                f"{both / (full['grad_bytes'] + full['optimizer_bytes']):8.4f} {r['wall_s']:9.2f}s {r['cpu_s']:8.2f}s")
+        line = (
+            f"{name:14s} {r['trainable']:12,d} {mib(r['grad_bytes'])} {mib(r['optimizer_bytes'])} {mib(both)} "
+            f"{both / (full['grad_bytes'] + full['optimizer_bytes']):8.4f} {r['wall_s']:9.2f}s {r['cpu_s']:8.2f}s"
+        )
         if "peak_gpu_bytes" in r:
             line += f" {mib(r['peak_gpu_bytes'])}"
         print(line)
-    print(f"parameters: full {mib(full['parameters_bytes']).strip()}, "
-          + ", ".join(f"{n} {mib(r['parameters_bytes']).strip()}" for n, r in results.items() if n != "full"))
+    print(
+        f"parameters: full {mib(full['parameters_bytes']).strip()}, "
+        + ", ".join(f"{n} {mib(r['parameters_bytes']).strip()}" for n, r in results.items() if n != "full")
+    )
     shutdown_distributed()
     if tmp is not None:
         tmp.cleanup()

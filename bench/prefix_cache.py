@@ -41,11 +41,13 @@ async def play(url: str, prompts: list[list[int]], turns: int, concurrency: int)
     rng = random.Random(0)
     results = [[rng.randrange(3, 500) for _ in range(TOOL_RESULT)] for _ in range(turns)]
     async with EngineClient([url]) as client:  # its small httpx pools keep this process's CPU low
+
         async def episode(prompt: list[int]) -> int:
             async with sem:
                 for turn in range(turns):
-                    r = await client.generate(prompt, {"max_new_tokens": OUTPUT, "temperature": 1.0,
-                                                       "ignore_eos": True}, return_logprob=False)
+                    r = await client.generate(
+                        prompt, {"max_new_tokens": OUTPUT, "temperature": 1.0, "ignore_eos": True}, return_logprob=False
+                    )
                     prompt = prompt + r.output_ids + results[turn]
             return turns
 
@@ -71,17 +73,26 @@ def main() -> None:
     args = ap.parse_args()
 
     from agentrl.engine.launch import EngineProcess, wait_ready
-    from agentrl.net import free_port
     from agentrl.models.builder import init_model
+    from agentrl.net import free_port
 
     tmp = Path(tempfile.mkdtemp(prefix="agentrl-bench-"))
     model = args.model or str(init_model(tmp / "tiny", "tiny"))
-    flags = ["--num-threads", str(args.threads), "--device", "cpu", "--max-running-requests", str(args.concurrency),
-             "--max-context-tokens", "512"]
+    flags = [
+        "--num-threads",
+        str(args.threads),
+        "--device",
+        "cpu",
+        "--max-running-requests",
+        str(args.concurrency),
+        "--max-context-tokens",
+        "512",
+    ]
     engines = {
         "cache": EngineProcess(model, free_port(), extra=flags, log_path=tmp / "cache.log").start(wait_s=0),
-        "no cache": EngineProcess(model, free_port(), extra=[*flags, "--prefix-cache-tokens", "0"],
-                                  log_path=tmp / "nocache.log").start(wait_s=0),
+        "no cache": EngineProcess(
+            model, free_port(), extra=[*flags, "--prefix-cache-tokens", "0"], log_path=tmp / "nocache.log"
+        ).start(wait_s=0),
     }
     best = {name: 0.0 for name in engines}
     try:
@@ -97,8 +108,10 @@ def main() -> None:
     finally:
         for e in engines.values():
             e.stop()
-    print(f"\n{args.episodes} episodes x {args.turns} turns, concurrency {args.concurrency}, "
-          f"{args.threads} torch thread(s), best of {args.rounds} rounds")
+    print(
+        f"\n{args.episodes} episodes x {args.turns} turns, concurrency {args.concurrency}, "
+        f"{args.threads} torch thread(s), best of {args.rounds} rounds"
+    )
     print(f"  with prefix cache    {best['cache']:8.1f} turns/s ({saved:,} prefill tokens served from the cache)")
     print(f"  without              {best['no cache']:8.1f} turns/s")
     print(f"  ratio                {best['cache'] / best['no cache']:8.2f}x")

@@ -75,8 +75,13 @@ def bare_start() -> float:
 
 def run_worker(tree: str, backend: str, runs: int) -> dict[str, list[float]]:
     env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve())}
-    out = subprocess.run([sys.executable, __file__, "--worker", backend, "--runs", str(runs)], env=env,
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, __file__, "--worker", backend, "--runs", str(runs)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout.splitlines()[-1])
 
 
@@ -95,8 +100,12 @@ def main() -> None:
         return
     trees = args.trees.split(",")
     sys.path.insert(0, str(Path(trees[-1]).resolve()))
-    print(f"{'backend':8} {'what':6} " + " ".join(f"{Path(t).resolve().name[:14]:>14}" for t in trees)
-          + ("   new/old" if len(trees) == 2 else "") + "   (median ms)")
+    print(
+        f"{'backend':8} {'what':6} "
+        + " ".join(f"{Path(t).resolve().name[:14]:>14}" for t in trees)
+        + ("   new/old" if len(trees) == 2 else "")
+        + "   (median ms)"
+    )
     for backend in args.backends.split(","):
         reason = unavailable(backend)
         if reason:

@@ -62,8 +62,13 @@ class Result:
 
 def agentrl(*args: str, log: Path) -> None:
     with log.open("w") as out:
-        code = subprocess.call([sys.executable, "-m", "agentrl", *args], cwd=ROOT, stdout=out,
-                               stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        code = subprocess.call(
+            [sys.executable, "-m", "agentrl", *args],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
     if code != 0:
         sys.exit(f"agentrl {args[0]} failed with status {code}; its log: {log}")
 
@@ -74,8 +79,12 @@ def warm_start(config: Path, bench_dir: Path, overrides: list[str]) -> Path:
     if not (warm / "config.json").exists():
         bench_dir.mkdir(parents=True, exist_ok=True)
         print(f"building the warm start in {warm} (the config's SFT) ...", flush=True)
-        sets = [*overrides, f"sft.output_dir={warm}", f"run.run_dir={bench_dir / 'warm_run'}",
-                f"run.torch_num_threads={os.cpu_count() or 1}"]
+        sets = [
+            *overrides,
+            f"sft.output_dir={warm}",
+            f"run.run_dir={bench_dir / 'warm_run'}",
+            f"run.torch_num_threads={os.cpu_count() or 1}",
+        ]
         agentrl("sft", "--config", str(config), *[a for s in sets for a in ("-s", s)], log=bench_dir / "warm.log")
     return warm
 
@@ -97,25 +106,36 @@ def evaluate_checkpoints(config: Path, run_dir: Path, sets: list[str]) -> dict[i
 
     from agentrl.config import load_config
     from agentrl.engine.launch import EngineProcess, engine_args
-    from agentrl.net import free_port
     from agentrl.learner.checkpoint import checkpoint_meta, checkpoint_root
     from agentrl.learner.export import export_checkpoint
+    from agentrl.net import free_port
     from agentrl.run.evaluate import evaluate_policy
 
     transformers.utils.logging.disable_progress_bar()  # one "Writing model shards" bar per export otherwise
     cfg = load_config(config, [*sets, f"model.path={run_dir / 'sft' / 'model'}", "tracking.enabled=false"])
-    found = sorted((meta["step"], p) for p in checkpoint_root(run_dir, "learn").glob("step_*")
-                   if (meta := checkpoint_meta(p)) is not None)
-    extra = engine_args("embedded", device="cpu", max_running_requests=cfg.engine.max_running_requests,
-                        max_context_tokens=cfg.engine.max_context_tokens, num_threads=cfg.run.torch_num_threads)
+    found = sorted(
+        (meta["step"], p)
+        for p in checkpoint_root(run_dir, "learn").glob("step_*")
+        if (meta := checkpoint_meta(p)) is not None
+    )
+    extra = engine_args(
+        "embedded",
+        device="cpu",
+        max_running_requests=cfg.engine.max_running_requests,
+        max_context_tokens=cfg.engine.max_context_tokens,
+        num_threads=cfg.run.torch_num_threads,
+    )
     engine = EngineProcess(cfg.model.path, free_port(), extra=extra, log_path=run_dir / "bench_engine.log").start()
     cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"urls": [engine.url]})})
     success = {}
     try:
         for step, path in found:
             model = export_checkpoint(path, run_dir / "bench_export" / path.name)
-            r = httpx.post(f"{engine.url}/update_weights_from_disk", timeout=120,
-                           json={"model_path": str(model), "weight_version": str(step)})
+            r = httpx.post(
+                f"{engine.url}/update_weights_from_disk",
+                timeout=120,
+                json={"model_path": str(model), "weight_version": str(step)},
+            )
             r.raise_for_status()
             success[step] = float(trio.run(evaluate_policy, cfg)["success_rate"])
             shutil.rmtree(model, ignore_errors=True)
@@ -124,17 +144,29 @@ def evaluate_checkpoints(config: Path, run_dir: Path, sets: list[str]) -> dict[i
     return success
 
 
-def measure(variant: Variant, round_: int, config: Path, warm: Path, bench_dir: Path, common: list[str],
-            eval_every: int) -> Result:
+def measure(
+    variant: Variant, round_: int, config: Path, warm: Path, bench_dir: Path, common: list[str], eval_every: int
+) -> Result:
     run_dir = bench_dir / f"{variant.name}-{round_}"
     shutil.rmtree(run_dir, ignore_errors=True)
     shutil.copytree(warm, run_dir / "sft" / "model")
     sets = [*common, *variant.overrides]
     print(f"[{variant.name} round {round_}] agentrl run {config} {' '.join(variant.overrides)}", flush=True)
-    bench_sets = [*sets, "eval.every_steps=0", f"learner.checkpoint_every_steps={eval_every}",
-                  "learner.keep_checkpoints=100000"]
-    agentrl("run", str(config), "--run-dir", str(run_dir), "--no-live", *[a for s in bench_sets for a in ("-s", s)],
-            log=run_dir.with_suffix(".log"))
+    bench_sets = [
+        *sets,
+        "eval.every_steps=0",
+        f"learner.checkpoint_every_steps={eval_every}",
+        "learner.keep_checkpoints=100000",
+    ]
+    agentrl(
+        "run",
+        str(config),
+        "--run-dir",
+        str(run_dir),
+        "--no-live",
+        *[a for s in bench_sets for a in ("-s", s)],
+        log=run_dir.with_suffix(".log"),
+    )
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = [json.loads(line) for line in (run_dir / "learner_metrics.jsonl").read_text().splitlines()]
     times = rl_seconds(summary, rows)
@@ -147,9 +179,17 @@ def measure(variant: Variant, round_: int, config: Path, warm: Path, bench_dir: 
     group_size = load_config(config, sets).actors.group_size
     received = summary.get("groups_received") or 0
     after = summary["eval_after"]["success_rate"] if summary.get("eval_after") else None
-    return Result(variant.name, round_, rl_s, min(times.values(), default=None),
-                  received * group_size / max(rl_s, 1e-9), to_level, summary["eval_before"]["success_rate"],
-                  after, curve)
+    return Result(
+        variant.name,
+        round_,
+        rl_s,
+        min(times.values(), default=None),
+        received * group_size / max(rl_s, 1e-9),
+        to_level,
+        summary["eval_before"]["success_rate"],
+        after,
+        curve,
+    )
 
 
 def fmt(x: float | None, unit: str = "s") -> str:
@@ -161,8 +201,10 @@ def report(results: list[Result]) -> None:
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
         lv = [fmt(r.to_level[lvl]) for lvl in LEVELS]
-        print(f"| {r.variant} | {r.round} | {fmt(r.before, '%')} | {fmt(r.after, '%')} | {' | '.join(lv)} | "
-              f"{fmt(r.first_update_s)} | {r.rl_s:.0f} | {r.episodes_per_s:.1f} |")
+        print(
+            f"| {r.variant} | {r.round} | {fmt(r.before, '%')} | {fmt(r.after, '%')} | {' | '.join(lv)} | "
+            f"{fmt(r.first_update_s)} | {r.rl_s:.0f} | {r.episodes_per_s:.1f} |"
+        )
     print("\ncurves (learner step: RL seconds, greedy success):")
     for r in results:
         print(f"  {r.variant} #{r.round}: " + ", ".join(f"{v}: {t:.0f}s {s:.1%}" for v, t, s in r.curve))
@@ -172,8 +214,13 @@ def report(results: list[Result]) -> None:
         print(f"\nratios against {base} (its time / the variant's, per round; > 1 is faster):")
         for name in names[1:]:
             for lvl in LEVELS:
-                pairs = [(a.to_level[lvl], b.to_level[lvl]) for a in results if a.variant == base
-                         for b in results if b.variant == name and b.round == a.round]
+                pairs = [
+                    (a.to_level[lvl], b.to_level[lvl])
+                    for a in results
+                    if a.variant == base
+                    for b in results
+                    if b.variant == name and b.round == a.round
+                ]
                 cells = [f"{a / b:.2f}x" if a and b else "-" for a, b in pairs]
                 print(f"  {name} to {lvl:.0%}: {', '.join(cells)}")
 
@@ -200,12 +247,15 @@ def main() -> None:
     for round_ in range(1, args.rounds + 1):
         for v in variants:
             started = time.monotonic()
-            results.append(measure(v, round_, args.config.resolve(), warm, args.bench_dir.resolve(), args.sets,
-                                   args.eval_every))
+            results.append(
+                measure(v, round_, args.config.resolve(), warm, args.bench_dir.resolve(), args.sets, args.eval_every)
+            )
             r = results[-1]
-            print(f"  done in {time.monotonic() - started:.0f}s: to 80/85/90% "
-                  f"{', '.join(fmt(r.to_level[lvl]) for lvl in LEVELS)}; first update {fmt(r.first_update_s)}",
-                  flush=True)
+            print(
+                f"  done in {time.monotonic() - started:.0f}s: to 80/85/90% "
+                f"{', '.join(fmt(r.to_level[lvl]) for lvl in LEVELS)}; first update {fmt(r.first_update_s)}",
+                flush=True,
+            )
     report(results)
 
 

@@ -31,9 +31,19 @@ def join(url: str, world: int, group: str):
 
     port = free_port()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        answer = pool.submit(httpx.post, url + "/init_weights_update_group", timeout=120, json={
-            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": world,
-            "group_name": group, "backend": "gloo"})
+        answer = pool.submit(
+            httpx.post,
+            url + "/init_weights_update_group",
+            timeout=120,
+            json={
+                "master_address": "127.0.0.1",
+                "master_port": port,
+                "rank_offset": 1,
+                "world_size": world,
+                "group_name": group,
+                "backend": "gloo",
+            },
+        )
         pg = init_weight_group("gloo", "127.0.0.1", port, world, 0, group, timeout_s=120)
         assert answer.result().json()["success"], answer.result().text
     return pg
@@ -48,10 +58,19 @@ def push(url: str, pg, named, group: str, version: int) -> float:
     t0 = time.perf_counter()
     assert httpx.post(url + "/begin_weight_update", json={}, timeout=60).json()["success"]
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        answer = pool.submit(httpx.post, url + "/update_weights_from_distributed", timeout=120, json={
-            "names": [n for n, _ in named], "dtypes": [dtype_name(t.dtype) for _, t in named],
-            "shapes": [list(t.shape) for _, t in named], "group_name": group, "weight_version": str(version),
-            "flush_cache": False})
+        answer = pool.submit(
+            httpx.post,
+            url + "/update_weights_from_distributed",
+            timeout=120,
+            json={
+                "names": [n for n, _ in named],
+                "dtypes": [dtype_name(t.dtype) for _, t in named],
+                "shapes": [list(t.shape) for _, t in named],
+                "group_name": group,
+                "weight_version": str(version),
+                "flush_cache": False,
+            },
+        )
         for w in [dist.broadcast(t, src=0, group=pg, async_op=True) for _, t in named]:
             w.wait()
         assert answer.result().json()["success"], answer.result().text
@@ -82,21 +101,27 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from agentrl.engine.launch import EngineProcess, wait_ready
+    from agentrl.models.builder import init_model
     from agentrl.net import free_port
     from agentrl.weight_group import destroy_weight_group
-    from agentrl.models.builder import init_model
 
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="agentrl-bench-"))
     model_path = init_model(tmp / "small", "small")
     flags = ["--num-threads", "1", "--weight-version", "0"]
-    engines = {tp: EngineProcess(str(model_path), free_port(), extra=[*flags, "--tp-size", str(tp)],
-                                 log_path=tmp / f"tp{tp}.log").start(wait_s=0) for tp in (1, 2)}
+    engines = {
+        tp: EngineProcess(
+            str(model_path), free_port(), extra=[*flags, "--tp-size", str(tp)], log_path=tmp / f"tp{tp}.log"
+        ).start(wait_s=0)
+        for tp in (1, 2)
+    }
     try:
         for e in engines.values():
             wait_ready(e.url, 300, process=e.process)
-        named = [(n, p.detach()) for n, p in AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=torch.float32).named_parameters()]
+        named = [
+            (n, p.detach())
+            for n, p in AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).named_parameters()
+        ]
         mib = sum(t.numel() * t.element_size() for _, t in named) / 2**20
         groups = {tp: join(e.url, 1 + tp, f"tp{tp}") for tp, e in engines.items()}
         pushes: dict[int, list[float]] = {1: [], 2: []}

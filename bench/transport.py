@@ -47,7 +47,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agentrl.protocol import Trajectory, TrajectoryGroup, decode, encode  # noqa: E402
+from agentrl.protocol import Trajectory, TrajectoryGroup, decode, encode
 
 SIZES = {"4KB": 4 << 10, "256KB": 256 << 10}
 WARMUP = 200
@@ -68,8 +68,15 @@ def make_group(target_bytes: int) -> TrajectoryGroup:
         reward_components={"correct": 1.0},
         metadata={"env": "bench", "num_turns": 3, "finish_reason": "stop"},
     )
-    return TrajectoryGroup(group_id="g", task_id="t", env="bench", trajectories=[traj], actor_id="bench",
-                           session="0123456789ab", seq=123_456)
+    return TrajectoryGroup(
+        group_id="g",
+        task_id="t",
+        env="bench",
+        trajectories=[traj],
+        actor_id="bench",
+        session="0123456789ab",
+        seq=123_456,
+    )
 
 
 # ---------------------------------------------------------------- senders (child processes)

@@ -11,9 +11,10 @@ import math
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 import trio
@@ -136,20 +137,25 @@ class ScriptedEngine:
             if k < len(ids) or finish != "stop":
                 ids, logprobs, finish = ids[:k], logprobs[:k], "abort"
                 self.version += 1  # the weight update that paused us
-        reason = {"stop": {"type": "stop", "matched": ids[-1] if ids else None},
-                  "length": {"type": "length", "length": len(ids)},
-                  "abort": {"type": "abort", "message": "paused for a weight update"}}[finish]
+        reason = {
+            "stop": {"type": "stop", "matched": ids[-1] if ids else None},
+            "length": {"type": "length", "length": len(ids)},
+            "abort": {"type": "abort", "message": "paused for a weight update"},
+        }[finish]
         return {
             "text": "",
             "output_ids": ids,
             "meta_info": {
-                "id": req.get("rid", ""), "prompt_tokens": len(ids_in), "completion_tokens": len(ids),
-                "finish_reason": reason, "weight_version": str(version),
+                "id": req.get("rid", ""),
+                "prompt_tokens": len(ids_in),
+                "completion_tokens": len(ids),
+                "finish_reason": reason,
+                "weight_version": str(version),
                 "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, ids)],
             },
         }
 
-    def __enter__(self) -> "ScriptedEngine":
+    def __enter__(self) -> ScriptedEngine:
         import uvicorn
 
         sock = socket.socket()
@@ -172,8 +178,13 @@ class ScriptedEngine:
 
 
 async def _respond(send, status: int, body: bytes) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -196,7 +207,7 @@ class TurnScript:
 
     def __call__(self, ids: list[int], params: dict) -> Reply:
         h = self.header
-        starts = [i for i in range(len(ids) - len(h) + 1) if ids[i:i + len(h)] == h]
+        starts = [i for i in range(len(ids) - len(h) + 1) if ids[i : i + len(h)] == h]
         turn_start = starts[-1] + len(h)
         text = self.script(len(starts) - 1, self.codec.decode(ids))
         stop = not text.endswith(self.NO_STOP)
@@ -205,8 +216,8 @@ class TurnScript:
         if not stop:
             full = full * 50  # keep "generating"
         done = ids[turn_start:]
-        assert full[:len(done)] == done, "the continuation does not extend the scripted turn"
-        return Reply(full[len(done):], "stop" if stop else "length")
+        assert full[: len(done)] == done, "the continuation does not extend the scripted turn"
+        return Reply(full[len(done) :], "stop" if stop else "length")
 
 
 class ModelPolicy:
@@ -255,14 +266,21 @@ class GenerateResult:
 class HttpEngineClient:
     """The EngineClient interface over httpx (no retries, no health checks): a test double."""
 
-    def __init__(self, urls: list[str], *, router_url: str = "", max_retries: int = 0,
-                 health_check_interval_s: float = 2.0, timeout_s: float = 60.0):
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        router_url: str = "",
+        max_retries: int = 0,
+        health_check_interval_s: float = 2.0,
+        timeout_s: float = 60.0,
+    ):
         self.urls = [router_url] if router_url else list(urls)
         self.timeout_s = timeout_s
         self._http: httpx.AsyncClient | None = None
         self.calls = 0
 
-    async def __aenter__(self) -> "HttpEngineClient":
+    async def __aenter__(self) -> HttpEngineClient:
         self._client()
         return self
 
@@ -273,12 +291,20 @@ class HttpEngineClient:
 
     def _client(self) -> httpx.AsyncClient:
         if self._http is None:
-            self._http = httpx.AsyncClient(timeout=self.timeout_s,
-                                           limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+            self._http = httpx.AsyncClient(
+                timeout=self.timeout_s, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)
+            )
         return self._http
 
-    async def generate(self, input_ids: list[int], sampling_params: dict, *, affinity_key: str | None = None,
-                       rid: str | None = None, return_logprob: bool = True) -> GenerateResult:
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: dict,
+        *,
+        affinity_key: str | None = None,
+        rid: str | None = None,
+        return_logprob: bool = True,
+    ) -> GenerateResult:
         self.calls += 1
         url = self.urls[hash(affinity_key) % len(self.urls)]
         body = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob}
@@ -288,8 +314,16 @@ class HttpEngineClient:
         r.raise_for_status()
         d = r.json()
         mi = d["meta_info"]
-        return GenerateResult(d["output_ids"], [e[0] for e in mi["output_token_logprobs"]], d.get("text", ""),
-                              mi["finish_reason"], str(mi["weight_version"]), mi["prompt_tokens"], mi, url)
+        return GenerateResult(
+            d["output_ids"],
+            [e[0] for e in mi["output_token_logprobs"]],
+            d.get("text", ""),
+            mi["finish_reason"],
+            str(mi["weight_version"]),
+            mi["prompt_tokens"],
+            mi,
+            url,
+        )
 
 
 # ----------------------------------------------------------------------------- transport doubles

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import random
 import re
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import trio
 
@@ -54,8 +55,10 @@ class AddEnv(Env):
             yield Task(id=f"{split}-{seed}-{i}", data={"a": a, "b": b})
 
     def initial_messages(self, task: Task) -> list[Message]:
-        return [{"role": "system", "content": "Use the tools."},
-                {"role": "user", "content": f"What is {task.data['a']} + {task.data['b']}?"}]
+        return [
+            {"role": "system", "content": "Use the tools."},
+            {"role": "user", "content": f"What is {task.data['a']} + {task.data['b']}?"},
+        ]
 
     def tools(self) -> list[Tool]:
         return [add, wait]
@@ -126,11 +129,18 @@ class AddAgentEnv(AgentEnv):
             call = message.tool_calls[0]
             result = str(sum(json.loads(call.function.arguments).values()))
             if self.rewrite_history:
-                messages = messages[:1] + [{"role": "user", "content": f"What is {a} + {b}? The add tool says:\n"
-                                                                      f"<tool_response>\n{result}\n</tool_response>"}]
+                messages = messages[:1] + [
+                    {
+                        "role": "user",
+                        "content": f"What is {a} + {b}? The add tool says:\n"
+                        f"<tool_response>\n{result}\n</tool_response>",
+                    }
+                ]
             else:
-                messages += [message.model_dump(exclude_none=True),
-                             {"role": "tool", "tool_call_id": call.id, "content": result}]
+                messages += [
+                    message.model_dump(exclude_none=True),
+                    {"role": "tool", "tool_call_id": call.id, "content": result},
+                ]
         return 0.0
 
 

@@ -22,21 +22,32 @@ TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 
 _QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 _QWEN_TOOLS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
-_LLAMA_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-                  "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"]
+_LLAMA_SPECIAL = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|python_tag|>",
+]
 
 FAMILIES: dict[str, dict[str, Any]] = {
     "qwen2_5": dict(special=_QWEN_SPECIAL, added=_QWEN_TOOLS, eos="<|im_end|>", pad="<|endoftext|>"),
-    "qwen3": dict(special=_QWEN_SPECIAL, added=_QWEN_TOOLS + ["<think>", "</think>"], eos="<|im_end|>",
-                  pad="<|endoftext|>"),
-    "qwen3_initial": dict(special=_QWEN_SPECIAL, added=_QWEN_TOOLS + ["<think>", "</think>"], eos="<|im_end|>",
-                          pad="<|endoftext|>"),
+    "qwen3": dict(
+        special=_QWEN_SPECIAL, added=_QWEN_TOOLS + ["<think>", "</think>"], eos="<|im_end|>", pad="<|endoftext|>"
+    ),
+    "qwen3_initial": dict(
+        special=_QWEN_SPECIAL, added=_QWEN_TOOLS + ["<think>", "</think>"], eos="<|im_end|>", pad="<|endoftext|>"
+    ),
     "llama3_1": dict(special=_LLAMA_SPECIAL, added=[], eos="<|eot_id|>", bos="<|begin_of_text|>"),
     "llama3_2": dict(special=_LLAMA_SPECIAL, added=[], eos="<|eot_id|>", bos="<|begin_of_text|>"),
 }
 
-_WORDS = ("the a of to and is what how many sum answer result add numbers tool call think first then "
-          "user assistant system function name arguments parameters type object integer string value").split()
+_WORDS = (
+    "the a of to and is what how many sum answer result add numbers tool call think first then "
+    "user assistant system function name arguments parameters type object integer string value"
+).split()
 
 _CACHE: dict[str, Any] = {}
 
@@ -46,7 +57,7 @@ def _corpus(rng: random.Random) -> list[str]:
     for _ in range(300):
         words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 12)))
         call = json.dumps({"name": rng.choice(["add", "search"]), "arguments": {"a": rng.randint(0, 99)}})
-        lines.append(f"{words.capitalize()}?\n{call}\n\n{{\n    \"type\": \"function\"\n}}\n")
+        lines.append(f'{words.capitalize()}?\n{call}\n\n{{\n    "type": "function"\n}}\n')
     return lines
 
 
@@ -59,17 +70,27 @@ def family_tokenizer(family: str):
 
     spec = FAMILIES[family]
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=spec["special"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=spec["special"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(_corpus(random.Random(0)), trainer=trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=spec["eos"], bos_token=spec.get("bos"), pad_token=spec.get("pad"),
-        chat_template=(TEMPLATES / f"{family}.jinja").read_text(), clean_up_tokenization_spaces=False,
+        tokenizer_object=tok,
+        eos_token=spec["eos"],
+        bos_token=spec.get("bos"),
+        pad_token=spec.get("pad"),
+        chat_template=(TEMPLATES / f"{family}.jinja").read_text(),
+        clean_up_tokenization_spaces=False,
     )
     fast.add_tokens(spec["added"], special_tokens=False)
     fast.add_tokens(spec["special"], special_tokens=True)  # already in the vocabulary: marks them special

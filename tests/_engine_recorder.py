@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 class Recorder:
@@ -45,8 +46,13 @@ class Recorder:
                 body = json.loads(raw) if raw.strip() else None
             except ValueError:
                 body = {"<not JSON>": raw.decode(errors="replace")}
-            line = {"method": scope["method"], "path": scope["path"], "query": scope["query_string"].decode(),
-                    "body": body, "status": status.get("code")}
+            line = {
+                "method": scope["method"],
+                "path": scope["path"],
+                "query": scope["query_string"].decode(),
+                "body": body,
+                "status": status.get("code"),
+            }
             with open(self.path, "a") as f:
                 f.write(json.dumps(line) + "\n")
 
@@ -61,14 +67,26 @@ def main(argv: list[str]) -> None:
     record, args = argv[0], parse_args(argv[1:])
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
-    server = EngineServer(args.model, device=args.device, dtype=args.dtype,
-                          max_running_requests=args.max_running_requests, max_context_tokens=args.max_context_tokens,
-                          weight_version=args.weight_version, tp_size=args.tp_size, dp_size=args.dp_size,
-                          weight_update_bracket=not args.disable_weight_update_bracket)
+    server = EngineServer(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        max_running_requests=args.max_running_requests,
+        max_context_tokens=args.max_context_tokens,
+        weight_version=args.weight_version,
+        tp_size=args.tp_size,
+        dp_size=args.dp_size,
+        weight_update_bracket=not args.disable_weight_update_bracket,
+    )
     server.start()
     try:
-        uvicorn.run(Recorder(build_app(server, extra_routes=openai_routes(server)), record), host=args.host, port=args.port, log_level="warning",
-                    lifespan="off")
+        uvicorn.run(
+            Recorder(build_app(server, extra_routes=openai_routes(server)), record),
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            lifespan="off",
+        )
     finally:
         server.stop()
 

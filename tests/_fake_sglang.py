@@ -31,9 +31,18 @@ import multiprocessing as mp
 import secrets
 from typing import Any
 
-ADMIN_OPTIONAL = {"/pause_generation", "/continue_generation", "/abort_request", "/flush_cache",
-                  "/init_weights_update_group", "/destroy_weights_update_group", "/begin_weight_update",
-                  "/end_weight_update", "/update_weights_from_distributed", "/update_weight_version"}
+ADMIN_OPTIONAL = {
+    "/pause_generation",
+    "/continue_generation",
+    "/abort_request",
+    "/flush_cache",
+    "/init_weights_update_group",
+    "/destroy_weights_update_group",
+    "/begin_weight_update",
+    "/end_weight_update",
+    "/update_weights_from_distributed",
+    "/update_weight_version",
+}
 
 
 def allowed(path: str, authorization: str | None, api_key: str, admin_api_key: str, admin_routes: set[str]) -> bool:
@@ -71,7 +80,7 @@ def _receive(group, spec: list, load_format: str | None) -> dict[str, float]:
         dist.broadcast(flat, src=0, group=group)
         out, offset = {}, 0
         for (name, dtype, shape), size in zip(tensors, sizes):
-            out[name] = float(flat[offset:offset + size].clone().view(dtype).double().sum())
+            out[name] = float(flat[offset : offset + size].clone().view(dtype).double().sum())
             offset += size
         return out
     bufs = [(n, torch.empty(s, dtype=d)) for n, d, s in tensors]
@@ -91,8 +100,15 @@ class Rank:
 
         if op == "init":
             destroy_weight_group(self.group)
-            self.group = init_weight_group(args["backend"], args["master_address"], args["master_port"],
-                                           args["world_size"], args["rank"], args["group_name"], 60.0)
+            self.group = init_weight_group(
+                args["backend"],
+                args["master_address"],
+                args["master_port"],
+                args["world_size"],
+                args["rank"],
+                args["group_name"],
+                60.0,
+            )
             return None
         if op == "receive":
             return _receive(self.group, args["spec"], args["load_format"])
@@ -165,8 +181,15 @@ def build_app(args: argparse.Namespace):
 
     ranks = Ranks(args.tp_size)
     state: dict[str, Any] = {
-        "weight_version": args.weight_version, "session": False, "paused": None, "calls": [],
-        "updates": [], "flushes": 0, "version_updates": [], "init": None, "generate_calls": 0,
+        "weight_version": args.weight_version,
+        "session": False,
+        "paused": None,
+        "calls": [],
+        "updates": [],
+        "flushes": 0,
+        "version_updates": [],
+        "init": None,
+        "generate_calls": 0,
     }
 
     def result(success: bool, message: str) -> JSONResponse:
@@ -180,8 +203,15 @@ def build_app(args: argparse.Namespace):
         return PlainTextResponse("")
 
     async def server_info(request: Request):
-        return JSONResponse({"tp_size": args.tp_size, "dp_size": args.dp_size, "pp_size": 1,
-                             "model_path": "fake", "version": "0.5.23-fake"})
+        return JSONResponse(
+            {
+                "tp_size": args.tp_size,
+                "dp_size": args.dp_size,
+                "pp_size": 1,
+                "model_path": "fake",
+                "version": "0.5.23-fake",
+            }
+        )
 
     async def model_info(request: Request):
         return JSONResponse({"model_path": "fake", "weight_version": state["weight_version"], "is_generation": True})
@@ -189,10 +219,20 @@ def build_app(args: argparse.Namespace):
     async def generate(request: Request):
         b = await body_of(request)
         state["generate_calls"] += 1
-        return JSONResponse({"text": "", "output_ids": [1], "meta_info": {
-            "id": b.get("rid", ""), "prompt_tokens": len(b.get("input_ids") or []), "completion_tokens": 1,
-            "finish_reason": {"type": "length", "length": 1}, "weight_version": state["weight_version"],
-            "output_token_logprobs": [[-0.5, 1, None]]}})
+        return JSONResponse(
+            {
+                "text": "",
+                "output_ids": [1],
+                "meta_info": {
+                    "id": b.get("rid", ""),
+                    "prompt_tokens": len(b.get("input_ids") or []),
+                    "completion_tokens": 1,
+                    "finish_reason": {"type": "length", "length": 1},
+                    "weight_version": state["weight_version"],
+                    "output_token_logprobs": [[-0.5, 1, None]],
+                },
+            }
+        )
 
     async def pause(request: Request):
         state["paused"] = (await body_of(request)).get("mode", "abort")
@@ -239,8 +279,9 @@ def build_app(args: argparse.Namespace):
     async def update_distributed(request: Request):
         b = await body_of(request)
         if not args.no_begin_end and not state["session"]:
-            return result(False, "update_weights_from_distributed must run between begin_weight_update() and "
-                                 "end_weight_update()")
+            return result(
+                False, "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
+            )
         spec = list(zip(b["names"], b["dtypes"], b["shapes"]))
         try:
             checksums = await ranks.all("receive", lambda r: {"spec": spec, "load_format": b.get("load_format")})
@@ -250,18 +291,31 @@ def build_app(args: argparse.Namespace):
             return result(False, "Failed to load weights: refused by the test")
         if b.get("weight_version") is not None:
             state["weight_version"] = b["weight_version"]
-        state["updates"].append({"names": b["names"], "flush_cache": b.get("flush_cache", True),
-                                 "weight_version": b.get("weight_version"), "load_format": b.get("load_format"),
-                                 "checksums": checksums, "paused": state["paused"]})
+        state["updates"].append(
+            {
+                "names": b["names"],
+                "flush_cache": b.get("flush_cache", True),
+                "weight_version": b.get("weight_version"),
+                "load_format": b.get("load_format"),
+                "checksums": checksums,
+                "paused": state["paused"],
+            }
+        )
         return result(True, "Succeeded to update parameter online.")
 
     async def update_weight_version(request: Request):
         b = await body_of(request)
-        state["version_updates"].append({"new_version": b["new_version"],
-                                         "abort_all_requests": b.get("abort_all_requests", True)})
+        state["version_updates"].append(
+            {"new_version": b["new_version"], "abort_all_requests": b.get("abort_all_requests", True)}
+        )
         state["weight_version"] = b["new_version"]
-        return JSONResponse({"success": True, "message": f"Weight version updated to {b['new_version']}",
-                             "new_version": b["new_version"]})
+        return JSONResponse(
+            {
+                "success": True,
+                "message": f"Weight version updated to {b['new_version']}",
+                "new_version": b["new_version"],
+            }
+        )
 
     async def fake_state(request: Request):
         return JSONResponse(state)
@@ -284,8 +338,11 @@ def build_app(args: argparse.Namespace):
         Route("/_fake/state", fake_state, methods=["GET"]),
     ]
     if not args.no_begin_end:
-        routes += [Route("/begin_weight_update", begin, methods=["POST"]),
-                   Route("/end_weight_update", end, methods=["POST"])]
+        routes += [
+            Route("/begin_weight_update", begin, methods=["POST"]),
+            Route("/end_weight_update", end, methods=["POST"]),
+        ]
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield

@@ -24,20 +24,45 @@ def fuzz(max_examples: int) -> settings:
         derandomize=SCALE <= 1,
         database=None,
         deadline=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much,
-                               HealthCheck.function_scoped_fixture],
+        suppress_health_check=[
+            HealthCheck.too_slow,
+            HealthCheck.data_too_large,
+            HealthCheck.filter_too_much,
+            HealthCheck.function_scoped_fixture,
+        ],
     )
 
 
 # Text the way it arrives from outside: any Unicode (no lone surrogates: JSON escapes of
 # those are fuzzed on their own), with the characters that matter to parsers made likely.
-_SPICY = ["\x00", "\n", "\t", "\\", '"', "'", "\u2028", "\ufeff", "é", "🙂", "\U0010ffff", "NaN", "-Infinity",
-          "1e999", "9" * 30, "null", "{}", "[]", "</tool_call>", "<tool_call>", "<|im_end|>", "="]
+_SPICY = [
+    "\x00",
+    "\n",
+    "\t",
+    "\\",
+    '"',
+    "'",
+    "\u2028",
+    "\ufeff",
+    "é",
+    "🙂",
+    "\U0010ffff",
+    "NaN",
+    "-Infinity",
+    "1e999",
+    "9" * 30,
+    "null",
+    "{}",
+    "[]",
+    "</tool_call>",
+    "<tool_call>",
+    "<|im_end|>",
+    "=",
+]
 texts = st.text(max_size=20) | st.sampled_from(_SPICY) | st.lists(st.sampled_from(_SPICY), max_size=4).map("".join)
 
 # Everything Python's json module can decode: NaN and infinities, and integers beyond 64 bits.
-json_scalars = (st.none() | st.booleans() | st.integers() | st.integers(-(2**70), 2**70)
-                | st.floats() | texts)
+json_scalars = st.none() | st.booleans() | st.integers() | st.integers(-(2**70), 2**70) | st.floats() | texts
 json_values = st.recursive(
     json_scalars,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(texts, inner, max_size=4),

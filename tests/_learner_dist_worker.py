@@ -99,10 +99,17 @@ def run_loop(out: Path, model_path: str) -> None:
         "actors.group_size=4",
     ]
     rec = Recorder()
-    source = ListSource([make_group(rng, version=v, group_id=f"g{i}") for i, v in enumerate([0, 0, 1, 1])], empty_polls=30)
+    source = ListSource(
+        [make_group(rng, version=v, group_id=f"g{i}") for i, v in enumerate([0, 0, 1, 1])], empty_polls=30
+    )
     learner = Learner(load_config(None, overrides), io=LearnerIO(source=source, progress=rec, weights=rec))
     reason = learner.run()
-    summary = {"reason": reason, "step": learner.trainer.step, "version": learner.version, "pushes": [v for v, _ in rec.pushes]}
+    summary = {
+        "reason": reason,
+        "step": learner.trainer.step,
+        "version": learner.version,
+        "pushes": [v for v, _ in rec.pushes],
+    }
     (out / f"loop-rank{learner.dist.rank}.json").write_text(json.dumps(summary))
 
 

@@ -77,13 +77,16 @@ def make_group(
         versions = np.where(mask, version, -1).astype(np.int32)
         reward = float(rewards[i]) if rewards is not None else float(rng.integers(0, 2))
         trajs.append(
-            Trajectory(tokens=tokens, loss_mask=mask, behavior_logprobs=behavior, weight_versions=versions, reward=reward)
+            Trajectory(
+                tokens=tokens, loss_mask=mask, behavior_logprobs=behavior, weight_versions=versions, reward=reward
+            )
         )
     if rewards is None and len({t.reward for t in trajs}) == 1:
         trajs[0].reward = 1.0 - trajs[0].reward  # keep the group's rewards varied
     seq = next(_SEQ) if seq is None else seq
-    return TrajectoryGroup(group_id=group_id, task_id=group_id, env="test", trajectories=trajs, actor_id=actor_id,
-                           session=session, seq=seq)
+    return TrajectoryGroup(
+        group_id=group_id, task_id=group_id, env="test", trajectories=trajs, actor_id=actor_id, session=session, seq=seq
+    )
 
 
 def make_agent_group(

@@ -42,8 +42,11 @@ def _bounded_trio_run(async_fn, *args, **kwargs):
     async def bounded():
         with trio.move_on_after(max(0.0, deadline - time.monotonic())):
             return await async_fn(*args)
-        pytest.fail(f"too slow: trio.run was cancelled {margin:g} s before this test's {timeout:g} s timeout "
-                    "(its tasks were cancelled and cleaned up)", pytrace=False)
+        pytest.fail(
+            f"too slow: trio.run was cancelled {margin:g} s before this test's {timeout:g} s timeout "
+            "(its tasks were cancelled and cleaned up)",
+            pytrace=False,
+        )
 
     return _real_trio_run(bounded, **kwargs)
 
@@ -107,6 +110,8 @@ def pytest_runtest_call(item):
         return (yield)
     except BaseException as exc:
         if _close_interrupted_trio_run(exc):
-            exc.add_note("agentrl tests: this exception interrupted trio.run outside its tasks (its tasks did not "
-                         "unwind; processes they started may be left); the run was closed so later tests can run")
+            exc.add_note(
+                "agentrl tests: this exception interrupted trio.run outside its tasks (its tasks did not "
+                "unwind; processes they started may be left); the run was closed so later tests can run"
+            )
         raise

@@ -12,8 +12,16 @@ from pathlib import Path
 
 import pytest
 
-ENGINE_FLAGS = ["--num-threads", "1", "--max-running-requests", "64", "--max-context-tokens", "1024",
-                "--weight-version", "0"]
+ENGINE_FLAGS = [
+    "--num-threads",
+    "1",
+    "--max-running-requests",
+    "64",
+    "--max-context-tokens",
+    "1024",
+    "--weight-version",
+    "0",
+]
 
 
 @pytest.fixture(scope="session")
@@ -41,8 +49,15 @@ def engine_teacher(engine_model):
     return Teacher(engine_model)
 
 
-def start_engines(model: Path, n: int, log_dir: Path, *, via_cli: bool = False, flags: list[str] = ENGINE_FLAGS,
-                  env: dict | None = None):
+def start_engines(
+    model: Path,
+    n: int,
+    log_dir: Path,
+    *,
+    via_cli: bool = False,
+    flags: list[str] = ENGINE_FLAGS,
+    env: dict | None = None,
+):
     """Start ``n`` embedded engines on free ports (optionally the first through ``agentrl serve-engine``)."""
     from agentrl.engine.launch import EngineProcess, wait_ready
     from agentrl.net import free_port
@@ -53,8 +68,17 @@ def start_engines(model: Path, n: int, log_dir: Path, *, via_cli: bool = False, 
             port = free_port()
             p = EngineProcess(str(model), port, extra=flags, log_path=log_dir / f"engine{i}.log", env=env)
             if via_cli and i == 0:
-                p.argv = [sys.executable, "-m", "agentrl", "serve-engine", "--model", str(model),
-                          "--port", str(port), *flags]
+                p.argv = [
+                    sys.executable,
+                    "-m",
+                    "agentrl",
+                    "serve-engine",
+                    "--model",
+                    str(model),
+                    "--port",
+                    str(port),
+                    *flags,
+                ]
             procs.append(p.start(wait_s=0))
         for p in procs:
             wait_ready(p.url, 240, process=p.process)
@@ -94,7 +118,7 @@ class Teacher:
         with torch.no_grad():
             for _ in range(n):
                 ids.append(int(self.model(torch.tensor([ids])).logits[0, -1].argmax()))
-        return ids[len(prompt):]
+        return ids[len(prompt) :]
 
 
 def max_abs_diff(a: list[float], b: list[float]) -> float:

@@ -96,23 +96,50 @@ class Engine:
             self.control("/update_weight_version", {"new_version": "0", "abort_all_requests": False})
 
 
-def start_sglang(model: Path, log_path: Path, *, api_key: str = API_KEY, admin_key: str = ADMIN_KEY,
-                 weight_version: str | None = "0", extra: tuple[str, ...] = ()):
+def start_sglang(
+    model: Path,
+    log_path: Path,
+    *,
+    api_key: str = API_KEY,
+    admin_key: str = ADMIN_KEY,
+    weight_version: str | None = "0",
+    extra: tuple[str, ...] = (),
+):
     """A real SGLang server on the CPU, started by agentrl's launch code; skips (fails in CI) when it cannot start.
     ``weight_version=None``: started without ``--weight-version`` (it reports "default")."""
-    from agentrl.engine.launch import EngineLaunchError, EngineProcess, engine_args, sglang_cpu_env
+    from agentrl.engine.launch import (
+        EngineLaunchError,
+        EngineProcess,
+        engine_args,
+        sglang_cpu_env,
+        sglang_problem,
+        wait_ready,
+    )
     from agentrl.net import free_port
-    from agentrl.engine.launch import sglang_problem, wait_ready
 
     python = sglang_python()
     require(sglang_problem(python))
-    args = engine_args("sglang", weight_version=weight_version or "0", api_key=api_key, admin_api_key=admin_key,
-                       on_cpu=True, max_total_tokens=KV_TOKENS, **FLAGS)
+    args = engine_args(
+        "sglang",
+        weight_version=weight_version or "0",
+        api_key=api_key,
+        admin_api_key=admin_key,
+        on_cpu=True,
+        max_total_tokens=KV_TOKENS,
+        **FLAGS,
+    )
     if weight_version is None:
         i = args.index("--weight-version")
-        args = args[:i] + args[i + 2:]
-    proc = EngineProcess(str(model), free_port(), backend="sglang", python=python, extra=[*args, *extra],
-                         log_path=log_path, env={**os.environ, **sglang_cpu_env()})
+        args = args[:i] + args[i + 2 :]
+    proc = EngineProcess(
+        str(model),
+        free_port(),
+        backend="sglang",
+        python=python,
+        extra=[*args, *extra],
+        log_path=log_path,
+        env={**os.environ, **sglang_cpu_env()},
+    )
     proc.start(wait_s=0)
     try:
         wait_ready(proc.url, START_S, process=proc.process)
@@ -129,7 +156,8 @@ _running: list = []  # the session's server while it runs
 def _uses_the_server(item) -> bool:
     callspec = getattr(item, "callspec", None)
     return "sglang_server" in getattr(item, "fixturenames", ()) or (
-        callspec is not None and callspec.params.get("engine") == "sglang")
+        callspec is not None and callspec.params.get("engine") == "sglang"
+    )
 
 
 def pytest_collection_finish(session):
@@ -165,12 +193,15 @@ def sglang_server(engine_model, tmp_path_factory) -> Engine:
 def embedded_twin(engine_model, tmp_path_factory) -> Engine:
     from agentrl.engine.launch import EngineProcess
     from agentrl.net import free_port
-
     from tests.conftest_engine import ENGINE_FLAGS
 
     log = tmp_path_factory.mktemp("sglang_logs") / "embedded.log"
-    proc = EngineProcess(str(engine_model), free_port(), log_path=log,
-                         extra=[*ENGINE_FLAGS, "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY]).start(wait_s=240)
+    proc = EngineProcess(
+        str(engine_model),
+        free_port(),
+        log_path=log,
+        extra=[*ENGINE_FLAGS, "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY],
+    ).start(wait_s=240)
     engine = Engine("embedded", proc.url, proc)
     yield engine
     engine.http.close()
@@ -193,9 +224,29 @@ def quickstart_warm_start(engine_model, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("quickstart_sft")
     model = out / "model"
     example = ROOT / "examples" / "calculator" / "config.toml"
-    subprocess.run([sys.executable, "-m", "agentrl", "sft", "-c", str(example), "-s", f"model.path={engine_model}",
-                    "-s", f"run.run_dir={out}", "-s", f"sft.output_dir={model}", "-s", "tracking.enabled=false",
-                    "-s", f"run.torch_num_threads={os.cpu_count() or 1}"],
-                   cwd=ROOT, check=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "agentrl",
+            "sft",
+            "-c",
+            str(example),
+            "-s",
+            f"model.path={engine_model}",
+            "-s",
+            f"run.run_dir={out}",
+            "-s",
+            f"sft.output_dir={model}",
+            "-s",
+            "tracking.enabled=false",
+            "-s",
+            f"run.torch_num_threads={os.cpu_count() or 1}",
+        ],
+        cwd=ROOT,
+        check=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.DEVNULL,
+    )
     return model

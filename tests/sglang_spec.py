@@ -75,17 +75,30 @@ def fetch_wheel(version: str = SGLANG_VERSION) -> Path:
     if found:
         return found[0]
     cache.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", f"sglang=={version}", "--no-deps", *WHEEL_TAGS,
-           "--dest", str(cache), "--quiet", "--disable-pip-version-check"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        f"sglang=={version}",
+        "--no-deps",
+        *WHEEL_TAGS,
+        "--dest",
+        str(cache),
+        "--quiet",
+        "--disable-pip-version-check",
+    ]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"`{' '.join(cmd)}` did not finish in 600 s") from None
     found = sorted(cache.glob(f"sglang-{version}-*.whl"))
     if done.returncode != 0 or not found:
-        raise RuntimeError(f"could not download the SGLang {version} wheel, which the conformance tests read "
-                           f"(needs access to PyPI, or the wheel in {cache}):\n$ {' '.join(cmd)}\n"
-                           f"{(done.stderr or done.stdout).strip()[-2000:]}")
+        raise RuntimeError(
+            f"could not download the SGLang {version} wheel, which the conformance tests read "
+            f"(needs access to PyPI, or the wheel in {cache}):\n$ {' '.join(cmd)}\n"
+            f"{(done.stderr or done.stdout).strip()[-2000:]}"
+        )
     return found[0]
 
 
@@ -166,8 +179,12 @@ def _str(node: ast.expr | None) -> str | None:
 
 def _route_of(dec: ast.expr) -> tuple[str, list[str]] | None:
     """``@app.get("/p")``, ``@app.post("/p")``, ``@app.api_route("/p", methods=[...])``."""
-    if not (isinstance(dec, ast.Call) and isinstance(dec.func, ast.Attribute)
-            and isinstance(dec.func.value, ast.Name) and dec.func.value.id == "app"):
+    if not (
+        isinstance(dec, ast.Call)
+        and isinstance(dec.func, ast.Attribute)
+        and isinstance(dec.func.value, ast.Name)
+        and dec.func.value.id == "app"
+    ):
         return None
     path = _str(dec.args[0]) if dec.args else None
     if path is None:  # a path from the environment (ollama, vertex ...): not a fixed route
@@ -267,8 +284,12 @@ def parse_aliases(source: str) -> dict[str, ast.expr]:
     for node in ast.parse(source).body:
         if isinstance(node, ast.Assign):  # `A = B = C` too (io_struct's LoRA outputs)
             out.update({t.id: node.value for t in node.targets if isinstance(t, ast.Name)})
-        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None \
-                and "TypeAlias" in ast.unparse(node.annotation):
+        elif (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and node.value is not None
+            and "TypeAlias" in ast.unparse(node.annotation)
+        ):
             out[node.target.id] = node.value
     return out
 
@@ -307,8 +328,11 @@ def functions(tree: ast.Module, cls: str | None = None) -> dict[str, _Function]:
 
 def _calls(tree: ast.AST) -> set[str]:
     """Names of the plain functions (``f(...)``) and methods (``x.f(...)``) called under ``tree``."""
-    return {c.func.id if isinstance(c.func, ast.Name) else c.func.attr for c in ast.walk(tree)
-            if isinstance(c, ast.Call) and isinstance(c.func, (ast.Name, ast.Attribute))}
+    return {
+        c.func.id if isinstance(c.func, ast.Name) else c.func.attr
+        for c in ast.walk(tree)
+        if isinstance(c, ast.Call) and isinstance(c.func, (ast.Name, ast.Attribute))
+    }
 
 
 def _struct_fields(name: str, structs: dict[str, dict[str, FieldSpec]], aliases: dict[str, ast.expr]) -> set[str]:
@@ -325,8 +349,13 @@ def _struct_fields(name: str, structs: dict[str, dict[str, FieldSpec]], aliases:
 TEXT = "<text>"  # in an answer's keys: the handler can answer a plain-text body (``Response(content=...)``)
 
 
-def route_answers(http_server: ast.Module, routes: dict[str, RouteSpec], returns: dict[str, str],
-                  structs: dict[str, dict[str, FieldSpec]], aliases: dict[str, ast.expr]) -> None:
+def route_answers(
+    http_server: ast.Module,
+    routes: dict[str, RouteSpec],
+    returns: dict[str, str],
+    structs: dict[str, dict[str, FieldSpec]],
+    aliases: dict[str, ast.expr],
+) -> None:
     """Fill each route's :attr:`RouteSpec.answer`: the keys of its handler's dict literals and those of
     the module-level helpers it calls (``_create_error_response``), plus the fields of the ``io_struct``
     output it serializes (``result = await ...tokenizer_manager.m(...)`` then ``msgspec_to_builtins(result)``
@@ -339,18 +368,34 @@ def route_answers(http_server: ast.Module, routes: dict[str, RouteSpec], returns
         keys = _keys_in(handler)
         for name in _calls(handler) & set(module) - {route.handler}:
             keys |= _keys_in(module[name])
-        produced = {n.targets[0].id: n.value.value.func.attr for n in ast.walk(handler)
-                    if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name)
-                    and isinstance(n.value, ast.Await) and isinstance(n.value.value, ast.Call)
-                    and isinstance(n.value.value.func, ast.Attribute)}
-        sent = {a.id for c in ast.walk(handler) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)
-                and c.func.id == "msgspec_to_builtins" for a in c.args if isinstance(a, ast.Name)}
+        produced = {
+            n.targets[0].id: n.value.value.func.attr
+            for n in ast.walk(handler)
+            if isinstance(n, ast.Assign)
+            and len(n.targets) == 1
+            and isinstance(n.targets[0], ast.Name)
+            and isinstance(n.value, ast.Await)
+            and isinstance(n.value.value, ast.Call)
+            and isinstance(n.value.value.func, ast.Attribute)
+        }
+        sent = {
+            a.id
+            for c in ast.walk(handler)
+            if isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id == "msgspec_to_builtins"
+            for a in c.args
+            if isinstance(a, ast.Name)
+        }
         sent |= {r.value.id for r in ast.walk(handler) if isinstance(r, ast.Return) and isinstance(r.value, ast.Name)}
         for var, method in produced.items():
             if var in sent and method in returns:
                 keys |= _struct_fields(returns[method], structs, aliases)
-        if any(isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id in ("Response", "PlainTextResponse")
-               and any(k.arg == "content" for k in c.keywords) for c in ast.walk(handler)):
+        if any(
+            isinstance(c, ast.Call)
+            and isinstance(c.func, ast.Name)
+            and c.func.id in ("Response", "PlainTextResponse")
+            and any(k.arg == "content" for k in c.keywords)
+            for c in ast.walk(handler)
+        ):
             keys.add(TEXT)
         route.answer = keys
 
@@ -373,10 +418,16 @@ def namespace_modules(server_args: str) -> dict[str, str]:
     """``_INPUT_NAMESPACES``' classes (what ``ServerArgs`` is assembled from) -> the module each is
     imported from."""
     tree = ast.parse(server_args)
-    imported = {a.asname or a.name: node.module for node in tree.body if isinstance(node, ast.ImportFrom)
-                and node.module for a in node.names}
+    imported = {
+        a.asname or a.name: node.module
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom) and node.module
+        for a in node.names
+    }
     for node in tree.body:
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
         if any(isinstance(t, ast.Name) and t.id == "_INPUT_NAMESPACES" for t in targets):
             return {e.id: imported[e.id] for e in node.value.elts if isinstance(e, ast.Name) and e.id in imported}
     return {}
@@ -384,8 +435,13 @@ def namespace_modules(server_args: str) -> dict[str, str]:
 
 def _class_fields(tree: ast.Module, name: str) -> list[ast.AnnAssign]:
     body = next((n.body for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name), [])
-    return [i for i in body if isinstance(i, ast.AnnAssign) and isinstance(i.target, ast.Name)
-            and "ClassVar" not in ast.unparse(i.annotation)]
+    return [
+        i
+        for i in body
+        if isinstance(i, ast.AnnAssign)
+        and isinstance(i.target, ast.Name)
+        and "ClassVar" not in ast.unparse(i.annotation)
+    ]
 
 
 def _cli_names(item: ast.AnnAssign) -> list[str]:
@@ -393,8 +449,12 @@ def _cli_names(item: ast.AnnAssign) -> list[str]:
     ``A[T, Arg(...)]`` (the first of those in the metadata) gives ``--field-name`` (or ``cli_name``)
     and ``aliases``; no such metadata, or ``Arg(no_cli=True)``: none."""
     ann = item.annotation
-    if not (isinstance(ann, ast.Subscript) and isinstance(ann.value, ast.Name) and ann.value.id in ("A", "Annotated")
-            and isinstance(ann.slice, ast.Tuple)):
+    if not (
+        isinstance(ann, ast.Subscript)
+        and isinstance(ann.value, ast.Name)
+        and ann.value.id in ("A", "Annotated")
+        and isinstance(ann.slice, ast.Tuple)
+    ):
         return []
     for meta in ann.slice.elts[1:]:
         if isinstance(meta, ast.JoinedStr) or _str(meta) is not None:
@@ -404,8 +464,10 @@ def _cli_names(item: ast.AnnAssign) -> list[str]:
             if isinstance(kw.get("no_cli"), ast.Constant) and kw["no_cli"].value is True:
                 return []
             aliases = kw.get("aliases")
-            return [_str(kw.get("cli_name")) or "--" + item.target.id.replace("_", "-"),
-                    *(_str(a) for a in (aliases.elts if isinstance(aliases, ast.List) else []) if _str(a))]
+            return [
+                _str(kw.get("cli_name")) or "--" + item.target.id.replace("_", "-"),
+                *(_str(a) for a in (aliases.elts if isinstance(aliases, ast.List) else []) if _str(a)),
+            ]
     return []
 
 
@@ -421,8 +483,12 @@ def parse_server_args(sources: dict[str, str]) -> tuple[dict[str, FieldSpec], se
         for item in _class_fields(tree, cls):
             required, default = _default_of(item.value)
             ann = item.annotation  # A[T, help or Arg(...)]: T (the CLI metadata is not the field's type)
-            if isinstance(ann, ast.Subscript) and isinstance(ann.value, ast.Name) and ann.value.id in ("A", "Annotated") \
-                    and isinstance(ann.slice, ast.Tuple):
+            if (
+                isinstance(ann, ast.Subscript)
+                and isinstance(ann.value, ast.Name)
+                and ann.value.id in ("A", "Annotated")
+                and isinstance(ann.slice, ast.Tuple)
+            ):
                 ann = ann.slice.elts[0]
             fields[item.target.id] = FieldSpec(ast.unparse(ann), required, default)
             flags.update(_cli_names(item))
@@ -440,7 +506,9 @@ def launch_server_flags(version: str = SGLANG_VERSION) -> frozenset[str]:
     return frozenset(parse_server_args(read_sources(fetch_wheel(version)))[1])
 
 
-def server_info_keys(sources: dict[str, str], routes: dict[str, RouteSpec], server_args: dict[str, FieldSpec]) -> set[str]:
+def server_info_keys(
+    sources: dict[str, str], routes: dict[str, RouteSpec], server_args: dict[str, FieldSpec]
+) -> set[str]:
     """What ``/server_info`` reports: its answer's own keys, plus ``build_server_info``'s (utils/common.py)
     when the handler calls it, plus ``ServerArgs``' fields and ``resolved_dict``'s extra keys when
     ``build_server_info`` starts from ``server_args.resolved_dict()``. (``scheduler_info``'s keys,
@@ -449,8 +517,11 @@ def server_info_keys(sources: dict[str, str], routes: dict[str, RouteSpec], serv
     if route is None:
         return set()
     keys = set(route.answer)
-    handler = next(n for n in ast.walk(ast.parse(sources["http_server"]))
-                   if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == route.handler)
+    handler = next(
+        n
+        for n in ast.walk(ast.parse(sources["http_server"]))
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == route.handler
+    )
     build = functions(ast.parse(sources["common"])).get("build_server_info")
     if build is not None and "build_server_info" in _calls(handler):
         keys |= _keys_in(build)
@@ -468,12 +539,19 @@ def load_spec(sources: dict[str, str]) -> Spec:
     annotations.update({k: v for k, v in contract.items() if k.startswith("SamplingParams.")})
     openai_annotations: dict[str, ast.expr] = {}
     openai = parse_structs(sources["openai_protocol"], openai_annotations)
-    aliases = {**parse_aliases(sources["openai_protocol"]), **parse_aliases(sources["api_types"]),
-               **parse_aliases(sources["io_struct"])}
+    aliases = {
+        **parse_aliases(sources["openai_protocol"]),
+        **parse_aliases(sources["api_types"]),
+        **parse_aliases(sources["io_struct"]),
+    }
     routes = parse_routes(sources["http_server"], set(structs) | set(openai))
-    route_answers(ast.parse(sources["http_server"]), routes,
-                  method_returns(sources["tokenizer_manager"], sources["tokenizer_control"]), structs,
-                  parse_aliases(sources["io_struct"]))
+    route_answers(
+        ast.parse(sources["http_server"]),
+        routes,
+        method_returns(sources["tokenizer_manager"], sources["tokenizer_control"]),
+        structs,
+        parse_aliases(sources["io_struct"]),
+    )
     server_args, flags = parse_server_args(sources)
     batch = ast.parse(sources["schedule_batch"])
     spans = functions(ast.parse(sources["weight_versions"])).get("add_weight_versions_to_meta_info")
@@ -575,8 +653,9 @@ def _field_text(f: FieldSpec) -> str:
     return f"{f.annotation}, required" if f.required else f"{f.annotation} = {f.default}"
 
 
-def relied_on(spec: Spec, fields_read: dict[str, set[str]], reads: dict[str, tuple[str, ...]],
-              answer_keys: tuple[str, ...] = ()) -> dict:
+def relied_on(
+    spec: Spec, fields_read: dict[str, set[str]], reads: dict[str, tuple[str, ...]], answer_keys: tuple[str, ...] = ()
+) -> dict:
     """The part of the spec agentrl relies on, as JSON: for each route (path -> the request fields
     agentrl reads or sends), its methods, handler, auth level and those fields plus every required
     one (``"annotation = default"`` or ``"annotation, required"``) and which of ``answer_keys`` its
@@ -592,16 +671,24 @@ def relied_on(spec: Spec, fields_read: dict[str, set[str]], reads: dict[str, tup
         fields = spec.struct(r.request) if r.request else {}
         kept = {k: _field_text(f) for k, f in fields.items() if k in fields_read[path] or f.required}
         kept.update({k: None for k in fields_read[path] if k not in fields})  # read, but not SGLang's
-        routes[path] = {"methods": ",".join(r.methods), "handler": r.handler, "request": r.request,
-                        "auth": r.auth, "fields": dict(sorted(kept.items())),
-                        "answer": sorted(r.answer & set(answer_keys))}
+        routes[path] = {
+            "methods": ",".join(r.methods),
+            "handler": r.handler,
+            "request": r.request,
+            "auth": r.auth,
+            "fields": dict(sorted(kept.items())),
+            "answer": sorted(r.answer & set(answer_keys)),
+        }
     server_info = sorted(reads.get("/server_info", ()))
-    return {"version": spec.version, "routes": routes,
-            "sampling_params": {k: _field_text(f) for k, f in sorted(spec.sampling_params.items())},
-            "response_keys_written": {where: {k: k in spec.written(where) for k in sorted(keys)}
-                                      for where, keys in sorted(reads.items())},
-            "server_args": {k: _field_text(spec.server_args[k]) if k in spec.server_args else None
-                            for k in server_info}}
+    return {
+        "version": spec.version,
+        "routes": routes,
+        "sampling_params": {k: _field_text(f) for k, f in sorted(spec.sampling_params.items())},
+        "response_keys_written": {
+            where: {k: k in spec.written(where) for k in sorted(keys)} for where, keys in sorted(reads.items())
+        },
+        "server_args": {k: _field_text(spec.server_args[k]) if k in spec.server_args else None for k in server_info},
+    }
 
 
 def diff(old: Any, new: Any, where: str = "") -> list[str]:

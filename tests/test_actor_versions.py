@@ -9,8 +9,16 @@ import logging
 import pytest
 import trio
 
-from agentrl.episode.rollout import EpisodeFailed, EpisodeLimits, GroupLost, evaluate, run_episode, run_group, toolbox_for
 from agentrl.envs.base import Task
+from agentrl.episode.rollout import (
+    EpisodeFailed,
+    EpisodeLimits,
+    GroupLost,
+    evaluate,
+    run_episode,
+    run_group,
+    toolbox_for,
+)
 from tests._actors_helpers import HttpEngineClient, ScriptedEngine, TurnScript, load_tokenizer, tiny_tokenizer_dir
 from tests._actors_user_env import AddEnv, solver
 
@@ -71,8 +79,16 @@ def test_a_version_that_is_not_a_number_fails_at_once_naming_the_engine(tokenize
         async def main():
             async with HttpEngineClient([engine.url]) as client:
                 with trio.fail_after(30):
-                    return await run_group(client, tokenizer, env, toolbox_for(env), TASK, {"temperature": 1.0},
-                                           EpisodeLimits(max_new_tokens_per_turn=96), 2)
+                    return await run_group(
+                        client,
+                        tokenizer,
+                        env,
+                        toolbox_for(env),
+                        TASK,
+                        {"temperature": 1.0},
+                        EpisodeLimits(max_new_tokens_per_turn=96),
+                        2,
+                    )
 
         with pytest.raises(GroupLost, match=r"reports weight_version 'step-12'.*--weight-version 0") as e:
             trio.run(main)
@@ -87,7 +103,9 @@ def test_evaluation_takes_any_version(tokenizer):
         async def main():
             async with HttpEngineClient([engine.url]) as client:
                 with trio.fail_after(60):
-                    return await evaluate(client, tokenizer, env, [TASK], limits=EpisodeLimits(max_new_tokens_per_turn=96))
+                    return await evaluate(
+                        client, tokenizer, env, [TASK], limits=EpisodeLimits(max_new_tokens_per_turn=96)
+                    )
 
         result = trio.run(main)
     assert result["n"] == 1 and result["n_failed"] == 0 and result["success_rate"] == 1.0

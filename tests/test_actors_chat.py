@@ -11,8 +11,20 @@ from hypothesis import strategies as st
 
 from agentrl.episode.chat import TokenChat, codec_for
 
-TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add.", "parameters": {
-    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add.",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+            },
+        },
+    }
+]
 START = [{"role": "system", "content": "Use the tools."}, {"role": "user", "content": "What is 2 + 3?"}]
 
 
@@ -34,15 +46,25 @@ def check(chat: TokenChat, generation_prompt: bool) -> None:
 def test_codec_matches_transformers(tokenizer):
     codec = codec_for(tokenizer)
     assert codec._fast is not None  # the compiled-template path is in use, and renders as transformers does
-    chat = START + [{"role": "assistant", "content": "<tool_call>x</tool_call>"}, {"role": "tool", "content": "1"},
-                    {"role": "tool", "name": "add", "content": "2"}, {"role": "user", "content": "ok"}]
+    chat = START + [
+        {"role": "assistant", "content": "<tool_call>x</tool_call>"},
+        {"role": "tool", "content": "1"},
+        {"role": "tool", "name": "add", "content": "2"},
+        {"role": "user", "content": "ok"},
+    ]
     for tools in (None, TOOLS):
         for gen in (True, False):
             assert codec.render(chat, tools, gen) == tokenizer.apply_chat_template(
-                chat, tools=tools, add_generation_prompt=gen, tokenize=False)
+                chat, tools=tools, add_generation_prompt=gen, tokenize=False
+            )
     assert codec_for(tokenizer) is codec
-    for text in ["plain", "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
-                 "émoji 🙂 and <tool_call>{\"a\": 1}</tool_call>", "<|endoftext|><|im_end|>", ""]:
+    for text in [
+        "plain",
+        "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+        'émoji 🙂 and <tool_call>{"a": 1}</tool_call>',
+        "<|endoftext|><|im_end|>",
+        "",
+    ]:
         assert codec.encode(text) == tokenizer.encode(text, add_special_tokens=False)
     ids = list(range(len(tokenizer)))
     assert codec.decode(ids) == tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -53,8 +75,9 @@ def test_codec_matches_transformers(tokenizer):
 
 def test_prompt_is_apply_chat_template(tokenizer):
     chat = TokenChat.start(codec_for(tokenizer), START, TOOLS)
-    assert chat.tokens == tokenizer.apply_chat_template(START, tools=TOOLS, add_generation_prompt=True,
-                                                        tokenize=True, return_dict=False)
+    assert chat.tokens == tokenizer.apply_chat_template(
+        START, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     assert set(chat.loss_mask) == {0} and set(chat.versions) == {-1}
     check(chat, True)
 
@@ -95,8 +118,12 @@ def test_observation_that_does_not_fit_is_left_out(tokenizer):
     check(chat, False)
 
 
-texts = st.lists(st.sampled_from(list("ab 7\n{}\"é🙂") + ["<tool_call>", "</tool_call>", "<|im_end|>", "<|im_start|>",
-                                                          "<tool_response>"]), max_size=12).map("".join)
+texts = st.lists(
+    st.sampled_from(
+        list('ab 7\n{}"é🙂') + ["<tool_call>", "</tool_call>", "<|im_end|>", "<|im_start|>", "<tool_response>"]
+    ),
+    max_size=12,
+).map("".join)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -81,8 +81,19 @@ cls = "tests._actors_user_env:AddEnv"
 kwargs = {{ num_tasks = 50 }}
 max_total_tokens = 1024
 """)
-        cmd = [sys.executable, "-m", "agentrl", "serve-actors", "--config", str(config), "--wait-for-learner",
-               "--dump-trajectories", str(dump), "--log-interval-s", "1"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "agentrl",
+            "serve-actors",
+            "--config",
+            str(config),
+            "--wait-for-learner",
+            "--dump-trajectories",
+            str(dump),
+            "--log-interval-s",
+            "1",
+        ]
         env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         stderr_path = tmp_path / "actor.stderr"
         with stderr_path.open("w") as stderr:
@@ -131,17 +142,41 @@ max_total_tokens = 1024
 
 def test_serve_actors_config_errors(tmp_path):
     config = tmp_path / "bad.toml"
-    config.write_text('[actors]\ngroup_size = 2\nnum_episodes = 3\n')
-    res = subprocess.run([sys.executable, "-m", "agentrl", "serve-actors", "--config", str(config)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=60)
+    config.write_text("[actors]\ngroup_size = 2\nnum_episodes = 3\n")
+    res = subprocess.run(
+        [sys.executable, "-m", "agentrl", "serve-actors", "--config", str(config)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 2 and "unknown key 'actors.num_episodes'" in res.stderr
     config.write_text(f'[model]\npath = "{tmp_path}/nothing"\n')
-    res = subprocess.run([sys.executable, "-m", "agentrl", "serve-actors", "--config", str(config), "--no-send"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "agentrl", "serve-actors", "--config", str(config), "--no-send"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 2 and "--no-send without --dump-trajectories" in res.stderr
-    res = subprocess.run([sys.executable, "-m", "agentrl", "serve-actors", "--config", str(config), "--no-send",
-                          "--dump-trajectories", str(tmp_path / "d.jsonl")], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "agentrl",
+            "serve-actors",
+            "--config",
+            str(config),
+            "--no-send",
+            "--dump-trajectories",
+            str(tmp_path / "d.jsonl"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 2 and "no tokenizer at model.path" in res.stderr
 
 
@@ -177,9 +212,26 @@ group_size = 2
 num_concurrent_episodes = 4
 max_new_tokens_per_turn = 64
 {envs}""")
-        res = subprocess.run([sys.executable, "-m", "agentrl", "serve-actors", "--config", str(config), "--no-send",
-                              "--dump-trajectories", str(dump), "--max-groups", "8"], cwd=ROOT, env=env,
-                             capture_output=True, text=True, timeout=180)
+        res = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "agentrl",
+                "serve-actors",
+                "--config",
+                str(config),
+                "--no-send",
+                "--dump-trajectories",
+                str(dump),
+                "--max-groups",
+                "8",
+            ],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads(res.stdout.strip().splitlines()[-1])
     dumped = [json.loads(line) for line in dump.read_text().splitlines()]
@@ -195,7 +247,22 @@ max_new_tokens_per_turn = 64
     assert "env(s) add (weight 1), add-agent (weight 1)" in res.stderr
 
     config.write_text(config.read_text().replace("max_turns = 3", 'max_turns = 3\nname = "add"'))
-    res = subprocess.run([sys.executable, "-m", "agentrl", "serve-actors", "--config", str(config), "--no-send",
-                          "--dump-trajectories", str(dump)], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=120)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "agentrl",
+            "serve-actors",
+            "--config",
+            str(config),
+            "--no-send",
+            "--dump-trajectories",
+            str(dump),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 2 and "env names must be unique" in res.stderr and "'add'" in res.stderr

@@ -10,13 +10,21 @@ import pytest
 import trio
 
 import agentrl.envs
+from agentrl.envs.base import Env, Task, load_env
 from agentrl.episode.chat import codec_for
 from agentrl.episode.rollout import EpisodeLimits, GroupLost, evaluate, run_episode, run_group, toolbox_for
-from agentrl.envs.base import Env, Task, load_env
 from agentrl.protocol import decode, encode
 from agentrl.tools.base import ToolBox
-from tests._actors_helpers import (HttpEngineClient, ModelPolicy, Reply, ScriptedEngine, TurnScript, fake_logprob,
-                                   load_tokenizer, tiny_model_dir, tiny_tokenizer_dir)
+from tests._actors_helpers import (
+    HttpEngineClient,
+    ModelPolicy,
+    ScriptedEngine,
+    TurnScript,
+    fake_logprob,
+    load_tokenizer,
+    tiny_model_dir,
+    tiny_tokenizer_dir,
+)
 from tests._actors_user_env import AddEnv, call, solver
 
 TASK = Task(id="t1", data={"a": 12, "b": 30})
@@ -28,12 +36,19 @@ def tokenizer(tmp_path_factory):
     return load_tokenizer(tiny_tokenizer_dir(tmp_path_factory))
 
 
-def play(engine: ScriptedEngine, tokenizer, env: Env, task: Task = TASK, limits: EpisodeLimits = LIMITS,
-         toolbox: ToolBox | None = None):
+def play(
+    engine: ScriptedEngine,
+    tokenizer,
+    env: Env,
+    task: Task = TASK,
+    limits: EpisodeLimits = LIMITS,
+    toolbox: ToolBox | None = None,
+):
     async def main():
         async with HttpEngineClient([engine.url]) as client:
-            return await run_episode(client, tokenizer, env, toolbox or toolbox_for(env), task,
-                                     {"temperature": 1.0}, limits)
+            return await run_episode(
+                client, tokenizer, env, toolbox or toolbox_for(env), task, {"temperature": 1.0}, limits
+            )
 
     return trio.run(main)
 
@@ -45,7 +60,8 @@ def assert_invariant(traj, tokenizer, env: Env, generation_prompt: bool = False)
     messages = traj.metadata["messages"]
     tools = toolbox_for(env).schemas() or None
     assert codec.decode(traj.tokens.tolist()) == tokenizer.apply_chat_template(
-        messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
+        messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt
+    )
     model = traj.tokens[traj.loss_mask.astype(bool)].tolist()
     assistant = "".join(m["content"] for m in messages if m["role"] == "assistant")
     eot = codec.decode([codec.end_of_turn_id])
@@ -59,8 +75,9 @@ def assert_invariant(traj, tokenizer, env: Env, generation_prompt: bool = False)
 def encode_group(traj):
     from agentrl.protocol import TrajectoryGroup
 
-    return encode(TrajectoryGroup(group_id="g", task_id="t", env="e", trajectories=[traj], actor_id="a",
-                                  session="s", seq=0))
+    return encode(
+        TrajectoryGroup(group_id="g", task_id="t", env="e", trajectories=[traj], actor_id="a", session="s", seq=0)
+    )
 
 
 def test_tool_call_episode(tokenizer):
@@ -80,12 +97,13 @@ def test_tool_call_episode(tokenizer):
     assert_invariant(traj, tokenizer, env)
     # logprobs are the engine's, token for token; versions too
     positions = np.flatnonzero(traj.loss_mask)
-    assert np.allclose(traj.behavior_logprobs[positions],
-                       [fake_logprob(int(traj.tokens[p]), int(p)) for p in positions], atol=1e-6)
+    assert np.allclose(
+        traj.behavior_logprobs[positions], [fake_logprob(int(traj.tokens[p]), int(p)) for p in positions], atol=1e-6
+    )
     assert set(traj.weight_versions[positions].tolist()) == {7}
     # the engine was asked with exactly the episode's tokens, and never for more than the room left
     req = engine.requests[-1]
-    assert req["input_ids"] == traj.tokens[:len(req["input_ids"])].tolist()
+    assert req["input_ids"] == traj.tokens[: len(req["input_ids"])].tolist()
     assert req["sampling_params"]["stop_token_ids"] == [codec_for(tokenizer).end_of_turn_id]
 
 
@@ -148,6 +166,7 @@ def test_hanging_tool_times_out_and_the_episode_goes_on(tokenizer):
 def test_reward_that_raises_scores_zero(tokenizer):
     env = AddEnv(reward_raises=True)
     with ScriptedEngine(TurnScript(tokenizer, solver)) as engine:
+
         async def main():
             async with HttpEngineClient([engine.url]) as client:
                 return await run_group(client, tokenizer, env, toolbox_for(env), TASK, {}, LIMITS, 3)
@@ -196,10 +215,12 @@ def test_finish_reasons(tokenizer, case):
 def test_prompt_longer_than_the_context_fails_clearly(tokenizer):
     env = AddEnv()
     with ScriptedEngine(TurnScript(tokenizer, solver)) as engine:
+
         async def main():
             async with HttpEngineClient([engine.url]) as client:
-                return await run_group(client, tokenizer, env, toolbox_for(env), TASK, {},
-                                       EpisodeLimits(max_total_tokens=60), 2)
+                return await run_group(
+                    client, tokenizer, env, toolbox_for(env), TASK, {}, EpisodeLimits(max_total_tokens=60), 2
+                )
 
         with pytest.raises(GroupLost, match=r"the prompt has \d+ tokens and leaves no room"):
             trio.run(main)
@@ -233,6 +254,7 @@ def test_user_env_loaded_by_import_path_and_evaluate(tokenizer):
         return solver(turn, prompt) if a % 2 == 0 else "I do not know."
 
     with ScriptedEngine(TurnScript(tokenizer, half_right)) as engine:
+
         async def main():
             async with HttpEngineClient([engine.url]) as client:
                 return await evaluate(client, tokenizer, env, tasks, greedy=True, concurrency=3, limits=LIMITS)
@@ -252,8 +274,12 @@ def builtin_envs() -> list[str]:
     for mod in pkgutil.iter_modules(agentrl.envs.__path__):
         module = importlib.import_module(f"agentrl.envs.{mod.name}")
         for name, obj in vars(module).items():
-            if (isinstance(obj, type) and issubclass(obj, Env) and obj.__module__ == module.__name__
-                    and all(getattr(obj, m) is not getattr(Env, m) for m in ("tasks", "initial_messages", "reward"))):
+            if (
+                isinstance(obj, type)
+                and issubclass(obj, Env)
+                and obj.__module__ == module.__name__
+                and all(getattr(obj, m) is not getattr(Env, m) for m in ("tasks", "initial_messages", "reward"))
+            ):
                 found.append(f"{module.__name__}:{name}")
     return found
 
@@ -269,6 +295,7 @@ def test_random_model_keeps_the_invariant(tmp_path_factory, tokenizer, env_path)
     limits = EpisodeLimits(max_turns=3, max_total_tokens=700, max_new_tokens_per_turn=24)
     tasks = [t for _, t in zip(range(3), env.tasks("train", seed=0))]
     with ScriptedEngine(policy) as engine:
+
         async def main():
             async with HttpEngineClient([engine.url]) as client:
                 out = []

@@ -11,11 +11,18 @@ import pytest
 import trio
 from trio.testing import wait_all_tasks_blocked
 
-from agentrl.episode.rollout import EpisodeLimits, toolbox_for
 from agentrl.actors.actor import ActorEnv, ActorService, ActorSettings, budget_share
+from agentrl.episode.rollout import EpisodeLimits, toolbox_for
 from agentrl.protocol import ActorAck, Progress
-from tests._actors_helpers import (HttpEngineClient, MemoryProgress, MemorySender, ScriptedEngine, TurnScript,
-                                   load_tokenizer, tiny_tokenizer_dir)
+from tests._actors_helpers import (
+    HttpEngineClient,
+    MemoryProgress,
+    MemorySender,
+    ScriptedEngine,
+    TurnScript,
+    load_tokenizer,
+    tiny_tokenizer_dir,
+)
 from tests._actors_user_env import AddAgentEnv, AddEnv, prompt_solver, solver
 
 LIMITS = EpisodeLimits(max_turns=4, max_total_tokens=1024, max_new_tokens_per_turn=64)
@@ -26,14 +33,23 @@ def tokenizer(tmp_path_factory):
     return load_tokenizer(tiny_tokenizer_dir(tmp_path_factory))
 
 
-def service(client, tokenizer, env=None, sender=None, progress=None, dump_path=None, envs=None, agents=None,
-            **settings) -> ActorService:
+def service(
+    client, tokenizer, env=None, sender=None, progress=None, dump_path=None, envs=None, agents=None, **settings
+) -> ActorService:
     env = env or AddEnv()
     envs = envs or [ActorEnv(env, toolbox_for(env), LIMITS)]
     defaults = dict(group_size=2, num_concurrent_episodes=4, log_interval_s=0, drain_timeout_s=1.0)
-    return ActorService(client=client, tokenizer=tokenizer, envs=envs, agents=agents, sampling={},
-                        settings=ActorSettings(**{**defaults, **settings}), sender=sender, progress=progress,
-                        dump_path=dump_path)
+    return ActorService(
+        client=client,
+        tokenizer=tokenizer,
+        envs=envs,
+        agents=agents,
+        sampling={},
+        settings=ActorSettings(**{**defaults, **settings}),
+        sender=sender,
+        progress=progress,
+        dump_path=dump_path,
+    )
 
 
 async def wait_for(predicate, timeout_s: float = 20.0) -> None:
@@ -62,6 +78,7 @@ def test_free_run_max_groups_and_dump(tokenizer, tmp_path):
     dump = tmp_path / "groups.jsonl"
     sender = MemorySender()
     with ScriptedEngine(TurnScript(tokenizer, solver), version=3) as engine:
+
         async def main():
             async with HttpEngineClient([engine.url]) as client:
                 return await service(client, tokenizer, sender=sender, dump_path=dump, max_groups=5).run()
@@ -89,17 +106,26 @@ def test_max_staleness_zero_is_synchronous(tokenizer):
     """With a budget of one step per version, the actor starts exactly that step's groups and waits."""
     sender, progress = MemorySender(), MemoryProgress()
     with ScriptedEngine(TurnScript(tokenizer, solver), version=0) as engine:
+
         async def main():
             async with HttpEngineClient([engine.url]) as client:
-                svc = service(client, tokenizer, sender=sender, progress=progress, wait_for_learner=True,
-                              max_staleness=0, num_concurrent_episodes=8)
+                svc = service(
+                    client,
+                    tokenizer,
+                    sender=sender,
+                    progress=progress,
+                    wait_for_learner=True,
+                    max_staleness=0,
+                    num_concurrent_episodes=8,
+                )
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(svc.run)
                     await settled(svc)
                     assert svc.stats.groups_started == 0  # waits for the learner
                     for step in range(3):
-                        progress.publish(Progress(policy_version=step, accept_groups=3 * (step + 1), step=step,
-                                                  max_staleness=0))
+                        progress.publish(
+                            Progress(policy_version=step, accept_groups=3 * (step + 1), step=step, max_staleness=0)
+                        )
                         await wait_for(lambda: len(sender.groups) == 3 * (step + 1))
                         await settled(svc)
                         assert svc.stats.groups_started == 3 * (step + 1)  # nothing beyond the budget
@@ -129,10 +155,20 @@ def test_actor_takes_its_share_and_replaces_lost_groups(tokenizer):
     sender, progress = MemorySender(), MemoryProgress()
     progress.publish(Progress(policy_version=0, accept_groups=7, max_staleness=1))
     with ScriptedEngine(flaky) as engine:
+
         async def main():
             async with HttpEngineClient([engine.url]) as client:
-                svc = service(client, tokenizer, sender=sender, progress=progress, actor_index=1, num_actors=3,
-                              wait_for_learner=True, max_staleness=1, group_size=1)
+                svc = service(
+                    client,
+                    tokenizer,
+                    sender=sender,
+                    progress=progress,
+                    actor_index=1,
+                    num_actors=3,
+                    wait_for_learner=True,
+                    max_staleness=1,
+                    group_size=1,
+                )
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(svc.run)
                     await wait_for(lambda: len(sender.groups) == 2)
@@ -153,6 +189,7 @@ def test_a_restarted_actor_continues_its_share(tokenizer):
     old = ActorAck("actor0", groups=8, session="previous-process", session_groups=8, acked=[(0, 7)])
     progress.publish(Progress(policy_version=0, accept_groups=10, max_staleness=1, learner_session="L", actors=[old]))
     with ScriptedEngine(TurnScript(tokenizer, solver)) as engine:
+
         async def main():
             async with HttpEngineClient([engine.url]) as client:
                 svc = service(client, tokenizer, sender=sender, progress=progress, wait_for_learner=True)
@@ -163,8 +200,9 @@ def test_a_restarted_actor_continues_its_share(tokenizer):
                     assert svc.stats.groups_started == 2 and svc.budget_used() == 10  # and waits
                     # the learner got them: 10 held from actor0 now, budget 12: two more
                     ack = ActorAck("actor0", groups=10, session=svc.outbox.session, session_groups=2, acked=[(0, 1)])
-                    progress.publish(Progress(policy_version=1, accept_groups=12, max_staleness=1, learner_session="L",
-                                              actors=[ack]))
+                    progress.publish(
+                        Progress(policy_version=1, accept_groups=12, max_staleness=1, learner_session="L", actors=[ack])
+                    )
                     await wait_for(lambda: len(sender.groups) == 4)
                     await settled(svc)
                     assert svc.stats.groups_started == 4 and svc.outbox.held == 2
@@ -179,10 +217,12 @@ def test_groups_a_restarted_learner_lost_are_sent_again(tokenizer):
     sender, progress = MemorySender(), MemoryProgress()
     progress.publish(Progress(policy_version=0, accept_groups=3, max_staleness=1, learner_session="L1"))
     with ScriptedEngine(TurnScript(tokenizer, solver)) as engine:
+
         async def main():
             async with HttpEngineClient([engine.url]) as client:
-                svc = service(client, tokenizer, sender=sender, progress=progress, wait_for_learner=True,
-                              drain_timeout_s=5)
+                svc = service(
+                    client, tokenizer, sender=sender, progress=progress, wait_for_learner=True, drain_timeout_s=5
+                )
                 session = svc.outbox.session
 
                 def acked(*ranges):
@@ -192,24 +232,31 @@ def test_groups_a_restarted_learner_lost_are_sent_again(tokenizer):
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(svc.run)
                     await wait_for(lambda: len(sender.groups) == 3)
-                    progress.publish(Progress(policy_version=0, accept_groups=3, learner_session="L1",
-                                              actors=acked((0, 0))))
+                    progress.publish(
+                        Progress(policy_version=0, accept_groups=3, learner_session="L1", actors=acked((0, 0)))
+                    )
                     await wait_for(lambda: svc.outbox.held == 2)
                     # the learner restarts with group 0 on disk: 1 and 2 were in its queue, lost
-                    progress.publish(Progress(policy_version=0, accept_groups=3, learner_session="L2",
-                                              actors=acked((0, 0))))
+                    progress.publish(
+                        Progress(policy_version=0, accept_groups=3, learner_session="L2", actors=acked((0, 0)))
+                    )
                     await wait_for(lambda: len(sender.groups) == 5)
                     svc.request_stop("test over")  # waits for the acknowledgement
                     await settled(svc)
                     assert svc.stop_reason and svc.outbox.held == 2
-                    progress.publish(Progress(policy_version=0, accept_groups=3, learner_session="L2",
-                                              actors=acked((0, 2))))
+                    progress.publish(
+                        Progress(policy_version=0, accept_groups=3, learner_session="L2", actors=acked((0, 2)))
+                    )
                 return svc.report()
 
         report = trio.run(main)
     assert [g.seq for g in sender.groups] == [0, 1, 2, 1, 2]
     assert (report["groups_produced"], report["groups_acked"], report["groups_resent"], report["groups_unacked"]) == (
-        3, 3, 2, 0)
+        3,
+        3,
+        2,
+        0,
+    )
 
 
 def test_persistent_failure_stops_the_actor(tokenizer):
@@ -217,6 +264,7 @@ def test_persistent_failure_stops_the_actor(tokenizer):
         raise RuntimeError("down")
 
     with ScriptedEngine(broken) as engine:
+
         async def main():
             async with HttpEngineClient([engine.url]) as client:
                 return await service(client, tokenizer, max_consecutive_lost=3).run()
@@ -233,6 +281,7 @@ def test_back_pressure_bounds_open_groups_and_stop_reports(tokenizer):
     sender.blocked = True
     env = AddEnv()
     with ScriptedEngine(TurnScript(tokenizer, solver)) as engine:
+
         async def main():
             async with HttpEngineClient([engine.url]) as client:
                 svc = service(client, tokenizer, env=env, sender=sender, drain_timeout_s=0.3)
@@ -253,6 +302,7 @@ def test_stop_abandons_running_groups(tokenizer):
     env = AddEnv()
     sender = MemorySender()
     with ScriptedEngine(TurnScript(tokenizer, solver), delay_s=0.4) as engine:
+
         async def main():
             async with HttpEngineClient([engine.url]) as client:
                 svc = service(client, tokenizer, env=env, sender=sender, num_concurrent_episodes=6)
@@ -272,29 +322,44 @@ def test_stop_abandons_running_groups(tokenizer):
 def test_reward_errors_do_not_stop_the_actor(tokenizer):
     sender = MemorySender()
     with ScriptedEngine(TurnScript(tokenizer, solver)) as engine:
+
         async def main():
             async with HttpEngineClient([engine.url]) as client:
-                return await service(client, tokenizer, env=AddEnv(reward_raises=True), sender=sender,
-                                     max_groups=3).run()
+                return await service(
+                    client, tokenizer, env=AddEnv(reward_raises=True), sender=sender, max_groups=3
+                ).run()
 
         report = trio.run(main)
     assert report["groups_delivered"] == 3 and report["reward_errors"] == 6 and report["reward_mean"] == 0.0
-    assert all(t.metadata["reward_error"].endswith("RuntimeError: the scorer crashed")
-               for g in sender.groups for t in g.trajectories)
+    assert all(
+        t.metadata["reward_error"].endswith("RuntimeError: the scorer crashed")
+        for g in sender.groups
+        for t in g.trajectories
+    )
 
 
 def test_limits_and_sampling_from_config():
-    from agentrl.episode.rollout import sampling_from_config
     from agentrl.config import load_config
+    from agentrl.episode.rollout import sampling_from_config
 
-    cfg = load_config(None, ["env.max_turns=6", "env.max_total_tokens=900", "actors.max_new_tokens_per_turn=50",
-                             "actors.temperature=0.7", "engine.max_context_tokens=1000"])
-    assert EpisodeLimits.from_config(cfg) == EpisodeLimits(max_turns=6, max_total_tokens=900,
-                                                           max_new_tokens_per_turn=50, max_abs_reward=1000.0)
+    cfg = load_config(
+        None,
+        [
+            "env.max_turns=6",
+            "env.max_total_tokens=900",
+            "actors.max_new_tokens_per_turn=50",
+            "actors.temperature=0.7",
+            "engine.max_context_tokens=1000",
+        ],
+    )
+    assert EpisodeLimits.from_config(cfg) == EpisodeLimits(
+        max_turns=6, max_total_tokens=900, max_new_tokens_per_turn=50, max_abs_reward=1000.0
+    )
     env = AddEnv()
     env.max_turns, env.max_total_tokens = 2, 5000  # an env's own limits win, capped by the engine's context
-    assert EpisodeLimits.from_config(cfg, env) == EpisodeLimits(max_turns=2, max_total_tokens=1000,
-                                                                max_new_tokens_per_turn=50, max_abs_reward=1000.0)
+    assert EpisodeLimits.from_config(cfg, env) == EpisodeLimits(
+        max_turns=2, max_total_tokens=1000, max_new_tokens_per_turn=50, max_abs_reward=1000.0
+    )
     assert sampling_from_config(cfg) == {"temperature": 0.7, "top_p": 1.0, "top_k": -1}
     assert sampling_from_config(cfg, greedy=True) == {"temperature": 0.0}
 
@@ -304,10 +369,18 @@ def test_finite_split_then_blocked_send_still_stops(tokenizer):
     sender = MemorySender()
     sender.blocked = True
     with ScriptedEngine(TurnScript(tokenizer, solver)) as engine:
+
         async def main():
             async with HttpEngineClient([engine.url]) as client:
-                svc = service(client, tokenizer, env=AddEnv(num_tasks=3), sender=sender, split="test",
-                              num_concurrent_episodes=6, drain_timeout_s=0.2)
+                svc = service(
+                    client,
+                    tokenizer,
+                    env=AddEnv(num_tasks=3),
+                    sender=sender,
+                    split="test",
+                    num_concurrent_episodes=6,
+                    drain_timeout_s=0.2,
+                )
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(svc.run)
                     await wait_for(lambda: svc.stats.groups_completed == 3)
@@ -326,8 +399,9 @@ def test_finite_split_then_blocked_send_still_stops(tokenizer):
 def agent_runner(tokenizer, url: str):
     from agentrl.agents.agent_runner import AgentRunner
 
-    return AgentRunner(tokenizer, lambda: HttpEngineClient([url]), forced_sampling={"temperature": 1.0},
-                       default_max_tokens=64)
+    return AgentRunner(
+        tokenizer, lambda: HttpEngineClient([url]), forced_sampling={"temperature": 1.0}, default_max_tokens=64
+    )
 
 
 def test_two_envs_one_of_them_an_agent_env_share_one_actor(tokenizer, tmp_path):
@@ -335,12 +409,23 @@ def test_two_envs_one_of_them_an_agent_env_share_one_actor(tokenizer, tmp_path):
     weight and never mix envs, stamping is exactly-once in one sequence, counts are per episode and per env."""
     sender = MemorySender()
     add, agent = AddEnv(), AddAgentEnv(rewrite_history=True)
-    envs = [ActorEnv(add, toolbox_for(add), LIMITS, weight=1.0), ActorEnv(agent, toolbox_for(agent), LIMITS, weight=3.0)]
+    envs = [
+        ActorEnv(add, toolbox_for(add), LIMITS, weight=1.0),
+        ActorEnv(agent, toolbox_for(agent), LIMITS, weight=3.0),
+    ]
     with ScriptedEngine(TurnScript(tokenizer, prompt_solver), version=2) as engine:
+
         async def main():
             async with HttpEngineClient([engine.url]) as client, agent_runner(tokenizer, engine.url) as runner:
-                return await service(client, tokenizer, envs=envs, agents=runner, sender=sender, max_groups=16,
-                                     dump_path=tmp_path / "groups.jsonl").run()
+                return await service(
+                    client,
+                    tokenizer,
+                    envs=envs,
+                    agents=runner,
+                    sender=sender,
+                    max_groups=16,
+                    dump_path=tmp_path / "groups.jsonl",
+                ).run()
 
         report = trio.run(main)
     by_env = {}
@@ -372,16 +457,26 @@ def test_an_agent_env_is_gated_and_survives_weight_updates_like_any_env(tokenize
 
         async def main():
             async with HttpEngineClient([engine.url]) as client, agent_runner(tokenizer, engine.url) as runner:
-                svc = service(client, tokenizer, envs=[ActorEnv(agent, toolbox_for(agent), LIMITS)], agents=runner,
-                              sender=sender, progress=progress, wait_for_learner=True, max_staleness=0,
-                              num_concurrent_episodes=8, group_size=1)
+                svc = service(
+                    client,
+                    tokenizer,
+                    envs=[ActorEnv(agent, toolbox_for(agent), LIMITS)],
+                    agents=runner,
+                    sender=sender,
+                    progress=progress,
+                    wait_for_learner=True,
+                    max_staleness=0,
+                    num_concurrent_episodes=8,
+                    group_size=1,
+                )
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(svc.run)
                     await settled(svc)
                     assert svc.stats.groups_started == 0  # waits for the learner
                     for step in range(2):
-                        progress.publish(Progress(policy_version=step + 1, accept_groups=2 * (step + 1), step=step,
-                                                  max_staleness=0))
+                        progress.publish(
+                            Progress(policy_version=step + 1, accept_groups=2 * (step + 1), step=step, max_staleness=0)
+                        )
                         await wait_for(lambda: len(sender.groups) == 2 * (step + 1))
                         await settled(svc)
                         assert svc.stats.groups_started == 2 * (step + 1)  # nothing beyond the budget
@@ -391,8 +486,9 @@ def test_an_agent_env_is_gated_and_survives_weight_updates_like_any_env(tokenize
 
         svc = trio.run(main)
     assert svc.stop_reason == "the learner is done" and len(sender.groups) == 4
-    versions = [sorted(set(t.weight_versions[t.loss_mask == 1].tolist())) for g in sender.groups
-                for t in g.trajectories]
+    versions = [
+        sorted(set(t.weight_versions[t.loss_mask == 1].tolist())) for g in sender.groups for t in g.trajectories
+    ]
     assert [0, 1] in versions  # the interrupted turn went on under the new weights
     assert sum(t.metadata["num_aborts"] for g in sender.groups for t in g.trajectories) == 1
     assert all(t.reward == 1.0 for g in sender.groups for t in g.trajectories)
@@ -411,17 +507,20 @@ def test_an_agent_env_reads_tool_calls_in_its_own_format_through_the_processs_ru
     """serve-actors' wiring (the env built from the config, the runner from ``agent_runner(cfg)``): an AgentEnv
     whose ``tool_parser`` is llama3 (set from ``env.kwargs``) gets the model's Llama 3 JSON calls as OpenAI
     ``tool_calls``; with the default (Hermes) the same text is plain content."""
+    from agentrl.config import load_config
     from agentrl.run.actor_process import agent_runner as runner_from_config
     from agentrl.run.actor_process import build_actor_envs
-    from agentrl.config import load_config
 
     cfg = load_config(None, ["env.cls=tests._actors_user_env:AddAgentEnv", f"env.kwargs.tool_format={tool_format}"])
     envs = build_actor_envs(cfg)
     sender = MemorySender()
     with ScriptedEngine(TurnScript(tokenizer, llama3_solver)) as engine:
+
         async def main():
-            async with HttpEngineClient([engine.url]) as client, \
-                    runner_from_config(cfg, tokenizer, lambda: HttpEngineClient([engine.url])) as runner:
+            async with (
+                HttpEngineClient([engine.url]) as client,
+                runner_from_config(cfg, tokenizer, lambda: HttpEngineClient([engine.url])) as runner,
+            ):
                 return await service(client, tokenizer, envs=envs, agents=runner, sender=sender, max_groups=2).run()
 
         report = trio.run(main)

@@ -17,8 +17,17 @@ from typing import Any
 import pytest
 
 from agentrl.agents.openai_api import (
-    DEFAULT_ONLY_FIELDS, IGNORED_FIELDS, USED_FIELDS, ChoiceOut, chat_completion, chat_completion_chunks, model_list,
-    retrieve_model, split_tool_calls, token_logprobs, usage,
+    DEFAULT_ONLY_FIELDS,
+    IGNORED_FIELDS,
+    USED_FIELDS,
+    ChoiceOut,
+    chat_completion,
+    chat_completion_chunks,
+    model_list,
+    retrieve_model,
+    split_tool_calls,
+    token_logprobs,
+    usage,
 )
 from agentrl.tools.parsing import HermesToolCallParser
 from tests import sglang_spec
@@ -40,8 +49,21 @@ NESTED = {
     ("ModelList", "data"): "ModelCard",
 }
 # OpenAI's request fields that SGLang 0.5.23's ChatCompletionRequest does not have (it ignores them too)
-OPENAI_ONLY = {"audio", "function_call", "functions", "metadata", "modalities", "prediction", "prompt_cache_key",
-               "prompt_cache_retention", "safety_identifier", "service_tier", "store", "verbosity", "web_search_options"}
+OPENAI_ONLY = {
+    "audio",
+    "function_call",
+    "functions",
+    "metadata",
+    "modalities",
+    "prediction",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "safety_identifier",
+    "service_tier",
+    "store",
+    "verbosity",
+    "web_search_options",
+}
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +87,9 @@ def shape_errors(value: Any, model: str, spec: sglang_spec.Spec, where: str) -> 
         nested = NESTED.get((model, k))
         if nested is not None and v is not None:
             for i, item in enumerate(v if isinstance(v, list) else [v]):
-                errors += shape_errors(item, nested, spec, f"{where}.{k}[{i}]" if isinstance(v, list) else f"{where}.{k}")
+                errors += shape_errors(
+                    item, nested, spec, f"{where}.{k}[{i}]" if isinstance(v, list) else f"{where}.{k}"
+                )
             continue
         err = sglang_spec.conformance_error(v, spec.openai_annotations[f"{model}.{k}"], spec, f"{where}.{k}")
         errors += [err] if err else []
@@ -75,8 +99,11 @@ def shape_errors(value: Any, model: str, spec: sglang_spec.Spec, where: str) -> 
 def example_choices() -> list[ChoiceOut]:
     text = 'Adding.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
     content, calls = split_tool_calls(text, HermesToolCallParser(), {"add"})
-    return [ChoiceOut(content, calls, "tool_calls", logprobs=token_logprobs(["Add", "ing"], [-0.5, -1.25])),
-            ChoiceOut("5", None, "stop", matched_stop=7), ChoiceOut("55", None, "length")]
+    return [
+        ChoiceOut(content, calls, "tool_calls", logprobs=token_logprobs(["Add", "ing"], [-0.5, -1.25])),
+        ChoiceOut("5", None, "stop", matched_stop=7),
+        ChoiceOut("55", None, "length"),
+    ]
 
 
 def test_chat_completions_are_sglangs_response_objects(spec):
@@ -87,7 +114,9 @@ def test_chat_completions_are_sglangs_response_objects(spec):
 
 def test_stream_chunks_are_sglangs_chunk_objects(spec):
     chunks = chat_completion_chunks("chatcmpl-1", "m", example_choices(), usage(10, 7))
-    errors = [e for i, c in enumerate(chunks) for e in shape_errors(c, "ChatCompletionStreamResponse", spec, f"chunk{i}")]
+    errors = [
+        e for i, c in enumerate(chunks) for e in shape_errors(c, "ChatCompletionStreamResponse", spec, f"chunk{i}")
+    ]
     assert errors == []
     assert len(chunks) == 11  # role, content, call, finish; role, content, finish (twice); usage
 

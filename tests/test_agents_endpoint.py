@@ -21,20 +21,30 @@ import numpy as np
 import pytest
 import trio
 
+from agentrl.agents.agent_runner import AgentRunner, play_agent_episode
+from agentrl.agents.openai_api import split_tool_calls
+from agentrl.engine.client import EngineClient
+from agentrl.envs.agent import AgentEnv
+from agentrl.envs.base import Task
 from agentrl.episode.chat import ChatCodec
 from agentrl.episode.rollout import EpisodeFailed, GroupLost
-from agentrl.envs.agent import AgentEnv
-from agentrl.agents.openai_api import split_tool_calls
-from agentrl.agents.agent_runner import AgentRunner, play_agent_episode
-from agentrl.engine.client import EngineClient
-from agentrl.envs.base import Task
 from agentrl.tools.parsing import HermesToolCallParser
 from tests._actors_helpers import ScriptedEngine, TurnScript, fake_logprob, load_tokenizer
 from tests.conftest_engine import max_abs_diff, start_engines
 
 USER = [{"role": "user", "content": "What is 2 + 3?"}]
-ADD = {"type": "function", "function": {"name": "add", "description": "Add two numbers.", "parameters": {
-    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two numbers.",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
 ANSWER = "The answer is 5."
 TASK = Task("t1", {"a": 2, "b": 3})
@@ -70,15 +80,15 @@ class Agent(AgentEnv):
         return self._reward(messages)
 
 
-def play(tokenizer, url: str, env: AgentEnv, task: Task = TASK, *, n_episodes: int = 1, limits=None,
-         **runner_kwargs):
+def play(tokenizer, url: str, env: AgentEnv, task: Task = TASK, *, n_episodes: int = 1, limits=None, **runner_kwargs):
     """Run ``n_episodes`` episodes of ``env`` as one group (concurrently); their trajectory lists."""
     runner_kwargs.setdefault("default_max_tokens", 48)
 
     async def main():
         with trio.fail_after(180):
-            async with AgentRunner(tokenizer, lambda: EngineClient([url], health_check_interval_s=0.5),
-                                   **runner_kwargs) as runner:
+            async with AgentRunner(
+                tokenizer, lambda: EngineClient([url], health_check_interval_s=0.5), **runner_kwargs
+            ) as runner:
                 group = await runner.play_group(env, task, n_episodes, group_id="ep", actor_id="a0", limits=limits)
         assert (group.group_id, group.task_id, group.env, group.actor_id) == ("ep", task.id, env.name, "a0")
         return [[t for t in group.trajectories if t.metadata["episode_id"] == f"ep-{i}"] for i in range(n_episodes)]
@@ -87,8 +97,11 @@ def play(tokenizer, url: str, env: AgentEnv, task: Task = TASK, *, n_episodes: i
 
 
 def template_ids(tokenizer, messages, tools=None) -> list[int]:
-    return list(tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
-                                              return_dict=False))
+    return list(
+        tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
 
 
 def model_spans(traj) -> list[tuple[int, int]]:
@@ -105,36 +118,49 @@ def model_spans(traj) -> list[tuple[int, int]]:
 
 def assert_template(traj, tokenizer, tools=None) -> None:
     """The tokens decode to the chat template's rendering of the sequence's messages (model text as generated)."""
-    assert tokenizer.decode(list(traj.tokens), skip_special_tokens=False) == \
-        tokenizer.apply_chat_template(traj.metadata["messages"], tools=tools, tokenize=False)
+    assert tokenizer.decode(list(traj.tokens), skip_special_tokens=False) == tokenizer.apply_chat_template(
+        traj.metadata["messages"], tools=tools, tokenize=False
+    )
 
 
 # ----------------------------------------------------------------------------- the real engine
 
 
-def test_sdk_calls_are_recorded_token_for_token_as_the_engine_generated_them(tokenizer, codec, engine_url,
-                                                                              engine_teacher):
+def test_sdk_calls_are_recorded_token_for_token_as_the_engine_generated_them(
+    tokenizer, codec, engine_url, engine_teacher
+):
     seen: dict = {}
 
     async def agent(task, client):
-        first = await client.chat.completions.create(model="any-name", messages=USER, tools=[ADD], seed=11,
-                                                     max_tokens=12, logprobs=True)
+        first = await client.chat.completions.create(
+            model="any-name", messages=USER, tools=[ADD], seed=11, max_tokens=12, logprobs=True
+        )
         seen["first"] = first
         history = USER + [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Sure?"}]
-        stream = await client.chat.completions.create(model="any-name", messages=history, tools=[ADD], seed=12,
-                                                      max_completion_tokens=10, stream=True,
-                                                      stream_options={"include_usage": True})
+        stream = await client.chat.completions.create(
+            model="any-name",
+            messages=history,
+            tools=[ADD],
+            seed=12,
+            max_completion_tokens=10,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         seen["chunks"] = [c async for c in stream]
         return 1.0
 
     [[traj]] = play(tokenizer, engine_url, Agent(agent))
     md = traj.metadata
-    assert (md["num_calls"], md["num_sequences"], md["new_sequence_reason"], md["num_stitched_calls"]) == \
-        (2, 1, "first_call", 1)
+    assert (md["num_calls"], md["num_sequences"], md["new_sequence_reason"], md["num_stitched_calls"]) == (
+        2,
+        1,
+        "first_call",
+        1,
+    )
     assert traj.reward == 1.0 and md["env"] == "agent" and md["task_id"] == "t1" and md["episode_id"] == "ep-0"
     assert_template(traj, tokenizer, tools=[ADD])
     prompt = template_ids(tokenizer, USER, [ADD])
-    assert list(traj.tokens[:len(prompt)]) == prompt  # the first prompt is the template's, tokenized as a whole
+    assert list(traj.tokens[: len(prompt)]) == prompt  # the first prompt is the template's, tokenized as a whole
     spans = model_spans(traj)
     assert len(spans) == 2 and spans[0][0] == len(prompt)
     tokens = [int(t) for t in traj.tokens]
@@ -144,16 +170,20 @@ def test_sdk_calls_are_recorded_token_for_token_as_the_engine_generated_them(tok
     first = seen["first"]  # what the client saw is what was recorded
     assert first.metadata == {"weight_version": "0"}
     s0, e0 = spans[0]
-    assert [lp.logprob for lp in first.choices[0].logprobs.content] == \
-        pytest.approx(traj.behavior_logprobs[s0:e0].tolist(), abs=1e-6)
+    assert [lp.logprob for lp in first.choices[0].logprobs.content] == pytest.approx(
+        traj.behavior_logprobs[s0:e0].tolist(), abs=1e-6
+    )
     assert (first.usage.prompt_tokens, first.usage.completion_tokens) == (len(prompt), e0 - s0)
-    text = codec.decode(tokens[s0:e0 - 1] if tokens[e0 - 1] == codec.end_of_turn_id else tokens[s0:e0])
+    text = codec.decode(tokens[s0 : e0 - 1] if tokens[e0 - 1] == codec.end_of_turn_id else tokens[s0:e0])
     assert first.choices[0].message.content == split_tool_calls(text, HermesToolCallParser(), {"add"})[0]
     chunks = seen["chunks"]
-    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].usage.completion_tokens == spans[1][1] - spans[1][0]
+    assert (
+        chunks[0].choices[0].delta.role == "assistant"
+        and chunks[-1].usage.completion_tokens == spans[1][1] - spans[1][0]
+    )
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     s1, e1 = spans[1]
-    text = codec.decode(tokens[s1:e1 - 1] if tokens[e1 - 1] == codec.end_of_turn_id else tokens[s1:e1])
+    text = codec.decode(tokens[s1 : e1 - 1] if tokens[e1 - 1] == codec.end_of_turn_id else tokens[s1:e1])
     assert streamed == split_tool_calls(text, HermesToolCallParser(), {"add"})[0]
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == md["finish_reason"]
 
@@ -167,20 +197,27 @@ def test_n_choices_are_branches_and_the_one_the_agent_continues_grows(tokenizer,
         return 0.25
 
     [trajs] = play(tokenizer, engine_url, Agent(agent))
-    assert [(t.metadata["new_sequence_reason"], t.metadata["num_calls"]) for t in trajs] == \
-        [("first_call", 1), ("branch", 2), ("branch", 1)]
+    assert [(t.metadata["new_sequence_reason"], t.metadata["num_calls"]) for t in trajs] == [
+        ("first_call", 1),
+        ("branch", 2),
+        ("branch", 1),
+    ]
     prompt = template_ids(tokenizer, USER)
     completions = []
     for t in trajs:
-        assert t.reward == 0.25 and list(t.tokens[:len(prompt)]) == prompt and not t.loss_mask[:len(prompt)].any()
+        assert t.reward == 0.25 and list(t.tokens[: len(prompt)]) == prompt and not t.loss_mask[: len(prompt)].any()
         assert_template(t, tokenizer)
         start, end = model_spans(t)[0]
         completions.append([int(x) for x in t.tokens[start:end]])
 
     async def replay():  # choice i sampled with seed + i
         async with EngineClient([engine_url]) as client:
-            return [await client.generate(prompt, {"sampling_seed": 7 + i, "max_new_tokens": 6,
-                                                   "stop_token_ids": [codec.end_of_turn_id]}) for i in range(3)]
+            return [
+                await client.generate(
+                    prompt, {"sampling_seed": 7 + i, "max_new_tokens": 6, "stop_token_ids": [codec.end_of_turn_id]}
+                )
+                for i in range(3)
+            ]
 
     assert [r.output_ids for r in trio.run(replay)] == completions
     assert len({tuple(c) for c in completions}) == 3
@@ -196,7 +233,7 @@ def test_a_stop_string_cuts_the_content_and_finishes_with_stop_on_the_real_engin
         for seed in range(1, 9):  # a random model: find a completion with a plain word-ish piece inside
             free = await client.chat.completions.create(model="m", messages=USER, seed=seed, max_tokens=24)
             text = free.choices[0].message.content
-            pieces = [text[k:k + 3] for k in range(1, len(text) - 3)]
+            pieces = [text[k : k + 3] for k in range(1, len(text) - 3)]
             stops = [p for p in pieces if p.isascii() and p.isalpha() and text.find(p) > 0]
             if stops:
                 break
@@ -208,7 +245,7 @@ def test_a_stop_string_cuts_the_content_and_finishes_with_stop_on_the_real_engin
 
     [trajs] = play(tokenizer, engine_url, Agent(agent))
     text, stop, free, cut = seen["text"], seen["stop"], seen["free"], seen["cut"]
-    assert cut.message.content == text[:text.find(stop)] and stop not in cut.message.content
+    assert cut.message.content == text[: text.find(stop)] and stop not in cut.message.content
     assert stop in free.message.content  # the same seed without the stop string went past it
     assert cut.finish_reason == "stop" and cut.model_extra.get("matched_stop") == stop
     recorded = trajs[-1]  # the cut call: the model's tokens through the stop string, no end-of-turn token
@@ -228,25 +265,42 @@ def test_the_engine_serves_the_same_v1_routes_without_recording(tokenizer, codec
         assert (await client.models.retrieve(str(engine_model))).id == str(engine_model)
         with pytest.raises(openai.NotFoundError):
             await client.models.retrieve("other")
-        reply = await client.chat.completions.create(model=str(engine_model), messages=USER, seed=3, max_tokens=8,
-                                                     logprobs=True)
-        streamed = await client.chat.completions.create(model=str(engine_model), messages=USER, seed=3, max_tokens=8,
-                                                        stream=True)
+        reply = await client.chat.completions.create(
+            model=str(engine_model), messages=USER, seed=3, max_tokens=8, logprobs=True
+        )
+        streamed = await client.chat.completions.create(
+            model=str(engine_model), messages=USER, seed=3, max_tokens=8, stream=True
+        )
         text = "".join([c.choices[0].delta.content or "" async for c in streamed if c.choices])
         with pytest.raises(openai.BadRequestError) as info:
             await client.chat.completions.create(model="m", messages=USER, logit_bias={"5": 3})
         await client.close()
         async with httpx.AsyncClient() as http:
-            direct = (await http.post(engine_url + "/generate", json={
-                "input_ids": template_ids(tokenizer, USER), "return_logprob": True,
-                "sampling_params": {"sampling_seed": 3, "max_new_tokens": 8, "stop_token_ids": [codec.end_of_turn_id]}})).json()
+            direct = (
+                await http.post(
+                    engine_url + "/generate",
+                    json={
+                        "input_ids": template_ids(tokenizer, USER),
+                        "return_logprob": True,
+                        "sampling_params": {
+                            "sampling_seed": 3,
+                            "max_new_tokens": 8,
+                            "stop_token_ids": [codec.end_of_turn_id],
+                        },
+                    },
+                )
+            ).json()
         return reply, text, info.value, direct
 
     reply, text, refused, direct = asyncio.run(main())
-    assert [lp.logprob for lp in reply.choices[0].logprobs.content] == \
-        pytest.approx([x[0] for x in direct["meta_info"]["output_token_logprobs"]], abs=1e-5)
-    assert reply.choices[0].message.content == text == codec.decode(
-        [t for t in direct["output_ids"] if t != codec.end_of_turn_id])
+    assert [lp.logprob for lp in reply.choices[0].logprobs.content] == pytest.approx(
+        [x[0] for x in direct["meta_info"]["output_token_logprobs"]], abs=1e-5
+    )
+    assert (
+        reply.choices[0].message.content
+        == text
+        == codec.decode([t for t in direct["output_ids"] if t != codec.end_of_turn_id])
+    )
     assert (refused.status_code, refused.param, refused.code) == (400, "logit_bias", "unsupported_parameter")
 
 
@@ -260,13 +314,16 @@ def test_a_real_weight_update_abort_is_continued_into_one_completion(tokenizer, 
 
     async def main():
         async with httpx.AsyncClient(base_url=engine_url, timeout=30) as http:
+
             async def interrupt() -> None:
                 with trio.fail_after(60):
                     while (await http.get("/server_info")).json()["num_running"] == 0:
                         await trio.sleep(0.05)  # polling the external process, bounded
-                for path, body in (("/pause_generation", {"mode": "abort"}),
-                                   ("/update_weight_version", {"new_version": "1", "abort_all_requests": False}),
-                                   ("/continue_generation", {})):
+                for path, body in (
+                    ("/pause_generation", {"mode": "abort"}),
+                    ("/update_weight_version", {"new_version": "1", "abort_all_requests": False}),
+                    ("/continue_generation", {}),
+                ):
                     assert (await http.post(path, json=body)).status_code == 200
 
             try:
@@ -293,16 +350,24 @@ def test_a_real_weight_update_abort_is_continued_into_one_completion(tokenizer, 
     assert_template(traj, tokenizer)
 
 
-def test_an_openai_agents_sdk_agent_is_recorded_token_for_token_as_the_engine_generated_it(tokenizer, codec,
-                                                                                             engine_url, engine_teacher):
+def test_an_openai_agents_sdk_agent_is_recorded_token_for_token_as_the_engine_generated_it(
+    tokenizer, codec, engine_url, engine_teacher
+):
     """An Agents SDK ``Agent`` with a ``function_tool`` run by ``Runner.run`` on the real engine: every request
     the SDK sends is accepted, the first prompt is the template's rendering of the messages and tools it sent,
     and each completion is what the engine generates for that prompt and seed (the same ids and logprobs on a
     replay; the teacher-forced logprobs). A random model rarely calls tools: the round trip is covered with
     the scripted engine (test_the_openai_agents_sdk_runs_unchanged)."""
     from agents import Agent as SdkAgent
-    from agents import (MaxTurnsExceeded, ModelBehaviorError, ModelSettings, OpenAIChatCompletionsModel, RunConfig,
-                        Runner, function_tool)
+    from agents import (
+        MaxTurnsExceeded,
+        ModelBehaviorError,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        RunConfig,
+        Runner,
+        function_tool,
+    )
 
     @function_tool
     def add(a: int, b: int) -> int:
@@ -315,14 +380,21 @@ def test_an_openai_agents_sdk_agent_is_recorded_token_for_token_as_the_engine_ge
         create = client.chat.completions.create
 
         async def recording_create(**kwargs):  # what the SDK sends, as it sends it
-            sent.append(json.loads(json.dumps({k: kwargs.get(k) for k in ("messages", "tools", "seed", "max_tokens")},
-                                              default=str)))
+            sent.append(
+                json.loads(
+                    json.dumps({k: kwargs.get(k) for k in ("messages", "tools", "seed", "max_tokens")}, default=str)
+                )
+            )
             return await create(**kwargs)
 
         client.chat.completions.create = recording_create
-        calculator = SdkAgent(name="calc", instructions="Use the tools.", tools=[add],
-                              model=OpenAIChatCompletionsModel(model="tiny", openai_client=client),
-                              model_settings=ModelSettings(max_tokens=12, extra_args={"seed": 11}))
+        calculator = SdkAgent(
+            name="calc",
+            instructions="Use the tools.",
+            tools=[add],
+            model=OpenAIChatCompletionsModel(model="tiny", openai_client=client),
+            model_settings=ModelSettings(max_tokens=12, extra_args={"seed": 11}),
+        )
         try:
             await Runner.run(calculator, "What is 2 + 3?", max_turns=3, run_config=RunConfig(tracing_disabled=True))
         except (MaxTurnsExceeded, ModelBehaviorError):  # a random model's reply: an episode to score
@@ -335,18 +407,21 @@ def test_an_openai_agents_sdk_agent_is_recorded_token_for_token_as_the_engine_ge
     assert [(s["seed"], s["max_tokens"]) for s in sent] == [(11, 12)] * len(sent)
     tools = sent[0]["tools"]
     assert [t["function"]["name"] for t in tools] == ["add"]
-    assert sent[0]["messages"] == [{"role": "system", "content": "Use the tools."},
-                                   {"role": "user", "content": "What is 2 + 3?"}]
+    assert sent[0]["messages"] == [
+        {"role": "system", "content": "Use the tools."},
+        {"role": "user", "content": "What is 2 + 3?"},
+    ]
     assert md["messages"][:2] == sent[0]["messages"]  # as recorded
     assert_template(traj, tokenizer, tools=tools)
     prompt = template_ids(tokenizer, sent[0]["messages"], tools)
     tokens = [int(t) for t in traj.tokens]
-    assert tokens[:len(prompt)] == prompt  # the first prompt is the template's, tokenized as a whole
+    assert tokens[: len(prompt)] == prompt  # the first prompt is the template's, tokenized as a whole
     spans = model_spans(traj)
     assert [tuple(s) for s in md["call_spans"]] == spans and spans[0][0] == len(prompt)
     for i, (start, _) in enumerate(spans[1:], 1):  # a later call's prompt renders as the SDK's messages
         assert tokenizer.decode(tokens[:start], skip_special_tokens=False) == tokenizer.apply_chat_template(
-            sent[i]["messages"], tools=tools, add_generation_prompt=True, tokenize=False)
+            sent[i]["messages"], tools=tools, add_generation_prompt=True, tokenize=False
+        )
 
     assert_engine_generated(traj, spans, [(11, 12)] * len(spans), engine_url, codec, engine_teacher)
 
@@ -402,8 +477,11 @@ def test_tool_calls_round_trip_through_the_openai_sdk(tokenizer, stream):
                 delta = chunk.choices[0].delta
                 content += delta.content or ""
                 for c in delta.tool_calls or []:
-                    calls[c.index] = {"id": c.id, "type": "function",
-                                      "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                    calls[c.index] = {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.function.name, "arguments": c.function.arguments},
+                    }
                 finish = chunk.choices[0].finish_reason or finish
             message = {"role": "assistant", "content": content or None, "tool_calls": list(calls.values())}
         else:
@@ -437,8 +515,9 @@ def test_reasoning_comes_back_apart_and_an_agent_that_drops_it_still_stitches(to
             reasoning, call = message.reasoning_content, message.tool_calls[0].model_dump()
         assert reasoning == "I should add 2 and 3."
         echo = {"role": "assistant", "content": None, "tool_calls": [call]}  # the reasoning is not sent back
-        final = await client.chat.completions.create(model="m", messages=USER + [echo, {
-            "role": "tool", "tool_call_id": call["id"], "content": "5"}], tools=[ADD])
+        final = await client.chat.completions.create(
+            model="m", messages=USER + [echo, {"role": "tool", "tool_call_id": call["id"], "content": "5"}], tools=[ADD]
+        )
         return 1.0 if final.choices[0].message.content == ANSWER else 0.0
 
     env = Agent(agent)
@@ -460,8 +539,12 @@ def test_the_openai_agents_sdk_runs_unchanged(tokenizer):
         return a + b
 
     async def agent(task, client):
-        calculator = SdkAgent(name="calc", instructions="Use the tools.", tools=[add],
-                              model=OpenAIChatCompletionsModel(model="tiny", openai_client=client))
+        calculator = SdkAgent(
+            name="calc",
+            instructions="Use the tools.",
+            tools=[add],
+            model=OpenAIChatCompletionsModel(model="tiny", openai_client=client),
+        )
         config = RunConfig(tracing_disabled=True)
         if task.data.get("streamed"):
             result = Runner.run_streamed(calculator, "What is 2 + 3?", run_config=config)
@@ -474,8 +557,17 @@ def test_the_openai_agents_sdk_runs_unchanged(tokenizer):
     with scripted(tokenizer) as engine:
         runs = play(tokenizer, engine.url, Agent(agent), n_episodes=2)  # two episodes at once
         streamed = play(tokenizer, engine.url, Agent(agent), Task("t2", {"streamed": True}))
-    tools = [{"type": "function", "function": {"name": "add", "description": "Add two numbers.",
-                                               "parameters": add.params_json_schema, "strict": True}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "add",
+                "description": "Add two numbers.",
+                "parameters": add.params_json_schema,
+                "strict": True,
+            },
+        }
+    ]
     for [traj] in runs + streamed:
         assert traj.reward == 1.0
         assert traj.metadata["messages"][0] == {"role": "system", "content": "Use the tools."}
@@ -503,11 +595,26 @@ def test_langchain_chat_openai_runs_unchanged(tokenizer):
         return 1.0 if (await llm.ainvoke(messages)).content == ANSWER else 0.0
 
     with scripted(tokenizer) as engine:
-        [traj] = trio.run(lambda: play_agent_episode(Agent(agent), TASK, tokenizer, lambda: EngineClient([engine.url]),
-                                                     default_max_tokens=48))
+        [traj] = trio.run(
+            lambda: play_agent_episode(
+                Agent(agent), TASK, tokenizer, lambda: EngineClient([engine.url]), default_max_tokens=48
+            )
+        )
     assert traj.reward == 1.0
-    tools = [{"type": "function", "function": {"name": "add", "description": "Add two numbers.", "parameters": {
-        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"], "type": "object"}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "add",
+                "description": "Add two numbers.",
+                "parameters": {
+                    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                    "required": ["a", "b"],
+                    "type": "object",
+                },
+            },
+        }
+    ]
     assert_scripted(traj, tokenizer, tools)
 
 
@@ -539,17 +646,24 @@ def test_only_calls_with_an_open_episodes_key_are_served(tokenizer):
         async with httpx.AsyncClient() as http:
             statuses = {
                 "no key": await http.post(f"{root}/v1/chat/completions", json=body),
-                "wrong key": await http.post(f"{root}/v1/chat/completions", json=body,
-                                             headers={"Authorization": "Bearer agentrl-ep-guess"}),
-                "basic": await http.post(f"{root}/v1/chat/completions", json=body,
-                                         headers={"Authorization": f"Basic {key}"}),
-                "wrong path key": await http.post(f"{root}/episodes/agentrl-ep-guess/v1/chat/completions", json=body,
-                                                  headers={"Authorization": f"Bearer {key}"}),
+                "wrong key": await http.post(
+                    f"{root}/v1/chat/completions", json=body, headers={"Authorization": "Bearer agentrl-ep-guess"}
+                ),
+                "basic": await http.post(
+                    f"{root}/v1/chat/completions", json=body, headers={"Authorization": f"Basic {key}"}
+                ),
+                "wrong path key": await http.post(
+                    f"{root}/episodes/agentrl-ep-guess/v1/chat/completions",
+                    json=body,
+                    headers={"Authorization": f"Bearer {key}"},
+                ),
                 "models without key": await http.get(f"{root}/v1/models"),
-                "header key": await http.post(f"{root}/v1/chat/completions", json=body,
-                                              headers={"Authorization": f"Bearer {key}"}),
-                "path key, other api key": await http.post(f"{base}/chat/completions", json=body,
-                                                           headers={"Authorization": "Bearer sk-from-env"}),
+                "header key": await http.post(
+                    f"{root}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+                ),
+                "path key, other api key": await http.post(
+                    f"{base}/chat/completions", json=body, headers={"Authorization": "Bearer sk-from-env"}
+                ),
                 "models": await http.get(f"{base}/models"),
                 "health": await http.get(f"{root}/health"),
             }
@@ -559,20 +673,32 @@ def test_only_calls_with_an_open_episodes_key_are_served(tokenizer):
 
     async def after():
         async with httpx.AsyncClient() as http:
-            r = await http.post(f"{seen['root']}/v1/chat/completions", json={"model": "m", "messages": USER},
-                                headers={"Authorization": f"Bearer {seen['key']}"})
+            r = await http.post(
+                f"{seen['root']}/v1/chat/completions",
+                json={"model": "m", "messages": USER},
+                headers={"Authorization": f"Bearer {seen['key']}"},
+            )
             return r.status_code
 
     with scripted(tokenizer, (ANSWER,)) as engine:
+
         async def main():
             async with AgentRunner(tokenizer, lambda: EngineClient([engine.url]), default_max_tokens=16) as runner:
                 trajs = await runner.play(Agent(agent), TASK)
                 return trajs, await after()
 
         trajs, status_after = trio.run(main)
-    assert seen["statuses"] == {"no key": 401, "wrong key": 401, "basic": 401, "wrong path key": 401,
-                                "models without key": 401, "header key": 200, "path key, other api key": 200,
-                                "models": 200, "health": 200}
+    assert seen["statuses"] == {
+        "no key": 401,
+        "wrong key": 401,
+        "basic": 401,
+        "wrong path key": 401,
+        "models without key": 401,
+        "header key": 200,
+        "path key, other api key": 200,
+        "models": 200,
+        "health": 200,
+    }
     assert seen["refusal"]["error"]["code"] == "invalid_api_key" and seen["key"] not in json.dumps(seen["refusal"])
     assert status_after == 401  # the episode is over: its key no longer writes
     assert sum(t.metadata["num_calls"] for t in trajs) == 2 and trajs[0].metadata["episode_num_calls"] == 2
@@ -582,9 +708,11 @@ def test_unsupported_fields_are_400s_that_record_nothing(tokenizer):
     import openai
 
     async def agent(task, client):
-        for kwargs, param in (({"presence_penalty": 1.0}, "presence_penalty"),
-                              ({"tool_choice": "required", "tools": [ADD]}, "tool_choice"),
-                              ({"extra_body": {"guided_regex": "a+"}}, "guided_regex")):
+        for kwargs, param in (
+            ({"presence_penalty": 1.0}, "presence_penalty"),
+            ({"tool_choice": "required", "tools": [ADD]}, "tool_choice"),
+            ({"extra_body": {"guided_regex": "a+"}}, "guided_regex"),
+        ):
             with pytest.raises(openai.BadRequestError) as info:
                 await client.chat.completions.create(model="m", messages=USER, **kwargs)
             assert info.value.param == param and param in info.value.message
@@ -616,6 +744,7 @@ def test_agents_that_fail_fail_their_episode_not_the_process(tokenizer):
         return 1.0 if messages[-1] == {"role": "assistant", "content": ANSWER} else 0.0
 
     with scripted(tokenizer, (ANSWER,)) as engine:
+
         async def main():
             async with AgentRunner(tokenizer, lambda: EngineClient([engine.url]), default_max_tokens=16) as runner:
                 errors = []
@@ -665,6 +794,7 @@ def test_cancelling_an_episode_cancels_the_agent_and_the_engine_request(tokenize
             state["cleaned"] = True
 
     with HangingEngine() as engine:
+
         async def main():
             async with AgentRunner(tokenizer, lambda: EngineClient([engine.url]), default_max_tokens=16) as runner:
                 with trio.move_on_after(60) as scope:
@@ -744,12 +874,17 @@ def test_an_episode_ends_at_the_envs_limits_and_is_scored_as_played(tokenizer, c
         while True:
             reply = await client.chat.completions.create(model="m", messages=messages, tools=[ADD])
             message = reply.choices[0].message.model_dump(exclude_none=True)
-            messages += [message] + [{"role": "tool", "tool_call_id": c["id"], "content": "5"}
-                                     for c in message.get("tool_calls", [])]
+            messages += [message] + [
+                {"role": "tool", "tool_call_id": c["id"], "content": "5"} for c in message.get("tool_calls", [])
+            ]
 
     with scripted(tokenizer, (CALL,)) as engine:
-        [[traj]] = play(tokenizer, engine.url, Agent(loop_forever, reward=lambda messages: 0.25),
-                        limits=EpisodeLimits(max_turns=3, max_total_tokens=1024))
+        [[traj]] = play(
+            tokenizer,
+            engine.url,
+            Agent(loop_forever, reward=lambda messages: 0.25),
+            limits=EpisodeLimits(max_turns=3, max_total_tokens=1024),
+        )
         assert len(engine.requests) == 3
     assert traj.metadata["num_calls"] == 3 and traj.metadata["episode_limit"] == "max_turns"
     assert traj.reward == 0.25 and "reward_error" not in traj.metadata
@@ -760,7 +895,9 @@ def test_an_episode_ends_at_the_envs_limits_and_is_scored_as_played(tokenizer, c
 
     prompt = len(codec.prompt(USER, [ADD])[0])
     with scripted(tokenizer, (CALL,)) as engine:
-        [[traj]] = play(tokenizer, engine.url, NoReward(), limits=EpisodeLimits(max_turns=10, max_total_tokens=prompt + 30))
+        [[traj]] = play(
+            tokenizer, engine.url, NoReward(), limits=EpisodeLimits(max_turns=10, max_total_tokens=prompt + 30)
+        )
         asked = [r["sampling_params"]["max_new_tokens"] for r in engine.requests]
     assert traj.metadata["episode_limit"] == "context_full" and traj.reward == 0.0
     assert "reward_error" not in traj.metadata and len(traj.tokens) <= prompt + 30

@@ -15,40 +15,71 @@ from agentrl.tools.base import ToolBox, ToolCall
 from agentrl.tools.calculator import CalculatorError, CalculatorTool, evaluate, format_number
 
 
-@pytest.mark.parametrize("expr, value", [
-    ("37 + 48 * 2", "133"), ("(37 + 48) * 2", "170"), ("10 - 4 - 3", "3"), ("2 ** 3 ** 2", "512"),
-    ("-2 ** 2", "-4"), ("2 ^ 10", "1024"), ("2 ** -1", "0.5"), ("7 / 2", "3.5"), ("7 // 2", "3"),
-    ("-7 // 2", "-4"), ("7 % 3", "1"), ("0.1 + 0.2", "0.3"), ("1 / 3", "0.3333333333"), ("--5", "5"),
-    (" 12 ", "12"), (".5 * 4", "2"),
-])
+@pytest.mark.parametrize(
+    "expr, value",
+    [
+        ("37 + 48 * 2", "133"),
+        ("(37 + 48) * 2", "170"),
+        ("10 - 4 - 3", "3"),
+        ("2 ** 3 ** 2", "512"),
+        ("-2 ** 2", "-4"),
+        ("2 ^ 10", "1024"),
+        ("2 ** -1", "0.5"),
+        ("7 / 2", "3.5"),
+        ("7 // 2", "3"),
+        ("-7 // 2", "-4"),
+        ("7 % 3", "1"),
+        ("0.1 + 0.2", "0.3"),
+        ("1 / 3", "0.3333333333"),
+        ("--5", "5"),
+        (" 12 ", "12"),
+        (".5 * 4", "2"),
+    ],
+)
 def test_evaluate(expr, value):
     assert format_number(evaluate(expr)) == value
 
 
-@pytest.mark.parametrize("expr, message", [
-    ("", "empty"), ("1 +", "ends too early"), ("(1 + 2", "missing ')'"), ("1 + 2)", "unexpected ')'"),
-    ("2 3", "unexpected '3'"), ("1 / 0", "division by zero"), ("5 % 0", "division by zero"),
-    ("0 ** -1", "division by zero"), ("2 ** 0.5", "whole-number exponents"), ("2 ** 100", "exponent 100 is too large"),
-    ("__import__('os')", "unexpected character '_'"), ("abs(1)", "unexpected character 'a'"),
-    ("9" * 300, "longer than 256"), ("(" * 40 + "1" + ")" * 40, "nested too deeply"),
-    ("99999999 ** 64 ** 1", "too large"),
-])
+@pytest.mark.parametrize(
+    "expr, message",
+    [
+        ("", "empty"),
+        ("1 +", "ends too early"),
+        ("(1 + 2", "missing ')'"),
+        ("1 + 2)", "unexpected ')'"),
+        ("2 3", "unexpected '3'"),
+        ("1 / 0", "division by zero"),
+        ("5 % 0", "division by zero"),
+        ("0 ** -1", "division by zero"),
+        ("2 ** 0.5", "whole-number exponents"),
+        ("2 ** 100", "exponent 100 is too large"),
+        ("__import__('os')", "unexpected character '_'"),
+        ("abs(1)", "unexpected character 'a'"),
+        ("9" * 300, "longer than 256"),
+        ("(" * 40 + "1" + ")" * 40, "nested too deeply"),
+        ("99999999 ** 64 ** 1", "too large"),
+    ],
+)
 def test_evaluate_refuses_with_a_reason(expr, message):
     with pytest.raises(CalculatorError, match=message.replace("(", r"\(").replace(")", r"\)")):
         evaluate(expr)
 
 
 _int = st.integers(min_value=0, max_value=999).map(str)
-_expr = st.recursive(_int, lambda inner: st.one_of(
-    st.tuples(inner, st.sampled_from(["+", "-", "*"]), inner).map(" ".join),
-    inner.map(lambda e: f"({e})")), max_leaves=8)
+_expr = st.recursive(
+    _int,
+    lambda inner: st.one_of(
+        st.tuples(inner, st.sampled_from(["+", "-", "*"]), inner).map(" ".join), inner.map(lambda e: f"({e})")
+    ),
+    max_leaves=8,
+)
 
 
 @settings(max_examples=150, deadline=None)
 @given(_expr)
 def test_evaluate_agrees_with_python_on_integer_arithmetic(expr):
     # Python's own evaluation is the oracle here, on expressions the strategy builds itself.
-    assert evaluate(expr) == Fraction(eval(expr))  # noqa: S307
+    assert evaluate(expr) == Fraction(eval(expr))
 
 
 def test_tool_through_toolbox():
@@ -105,10 +136,15 @@ def test_word_problems():
         assert int(task.data["answer"]) >= 0
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"min_ops": 3, "max_ops": 2}, "min_ops <= max_ops"), ({"ops": "+x"}, "ops must be"),
-    ({"max_operand": 0}, "max_operand"), ({"test_fraction": 1.5}, "test_fraction"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"min_ops": 3, "max_ops": 2}, "min_ops <= max_ops"),
+        ({"ops": "+x"}, "ops must be"),
+        ({"max_operand": 0}, "max_operand"),
+        ({"test_fraction": 1.5}, "test_fraction"),
+    ],
+)
 def test_env_rejects_bad_knobs(kwargs, message):
     with pytest.raises(ValueError, match=message):
         CalculatorEnv(**kwargs)
@@ -146,7 +182,12 @@ def test_demonstrations_are_correct_and_only_cover_easy_questions():
         seen += 1
         system, user, call, result, final = demo
         assert (system["role"], user["role"], call["role"], result["role"], final["role"]) == (
-            "system", "user", "assistant", "tool", "assistant")
+            "system",
+            "user",
+            "assistant",
+            "tool",
+            "assistant",
+        )
         fn = call["tool_calls"][0]["function"]
         assert call["content"] == "" and fn["name"] == "calculator"
         # the tool result in the demonstration is what the real tool answers

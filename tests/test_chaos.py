@@ -27,22 +27,37 @@ MAX_STEPS = 12
 
 
 @pytest.mark.timeout(900)
-def test_a_run_survives_kill_9_of_its_engine_actor_and_learner(tiny_model: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_a_run_survives_kill_9_of_its_engine_actor_and_learner(tiny_model: Path, tmp_path: Path) -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     import chaos
 
-    overrides = [*chaos.CHAOS_OVERRIDES, f"model.path={tiny_model}", "sft.enabled=false",
-                 f"learner.max_steps={MAX_STEPS}", "learner.groups_per_step=4", "actors.group_size=4",
-                 "actors.num_concurrent_episodes=16", "learner.dynamic_sampling=false", "learner.max_staleness=0",
-                 "actors.max_staleness=0", "eval.num_tasks=8", "tracking.enabled=false",
-                 "actors.max_new_tokens_per_turn=32", "learner.checkpoint_every_steps=2"]
+    overrides = [
+        *chaos.CHAOS_OVERRIDES,
+        f"model.path={tiny_model}",
+        "sft.enabled=false",
+        f"learner.max_steps={MAX_STEPS}",
+        "learner.groups_per_step=4",
+        "actors.group_size=4",
+        "actors.num_concurrent_episodes=16",
+        "learner.dynamic_sampling=false",
+        "learner.max_staleness=0",
+        "actors.max_staleness=0",
+        "eval.num_tasks=8",
+        "tracking.enabled=false",
+        "actors.max_new_tokens_per_turn=32",
+        "learner.checkpoint_every_steps=2",
+    ]
     faults = [chaos.Fault("engine0", 2), chaos.Fault("actor0", 4), chaos.Fault("learner", 7)]
     run_dir = tmp_path / "run"
-    code, faults, summary = chaos.run_with_faults(EXAMPLE, run_dir, faults, overrides, timeout_s=740)  # its stop (up to 120 s) fits in the 900 s
+    code, faults, summary = chaos.run_with_faults(
+        EXAMPLE, run_dir, faults, overrides, timeout_s=740
+    )  # its stop (up to 120 s) fits in the 900 s
     log = lambda name: (run_dir / "logs" / f"{name}.log").read_text()  # noqa: E731
 
-    assert not chaos.survived(code, faults, summary, MAX_STEPS), (chaos.report(code, faults, summary, MAX_STEPS),
-                                                                 log("learner")[-3000:])
+    assert not chaos.survived(code, faults, summary, MAX_STEPS), (
+        chaos.report(code, faults, summary, MAX_STEPS),
+        log("learner")[-3000:],
+    )
     assert summary["restarts"] == {"engine0": 1, "actor0": 1, "learner": 1}
     assert len(summary["restart_events"]) == 3 and all("status -9" in e for e in summary["restart_events"])
 
@@ -63,7 +78,8 @@ def test_a_run_survives_kill_9_of_its_engine_actor_and_learner(tiny_model: Path,
     first = [r for r in rows if r["step"] <= resumed]  # the first learner process's (up to its checkpoint)
     assert [r["step"] for r in first][-1] >= 5
     assert max(r["policy/behavior_logprob_diff"] for r in first) <= 1e-4, [
-        (r["step"], r["policy/behavior_logprob_diff"]) for r in first]
+        (r["step"], r["policy/behavior_logprob_diff"]) for r in first
+    ]
     engine_log = log("engine0")
     assert engine_log.count("agentrl engine serving") == 2
     assert "re-forming the weight group" in log("learner") and "answers and is not in the group" in log("learner")

@@ -18,9 +18,9 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from agentrl.envs.base import Task
 from agentrl.episode.chat import ChatCodec, TemplateMismatch, TokenChat, codec_for
 from agentrl.episode.rollout import EpisodeLimits, run_episode, toolbox_for
-from agentrl.envs.base import Task
 from agentrl.learner.sft import tokenize_conversation
 from agentrl.tools.parsing import get_parser
 from tests._actors_helpers import HttpEngineClient, Reply, ScriptedEngine
@@ -28,8 +28,20 @@ from tests._actors_user_env import AddEnv
 from tests._chat_templates import family_tokenizer
 
 FAMILIES = ["qwen2_5", "qwen3", "qwen3_initial", "llama3_1", "llama3_2"]
-TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
-    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers.",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+            },
+        },
+    }
+]
 START = [{"role": "system", "content": "Use the tools."}, {"role": "user", "content": "What is 2 + 3?"}]
 
 
@@ -63,16 +75,24 @@ def closing(family: str) -> str:
 def after_tools(family: str, results: list[str]) -> str:
     """The template's text after an assistant turn's content: tool results, then the next header."""
     if llama(family):
-        return ("<|eot_id|>" + "".join(f"<|start_header_id|>ipython<|end_header_id|>\n\n{json.dumps(r)}<|eot_id|>"
-                                       for r in results) + "<|start_header_id|>assistant<|end_header_id|>\n\n")
-    return ("<|im_end|>\n<|im_start|>user" + "".join(f"\n<tool_response>\n{r}\n</tool_response>" for r in results)
-            + "<|im_end|>\n<|im_start|>assistant\n")
+        return (
+            "<|eot_id|>"
+            + "".join(f"<|start_header_id|>ipython<|end_header_id|>\n\n{json.dumps(r)}<|eot_id|>" for r in results)
+            + "<|start_header_id|>assistant<|end_header_id|>\n\n"
+        )
+    return (
+        "<|im_end|>\n<|im_start|>user"
+        + "".join(f"\n<tool_response>\n{r}\n</tool_response>" for r in results)
+        + "<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def after_user(family: str, text: str) -> str:
     if llama(family):
-        return (f"<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n{text}<|eot_id|>"
-                "<|start_header_id|>assistant<|end_header_id|>\n\n")
+        return (
+            f"<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n{text}<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\n"
+        )
     return f"<|im_end|>\n<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -104,8 +124,9 @@ def scripted_episode(family: str, cut: bool = True) -> tuple[TokenChat, list[lis
     codec = codec_for(family_tokenizer(family))
     chat = TokenChat.start(codec, START, TOOLS)
     turns: list[list[int]] = []
-    expected = [family_tokenizer(family).apply_chat_template(START, tools=TOOLS, add_generation_prompt=True,
-                                                             tokenize=False)]
+    expected = [
+        family_tokenizer(family).apply_chat_template(START, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    ]
 
     def turn(ids: list[int]) -> None:
         chat.append_model(ids, [-0.5] * len(ids), [len(turns)] * len(ids))
@@ -113,14 +134,14 @@ def scripted_episode(family: str, cut: bool = True) -> tuple[TokenChat, list[lis
 
     turn(model_ids(codec, think(family, "I add with the tool.") + call_text(family, "add", a=2, b=3)))
     assert chat.close_turn_and_add([{"role": "tool", "name": "add", "content": "5"}])
-    expected.append(after_tools(family, ["5"])[len(eot_text(family)):])
+    expected.append(after_tools(family, ["5"])[len(eot_text(family)) :])
     if cut:
         turn(model_ids(codec, think(family, "The tool says 5.") + "The answer", stop=False))
         assert chat.close_turn_and_add([{"role": "user", "content": "Go on."}])
         expected.append(after_user(family, "Go on."))
     turn(model_ids(codec, think(family, "Say it.") + "The answer is 5."))
     assert chat.close_turn_and_add([])
-    expected.append(closing(family)[len(eot_text(family)):])
+    expected.append(closing(family)[len(eot_text(family)) :])
     return chat, turns, [e for e in expected if e]
 
 
@@ -132,12 +153,16 @@ def test_codec_reads_the_template(family):
     tok = family_tokenizer(family)
     codec = codec_for(tok)
     assert codec._fast is not None  # the compiled template renders as apply_chat_template does
-    chat = START + [{"role": "assistant", "content": call_text(family, "add", a=1, b=2)},
-                    {"role": "tool", "content": "3"}, {"role": "user", "content": "ok"}]
+    chat = START + [
+        {"role": "assistant", "content": call_text(family, "add", a=1, b=2)},
+        {"role": "tool", "content": "3"},
+        {"role": "user", "content": "ok"},
+    ]
     for tools in (None, TOOLS):
         for gen in (True, False):
             assert codec.render(chat, tools, gen) == tok.apply_chat_template(
-                chat, tools=tools, add_generation_prompt=gen, tokenize=False)
+                chat, tools=tools, add_generation_prompt=gen, tokenize=False
+            )
     assert codec.assistant_suffix == closing(family)
     assert codec.end_of_turn_id == tok.convert_tokens_to_ids(eot_text(family)) == tok.eos_token_id
     assert codec.end_of_turn_text == eot_text(family)
@@ -152,7 +177,7 @@ def test_suffix_is_the_templates_text_for_the_new_messages(family):
         assert codec.suffix(two, tools, True) == after_tools(family, ["5", "7"])
         assert codec.suffix([{"role": "user", "content": "Go on."}], tools, True) == after_user(family, "Go on.")
         assert codec.suffix([], tools, False) == closing(family)
-    assert codec.context_after_turn(True, two[:1], TOOLS, True) == after_tools(family, ["5"])[len(eot_text(family)):]
+    assert codec.context_after_turn(True, two[:1], TOOLS, True) == after_tools(family, ["5"])[len(eot_text(family)) :]
     assert codec.context_after_turn(False, [], TOOLS, False) == closing(family)
 
 
@@ -161,8 +186,11 @@ def test_assistant_text_is_what_the_model_generates(family):
     codec = codec_for(family_tokenizer(family))
     raw = think(family, "Add.") + call_text(family, "add", a=2, b=3)
     assert codec.assistant_text({"role": "assistant", "content": raw}, TOOLS) == raw + eot_text(family)
-    structured = {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]}
+    structured = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}],
+    }
     if thinks(family):
         structured["reasoning_content"] = "Add."
     assert codec.assistant_text(structured, TOOLS) == raw + eot_text(family)
@@ -184,8 +212,15 @@ def test_episode_is_token_exact(family):
     assert [codec.decode(ids) for m, ids in runs if not m] == expected  # the template's text for the rest
     assert [v for v, m in zip(chat.versions, chat.loss_mask) if m] == [i for i, t in enumerate(turns) for _ in t]
     assert all(v == -1 and lp == 0.0 for v, lp, m in zip(chat.versions, chat.logprobs, chat.loss_mask) if not m)
-    assert [m["role"] for m in chat.messages] == ["system", "user", "assistant", "tool", "assistant", "user",
-                                                  "assistant"]
+    assert [m["role"] for m in chat.messages] == [
+        "system",
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+        "user",
+        "assistant",
+    ]
     assert chat.messages[2]["content"] == think(family, "I add with the tool.") + call_text(family, "add", a=2, b=3)
     full = family_tokenizer(family).apply_chat_template(chat.messages, tools=TOOLS, tokenize=False)
     if thinks(family):
@@ -204,21 +239,41 @@ def test_prefix_stable_chats_equal_the_full_rendering(family):
     tok = family_tokenizer(family)
     codec = codec_for(tok)
     chat = TokenChat.start(codec, START, TOOLS)
-    for n, (reasoning, text, obs) in enumerate([
-        ("Add 2 and 3.", call_text(family, "add", a=2, b=3), [{"role": "tool", "name": "add", "content": "5"}]),
-        ("Add 5 and 1.", call_text(family, "add", a=5, b=1), [{"role": "tool", "name": "add", "content": "6"}]),
-        ("Done.", "The answer is 6.", []),
-    ]):
+    for n, (reasoning, text, obs) in enumerate(
+        [
+            ("Add 2 and 3.", call_text(family, "add", a=2, b=3), [{"role": "tool", "name": "add", "content": "5"}]),
+            ("Add 5 and 1.", call_text(family, "add", a=5, b=1), [{"role": "tool", "name": "add", "content": "6"}]),
+            ("Done.", "The answer is 6.", []),
+        ]
+    ):
         ids = model_ids(codec, think(family, reasoning) + text)
         chat.append_model(ids, [0.0] * len(ids), [n] * len(ids))
         chat.close_turn_and_add(obs)
-        assert chat.text == codec.decode(chat.tokens) == tok.apply_chat_template(
-            chat.messages, tools=TOOLS, add_generation_prompt=bool(obs), tokenize=False)
+        assert (
+            chat.text
+            == codec.decode(chat.tokens)
+            == tok.apply_chat_template(chat.messages, tools=TOOLS, add_generation_prompt=bool(obs), tokenize=False)
+        )
 
 
-texts = st.lists(st.sampled_from(list("ab 7\n{}\"é🙂") + [
-    "<tool_call>", "</tool_call>", "<|im_end|>", "<|im_start|>", "<tool_response>", "<think>", "</think>",
-    "<|eot_id|>", "<|start_header_id|>", "<|python_tag|>"]), max_size=12).map("".join)
+texts = st.lists(
+    st.sampled_from(
+        list('ab 7\n{}"é🙂')
+        + [
+            "<tool_call>",
+            "</tool_call>",
+            "<|im_end|>",
+            "<|im_start|>",
+            "<tool_response>",
+            "<think>",
+            "</think>",
+            "<|eot_id|>",
+            "<|start_header_id|>",
+            "<|python_tag|>",
+        ]
+    ),
+    max_size=12,
+).map("".join)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -238,14 +293,20 @@ def test_random_model_tokens_keep_the_invariant(family, data):
         chat.append_model(ids, [-1.0] * len(ids), [turn] * len(ids))
         model += ids
         kind = data.draw(st.sampled_from(["tool", "user", "end"]))
-        new = ([] if kind == "end" else [{"role": "tool", "content": data.draw(texts)} for _ in range(data.draw(
-            st.integers(1, 3)))] if kind == "tool" else [{"role": "user", "content": data.draw(texts)}])
+        new = (
+            []
+            if kind == "end"
+            else [{"role": "tool", "content": data.draw(texts)} for _ in range(data.draw(st.integers(1, 3)))]
+            if kind == "tool"
+            else [{"role": "user", "content": data.draw(texts)}]
+        )
         chat.close_turn_and_add(new)
         assert codec.decode(chat.tokens) == chat.text
-        assert chat.text.endswith(codec.suffix(new, tools, bool(new))[len(codec.end_of_turn_text):])
+        assert chat.text.endswith(codec.suffix(new, tools, bool(new))[len(codec.end_of_turn_text) :])
         if family == "qwen2_5":  # renders content verbatim: prefix-stable for any text
-            assert chat.text == tok.apply_chat_template(chat.messages, tools=tools, add_generation_prompt=bool(new),
-                                                        tokenize=False)
+            assert chat.text == tok.apply_chat_template(
+                chat.messages, tools=tools, add_generation_prompt=bool(new), tokenize=False
+            )
         if not new:
             break
     assert [t for t, m in zip(chat.tokens, chat.loss_mask) if m] == model
@@ -278,8 +339,9 @@ def structured(messages: list[dict], family: str) -> list[dict]:
                 m["reasoning_content"] = reasoning
             if llama(family) and content.startswith("{"):
                 call = json.loads(content)
-                m["tool_calls"] = [{"type": "function", "function": {"name": call["name"],
-                                                                    "arguments": call["parameters"]}}]
+                m["tool_calls"] = [
+                    {"type": "function", "function": {"name": call["name"], "arguments": call["parameters"]}}
+                ]
                 content = ""
             elif "<tool_call>" in content:
                 call = json.loads(content.split("<tool_call>\n")[1].split("\n</tool_call>")[0])
@@ -305,13 +367,17 @@ def test_sft_tokenizes_as_the_actor(family):
 def test_sft_keeps_each_qwen3_turns_reasoning_across_queries():
     """Two user queries: a full rendering drops the first answer's reasoning; SFT trains on it."""
     tok = family_tokenizer("qwen3")
-    messages = START + [{"role": "assistant", "content": "<think>\nFirst thought.\n</think>\n\n5"},
-                        {"role": "user", "content": "And 5 + 5?"},
-                        {"role": "assistant", "content": "10", "reasoning_content": "Second thought."}]
+    messages = START + [
+        {"role": "assistant", "content": "<think>\nFirst thought.\n</think>\n\n5"},
+        {"role": "user", "content": "And 5 + 5?"},
+        {"role": "assistant", "content": "10", "reasoning_content": "Second thought."},
+    ]
     sample = tokenize_conversation(tok, messages)
     masked = [tok.decode(ids) for m, ids in spans(sample.tokens.tolist(), sample.loss_mask.tolist()) if m]
-    assert masked == ["<think>\nFirst thought.\n</think>\n\n5<|im_end|>",
-                      "<think>\nSecond thought.\n</think>\n\n10<|im_end|>"]
+    assert masked == [
+        "<think>\nFirst thought.\n</think>\n\n5<|im_end|>",
+        "<think>\nSecond thought.\n</think>\n\n10<|im_end|>",
+    ]
     assert "First thought." not in tok.apply_chat_template(messages, tokenize=False)
 
 
@@ -343,9 +409,11 @@ def test_agent_loop_episode_is_token_exact(family):
     codec = codec_for(tok)
     env = FollowUpEnv(family)
     task = Task(id="t", data={"a": 12, "b": 30})
-    texts = [think(family, "Use the add tool.") + call_text(family, "add", a=12, b=30),
-             think(family, "The tool says 42.") + "The answer is 42.",
-             think(family, "Check: 12 + 30 = 42.") + "Yes, 42."]
+    texts = [
+        think(family, "Use the add tool.") + call_text(family, "add", a=12, b=30),
+        think(family, "The tool says 42.") + "The answer is 42.",
+        think(family, "Check: 12 + 30 = 42.") + "Yes, 42.",
+    ]
     turns = [model_ids(codec, t) for t in texts]
     inputs: list[list[int]] = []
 
@@ -356,8 +424,15 @@ def test_agent_loop_episode_is_token_exact(family):
 
     async def main():
         async with HttpEngineClient([engine.url]) as client:
-            return await run_episode(client, tok, env, toolbox_for(env), task, {"temperature": 1.0},
-                                     EpisodeLimits(max_turns=4, max_total_tokens=4096, max_new_tokens_per_turn=200))
+            return await run_episode(
+                client,
+                tok,
+                env,
+                toolbox_for(env),
+                task,
+                {"temperature": 1.0},
+                EpisodeLimits(max_turns=4, max_total_tokens=4096, max_new_tokens_per_turn=200),
+            )
 
     with ScriptedEngine(policy, version=3) as engine:
         traj = trio.run(main)
@@ -366,11 +441,15 @@ def test_agent_loop_episode_is_token_exact(family):
     tokens, mask = traj.tokens.tolist(), traj.loss_mask.tolist()
     assert [ids for m, ids in spans(tokens, mask) if m] == turns
     for request in inputs:  # the engine was given exactly the trajectory's tokens so far
-        assert tokens[:len(request)] == request
+        assert tokens[: len(request)] == request
     tools = toolbox_for(env).schemas()
     prompt = tok.apply_chat_template(md["messages"][:2], tools=tools, add_generation_prompt=True, tokenize=False)
-    expected = [prompt, after_tools(family, ["42"])[len(eot_text(family)):],
-                after_user(family, "Are you sure?")[len(eot_text(family)):], closing(family)[len(eot_text(family)):]]
+    expected = [
+        prompt,
+        after_tools(family, ["42"])[len(eot_text(family)) :],
+        after_user(family, "Are you sure?")[len(eot_text(family)) :],
+        closing(family)[len(eot_text(family)) :],
+    ]
     assert [codec.decode(ids) for m, ids in spans(tokens, mask) if not m] == [e for e in expected if e]
     assert [m["content"] for m in md["messages"] if m["role"] == "assistant"] == texts
     sample = tokenize_conversation(tok, md["messages"], tools)  # SFT on the episode: the same tokens
@@ -383,24 +462,34 @@ def test_agent_loop_episode_is_token_exact(family):
 def test_llama3_parser_reads_what_the_template_writes():
     parser = get_parser("llama3")
     codec = codec_for(family_tokenizer("llama3_1"))
-    message = {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]}
+    message = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}],
+    }
     written = codec.assistant_text(message, TOOLS).removesuffix("<|eot_id|>")
     turn = parser.parse(written)
     assert [(c.name, c.arguments, c.raw) for c in turn.calls] == [("add", {"a": 2, "b": 3}, written)]
     assert not turn.errors and not turn.truncated
 
 
-@pytest.mark.parametrize("text, calls, errors, truncated", [
-    ('<|python_tag|>{"name": "add", "arguments": {"a": 1}}; {"name": "add", "parameters": {"b": 2}}<|eom_id|>',
-     [("add", {"a": 1}), ("add", {"b": 2})], [], False),
-    (' {"name": "add", "parameters": "{\\"a\\": 1}"}', [("add", {"a": 1})], [], False),
-    ("The answer is {5}.", [], [], False),
-    ('{"name": "add", "parameters": {"a": "1', [], ["cut off"], True),
-    ('{"name": add}', [], ["not valid JSON"], False),
-    ('{"parameters": {}}', [], ['no "name"'], False),
-    ('{"name": "add", "parameters": [1]}', [], ["must be a JSON object"], False),
-])
+@pytest.mark.parametrize(
+    "text, calls, errors, truncated",
+    [
+        (
+            '<|python_tag|>{"name": "add", "arguments": {"a": 1}}; {"name": "add", "parameters": {"b": 2}}<|eom_id|>',
+            [("add", {"a": 1}), ("add", {"b": 2})],
+            [],
+            False,
+        ),
+        (' {"name": "add", "parameters": "{\\"a\\": 1}"}', [("add", {"a": 1})], [], False),
+        ("The answer is {5}.", [], [], False),
+        ('{"name": "add", "parameters": {"a": "1', [], ["cut off"], True),
+        ('{"name": add}', [], ["not valid JSON"], False),
+        ('{"parameters": {}}', [], ['no "name"'], False),
+        ('{"name": "add", "parameters": [1]}', [], ["must be a JSON object"], False),
+    ],
+)
 def test_llama3_parser(text, calls, errors, truncated):
     turn = get_parser("llama3").parse(text)
     assert [(c.name, c.arguments) for c in turn.calls] == calls

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.run.process_plan import actor_specs, child_specs, plan_config
 from agentrl.config import load_config
+from agentrl.engine.launch import SGLANG_VERSION
 from agentrl.run.placement import placement_for
+from agentrl.run.process_plan import actor_specs, child_specs, plan_config
 from tests._learner_helpers import REPO, subprocess_env, tiny_model  # noqa: F401
 from tests._processes import stop_agentrl_run
-from agentrl.engine.launch import SGLANG_VERSION
 from tests.test_cli import run_cli
 from tests.test_sglang_launch import interpreter_with_sglang
 
@@ -30,14 +30,26 @@ def _pairs(argv: list[str]) -> dict[str, str]:
 
 
 def test_child_specs_carry_their_devices_flags_and_keys(tmp_path):
-    cfg = load_config(None, ["engine.backend=sglang", "engine.num_engines=2", "engine.gpus_per_engine=2",
-                             "learner.gpus=2", "actors.num_processes=2", "engine.mem_fraction_static=0.8",
-                             "model.dtype=bfloat16", "model.path=/models/m"])
+    cfg = load_config(
+        None,
+        [
+            "engine.backend=sglang",
+            "engine.num_engines=2",
+            "engine.gpus_per_engine=2",
+            "learner.gpus=2",
+            "actors.num_processes=2",
+            "engine.mem_fraction_static=0.8",
+            "model.dtype=bfloat16",
+            "model.path=/models/m",
+        ],
+    )
     placement = placement_for(cfg, ("0", "1", "2", "3", "4", "5"))
     planned = plan_config(cfg, tmp_path, "/models/m", placement)
     keys = {"AGENTRL_ENGINE_API_KEY": "k-user", "AGENTRL_ENGINE_ADMIN_API_KEY": "k-admin"}
-    specs = {s.name: s for s in child_specs(planned, tmp_path, placement, own_engines=True,
-                                            secret=lambda var: keys.get(var, ""))}
+    specs = {
+        s.name: s
+        for s in child_specs(planned, tmp_path, placement, own_engines=True, secret=lambda var: keys.get(var, ""))
+    }
     assert list(specs) == ["engine0", "engine1", "learner", "actor0", "actor1"]
 
     for i, devices in enumerate(("2,3", "4,5")):
@@ -65,8 +77,9 @@ def test_child_specs_carry_their_devices_flags_and_keys(tmp_path):
         assert _pairs(actor.argv)["--index"] == str(i) and _pairs(actor.argv)["--num-actors"] == "2"
         assert "--wait-for-learner" in actor.argv and "--dump-trajectories" not in actor.argv
     dumping = load_config(None, ["actors.dump_trajectories=true"])
-    actor = actor_specs(plan_config(dumping, tmp_path, "/m", placement_for(dumping, ())), tmp_path,
-                        placement_for(dumping, ()))[0]
+    actor = actor_specs(
+        plan_config(dumping, tmp_path, "/m", placement_for(dumping, ())), tmp_path, placement_for(dumping, ())
+    )[0]
     assert _pairs(actor.argv)["--dump-trajectories"] == str(tmp_path / "trajectories" / "actor0.jsonl")
     assert planned.engine.weight_group_backend == "auto"  # nothing shares a GPU
 
@@ -86,11 +99,19 @@ def test_an_sglang_engines_keys_never_reach_its_log(tmp_path):
     placement = placement_for(cfg, ("0", "1"))
     planned = plan_config(cfg, tmp_path, "/models/m", placement)
     keys = {"AGENTRL_ENGINE_API_KEY": "sk-user-7f3a", "AGENTRL_ENGINE_ADMIN_API_KEY": "sk-admin-91c2"}
-    (engine,) = [s for s in child_specs(planned, tmp_path, placement, own_engines=True,
-                                        secret=lambda var: keys.get(var, "")) if s.name == "engine0"]
+    (engine,) = [
+        s
+        for s in child_specs(planned, tmp_path, placement, own_engines=True, secret=lambda var: keys.get(var, ""))
+        if s.name == "engine0"
+    ]
     assert engine.redact == ("sk-user-7f3a", "sk-admin-91c2") and "sk-user-7f3a" in engine.argv  # SGLang needs it
-    sglang = [sys.executable, "-c", "import sys; print('server_args=' + repr(dict(zip(sys.argv[1::2], sys.argv[2::2]))),"
-              " flush=True); sys.exit('bye ' + sys.argv[sys.argv.index('--admin-api-key') + 1])", *engine.argv[3:]]
+    sglang = [
+        sys.executable,
+        "-c",
+        "import sys; print('server_args=' + repr(dict(zip(sys.argv[1::2], sys.argv[2::2]))),"
+        " flush=True); sys.exit('bye ' + sys.argv[sys.argv.index('--admin-api-key') + 1])",
+        *engine.argv[3:],
+    ]
     stand_in = dataclasses.replace(engine, argv=sglang, restart_argv=sglang, max_restarts=1)
 
     async def main() -> None:
@@ -107,9 +128,17 @@ def test_an_sglang_engines_keys_never_reach_its_log(tmp_path):
     assert log.count("'--api-key': '<redacted>'") == 2 and log.count("bye <redacted>") == 2  # start and restart
     assert "'--model-path': '/models/m'" in log and "bye <redacted>" in failed.log_tail
     embedded = load_config(None, ["engine.num_engines=1"])
-    (plain,) = [s for s in child_specs(plan_config(embedded, tmp_path, "/m", placement_for(embedded, ())), tmp_path,
-                                       placement_for(embedded, ()), own_engines=True,
-                                       secret=lambda var: keys.get(var, "")) if s.name == "engine0"]
+    (plain,) = [
+        s
+        for s in child_specs(
+            plan_config(embedded, tmp_path, "/m", placement_for(embedded, ())),
+            tmp_path,
+            placement_for(embedded, ()),
+            own_engines=True,
+            secret=lambda var: keys.get(var, ""),
+        )
+        if s.name == "engine0"
+    ]
     assert plain.redact == () and "sk-user-7f3a" not in plain.argv  # it reads its keys from its environment
 
 
@@ -127,8 +156,10 @@ def test_dry_run_prints_the_placement_and_every_childs_command(tmp_path, monkeyp
     config = tmp_path / "run.toml"
     python = interpreter_with_sglang(tmp_path, SGLANG_VERSION)  # what the engine check asks (without importing it)
     # no model folder yet (as before a first run) of a size the check does not build: it loads no tokenizer
-    config.write_text(f"[model]\npath = '{tmp_path / 'model'}'\ninit_size = 'small'\n[engine]\nbackend = 'sglang'\nnum_engines = 2\n"
-                      f"sglang_python = '{python}'\n[learner]\ngpus = 2\n")
+    config.write_text(
+        f"[model]\npath = '{tmp_path / 'model'}'\ninit_size = 'small'\n[engine]\nbackend = 'sglang'\nnum_engines = 2\n"
+        f"sglang_python = '{python}'\n[learner]\ngpus = 2\n"
+    )
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-a,GPU-b,GPU-c,GPU-d")
     monkeypatch.setenv("AGENTRL_ENGINE_API_KEY", "never-printed")
     rc, text, heavy, err = run_cli("run", str(config), "--dry-run", "--run-dir", str(tmp_path / "r"))
@@ -149,8 +180,9 @@ def test_dry_run_prints_the_placement_and_every_childs_command(tmp_path, monkeyp
 
 def test_run_refuses_a_plan_that_does_not_fit_before_starting_anything(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    rc, _, _, err = run_cli("run", str(REPO / "examples" / "calculator" / "config.toml"), "--run-dir",
-                            str(tmp_path / "r"))
+    rc, _, _, err = run_cli(
+        "run", str(REPO / "examples" / "calculator" / "config.toml"), "--run-dir", str(tmp_path / "r")
+    )
     assert rc == 2
     assert "placement error: the plan needs 2 GPUs (learner 1 + engines 1 × 1) but 1 is visible (0)" in err
     assert "engine.colocate = true" in err and not (tmp_path / "r").exists()
@@ -185,22 +217,41 @@ def _role(argv: list[str], ports: list[str]) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_real_run_gives_each_child_its_devices(tiny_model, tmp_path):  # noqa: F811
+def test_a_real_run_gives_each_child_its_devices(tiny_model, tmp_path):
     """`agentrl run` with CUDA_VISIBLE_DEVICES=3,5,7: the learner sees 3, engine0 5, engine1 7, the actor
     none, read from each live child's /proc/<pid>/environ; all of them run on the CPU (no GPU here)."""
     marker = uuid.uuid4().hex
     run_dir = tmp_path / "run"
-    overrides = [f"model.path={tiny_model}", "sft.enabled=false", "engine.num_engines=2", "learner.max_steps=2",
-                 "learner.groups_per_step=2", "actors.group_size=2", "actors.num_concurrent_episodes=8",
-                 "learner.dynamic_sampling=false", "actors.max_new_tokens_per_turn=24", "eval.num_tasks=4",
-                 "tracking.enabled=false", "learner.checkpoint_every_steps=0"]
-    argv = [sys.executable, "-m", "agentrl", "run", str(REPO / "examples" / "calculator" / "config.toml"),
-            "--no-live", "--run-dir", str(run_dir)]
+    overrides = [
+        f"model.path={tiny_model}",
+        "sft.enabled=false",
+        "engine.num_engines=2",
+        "learner.max_steps=2",
+        "learner.groups_per_step=2",
+        "actors.group_size=2",
+        "actors.num_concurrent_episodes=8",
+        "learner.dynamic_sampling=false",
+        "actors.max_new_tokens_per_turn=24",
+        "eval.num_tasks=4",
+        "tracking.enabled=false",
+        "learner.checkpoint_every_steps=0",
+    ]
+    argv = [
+        sys.executable,
+        "-m",
+        "agentrl",
+        "run",
+        str(REPO / "examples" / "calculator" / "config.toml"),
+        "--no-live",
+        "--run-dir",
+        str(run_dir),
+    ]
     for item in overrides:
         argv += ["-s", item]
     env = {**subprocess_env(), "CUDA_VISIBLE_DEVICES": "3,5,7", "AGENTRL_TEST_MARKER": marker}
-    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     seen: dict[str, str | None] = {}
     end = time.monotonic() + 540  # inside the test's 600 s: what is left stops the run (and its children)
     try:

@@ -44,9 +44,21 @@ def test_help_lists_commands_and_imports_nothing_heavy() -> None:
 def test_dry_run_prints_the_resolved_config(tmp_path: Path) -> None:
     config = tmp_path / "run.toml"
     config.write_text("[learner]\nlr = 1e-3\n")
-    rc, text, heavy, _ = run_cli("run", str(config), "--dry-run", "--set", "learner.max_steps=7", "-s", "run.name=dry",
-                                 "-s", f"model.path={tmp_path / 'no-model-yet'}", "-s", "model.init_size=small",
-                                 "-s", "env.kwargs.min_ops=1")
+    rc, text, heavy, _ = run_cli(
+        "run",
+        str(config),
+        "--dry-run",
+        "--set",
+        "learner.max_steps=7",
+        "-s",
+        "run.name=dry",
+        "-s",
+        f"model.path={tmp_path / 'no-model-yet'}",
+        "-s",
+        "model.init_size=small",
+        "-s",
+        "env.kwargs.min_ops=1",
+    )
     # a model to build that is not the tiny one: not built, the check stays light and says how to build it
     assert rc == 0 and "torch" not in heavy and "mlflow" not in heavy
     assert "# env check: ok, but 1 piece(s) not checked" in text and "tools: calculator" in text
@@ -57,8 +69,16 @@ def test_dry_run_prints_the_resolved_config(tmp_path: Path) -> None:
     assert set(printed) == {"run", "model", "engine", "actors", "env", "sandbox", "learner", "sft", "eval", "tracking"}
     dumped = tmp_path / "printed.toml"
     dumped.write_text(text)
-    assert load_config(dumped) == load_config(config, ["learner.max_steps=7", "run.name=dry", "env.kwargs.min_ops=1",
-                                                       f"model.path={tmp_path / 'no-model-yet'}", "model.init_size=small"])
+    assert load_config(dumped) == load_config(
+        config,
+        [
+            "learner.max_steps=7",
+            "run.name=dry",
+            "env.kwargs.min_ops=1",
+            f"model.path={tmp_path / 'no-model-yet'}",
+            "model.init_size=small",
+        ],
+    )
 
 
 def test_agentrl_module_entry_point_and_config_errors(tmp_path: Path) -> None:
@@ -137,8 +157,14 @@ def test_dry_run_checks_the_env_and_reports_every_problem(tmp_path: Path) -> Non
     assert rc == 2 and "lookup_factor: parameter 'to_unit' has no type hint" in text
     rc, text = dry("-s", f"env.cls={tmp_path / 'broken_env.py'}:RaisingTasks", "-s", "sft.enabled=false")
     assert rc == 2 and "PROBLEM: tasks('train'): KeyError" in text and "PROBLEM: tasks('test'): KeyError" in text
-    rc, text = dry("-s", f"env.cls={tmp_path / 'broken_env.py'}:NoDemos", "-s", "sft.enabled=true",
-                   "-s", "env.max_total_tokens=512")
+    rc, text = dry(
+        "-s",
+        f"env.cls={tmp_path / 'broken_env.py'}:NoDemos",
+        "-s",
+        "sft.enabled=true",
+        "-s",
+        "env.max_total_tokens=512",
+    )
     assert rc == 2
     assert "leaves no room for the model within env.max_total_tokens = 512" in text
     assert "sft.enabled = true but the env demonstrates no task" in text

@@ -19,7 +19,6 @@ import zipfile
 from pathlib import Path
 
 import httpx
-
 import pytest
 import yaml
 
@@ -51,9 +50,23 @@ def router_flags() -> frozenset[str]:
     cache = sglang_spec.wheel_cache()
     found = sorted(cache.glob(f"sglang_router-{ROUTER_VERSION}-*.whl"))
     if not found:
-        cmd = [sys.executable, "-m", "pip", "download", f"sglang-router=={ROUTER_VERSION}", "--no-deps",
-               "--only-binary=:all:", "--python-version", "3.11", "--platform", "manylinux2014_x86_64",
-               "--dest", str(cache), "--quiet", "--disable-pip-version-check"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            f"sglang-router=={ROUTER_VERSION}",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            "3.11",
+            "--platform",
+            "manylinux2014_x86_64",
+            "--dest",
+            str(cache),
+            "--quiet",
+            "--disable-pip-version-check",
+        ]
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         found = sorted(cache.glob(f"sglang_router-{ROUTER_VERSION}-*.whl"))
         if not found:
@@ -69,9 +82,14 @@ def router_flags() -> frozenset[str]:
 def launch(tmp_path: Path, target: str, *args: str) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp_path / target
     env = {**os.environ, "PYTHONPATH": str(REPO), "AGENTRL_ENGINE_API_KEY": "sk-never-in-a-file"}
-    res = subprocess.run([sys.executable, "-m", "agentrl", "launch", str(EXAMPLE),
-                          "--target", target, "-o", str(out), *args], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "agentrl", "launch", str(EXAMPLE), "--target", target, "-o", str(out), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return res, out
 
 
@@ -89,9 +107,28 @@ def _stub(folder: Path, name: str, body: str) -> None:
 
 
 def test_slurm_script_and_its_logic(tmp_path, router_flags):
-    res, out = launch(tmp_path, "slurm", "-s", SEARCH, "-s", "engine.num_engines=5", "-s", "engine.gpus_per_engine=2",
-                      "-s", "learner.gpus=8", "-s", "actors.num_processes=3", "--learner-nodes", "2",
-                      "--gpus-per-node", "8", "--partition", "gpu", "--time", "02:00:00")
+    res, out = launch(
+        tmp_path,
+        "slurm",
+        "-s",
+        SEARCH,
+        "-s",
+        "engine.num_engines=5",
+        "-s",
+        "engine.gpus_per_engine=2",
+        "-s",
+        "learner.gpus=8",
+        "-s",
+        "actors.num_processes=3",
+        "--learner-nodes",
+        "2",
+        "--gpus-per-node",
+        "8",
+        "--partition",
+        "gpu",
+        "--time",
+        "02:00:00",
+    )
     assert res.returncode == 0, res.stderr
     sbatch, engines, router_sh = out / "agentrl.sbatch", out / "engines.sh", out / "router.sh"
     assert f"submit: sbatch {sbatch}" in res.stdout
@@ -100,8 +137,16 @@ def test_slurm_script_and_its_logic(tmp_path, router_flags):
         assert check.returncode == 0, check.stderr
         assert "sk-never-in-a-file" not in script.read_text()
     text = sbatch.read_text()
-    for line in ("#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
-                 "#SBATCH --time=02:00:00", "ENGINE_NODES=2", "ENGINES_PER_NODE=4", "NUM_ENGINES=5", "LEARNER_NODES=2"):
+    for line in (
+        "#SBATCH --nodes=4",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --time=02:00:00",
+        "ENGINE_NODES=2",
+        "ENGINES_PER_NODE=4",
+        "NUM_ENGINES=5",
+        "LEARNER_NODES=2",
+    ):
         assert line in text
     cfg = load_config(out / "config.toml")  # the file every process reads
     assert Path(cfg.run.run_dir).is_absolute() and cfg.engine.urls == [] and cfg.model.init_size == ""
@@ -113,25 +158,36 @@ def test_slurm_script_and_its_logic(tmp_path, router_flags):
     _stub(bin_dir, "curl", "exit 0")
     # one write per step (background steps run concurrently: two writes per line interleaved); the learner's
     # step waits for the 6 others' lines: its end ends the script, whose EXIT trap kills steps not yet logged
-    _stub(bin_dir, "srun", f'line=$(printf "%q " "$@"); echo "$line" >> {log}\n'
-                           f'if [[ " $* " == *" learn "* ]]; then\n'
-                           f'  for _ in $(seq 200); do (( $(wc -l < {log}) >= 7 )) && break; sleep 0.05; done\nfi')
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu-[a7,a12,b02,b10]",
-           "SLURM_JOB_ID": "77"}
+    _stub(
+        bin_dir,
+        "srun",
+        f'line=$(printf "%q " "$@"); echo "$line" >> {log}\n'
+        f'if [[ " $* " == *" learn "* ]]; then\n'
+        f"  for _ in $(seq 200); do (( $(wc -l < {log}) >= 7 )) && break; sleep 0.05; done\nfi",
+    )
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_NODELIST": "gpu-[a7,a12,b02,b10]",
+        "SLURM_JOB_ID": "77",
+    }
     run = subprocess.run(["bash", str(sbatch)], env=env, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     steps: dict[str, list[list[str]]] = {}  # background steps log in any order: group them by what they start
     for line in log.read_text().splitlines():
         step = shlex.split(line)
-        kind = next(a.rsplit("/", 1)[-1] for a in step
-                    if a.endswith(("engines.sh", "router.sh")) or a in ("serve-actors", "learn"))
+        kind = next(
+            a.rsplit("/", 1)[-1]
+            for a in step
+            if a.endswith(("engines.sh", "router.sh")) or a in ("serve-actors", "learn")
+        )
         steps.setdefault(kind, []).append(step)
     assert {k: len(v) for k, v in steps.items()} == {"engines.sh": 2, "router.sh": 1, "serve-actors": 3, "learn": 1}
     engine_steps = {next(a for a in s if a.startswith("--nodelist=")): s for s in steps["engines.sh"]}
     assert engine_steps["--nodelist=gpu-b10"][-1] == "4" and engine_steps["--nodelist=gpu-b02"][-1] == "1"
     urls = [f"http://gpu-b10:{30000 + j}" for j in range(4)] + ["http://gpu-b02:30000"]
     (router,) = steps["router.sh"]
-    assert router[router.index(str(router_sh)) + 1:] == urls
+    assert router[router.index(str(router_sh)) + 1 :] == urls
     check_router_sh(tmp_path, router_sh, urls, router_flags)
 
     def settings(step: list[str]) -> list[str]:
@@ -139,9 +195,19 @@ def test_slurm_script_and_its_logic(tmp_path, router_flags):
 
     (learner,) = steps["learn"]
     assert "--nodes=2" in learner and "--nodelist=gpu-a12,gpu-a7" in learner  # sorted as c10d sorts them
-    argv = learner[learner.index("agentrl"):]
-    assert argv[:10] == ["agentrl", "learn", "--config", str(out / "config.toml"), "--nproc", "8", "--nnodes", "2",
-                         "--rdzv-endpoint", "gpu-a12:29400"]
+    argv = learner[learner.index("agentrl") :]
+    assert argv[:10] == [
+        "agentrl",
+        "learn",
+        "--config",
+        str(out / "config.toml"),
+        "--nproc",
+        "8",
+        "--nnodes",
+        "2",
+        "--rdzv-endpoint",
+        "gpu-a12:29400",
+    ]
     assert argv[10:12] == ["--rdzv-id", "agentrl-77"]
     learn_cfg = load_config(out / "config.toml", settings(learner))
     assert learn_cfg.engine.urls == urls and learn_cfg.engine.router_url == "http://gpu-b10:30010"
@@ -150,7 +216,7 @@ def test_slurm_script_and_its_logic(tmp_path, router_flags):
     actor_steps = sorted(steps["serve-actors"], key=lambda s: s[s.index("--index") + 1])
     for i, step in enumerate(actor_steps):
         assert "--gres=none" in step and "--overlap" in step
-        argv = step[step.index("agentrl"):]
+        argv = step[step.index("agentrl") :]
         assert argv[argv.index("--index") + 1] == str(i) and argv[argv.index("--num-actors") + 1] == "3"
         actor_cfg = load_config(out / "config.toml", settings(step))
         assert actor_cfg.actors.trajectory_endpoint == "tcp://gpu-a12:5557"
@@ -160,14 +226,35 @@ def test_slurm_script_and_its_logic(tmp_path, router_flags):
 def test_launch_server_flags_come_from_sglangs_source(sglang_flags):
     """Every flag agentrl can give ``sglang.launch_server`` (all of config_engine_args' options on) is one
     SGLang declares; the derived set is SGLang's own, not a superset of whatever is asked."""
-    cfg = load_config(None, ["engine.backend=sglang", "engine.gpus_per_engine=2", "engine.mem_fraction_static=0.8",
-                             "model.dtype=bfloat16", "learner.lora.rank=8", "learner.lora.sync=adapter"])
+    cfg = load_config(
+        None,
+        [
+            "engine.backend=sglang",
+            "engine.gpus_per_engine=2",
+            "engine.mem_fraction_static=0.8",
+            "model.dtype=bfloat16",
+            "learner.lora.rank=8",
+            "learner.lora.sync=adapter",
+        ],
+    )
     argv = config_engine_args(cfg, secret=lambda var: f"key-of-{var}")
-    assert {"--enable-lora", "--max-lora-rank", "--lora-target-modules", "--api-key", "--admin-api-key",
-            "--dtype", "--mem-fraction-static"} <= _flags(argv)
+    assert {
+        "--enable-lora",
+        "--max-lora-rank",
+        "--lora-target-modules",
+        "--api-key",
+        "--admin-api-key",
+        "--dtype",
+        "--mem-fraction-static",
+    } <= _flags(argv)
     assert _flags(argv) <= sglang_flags, _flags(argv) - sglang_flags
     assert {"--model-path", "--host", "--port"} <= sglang_flags  # the server_argv prefix
-    assert {"--tensor-parallel-size", "--model", "--config", "--sampling-backend"} <= sglang_flags  # aliases, add_argument
+    assert {
+        "--tensor-parallel-size",
+        "--model",
+        "--config",
+        "--sampling-backend",
+    } <= sglang_flags  # aliases, add_argument
     # the embedded engine's flags, a no_cli field (watermark_key) and an abbreviation are not SGLang's
     assert not {"--max-context-tokens", "--api-key-env", "--num-threads", "--watermark-key", "--tp"} & sglang_flags
 
@@ -183,12 +270,13 @@ def check_router_sh(tmp_path: Path, router_sh: Path, urls: list[str], router_fla
     env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTRL_ENGINE_")}
     env["PATH"] = f"{bin_dir}:{os.environ['PATH']}"
     for extra, key in (({"AGENTRL_ENGINE_API_KEY_FILE": str(key_file)}, "sk-router-from-file"), ({}, None)):
-        run = subprocess.run(["bash", str(router_sh), *urls], env={**env, **extra}, capture_output=True, text=True,
-                             timeout=60)
+        run = subprocess.run(
+            ["bash", str(router_sh), *urls], env={**env, **extra}, capture_output=True, text=True, timeout=60
+        )
         assert run.returncode == 0, run.stderr
         argv = shlex.split(argv_log.read_text().splitlines()[-1])
         assert argv[:2] == ["-m", "sglang_router.launch_router"]
-        assert argv[argv.index("--worker-urls") + 1: argv.index("--policy")] == urls
+        assert argv[argv.index("--worker-urls") + 1 : argv.index("--policy")] == urls
         assert _flags(argv) <= router_flags, _flags(argv) - router_flags
         if key:
             assert _flags(argv) == ROUTER_FLAGS | {"--api-key"} and argv[argv.index("--api-key") + 1] == key
@@ -198,19 +286,37 @@ def check_router_sh(tmp_path: Path, router_sh: Path, urls: list[str], router_fla
 
 
 def test_slurm_engine_node_gives_each_server_its_gpus_and_keys(tmp_path, sglang_flags):
-    res, out = launch(tmp_path, "slurm", "-s", SEARCH, "-s", "engine.gpus_per_engine=2", "-s",
-                      "engine.mem_fraction_static=0.85", "-s", "engine.api_key_env=MY_KEY")
+    res, out = launch(
+        tmp_path,
+        "slurm",
+        "-s",
+        SEARCH,
+        "-s",
+        "engine.gpus_per_engine=2",
+        "-s",
+        "engine.mem_fraction_static=0.85",
+        "-s",
+        "engine.api_key_env=MY_KEY",
+    )
     assert res.returncode == 0, res.stderr
     bin_dir, log = tmp_path / "bin", tmp_path / "servers.log"
     bin_dir.mkdir()
     # a stand-in for SGLang: records how it was started, and logs its arguments, keys included, as SGLang
     # 0.5.23 does at start (server_args=..., entrypoints/engine.py), on stdout and stderr
-    _stub(bin_dir, "python", f'echo "$CUDA_VISIBLE_DEVICES $*" >> {log}; echo "server_args=$*"; '
-                             'echo "error: key ${*: -1} refused" >&2')
+    _stub(
+        bin_dir,
+        "python",
+        f'echo "$CUDA_VISIBLE_DEVICES $*" >> {log}; echo "server_args=$*"; echo "error: key ${{*: -1}} refused" >&2',
+    )
     key_file = tmp_path / "key"
     key_file.write_text("from-a-file\n")
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CUDA_VISIBLE_DEVICES": "4,5,6,7",
-           "MY_KEY_FILE": str(key_file), "AGENTRL_ENGINE_ADMIN_API_KEY": "from-a-file-adm"}
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "CUDA_VISIBLE_DEVICES": "4,5,6,7",
+        "MY_KEY_FILE": str(key_file),
+        "AGENTRL_ENGINE_ADMIN_API_KEY": "from-a-file-adm",
+    }
     run = subprocess.run(["bash", str(out / "engines.sh"), "2"], env=env, capture_output=True, text=True, timeout=60)
     assert run.returncode == 1  # a server that exits ends the node's step
     # what the step writes to logs/engines-NODE.log in the run folder: everything but the keys
@@ -239,19 +345,41 @@ def test_slurm_engine_node_gives_each_server_its_gpus_and_keys(tmp_path, sglang_
 
 
 def test_kubernetes_manifests(tmp_path, sglang_flags, router_flags):
-    res, out = launch(tmp_path, "k8s", "-s", "env.kwargs.search_url=http://agentrl-search:8001", "-s",
-                      "engine.num_engines=3", "-s", "engine.gpus_per_engine=2", "-s", "engine.mem_fraction_static=0.8",
-                      "-s", "engine.admin_api_key_env=ADMIN_TOKEN", "--learner-nodes", "2", "--namespace", "rl",
-                      "--image", "registry/agentrl:1")
+    res, out = launch(
+        tmp_path,
+        "k8s",
+        "-s",
+        "env.kwargs.search_url=http://agentrl-search:8001",
+        "-s",
+        "engine.num_engines=3",
+        "-s",
+        "engine.gpus_per_engine=2",
+        "-s",
+        "engine.mem_fraction_static=0.8",
+        "-s",
+        "engine.admin_api_key_env=ADMIN_TOKEN",
+        "--learner-nodes",
+        "2",
+        "--namespace",
+        "rl",
+        "--image",
+        "registry/agentrl:1",
+    )
     assert res.returncode == 0, res.stderr
     text = (out / "agentrl.yaml").read_text()
     assert "sk-never-in-a-file" not in text
     docs = list(yaml.safe_load_all(text))
     by_kind = {(d["kind"], d["metadata"]["name"]): d for d in docs}
-    assert set(by_kind) == {("ConfigMap", "agentrl-config"), ("Service", "agentrl-engine"),
-                            ("StatefulSet", "agentrl-engine"), ("Service", "agentrl-router"),
-                            ("Deployment", "agentrl-router"), ("Service", "agentrl-learner"),
-                            ("Job", "agentrl-learner"), ("Job", "agentrl-actors")}
+    assert set(by_kind) == {
+        ("ConfigMap", "agentrl-config"),
+        ("Service", "agentrl-engine"),
+        ("StatefulSet", "agentrl-engine"),
+        ("Service", "agentrl-router"),
+        ("Deployment", "agentrl-router"),
+        ("Service", "agentrl-learner"),
+        ("Job", "agentrl-learner"),
+        ("Job", "agentrl-actors"),
+    }
     assert all(d["metadata"]["namespace"] == "rl" for d in docs)
 
     config_text = by_kind[("ConfigMap", "agentrl-config")]["data"]["config.toml"]
@@ -275,8 +403,10 @@ def test_kubernetes_manifests(tmp_path, sglang_flags, router_flags):
     def key_env(c: dict) -> dict:
         return {e["name"]: e["valueFrom"]["secretKeyRef"] for e in c["env"]}
 
-    keys = {"AGENTRL_ENGINE_API_KEY": {"name": "agentrl-engine-keys", "key": "api-key", "optional": True},
-            "ADMIN_TOKEN": {"name": "agentrl-engine-keys", "key": "admin-api-key", "optional": True}}
+    keys = {
+        "AGENTRL_ENGINE_API_KEY": {"name": "agentrl-engine-keys", "key": "api-key", "optional": True},
+        "ADMIN_TOKEN": {"name": "agentrl-engine-keys", "key": "admin-api-key", "optional": True},
+    }
     engines = by_kind[("StatefulSet", "agentrl-engine")]
     assert engines["spec"]["replicas"] == 3 and engines["spec"]["serviceName"] == "agentrl-engine"
     sglang = container("StatefulSet", "agentrl-engine")
@@ -302,7 +432,7 @@ def test_kubernetes_manifests(tmp_path, sglang_flags, router_flags):
     router_argv = shlex.split(script(router).rsplit("exec ", 1)[1].split(" ${ROUTER_KEYS")[0])
     assert router_argv[:3] == ["python", "-m", "sglang_router.launch_router"]
     assert _flags(router_argv) == ROUTER_FLAGS and _flags(router_argv) <= router_flags
-    assert router_argv[router_argv.index("--worker-urls") + 1:][:3] == urls
+    assert router_argv[router_argv.index("--worker-urls") + 1 :][:3] == urls
     assert '--api-key "$key"' in script(router) and "$(secret AGENTRL_ENGINE_API_KEY)" in script(router)
     assert key_env(router) == {"AGENTRL_ENGINE_API_KEY": keys["AGENTRL_ENGINE_API_KEY"]}  # not the admin key
     assert by_kind[("Service", "agentrl-router")]["spec"]["ports"][0]["port"] == 30010
@@ -334,8 +464,12 @@ def keyed_engine(engine_model, tmp_path_factory):
     """An embedded engine with an api key (SGLang's auth rules: /ping is a normal route)."""
     from tests.conftest_engine import start_engines
 
-    (proc,) = start_engines(engine_model, 1, tmp_path_factory.mktemp("keyed_engine"),
-                            env={**os.environ, "AGENTRL_ENGINE_API_KEY": PROBE_KEY})
+    (proc,) = start_engines(
+        engine_model,
+        1,
+        tmp_path_factory.mktemp("keyed_engine"),
+        env={**os.environ, "AGENTRL_ENGINE_API_KEY": PROBE_KEY},
+    )
     yield proc.url
     proc.stop()
 
@@ -345,8 +479,8 @@ PROBE_KEY = "sk-probe-0123456789"
 
 def test_the_engine_probe_passes_with_the_pods_key_and_while_paused(keyed_engine):
     """The manifest's probe command itself, run against a real engine that wants a key."""
-    from agentrl.run.cluster import ping_probe
     from agentrl.net import free_port
+    from agentrl.run.cluster import ping_probe
 
     cfg = load_config(None, [SEARCH])
     port = int(keyed_engine.rsplit(":", 1)[1])
@@ -354,15 +488,20 @@ def test_the_engine_probe_passes_with_the_pods_key_and_while_paused(keyed_engine
     env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTRL_ENGINE_")}
 
     def probe(**extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, *command[1:]], env={**env, **extra}, capture_output=True, text=True,
-                              timeout=30)
+        return subprocess.run(
+            [sys.executable, *command[1:]], env={**env, **extra}, capture_output=True, text=True, timeout=30
+        )
 
     assert probe(AGENTRL_ENGINE_API_KEY=PROBE_KEY).returncode == 0
     refused = probe()
     assert refused.returncode == 1 and "401" in refused.stderr
     headers = {"Authorization": f"Bearer {PROBE_KEY}"}
-    assert httpx.post(keyed_engine + "/pause_generation", json={"mode": "in_place"}, headers=headers,
-                      timeout=10).status_code == 200
+    assert (
+        httpx.post(
+            keyed_engine + "/pause_generation", json={"mode": "in_place"}, headers=headers, timeout=10
+        ).status_code
+        == 200
+    )
     try:
         assert probe(AGENTRL_ENGINE_API_KEY=PROBE_KEY).returncode == 0
         assert httpx.get(keyed_engine + "/ready", timeout=10).status_code == 503  # /ready: not while paused
@@ -383,4 +522,3 @@ def test_launch_refuses_what_a_cluster_cannot_run(tmp_path):
     assert res.returncode == 2 and "exceeds the 2 GPUs of a node" in res.stderr
     res, _ = launch(tmp_path, "pbs", "-s", SEARCH)
     assert res.returncode == 2 and "unknown target 'pbs'" in res.stderr
-

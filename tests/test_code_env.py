@@ -48,7 +48,9 @@ def test_tasks_splits_and_hidden_tests():
 
 
 def test_extract_code():
-    assert extract_code("Here:\n```python\ndef f():\n    return 1\n```\nand\n```\ndef g(): pass\n```") == "def g(): pass\n"
+    assert (
+        extract_code("Here:\n```python\ndef f():\n    return 1\n```\nand\n```\ndef g(): pass\n```") == "def g(): pass\n"
+    )
     assert extract_code("def f(x): return x") == "def f(x): return x"
     assert extract_code("I cannot do it.") is None
 

@@ -230,11 +230,14 @@ def test_a_partly_right_answer_scores_its_share(graded, repeat_task):
     assert score(env, sandbox, repeat_task, source) == pytest.approx(args.count(args[0]) / len(args))
 
 
-@pytest.mark.parametrize("body", [
-    "def is_multiple(x):\n    return 1 if x % {k} == 0 else 0",  # 1 is not True
-    "def is_multiple(x):\n    return str(x % {k} == 0).lower()",  # nor "true"
-    "def is_multiple(x):\n    return [x % {k} == 0]",
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        "def is_multiple(x):\n    return 1 if x % {k} == 0 else 0",  # 1 is not True
+        "def is_multiple(x):\n    return str(x % {k} == 0).lower()",  # nor "true"
+        "def is_multiple(x):\n    return [x % {k} == 0]",
+    ],
+)
 def test_results_must_match_in_type(graded, body):
     env, sandbox = graded
     task = next(t for t in env.tasks("train") if t.data["family"] == "is_multiple")

@@ -154,12 +154,16 @@ def test_cross_field_checks(overrides, match) -> None:
 
 
 def test_cross_field_checks_accept_consistent_settings() -> None:
-    cfg = load_config(None, ["learner.algorithm=ppo", "learner.advantage=gae", "actors.group_size=1", "learner.dual_clip=3.0"])
+    cfg = load_config(
+        None, ["learner.algorithm=ppo", "learner.advantage=gae", "actors.group_size=1", "learner.dual_clip=3.0"]
+    )
     assert cfg.learner.algorithm == "ppo"
 
 
 def test_dump_toml_round_trips(tmp_path) -> None:
-    cfg = load_config(None, ["learner.lr=2e-5", "env.kwargs.level=3", "env.kwargs.name='a \"b\"'", "engine.urls=['http://x:1']"])
+    cfg = load_config(
+        None, ["learner.lr=2e-5", "env.kwargs.level=3", "env.kwargs.name='a \"b\"'", "engine.urls=['http://x:1']"]
+    )
     text = dump_toml(cfg)
     tomllib.loads(text)  # valid TOML
     again = load_config(write(tmp_path, text))
@@ -212,17 +216,27 @@ def test_several_envs_and_the_single_env_shorthand(tmp_path) -> None:
     assert load_config(write(tmp_path, text, "again.toml")) == cfg
 
 
-@pytest.mark.parametrize("text, overrides, match", [
-    (MULTI + "\n[env]\ncls = 'a:B'\n", [], r"both \[env\] and \[\[envs\]\]"),
-    (MULTI, ["env.max_turns=3"], r"both \[env\] and \[\[envs\]\]"),
-    (MULTI, ["envs.2.weight=1"], "envs has 2 entries"),
-    (MULTI.replace('name = "adder"', 'name = "x"').replace("weight = 3.0", 'weight = 3.0\nname = "x"'), [],
-     r"names must be unique.*'x'"),
-    (MULTI.replace("weight = 3.0", "weight = 0"), [], r"envs\.0\.weight"),
-    (MULTI.replace("max_total_tokens = 512", "max_total_tokens = 4096"), [], r"envs\.1\.max_total_tokens \(4096\) exceeds"),
-    (MULTI.replace("tests._actors_user_env:AddAgentEnv", "nocolon"), [], r"envs\.1\.cls must be 'module:Class'"),
-    (MULTI.replace("max_turns = 2", "max_turn = 2"), [], r"unknown key 'envs\.0\.max_turn'"),
-])
+@pytest.mark.parametrize(
+    "text, overrides, match",
+    [
+        (MULTI + "\n[env]\ncls = 'a:B'\n", [], r"both \[env\] and \[\[envs\]\]"),
+        (MULTI, ["env.max_turns=3"], r"both \[env\] and \[\[envs\]\]"),
+        (MULTI, ["envs.2.weight=1"], "envs has 2 entries"),
+        (
+            MULTI.replace('name = "adder"', 'name = "x"').replace("weight = 3.0", 'weight = 3.0\nname = "x"'),
+            [],
+            r"names must be unique.*'x'",
+        ),
+        (MULTI.replace("weight = 3.0", "weight = 0"), [], r"envs\.0\.weight"),
+        (
+            MULTI.replace("max_total_tokens = 512", "max_total_tokens = 4096"),
+            [],
+            r"envs\.1\.max_total_tokens \(4096\) exceeds",
+        ),
+        (MULTI.replace("tests._actors_user_env:AddAgentEnv", "nocolon"), [], r"envs\.1\.cls must be 'module:Class'"),
+        (MULTI.replace("max_turns = 2", "max_turn = 2"), [], r"unknown key 'envs\.0\.max_turn'"),
+    ],
+)
 def test_several_envs_are_checked_by_entry(tmp_path, text, overrides, match) -> None:
     with pytest.raises(ConfigError, match=match):
         load_config(write(tmp_path, text), overrides)
@@ -233,7 +247,9 @@ def test_env_names_are_unique_once_built(tmp_path) -> None:
     from agentrl.envs import make_envs
 
     twice = '[[envs]]\ncls = "tests._actors_user_env:AddEnv"\n[[envs]]\ncls = "tests._actors_user_env:AddEnv"\n'
-    with pytest.raises(ValueError, match=r"unique.*'add': tests._actors_user_env:AddEnv, tests._actors_user_env:AddEnv"):
+    with pytest.raises(
+        ValueError, match=r"unique.*'add': tests._actors_user_env:AddEnv, tests._actors_user_env:AddEnv"
+    ):
         make_envs(load_config(write(tmp_path, twice)))
     named = twice.replace('AddEnv"\n[[envs]]', 'AddEnv"\nname = "add2"\n[[envs]]', 1)
     assert [env.name for _, env in make_envs(load_config(write(tmp_path, named)))] == ["add2", "add"]

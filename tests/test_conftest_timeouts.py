@@ -12,14 +12,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_a_slow_trio_run_fails_alone(pytester, tmp_path):
-    pytester.makeconftest(textwrap.dedent(f"""
+    pytester.makeconftest(
+        textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(ROOT)!r})
         from tests.conftest import (pytest_configure, pytest_runtest_call, pytest_timeout_cancel_timer,  # noqa: F401
                                     pytest_timeout_set_timer, pytest_unconfigure)
-    """))
+    """)
+    )
     pid_file = tmp_path / "child.pid"
-    pytester.makepyfile(test_slow=textwrap.dedent(f"""
+    pytester.makepyfile(
+        test_slow=textwrap.dedent(f"""
         import sys
         import pytest
         import trio
@@ -40,7 +43,8 @@ def test_a_slow_trio_run_fails_alone(pytester, tmp_path):
 
         def test_the_next_run_works():
             assert trio.run(trio.sleep, 0) is None and not trio.lowlevel.in_trio_run()
-    """))
+    """)
+    )
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-W", "ignore", timeout=120)
     result.assert_outcomes(failed=2, passed=1)
     out = result.stdout.str()

@@ -5,8 +5,15 @@ from __future__ import annotations
 import pytest
 
 from agentrl.engine.native_api import (
-    TOP_K_ALL, Completion, GenerateInput, RequestError, build_response, output_text_ids, parse_generate,
-    parse_sampling_params, trim_stop_str,
+    TOP_K_ALL,
+    Completion,
+    GenerateInput,
+    RequestError,
+    build_response,
+    output_text_ids,
+    parse_generate,
+    parse_sampling_params,
+    trim_stop_str,
 )
 
 V, CTX = 576, 64
@@ -26,18 +33,21 @@ def test_greedy_is_top_k_1_at_temperature_1():
     assert p.greedy and p.temperature == 1.0 and p.top_k == 1
 
 
-@pytest.mark.parametrize("params, needle", [
-    ({"max_tokens": 3}, "unknown field 'max_tokens'"),
-    ({"temperature": "hot"}, "temperature"),
-    ({"top_k": 0}, "top_k"),
-    ({"min_p": 2}, "min_p"),
-    ({"stop": [1]}, "stop"),
-    ({"stop_token_ids": [V]}, "outside"),
-    ({"ignore_eos": 1}, "ignore_eos"),
-    ({"max_new_tokens": -1}, "max_new_tokens"),
-    ({"frequency_penalty": 0.5}, "frequency_penalty"),
-    ({"regex": "a+"}, "regex"),
-])
+@pytest.mark.parametrize(
+    "params, needle",
+    [
+        ({"max_tokens": 3}, "unknown field 'max_tokens'"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"top_k": 0}, "top_k"),
+        ({"min_p": 2}, "min_p"),
+        ({"stop": [1]}, "stop"),
+        ({"stop_token_ids": [V]}, "outside"),
+        ({"ignore_eos": 1}, "ignore_eos"),
+        ({"max_new_tokens": -1}, "max_new_tokens"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"regex": "a+"}, "regex"),
+    ],
+)
 def test_bad_sampling_params_name_the_field(params, needle):
     with pytest.raises(RequestError, match=needle):
         parse_sampling_params(params, V)
@@ -49,39 +59,56 @@ def test_unsupported_fields_are_accepted_at_their_defaults():
 
 
 def test_batches_rids_and_per_prompt_values():
-    call = parse_generate({"input_ids": [[1, 2], [3]], "rid": "x", "return_logprob": [True, False],
-                           "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": 2}]},
-                          vocab_size=V, context_len=CTX)
+    call = parse_generate(
+        {
+            "input_ids": [[1, 2], [3]],
+            "rid": "x",
+            "return_logprob": [True, False],
+            "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": 2}],
+        },
+        vocab_size=V,
+        context_len=CTX,
+    )
     assert call.batched and [i.rid for i in call.inputs] == ["x_0", "x_1"]
     assert [i.return_logprob for i in call.inputs] == [True, False]
     assert [i.params.max_new_tokens for i in call.inputs] == [1, 2]
-    single = parse_generate({"input_ids": [1, 2], "rid": "y", "sampling_params": {"max_new_tokens": 4}},
-                            vocab_size=V, context_len=CTX)
+    single = parse_generate(
+        {"input_ids": [1, 2], "rid": "y", "sampling_params": {"max_new_tokens": 4}}, vocab_size=V, context_len=CTX
+    )
     assert not single.batched and single.inputs[0].rid == "y"
     with pytest.raises(RequestError, match="2 entries for a batch of 3"):
         parse_generate({"input_ids": [[1], [2], [3]], "sampling_params": [{}, {}]}, vocab_size=V, context_len=CTX)
 
 
-@pytest.mark.parametrize("body, needle", [
-    ({}, "exactly one"),
-    ({"input_ids": []}, "input_ids is empty"),
-    ({"input_ids": [[1], []]}, r"input_ids\[1\] is empty"),
-    ({"input_ids": [1, "a"]}, "integers"),
-    ({"input_ids": [1] * CTX}, "longer than the model's context length"),
-    ({"input_ids": [1] * 10, "sampling_params": {"max_new_tokens": CTX - 10}}, "maximum context length of 64"),
-    ({"input_ids": [1], "top_logprobs_num": 2}, "top_logprobs_num"),
-    ({"input_ids": [1], "stream": "yes"}, "stream"),
-    ({"input_ids": [1], "rid": 5}, "rid"),
-    ({"text": "hello"}, "tokenizer"),
-])
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        ({}, "exactly one"),
+        ({"input_ids": []}, "input_ids is empty"),
+        ({"input_ids": [[1], []]}, r"input_ids\[1\] is empty"),
+        ({"input_ids": [1, "a"]}, "integers"),
+        ({"input_ids": [1] * CTX}, "longer than the model's context length"),
+        ({"input_ids": [1] * 10, "sampling_params": {"max_new_tokens": CTX - 10}}, "maximum context length of 64"),
+        ({"input_ids": [1], "top_logprobs_num": 2}, "top_logprobs_num"),
+        ({"input_ids": [1], "stream": "yes"}, "stream"),
+        ({"input_ids": [1], "rid": 5}, "rid"),
+        ({"text": "hello"}, "tokenizer"),
+    ],
+)
 def test_bad_requests(body, needle):
     with pytest.raises(RequestError, match=needle):
         parse_generate(body, vocab_size=V, context_len=CTX)
 
 
 def _completion(ids, reason):
-    return Completion(rid="r", prompt_tokens=2, output_ids=ids, output_logprobs=[-1.0] * len(ids),
-                      finish_reason=reason, weight_version="4")
+    return Completion(
+        rid="r",
+        prompt_tokens=2,
+        output_ids=ids,
+        output_logprobs=[-1.0] * len(ids),
+        finish_reason=reason,
+        weight_version="4",
+    )
 
 
 def test_text_trimming_and_response_shape():

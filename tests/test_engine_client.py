@@ -183,9 +183,20 @@ class _FlakyServer:
                 return JSONResponse({"error": {"message": "sampling_params has an unknown field 'bad'"}}, 400)
             if self.calls <= 2:
                 return JSONResponse({"error": {"message": "busy"}}, 503)
-            return JSONResponse({"text": "x", "output_ids": [4], "meta_info": {
-                "id": body["rid"], "finish_reason": {"type": "length", "length": 1}, "prompt_tokens": 1,
-                "completion_tokens": 1, "weight_version": "3", "output_token_logprobs": [[-0.5, 4, None]]}})
+            return JSONResponse(
+                {
+                    "text": "x",
+                    "output_ids": [4],
+                    "meta_info": {
+                        "id": body["rid"],
+                        "finish_reason": {"type": "length", "length": 1},
+                        "prompt_tokens": 1,
+                        "completion_tokens": 1,
+                        "weight_version": "3",
+                        "output_token_logprobs": [[-0.5, 4, None]],
+                    },
+                }
+            )
 
         async def health(request):  # no /ping: the client falls back to /health
             return Response(status_code=200)

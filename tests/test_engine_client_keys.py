@@ -23,8 +23,9 @@ def fake():
 
 
 def _client(fake) -> EngineClient:
-    cfg = load_config(None, [f"engine.urls=['{fake.url}']", "engine.request_retries=3",
-                             "engine.health_check_interval_s=0.5"])
+    cfg = load_config(
+        None, [f"engine.urls=['{fake.url}']", "engine.request_retries=3", "engine.health_check_interval_s=0.5"]
+    )
     return EngineClient.from_config(cfg.engine)
 
 

@@ -32,17 +32,17 @@ import pytest
 import torch
 import trio
 
-from agentrl.episode import rollout
+from agentrl.agents.engine_routes import openai_routes
 from agentrl.agents.openai_api import ALL_FIELDS as CHAT_COMPLETION_FIELDS
 from agentrl.config import LORA_ADAPTER_NAME
-from agentrl.engine.native_api import GENERATE_FIELDS
 from agentrl.engine.client import EngineClient, GenerateResult
 from agentrl.engine.launch import EngineProcess, wait_ready
-from agentrl.net import free_port
-from agentrl.agents.engine_routes import openai_routes
+from agentrl.engine.native_api import GENERATE_FIELDS
 from agentrl.engine.server import CONTROL_BODIES, REQUIRED, build_app
+from agentrl.episode import rollout
 from agentrl.http_auth import level_of
 from agentrl.learner.weight_push import WeightUpdater
+from agentrl.net import free_port
 from tests import sglang_spec
 from tests.conftest_engine import ENGINE_FLAGS
 
@@ -66,12 +66,14 @@ def embedded_routes() -> list:
 
 def response_fields_read() -> dict[str, tuple[str, ...]]:
     """Where (``sglang_spec.Spec.written``) agentrl reads which keys of SGLang's answers."""
-    return {"/generate": GenerateResult.FIELDS_READ,
-            "/generate meta_info": GenerateResult.META_INFO_FIELDS_READ + rollout.META_INFO_FIELDS_READ,
-            "/generate meta_info.weight_versions[]": rollout.SPAN_FIELDS_READ,
-            "/generate meta_info.finish_reason (abort)": rollout.ABORT_FIELDS_READ,
-            "/model_info": EngineClient.MODEL_INFO_FIELDS_READ,
-            "/server_info": WeightUpdater.SERVER_INFO_FIELDS_READ}
+    return {
+        "/generate": GenerateResult.FIELDS_READ,
+        "/generate meta_info": GenerateResult.META_INFO_FIELDS_READ + rollout.META_INFO_FIELDS_READ,
+        "/generate meta_info.weight_versions[]": rollout.SPAN_FIELDS_READ,
+        "/generate meta_info.finish_reason (abort)": rollout.ABORT_FIELDS_READ,
+        "/model_info": EngineClient.MODEL_INFO_FIELDS_READ,
+        "/server_info": WeightUpdater.SERVER_INFO_FIELDS_READ,
+    }
 
 
 # why a control call failed, as agentrl reports it (a plain-text answer is read as the message)
@@ -96,7 +98,7 @@ def drive_weight_updater(urls: list[str], model_path: Path, scratch: Path) -> No
     (Re-point this when the trainer side moves; the checks below do not depend on it.)"""
     from transformers import AutoModelForCausalLM
 
-    from agentrl.learner.lora import LoraSpec, add_adapters, adapter_parameters, write_adapter
+    from agentrl.learner.lora import LoraSpec, adapter_parameters, add_adapters, write_adapter
     from agentrl.learner.weight_push import WeightUpdater
 
     named = list(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).named_parameters())
@@ -119,9 +121,9 @@ async def drive_client(urls: list[str], model_path: Path) -> None:
     """Real episodes (the calculator env, the actors' sampling params) plus every control call."""
     from transformers import AutoTokenizer
 
-    from agentrl.episode.rollout import EpisodeLimits, run_episode, sampling_from_config, toolbox_for
     from agentrl.config import AgentRLConfig
     from agentrl.envs.calculator import CalculatorEnv
+    from agentrl.episode.rollout import EpisodeLimits, run_episode, sampling_from_config, toolbox_for
 
     cfg = AgentRLConfig()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -147,30 +149,57 @@ async def drive_openai_routes(urls: list[str], tokenizer, model_name: str) -> No
     stop, logprobs, a stitched streamed call) and the OpenAI SDK against the engine's own /v1 routes."""
     import openai
 
-    from agentrl.envs.agent import AgentEnv
     from agentrl.agents.agent_runner import AgentRunner
+    from agentrl.envs.agent import AgentEnv
     from agentrl.envs.base import Task
 
-    tools = [{"type": "function", "function": {"name": "add", "description": "Add.", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "add",
+                "description": "Add.",
+                "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+            },
+        }
+    ]
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 3?"}]
 
     class Drive(AgentEnv):
         async def run(self, task, client):
-            first = await client.chat.completions.create(model="m", messages=messages, tools=tools, n=2, seed=1,
-                                                         stop=["\n\n"], logprobs=True, max_tokens=8, temperature=0.7,
-                                                         top_p=0.9)
-            history = messages + [first.choices[0].message.model_dump(exclude_none=True),
-                                  {"role": "user", "content": "Sure?"}]
-            stream = await client.chat.completions.create(model="m", messages=history, tools=tools, max_tokens=8,
-                                                          stream=True, stream_options={"include_usage": True})
+            first = await client.chat.completions.create(
+                model="m",
+                messages=messages,
+                tools=tools,
+                n=2,
+                seed=1,
+                stop=["\n\n"],
+                logprobs=True,
+                max_tokens=8,
+                temperature=0.7,
+                top_p=0.9,
+            )
+            history = messages + [
+                first.choices[0].message.model_dump(exclude_none=True),
+                {"role": "user", "content": "Sure?"},
+            ]
+            stream = await client.chat.completions.create(
+                model="m",
+                messages=history,
+                tools=tools,
+                max_tokens=8,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
             [c async for c in stream]
             engine = openai.AsyncOpenAI(base_url=urls[0] + "/v1", api_key="unused", max_retries=0)
             await engine.models.list()
-            await engine.chat.completions.create(model=model_name, messages=messages, tools=tools, max_tokens=8,
-                                                 seed=2, n=2, logprobs=True)
-            stream = await engine.chat.completions.create(model=model_name, messages=messages, max_tokens=8,
-                                                          stream=True, stream_options={"include_usage": True})
+            await engine.chat.completions.create(
+                model=model_name, messages=messages, tools=tools, max_tokens=8, seed=2, n=2, logprobs=True
+            )
+            stream = await engine.chat.completions.create(
+                model=model_name, messages=messages, max_tokens=8, stream=True, stream_options={"include_usage": True}
+            )
             [c async for c in stream]
             await engine.close()
             return 1.0
@@ -187,9 +216,18 @@ def recorded(engine_model, tmp_path_factory) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = EngineProcess(str(engine_model), port, log_path=logs / "engine.log", env=env)
     i = ENGINE_FLAGS.index("--weight-version")
-    flags = ENGINE_FLAGS[:i] + ENGINE_FLAGS[i + 2:]  # the engine reports SGLang's "default"
-    proc.argv = [sys.executable, "-m", "tests._engine_recorder", str(record), "--model", str(engine_model),
-                 "--port", str(port), *flags]
+    flags = ENGINE_FLAGS[:i] + ENGINE_FLAGS[i + 2 :]  # the engine reports SGLang's "default"
+    proc.argv = [
+        sys.executable,
+        "-m",
+        "tests._engine_recorder",
+        str(record),
+        "--model",
+        str(engine_model),
+        "--port",
+        str(port),
+        *flags,
+    ]
     proc.start(wait_s=0)
     try:
         wait_ready(proc.url, 240, process=proc.process)
@@ -218,8 +256,11 @@ def request_errors(req: dict, spec: sglang_spec.Spec) -> list[str]:
         return [f"{what}: the body is not a JSON object"]
     fields = spec.struct(route.request)
     errors = [f"{what}: {route.request} has no field {k!r}" for k in body if k not in fields]
-    errors += [f"{what}: required field {k!r} of {route.request} is missing"
-               for k, f in fields.items() if f.required and k not in body]
+    errors += [
+        f"{what}: required field {k!r} of {route.request} is missing"
+        for k, f in fields.items()
+        if f.required and k not in body
+    ]
     for k, v in body.items():
         if k in fields:
             err = sglang_spec.conformance_error(v, spec.annotation(route.request, k), spec, f"{what}: {k}")
@@ -231,8 +272,9 @@ def request_errors(req: dict, spec: sglang_spec.Spec) -> list[str]:
                 if k not in spec.sampling_params:
                     errors.append(f"{what}: sampling_params.{k} is not in SGLang's contract")
                     continue
-                err = sglang_spec.conformance_error(v, spec.annotations[f"SamplingParams.{k}"], spec,
-                                                    f"{what}: sampling_params.{k}")
+                err = sglang_spec.conformance_error(
+                    v, spec.annotations[f"SamplingParams.{k}"], spec, f"{what}: sampling_params.{k}"
+                )
                 errors += [err] if err else []
     return errors
 
@@ -240,11 +282,20 @@ def request_errors(req: dict, spec: sglang_spec.Spec) -> list[str]:
 def test_every_request_agentrl_sends_is_one_sglang_understands(recorded, spec):
     sent = {(r["method"], r["path"]) for r in recorded}
     # The capture really covers the client and the weight push (a broken driver must not pass quietly).
-    assert {("POST", "/generate"), ("GET", "/ping"), ("POST", "/pause_generation"), ("POST", "/abort_request"),
-            ("POST", "/init_weights_update_group"), ("POST", "/update_weights_from_distributed"),
-            ("POST", "/update_weights_from_disk"), ("POST", "/destroy_weights_update_group"),
-            ("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("POST", "/load_lora_adapter"),
-            ("POST", "/unload_lora_adapter")} <= sent, sent
+    assert {
+        ("POST", "/generate"),
+        ("GET", "/ping"),
+        ("POST", "/pause_generation"),
+        ("POST", "/abort_request"),
+        ("POST", "/init_weights_update_group"),
+        ("POST", "/update_weights_from_distributed"),
+        ("POST", "/update_weights_from_disk"),
+        ("POST", "/destroy_weights_update_group"),
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/v1/models"),
+        ("POST", "/load_lora_adapter"),
+        ("POST", "/unload_lora_adapter"),
+    } <= sent, sent
     assert any((r["body"] or {}).get("lora_path") for r in recorded if r["path"] == "/generate")
     errors = sorted({e for r in recorded for e in request_errors(r, spec)})
     assert not errors, "\n".join(errors)
@@ -268,18 +319,36 @@ def test_what_the_checks_reject(spec):
         ({"method": "POST", "path": "/update_weight_version", "body": {"new_version": 3}}, "must be str"),
         ({"method": "POST", "path": "/update_weight_version", "body": {}}, "'new_version' of"),
         ({"method": "POST", "path": "/abort_request", "body": {"abort": True}}, "no field 'abort'"),
-        ({"method": "POST", "path": "/update_weights_from_distributed",
-          "body": {"names": ["a"], "dtypes": ["float32"], "shapes": [["1"]]}}, "shapes[0][0] must be int"),
-        ({"method": "POST", "path": "/generate", "body": {"input_ids": [1], "sampling_params": {"max_tokens": 3}}},
-         "sampling_params.max_tokens"),
-        ({"method": "POST", "path": "/generate", "body": {"input_ids": [1], "sampling_params": {"top_k": "5"}}},
-         "sampling_params.top_k"),
+        (
+            {
+                "method": "POST",
+                "path": "/update_weights_from_distributed",
+                "body": {"names": ["a"], "dtypes": ["float32"], "shapes": [["1"]]},
+            },
+            "shapes[0][0] must be int",
+        ),
+        (
+            {"method": "POST", "path": "/generate", "body": {"input_ids": [1], "sampling_params": {"max_tokens": 3}}},
+            "sampling_params.max_tokens",
+        ),
+        (
+            {"method": "POST", "path": "/generate", "body": {"input_ids": [1], "sampling_params": {"top_k": "5"}}},
+            "sampling_params.top_k",
+        ),
     ]
     for req, needle in bad:
         errors = request_errors(req, spec)
         assert any(needle in e for e in errors), (req, errors)
-    good = {"method": "POST", "path": "/generate", "body": {"input_ids": [[1, 2], [3]], "rid": ["a", "b"],
-            "return_logprob": [True, False], "sampling_params": {"stop": ["x"], "stop_token_ids": [2]}}}
+    good = {
+        "method": "POST",
+        "path": "/generate",
+        "body": {
+            "input_ids": [[1, 2], [3]],
+            "rid": ["a", "b"],
+            "return_logprob": [True, False],
+            "sampling_params": {"stop": ["x"], "stop_token_ids": [2]},
+        },
+    }
     assert request_errors(good, spec) == []
 
 
@@ -296,8 +365,13 @@ def test_control_answers_say_whether_and_why(recorded, spec):
     """Every control route agentrl calls (the weight updater's and the client's, as recorded) answers
     with a reason agentrl reports when it fails; each answer key agentrl reads is one SGLang writes
     in the answer of a route agentrl calls."""
-    control = sorted({r["path"] for r in recorded if r["method"] == "POST" and r["path"] != "/generate"
-                      and not r["path"].startswith("/v1/")})
+    control = sorted(
+        {
+            r["path"]
+            for r in recorded
+            if r["method"] == "POST" and r["path"] != "/generate" and not r["path"].startswith("/v1/")
+        }
+    )
     assert {"/update_weights_from_distributed", "/load_lora_adapter", "/pause_generation"} <= set(control), control
     silent = [p for p in control if not spec.written(p) & set(REASONS)]
     assert not silent, f"SGLang {spec.version} answers {silent} without any of {REASONS}"
@@ -332,8 +406,11 @@ def test_embedded_routes_are_sglang_routes_with_its_methods_auth_and_fields(spec
         if level_of(route.endpoint).value != theirs.auth:
             problems.append(f"{route.path}: auth {level_of(route.endpoint).value}, SGLang {theirs.auth}")
         if route.path == "/generate":
-            problems += [f"/generate: {k} is not a field of {theirs.request}" for k in GENERATE_FIELDS
-                         if k not in spec.structs[theirs.request]]
+            problems += [
+                f"/generate: {k} is not a field of {theirs.request}"
+                for k in GENERATE_FIELDS
+                if k not in spec.structs[theirs.request]
+            ]
         ours = CONTROL_BODIES.get(route.path)
         if ours is None:
             continue
@@ -367,5 +444,7 @@ def test_sglang_spec_matches_the_snapshot(spec):
     changes = sglang_spec.diff(before, now)
     assert not changes, (
         f"SGLang's contract as parsed from the {spec.version} wheel differs from {sglang_spec.SNAPSHOT.name} "
-        f"(- before, + now, ~ changed):\n" + "\n".join(changes) +
-        "\nReview the changes (client, weight push, embedded engine), then: python -m tests.sglang_spec --write")
+        f"(- before, + now, ~ changed):\n"
+        + "\n".join(changes)
+        + "\nReview the changes (client, weight push, embedded engine), then: python -m tests.sglang_spec --write"
+    )

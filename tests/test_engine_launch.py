@@ -17,17 +17,41 @@ def test_engine_commands():
     emb = engine_command("/m", 31000, extra=["--num-threads", "1"])
     assert emb[:3] == [sys.executable, "-m", "agentrl.run.engine_process"]
     assert emb[3:] == ["--model", "/m", "--host", "127.0.0.1", "--port", "31000", "--num-threads", "1"]
-    sg = engine_command("/m", 31001, backend="sglang", host="0.0.0.0",
-                        extra=engine_args("sglang", dtype="bfloat16", max_running_requests=32, max_context_tokens=4096,
-                                          gpus_per_engine=2, mem_fraction_static=0.4, api_key="k1",
-                                          admin_api_key="k2", sglang_args=["--tool-call-parser", "qwen25"]))
+    sg = engine_command(
+        "/m",
+        31001,
+        backend="sglang",
+        host="0.0.0.0",
+        extra=engine_args(
+            "sglang",
+            dtype="bfloat16",
+            max_running_requests=32,
+            max_context_tokens=4096,
+            gpus_per_engine=2,
+            mem_fraction_static=0.4,
+            api_key="k1",
+            admin_api_key="k2",
+            sglang_args=["--tool-call-parser", "qwen25"],
+        ),
+    )
     assert sg[:3] == [sys.executable, "-m", "sglang.launch_server"]
     flags = sg[3:]
     pairs = dict(zip(flags[::2], flags[1::2]))
-    assert pairs == {"--model-path": "/m", "--host": "0.0.0.0", "--port": "31001", "--context-length": "4096",
-                     "--max-running-requests": "32", "--weight-version": "0", "--dtype": "bfloat16",
-                     "--tp-size": "2", "--base-gpu-id": "0", "--mem-fraction-static": "0.4", "--api-key": "k1",
-                     "--admin-api-key": "k2", "--tool-call-parser": "qwen25"}
+    assert pairs == {
+        "--model-path": "/m",
+        "--host": "0.0.0.0",
+        "--port": "31001",
+        "--context-length": "4096",
+        "--max-running-requests": "32",
+        "--weight-version": "0",
+        "--dtype": "bfloat16",
+        "--tp-size": "2",
+        "--base-gpu-id": "0",
+        "--mem-fraction-static": "0.4",
+        "--api-key": "k1",
+        "--admin-api-key": "k2",
+        "--tool-call-parser": "qwen25",
+    }
     # SGLang's defaults stay SGLang's: no memory fraction, no keys, unless set
     plain = engine_args("sglang")
     assert "--mem-fraction-static" not in plain and "--api-key" not in plain and "--admin-api-key" not in plain
@@ -56,8 +80,17 @@ def test_config_engine_args_take_keys_from_the_environment_for_sglang_only(monke
     monkeypatch.setenv("MY_ENGINE_KEY", "s3cret")
     monkeypatch.delenv("AGENTRL_ENGINE_ADMIN_API_KEY", raising=False)
     monkeypatch.delenv("AGENTRL_ENGINE_ADMIN_API_KEY_FILE", raising=False)
-    sg = config_engine_args(load_config(None, ["engine.backend=sglang", "engine.api_key_env=MY_ENGINE_KEY",
-                                               "engine.gpus_per_engine=4", "engine.mem_fraction_static=0.5"]))
+    sg = config_engine_args(
+        load_config(
+            None,
+            [
+                "engine.backend=sglang",
+                "engine.api_key_env=MY_ENGINE_KEY",
+                "engine.gpus_per_engine=4",
+                "engine.mem_fraction_static=0.5",
+            ],
+        )
+    )
     pairs = dict(zip(sg[::2], sg[1::2]))
     assert pairs["--api-key"] == "s3cret" and "--admin-api-key" not in pairs
     assert pairs["--tp-size"] == "4" and pairs["--base-gpu-id"] == "0" and pairs["--mem-fraction-static"] == "0.5"
@@ -70,7 +103,9 @@ def test_serve_engine_with_sglang_missing_fails_at_once(tmp_path):
     from tests.test_sglang_launch import interpreter_with_sglang
 
     python = interpreter_with_sglang(tmp_path, None)  # an interpreter without sglang
-    result = CliRunner().invoke(app, ["serve-engine", "--model", "/m", "--backend", "sglang", "--sglang-python", python])
+    result = CliRunner().invoke(
+        app, ["serve-engine", "--model", "/m", "--backend", "sglang", "--sglang-python", python]
+    )
     assert result.exit_code == 2
     assert "has no sglang" in result.output and "AGENTRL_SGLANG=1 bash scripts/install.sh" in result.output
     with pytest.raises(EngineLaunchError, match="has no sglang"):
@@ -97,9 +132,16 @@ def test_config_helpers_read_the_engine_section():
     from agentrl.engine.client import EngineClient
     from agentrl.learner.weight_push import WeightUpdater
 
-    cfg = load_config(None, ["engine.urls=['http://a:1', 'http://b:2']", "engine.request_retries=2",
-                             "engine.router_url=http://r:3", "engine.weight_bucket_mb=1.5",
-                             "engine.weight_group_backend=gloo"])
+    cfg = load_config(
+        None,
+        [
+            "engine.urls=['http://a:1', 'http://b:2']",
+            "engine.request_retries=2",
+            "engine.router_url=http://r:3",
+            "engine.weight_bucket_mb=1.5",
+            "engine.weight_group_backend=gloo",
+        ],
+    )
     client = EngineClient.from_config(cfg.engine)
     assert [s.url for s in client.engines] == ["http://a:1", "http://b:2"] and client.router.url == "http://r:3"
     assert client.max_retries == 2

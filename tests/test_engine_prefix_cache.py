@@ -49,8 +49,11 @@ def logprobs(answer: dict) -> list[float]:
 
 
 def update_from_disk(url: str, path, version: str, **fields) -> httpx.Response:
-    return httpx.post(url + "/update_weights_from_disk", timeout=120,
-                      json={"model_path": str(path), "weight_version": version, **fields})
+    return httpx.post(
+        url + "/update_weights_from_disk",
+        timeout=120,
+        json={"model_path": str(path), "weight_version": version, **fields},
+    )
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -84,8 +87,11 @@ def test_a_continuation_batched_with_fresh_prompts_fits_the_context(url, engine_
     a = generate(url, {"input_ids": first, "sampling_params": GREEDY})
     follow = first + a["output_ids"] + tokens(2, 4)  # 405 tokens; the first 400 fed ones are cached
     fresh = [tokens(10 + i, 200) for i in range(3)]
-    answers = asyncio.run(_generate_as_one_prefill(url, {
-        "input_ids": [follow, *fresh], "return_logprob": True, "sampling_params": GREEDY}))
+    answers = asyncio.run(
+        _generate_as_one_prefill(
+            url, {"input_ids": [follow, *fresh], "return_logprob": True, "sampling_params": GREEDY}
+        )
+    )
     for prompt, ans in zip([follow, *fresh], answers):
         assert ans["meta_info"]["finish_reason"] == {"type": "length", "length": 6}, ans["meta_info"]["finish_reason"]
         assert max_abs_diff(logprobs(ans), engine_teacher.logprobs(prompt, ans["output_ids"])) <= 1e-4
@@ -122,7 +128,7 @@ def test_cached_kv_survives_a_weight_update_only_without_flush(url, engine_model
         else:  # the old weights' K/V of the cached prefix were used: not what the new weights compute
             assert nxt["meta_info"]["cached_tokens"] == len(cached)
             assert max_abs_diff(logprobs(nxt), fresh) > 1e-3
-            stale = _stale_teacher(engine_teacher.model, new_model, cached, follow[len(cached):], nxt["output_ids"])
+            stale = _stale_teacher(engine_teacher.model, new_model, cached, follow[len(cached) :], nxt["output_ids"])
             assert max_abs_diff(logprobs(nxt), stale) <= 1e-4
             assert httpx.post(url + "/flush_cache", timeout=30).status_code == 200  # and /flush_cache drops them
             again = generate(url, {"input_ids": follow, "sampling_params": GREEDY})

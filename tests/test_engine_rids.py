@@ -52,6 +52,7 @@ def _post(http: httpx.AsyncClient, url: str, rid, out: dict, ids=(1, 2)):
     async def go():
         r = await http.post(url + "/generate", json={"input_ids": list(ids), "rid": rid, "sampling_params": LONG})
         out[rid if isinstance(rid, str) else json.dumps(rid)] = r
+
     return go
 
 
@@ -88,7 +89,9 @@ def test_abort_by_a_live_rid_aborts_every_rid_it_prefixes_and_a_live_rid_is_not_
     reasons = {rid: r.json()["meta_info"]["finish_reason"]["type"] for rid, r in got.items()}
     assert reasons == {"ep-1-1": "abort", "ep-1-10": "abort", "ep-1-2": "length"}
     # a finished rid is free again
-    again = httpx.post(url + "/generate", json={"input_ids": [5], "rid": "ep-1-10", "sampling_params": LONG}, timeout=60)
+    again = httpx.post(
+        url + "/generate", json={"input_ids": [5], "rid": "ep-1-10", "sampling_params": LONG}, timeout=60
+    )
     assert again.status_code == 200 and again.json()["meta_info"]["id"] == "ep-1-10"
 
 
@@ -119,8 +122,11 @@ class DroppingProxy:
         first = await client.receive_some()
         if first.startswith(b"POST /generate"):
             head, _, body = first.partition(b"\r\n\r\n")
-            length = int(next(line.split(b":", 1)[1] for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length")))
+            length = int(
+                next(
+                    line.split(b":", 1)[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+                )
+            )
             while len(body) < length:
                 body += await client.receive_some()
             first = head + b"\r\n\r\n" + body
@@ -159,8 +165,9 @@ def test_a_retry_after_a_dropped_connection_has_a_fresh_rid_and_abort_reaches_ev
             await n.start(proxy.serve, n)
             assert (await http.post(url + "/pause_generation", json={"mode": "in_place"})).status_code == 200
             try:
-                async with EngineClient([f"http://127.0.0.1:{proxy.port}"], backoff_s=0.01,
-                                        health_check_interval_s=0.1) as client:
+                async with EngineClient(
+                    [f"http://127.0.0.1:{proxy.port}"], backoff_s=0.01, health_check_interval_s=0.1
+                ) as client:
                     results = []
 
                     async def call():
@@ -192,6 +199,7 @@ def test_each_5xx_retry_gets_a_fresh_rid():
 
     flaky = _FlakyServer()
     with flaky as url:
+
         async def main():
             async with EngineClient([url], backoff_s=0.01, max_retries=3) as client:
                 return await client.generate([1], {"max_new_tokens": 1}, rid="turn-3")

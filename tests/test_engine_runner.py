@@ -16,17 +16,34 @@ VOCAB = 960  # the tiny model's; its tokenizer files are copied next to each tes
 def _tiny(kind: str):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     if kind == "qwen3":  # q/k norms, explicit head_dim
         return Qwen3Config(**common, head_dim=32)
     if kind == "qwen2":  # biases on q, k and v
         return Qwen2Config(**common)
     if kind == "llama3-rope":  # a scaled rotary table, no grouping of K/V heads, MLP biases
-        return LlamaConfig(**{**common, "num_key_value_heads": 4}, mlp_bias=True, attention_bias=True,
-                           rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
-                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                            "original_max_position_embeddings": 32})
+        return LlamaConfig(
+            **{**common, "num_key_value_heads": 4},
+            mlp_bias=True,
+            attention_bias=True,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        )
     if kind == "llama-dynamic-rope":  # rotary that changes with the length: the generic path
         return LlamaConfig(**common, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
     if kind == "mistral":  # an architecture the functional forward does not know: the generic path
@@ -88,8 +105,10 @@ def _run_and_compare(runner, model) -> float:
     return worst
 
 
-@pytest.mark.parametrize("kind, fast", [("qwen3", True), ("qwen2", True), ("llama3-rope", True),
-                                        ("llama-dynamic-rope", False), ("mistral", False)])
+@pytest.mark.parametrize(
+    "kind, fast",
+    [("qwen3", True), ("qwen2", True), ("llama3-rope", True), ("llama-dynamic-rope", False), ("mistral", False)],
+)
 def test_runner_matches_transformers(model_dir, kind, fast):
     from transformers import AutoModelForCausalLM
 
@@ -110,8 +129,9 @@ def test_functional_forward_sees_weight_updates(model_dir):
     """It reads the model's own parameter tensors: an in-place copy (what a weight push does) shows at once."""
     from agentrl.engine.model_runner import ModelRunner
 
-    runner = ModelRunner(model_dir("qwen3"), device="cpu", dtype="float32", max_running_requests=2,
-                         max_context_tokens=64)
+    runner = ModelRunner(
+        model_dir("qwen3"), device="cpu", dtype="float32", max_running_requests=2, max_context_tokens=64
+    )
     assert runner.fast is not None
     with torch.inference_mode():
         before = runner.prefill(0, [[5, 6, 7]])
@@ -124,13 +144,19 @@ def test_functional_forward_sees_weight_updates(model_dir):
 def test_sampler_draws_from_the_truncated_softmax(engine_model):
     """Inverse-CDF draws: frequencies follow softmax(logits / T) restricted by top-k / top-p / min-p;
     removed tokens are never drawn; greedy rows take the argmax; a seed fixes a row's draws."""
-    from agentrl.engine.native_api import parse_sampling_params
     from agentrl.engine.model_runner import ModelRunner
+    from agentrl.engine.native_api import parse_sampling_params
 
     runner = ModelRunner(engine_model, device="cpu", dtype="float32", max_running_requests=2, max_context_tokens=64)
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -30.0, 1.5, 0.2]])
-    settings = [{"temperature": 1.0}, {"temperature": 0.7}, {"temperature": 1.0, "top_k": 3},
-                {"temperature": 1.3, "top_p": 0.8}, {"temperature": 1.0, "min_p": 0.2}, {"temperature": 0.0}]
+    settings = [
+        {"temperature": 1.0},
+        {"temperature": 0.7},
+        {"temperature": 1.0, "top_k": 3},
+        {"temperature": 1.3, "top_p": 0.8},
+        {"temperature": 1.0, "min_p": 0.2},
+        {"temperature": 0.0},
+    ]
     params = [parse_sampling_params(s, 100) for s in settings]
     n = 20000
     rows = [p for p in params for _ in range(n)]
@@ -143,7 +169,7 @@ def test_sampler_draws_from_the_truncated_softmax(engine_model):
         keep = torch.ones_like(probs, dtype=torch.bool)
         order = probs.argsort(descending=True)
         if "top_k" in s:
-            keep[order[s["top_k"]:]] = False
+            keep[order[s["top_k"] :]] = False
         if "top_p" in s:
             before = probs[order].cumsum(0) - probs[order]
             keep[order[before > s["top_p"]]] = False

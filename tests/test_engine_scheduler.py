@@ -91,8 +91,13 @@ def test_logprobs_match_teacher_forced_recompute_in_ragged_batches(engine, teach
     cases = []
     for i, p in enumerate(prompts(24, seed=1)):
         temperature = [0.0, 0.7, 1.0, 1.3][i % 4]
-        cases.append((p, temperature, submit(engine, p, max_new_tokens=rng.randint(1, 40), temperature=temperature,
-                                              ignore_eos=True)))
+        cases.append(
+            (
+                p,
+                temperature,
+                submit(engine, p, max_new_tokens=rng.randint(1, 40), temperature=temperature, ignore_eos=True),
+            )
+        )
     worst = 0.0
     for p, temperature, w in cases:
         c = w.wait()
@@ -114,8 +119,10 @@ def test_next_turns_reuse_the_cached_prefix_and_match_the_teacher(engine, teache
     worst, hit_before, expected = 0.0, cache.hit_tokens, 0
     fed = [0] * len(episodes)  # what each episode's previous turn left in the cache
     for turn in range(3):
-        waiters = [submit(engine, p, max_new_tokens=5 + i, temperature=temps[i], ignore_eos=True)
-                   for i, p in enumerate(episodes)]
+        waiters = [
+            submit(engine, p, max_new_tokens=5 + i, temperature=temps[i], ignore_eos=True)
+            for i, p in enumerate(episodes)
+        ]
         nxt = []
         for i, (p, w) in enumerate(zip(episodes, waiters)):
             c = w.wait()
@@ -150,7 +157,9 @@ def test_stop_token_is_kept_with_its_logprob(engine, teacher):
     assert c.output_ids == ref[: stop_at + 1]
     assert c.finish_reason == {"type": "stop", "matched": ref[stop_at]}
     assert max_abs_diff(c.output_logprobs, teacher.logprobs(p, c.output_ids)) <= 1e-4
-    ignored = submit(engine, p, max_new_tokens=30, temperature=0.0, stop_token_ids=[ref[stop_at]], ignore_eos=True).wait()
+    ignored = submit(
+        engine, p, max_new_tokens=30, temperature=0.0, stop_token_ids=[ref[stop_at]], ignore_eos=True
+    ).wait()
     assert ignored.finish_reason == {"type": "length", "length": 30}  # SGLang: ignore_eos skips all token stops
 
 
@@ -282,7 +291,11 @@ def test_abort_by_rid_takes_the_requests_it_prefixes_as_sglang_does(engine):
     assert _call(engine, lambda: engine.abort("ep1")) == 3
     _call(engine, lambda: setattr(engine, "updating", False))
     assert {rid: w.wait().finish_reason["type"] for rid, w in ws.items()} == {
-        "ep1": "abort", "ep1-0": "abort", "ep10": "abort", "ep2": "length"}
+        "ep1": "abort",
+        "ep1-0": "abort",
+        "ep10": "abort",
+        "ep2": "length",
+    }
 
 
 def test_flush_cache_ignores_the_queue_only_of_a_paused_engine(engine):

@@ -37,11 +37,20 @@ def test_64_concurrent_ragged_requests(url, teacher):
 
     async def run():
         async with httpx.AsyncClient(timeout=120) as http:
-            return await asyncio.gather(*[
-                http.post(url + "/generate", json={
-                    "input_ids": p, "return_logprob": True, "rid": f"c{i}",
-                    "sampling_params": {"max_new_tokens": n, "temperature": 0.9, "ignore_eos": True}})
-                for i, (p, n) in enumerate(reqs)])
+            return await asyncio.gather(
+                *[
+                    http.post(
+                        url + "/generate",
+                        json={
+                            "input_ids": p,
+                            "return_logprob": True,
+                            "rid": f"c{i}",
+                            "sampling_params": {"max_new_tokens": n, "temperature": 0.9, "ignore_eos": True},
+                        },
+                    )
+                    for i, (p, n) in enumerate(reqs)
+                ]
+            )
 
     answers = asyncio.run(run())
     assert all(a.status_code == 200 for a in answers)
@@ -66,16 +75,36 @@ def test_stop_token_ids_and_stop_strings_over_http(url, engine_model):
     tok = AutoTokenizer.from_pretrained(engine_model)
     prompt = [40, 41, 42, 43]
     seeded = {"max_new_tokens": 30, "sampling_seed": 7}  # the same tokens on every call
-    ref = post(url, "/generate", {"input_ids": prompt, "sampling_params": {**seeded, "ignore_eos": True}}).json()["output_ids"]
+    ref = post(url, "/generate", {"input_ids": prompt, "sampling_params": {**seeded, "ignore_eos": True}}).json()[
+        "output_ids"
+    ]
     k = next(i for i in range(2, 29) if ref[i] not in ref[:i])
-    body = post(url, "/generate", {"input_ids": prompt, "return_logprob": True, "sampling_params": {
-        **seeded, "stop_token_ids": [ref[k]], "skip_special_tokens": False}}).json()
+    body = post(
+        url,
+        "/generate",
+        {
+            "input_ids": prompt,
+            "return_logprob": True,
+            "sampling_params": {**seeded, "stop_token_ids": [ref[k]], "skip_special_tokens": False},
+        },
+    ).json()
     assert body["output_ids"] == ref[: k + 1]  # the stop token is in output_ids ...
     assert len(body["meta_info"]["output_token_logprobs"]) == k + 1  # ... with its logprob
     assert body["meta_info"]["finish_reason"] == {"type": "stop", "matched": ref[k]}
     assert body["text"] == tok.decode(ref[:k])  # ... and trimmed from the text
-    kept = post(url, "/generate", {"input_ids": prompt, "sampling_params": {
-        **seeded, "stop_token_ids": [ref[k]], "no_stop_trim": True, "skip_special_tokens": False}}).json()
+    kept = post(
+        url,
+        "/generate",
+        {
+            "input_ids": prompt,
+            "sampling_params": {
+                **seeded,
+                "stop_token_ids": [ref[k]],
+                "no_stop_trim": True,
+                "skip_special_tokens": False,
+            },
+        },
+    ).json()
     assert kept["text"] == tok.decode(ref[: k + 1])
 
     text = tok.decode(ref)
@@ -87,17 +116,36 @@ def test_stop_token_ids_and_stop_strings_over_http(url, engine_model):
 
 
 def test_batch_input_and_streaming(url):
-    body = post(url, "/generate", {"input_ids": [[5, 6], [7, 8, 9]], "rid": "b",
-                                   "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}).json()
+    body = post(
+        url,
+        "/generate",
+        {"input_ids": [[5, 6], [7, 8, 9]], "rid": "b", "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}},
+    ).json()
     assert isinstance(body, list) and [b["meta_info"]["id"] for b in body] == ["b_0", "b_1"]
     assert all(b["meta_info"]["completion_tokens"] == 4 for b in body)
-    texts = post(url, "/generate", {"input_ids": [5, 6], "return_logprob": True, "return_text_in_logprobs": True,
-                                    "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}).json()
+    texts = post(
+        url,
+        "/generate",
+        {
+            "input_ids": [5, 6],
+            "return_logprob": True,
+            "return_text_in_logprobs": True,
+            "sampling_params": {"max_new_tokens": 3, "ignore_eos": True},
+        },
+    ).json()
     assert all(isinstance(t, str) for _, _, t in texts["meta_info"]["output_token_logprobs"])
 
-    with httpx.stream("POST", url + "/generate", json={
-            "input_ids": [5, 6, 7], "stream": True, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}}, timeout=60) as r:
+    with httpx.stream(
+        "POST",
+        url + "/generate",
+        json={
+            "input_ids": [5, 6, 7],
+            "stream": True,
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 5, "ignore_eos": True},
+        },
+        timeout=60,
+    ) as r:
         lines = [ln for ln in r.iter_lines() if ln]
     assert lines[-1] == "data: [DONE]"
     events = [json.loads(ln.removeprefix("data: ")) for ln in lines[:-1]]
@@ -106,17 +154,23 @@ def test_batch_input_and_streaming(url):
     assert events[-1]["output_ids"][:4] == events[-2]["output_ids"]
 
 
-@pytest.mark.parametrize("body, needle", [
-    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 4, "temprature": 0.5}}, "temprature"),
-    ({"input_ids": [], "sampling_params": {}}, "input_ids is empty"),
-    ({"input_ids": [1] * 1024, "sampling_params": {"max_new_tokens": 1}}, "longer than the model's context length"),
-    ({"input_ids": [1] * 1000, "sampling_params": {"max_new_tokens": 100}}, "exceeds the model's maximum context length"),
-    ({"input_ids": [1, 99999]}, "outside the vocabulary"),
-    ({"input_ids": [1, 2], "sampling_params": {"temperature": -1}}, "temperature"),
-    ({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "top_p"),
-    ({"input_ids": [1, 2], "sampling_params": {"n": 2}}, "sampling_params.n"),
-    ({"text": "hi", "input_ids": [1]}, "exactly one"),
-])
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 4, "temprature": 0.5}}, "temprature"),
+        ({"input_ids": [], "sampling_params": {}}, "input_ids is empty"),
+        ({"input_ids": [1] * 1024, "sampling_params": {"max_new_tokens": 1}}, "longer than the model's context length"),
+        (
+            {"input_ids": [1] * 1000, "sampling_params": {"max_new_tokens": 100}},
+            "exceeds the model's maximum context length",
+        ),
+        ({"input_ids": [1, 99999]}, "outside the vocabulary"),
+        ({"input_ids": [1, 2], "sampling_params": {"temperature": -1}}, "temperature"),
+        ({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "top_p"),
+        ({"input_ids": [1, 2], "sampling_params": {"n": 2}}, "sampling_params.n"),
+        ({"text": "hi", "input_ids": [1]}, "exactly one"),
+    ],
+)
 def test_bad_requests_are_400_with_a_message_and_the_server_stays_up(url, body, needle):
     r = post(url, "/generate", body)
     assert r.status_code == 400
@@ -131,12 +185,19 @@ def test_invalid_json_and_recovery(url):
     assert ok.status_code == 200 and ok.json()["meta_info"]["completion_tokens"] == 2
 
 
-@pytest.mark.parametrize("path, body, needle", [
-    ("/pause_generation", {"mode": "bogus"}, "mode = 'bogus' is not supported"),
-    ("/update_weight_version", {"new_version": 5}, "new_version must be a string, got 5"),
-    ("/init_weights_update_group", {"master_port": 1, "rank_offset": 1, "world_size": 2}, "'master_address' is required"),
-    ("/abort_request", b"{not json", "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "path, body, needle",
+    [
+        ("/pause_generation", {"mode": "bogus"}, "mode = 'bogus' is not supported"),
+        ("/update_weight_version", {"new_version": 5}, "new_version must be a string, got 5"),
+        (
+            "/init_weights_update_group",
+            {"master_port": 1, "rank_offset": 1, "world_size": 2},
+            "'master_address' is required",
+        ),
+        ("/abort_request", b"{not json", "not valid JSON"),
+    ],
+)
 def test_refused_control_bodies_are_sglangs_400(url, path, body, needle):
     """A control body the route's struct refuses is SGLang's ErrorResponse (HTTP 400); nothing is done."""
     r = httpx.post(url + path, content=body, timeout=10) if isinstance(body, bytes) else post(url, path, body)
@@ -148,9 +209,17 @@ def test_refused_control_bodies_are_sglangs_400(url, path, body, needle):
 
 
 def _start_long(http: httpx.AsyncClient, url: str, rid: str, n: int = 1000):
-    return asyncio.ensure_future(http.post(url + "/generate", json={
-        "input_ids": [3, 4, 5], "rid": rid, "return_logprob": True,
-        "sampling_params": {"max_new_tokens": n, "ignore_eos": True}}))
+    return asyncio.ensure_future(
+        http.post(
+            url + "/generate",
+            json={
+                "input_ids": [3, 4, 5],
+                "rid": rid,
+                "return_logprob": True,
+                "sampling_params": {"max_new_tokens": n, "ignore_eos": True},
+            },
+        )
+    )
 
 
 async def _until_running(url: str, n: int = 1, timeout_s: float = 30.0) -> None:
@@ -197,8 +266,12 @@ def test_pause_abort_mid_generation_then_new_requests_wait_for_continue(url):
             r = await http.post(url + "/pause_generation", json={"mode": "abort"})
             assert r.json() == {"message": "Generation paused successfully.", "status": "ok"}
             partial = (await task).json()
-            waiting = asyncio.ensure_future(http.post(url + "/generate", json={
-                "input_ids": [9, 9], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}))
+            waiting = asyncio.ensure_future(
+                http.post(
+                    url + "/generate",
+                    json={"input_ids": [9, 9], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}},
+                )
+            )
             async with asyncio.timeout(30):  # it reached the engine's queue ...
                 while (await http.get(url + "/server_info")).json()["num_waiting"] < 1:
                     await asyncio.sleep(0.02)
@@ -238,8 +311,11 @@ def test_bad_pause_mode_is_400(url):
 
 def test_client_disconnect_aborts_its_request(url):
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(url + "/generate", json={"input_ids": [1, 2], "sampling_params": {
-            "max_new_tokens": 900, "ignore_eos": True}}, timeout=httpx.Timeout(10, read=0.5))
+        httpx.post(
+            url + "/generate",
+            json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}},
+            timeout=httpx.Timeout(10, read=0.5),
+        )
     deadline = time.time() + 10
     while load(url)["num_running"] and time.time() < deadline:
         time.sleep(0.05)
@@ -277,7 +353,7 @@ def probed(engine_model, tmp_path_factory):
     from tests.conftest_engine import ENGINE_FLAGS, start_engines
 
     at = ENGINE_FLAGS.index("--weight-version")
-    flags = ENGINE_FLAGS[:at] + ENGINE_FLAGS[at + 2:]
+    flags = ENGINE_FLAGS[:at] + ENGINE_FLAGS[at + 2 :]
     env = {**os.environ, "AGENTRL_ENGINE_API_KEY": PROBE_KEY, "SGLANG_HEALTH_CHECK_TIMEOUT": "1"}
     (proc,) = start_engines(engine_model, 1, tmp_path_factory.mktemp("probed"), via_cli=True, flags=flags, env=env)
     yield proc.url
@@ -287,8 +363,12 @@ def probed(engine_model, tmp_path_factory):
 def test_serve_engine_reports_default_without_a_weight_version(probed):
     key = {"Authorization": f"Bearer {PROBE_KEY}"}
     assert httpx.get(probed + "/model_info", headers=key, timeout=10).json()["weight_version"] == "default"
-    r = httpx.post(probed + "/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}},
-                   headers=key, timeout=60)
+    r = httpx.post(
+        probed + "/generate",
+        json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}},
+        headers=key,
+        timeout=60,
+    )
     assert r.json()["meta_info"]["weight_version"] == "default"
 
 

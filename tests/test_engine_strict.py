@@ -13,11 +13,11 @@ import httpx
 import pytest
 import torch
 
-from agentrl.engine.launch import EngineProcess, wait_ready
-from agentrl.net import free_port
 from agentrl.agents.engine_routes import openai_routes
+from agentrl.engine.launch import EngineProcess, wait_ready
 from agentrl.engine.server import build_app
 from agentrl.http_auth import AuthLevel, bearer_matches, decide_request_auth, level_of
+from agentrl.net import free_port
 from tests.conftest_engine import ENGINE_FLAGS, Teacher, max_abs_diff
 
 API_KEY, ADMIN_KEY = "normal-" + secrets.token_hex(8), "admin-" + secrets.token_hex(8)
@@ -40,8 +40,13 @@ def engines(engine_model, tmp_path_factory):
     procs = {}
     try:
         for name, (flags, extra_env) in specs.items():
-            procs[name] = EngineProcess(str(engine_model), free_port(), extra=[*BASE_FLAGS, *flags],
-                                        log_path=logs / f"{name}.log", env={**env, **extra_env}).start(wait_s=0)
+            procs[name] = EngineProcess(
+                str(engine_model),
+                free_port(),
+                extra=[*BASE_FLAGS, *flags],
+                log_path=logs / f"{name}.log",
+                env={**env, **extra_env},
+            ).start(wait_s=0)
         for p in procs.values():
             wait_ready(p.url, 240, process=p.process)
         yield {name: p.url for name, p in procs.items()}
@@ -63,29 +68,34 @@ def bearer(key: str) -> dict[str, str]:
 # ---------------------------------------------------------------------------- the rules
 
 
-@pytest.mark.parametrize("api, admin, level, header, allowed, status", [
-    ("", "", AuthLevel.NORMAL, None, True, 401),
-    ("", "", AuthLevel.ADMIN_OPTIONAL, None, True, 401),
-    ("k", "", AuthLevel.NORMAL, "Bearer k", True, 401),
-    ("k", "", AuthLevel.NORMAL, "Bearer x", False, 401),
-    ("k", "", AuthLevel.ADMIN_OPTIONAL, "Bearer k", True, 401),  # no admin key: the api key opens admin routes
-    ("k", "a", AuthLevel.ADMIN_OPTIONAL, "Bearer k", False, 401),  # ... not when there is one
-    ("k", "a", AuthLevel.ADMIN_OPTIONAL, "bearer a", True, 401),  # scheme case-insensitive
-    ("k", "a", AuthLevel.NORMAL, "Bearer a", False, 401),  # the admin key does not open normal routes
-    ("", "a", AuthLevel.NORMAL, None, True, 401),  # admin key only: normal routes stay open
-    ("", "a", AuthLevel.ADMIN_OPTIONAL, None, False, 401),
-    ("", "", AuthLevel.ADMIN_FORCE, "Bearer k", False, 403),
-    ("k", "a", AuthLevel.ADMIN_OPTIONAL, "Basic a", False, 401),
-    ("k", "a", AuthLevel.ADMIN_OPTIONAL, "Bearer", False, 401),
-    ("k", "a", AuthLevel.ADMIN_OPTIONAL, "Bearer a ", False, 401),
-])
+@pytest.mark.parametrize(
+    "api, admin, level, header, allowed, status",
+    [
+        ("", "", AuthLevel.NORMAL, None, True, 401),
+        ("", "", AuthLevel.ADMIN_OPTIONAL, None, True, 401),
+        ("k", "", AuthLevel.NORMAL, "Bearer k", True, 401),
+        ("k", "", AuthLevel.NORMAL, "Bearer x", False, 401),
+        ("k", "", AuthLevel.ADMIN_OPTIONAL, "Bearer k", True, 401),  # no admin key: the api key opens admin routes
+        ("k", "a", AuthLevel.ADMIN_OPTIONAL, "Bearer k", False, 401),  # ... not when there is one
+        ("k", "a", AuthLevel.ADMIN_OPTIONAL, "bearer a", True, 401),  # scheme case-insensitive
+        ("k", "a", AuthLevel.NORMAL, "Bearer a", False, 401),  # the admin key does not open normal routes
+        ("", "a", AuthLevel.NORMAL, None, True, 401),  # admin key only: normal routes stay open
+        ("", "a", AuthLevel.ADMIN_OPTIONAL, None, False, 401),
+        ("", "", AuthLevel.ADMIN_FORCE, "Bearer k", False, 403),
+        ("k", "a", AuthLevel.ADMIN_OPTIONAL, "Basic a", False, 401),
+        ("k", "a", AuthLevel.ADMIN_OPTIONAL, "Bearer", False, 401),
+        ("k", "a", AuthLevel.ADMIN_OPTIONAL, "Bearer a ", False, 401),
+    ],
+)
 def test_sglang_auth_rules(api, admin, level, header, allowed, status):
-    d = decide_request_auth(method="POST", path="/x", authorization=header, api_key=api, admin_api_key=admin,
-                            level=level)
+    d = decide_request_auth(
+        method="POST", path="/x", authorization=header, api_key=api, admin_api_key=admin, level=level
+    )
     assert (d.allowed, d.status) == (allowed, status)
     for path in ("/health", "/health_generate", "/ready", "/metrics"):  # probes never need a key
-        assert decide_request_auth(method="GET", path=path, authorization=None, api_key="k", admin_api_key="a",
-                                   level=level).allowed
+        assert decide_request_auth(
+            method="GET", path=path, authorization=None, api_key="k", admin_api_key="a", level=level
+        ).allowed
 
 
 def test_keys_are_compared_in_constant_time(monkeypatch):
@@ -99,10 +109,21 @@ def test_keys_are_compared_in_constant_time(monkeypatch):
 
 def test_routes_declare_sglang_admin_levels():
     admin = {r.path for r in routes() if level_of(r.endpoint) is AuthLevel.ADMIN_OPTIONAL}
-    assert admin == {"/flush_cache", "/abort_request", "/pause_generation", "/continue_generation",
-                     "/init_weights_update_group", "/destroy_weights_update_group", "/begin_weight_update",
-                     "/end_weight_update", "/update_weights_from_distributed", "/update_weights_from_disk",
-                     "/update_weight_version", "/load_lora_adapter", "/unload_lora_adapter"}
+    assert admin == {
+        "/flush_cache",
+        "/abort_request",
+        "/pause_generation",
+        "/continue_generation",
+        "/init_weights_update_group",
+        "/destroy_weights_update_group",
+        "/begin_weight_update",
+        "/end_weight_update",
+        "/update_weights_from_distributed",
+        "/update_weights_from_disk",
+        "/update_weight_version",
+        "/load_lora_adapter",
+        "/unload_lora_adapter",
+    }
 
 
 # --------------------------------------------------------------------------- the attacks
@@ -113,8 +134,14 @@ ATTACKS = {
     "/abort_request": {"abort_all": True},
     "/pause_generation": {"mode": "abort"},
     "/continue_generation": {},
-    "/init_weights_update_group": {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
-                                   "world_size": 2, "group_name": "evil", "backend": "gloo"},
+    "/init_weights_update_group": {
+        "master_address": "127.0.0.1",
+        "master_port": 1,
+        "rank_offset": 1,
+        "world_size": 2,
+        "group_name": "evil",
+        "backend": "gloo",
+    },
     "/destroy_weights_update_group": {},
     "/begin_weight_update": {},
     "/end_weight_update": {},
@@ -133,10 +160,17 @@ def test_every_admin_route_refuses_missing_wrong_and_normal_keys(engines, engine
     for route in admin:
         body = {k: (str(engine_model) if v == "MODEL" else v) for k, v in ATTACKS[route.path].items()}
         for method in sorted(route.methods - {"HEAD"}):
-            for headers in ({}, bearer("wrong"), bearer(API_KEY), {"Authorization": ADMIN_KEY},
-                            {"Authorization": f"Basic {ADMIN_KEY}"}, bearer(ADMIN_KEY + "x")):
-                r = httpx.request(method, url + route.path, json=body if method != "GET" else None,
-                                  headers=headers, timeout=30)
+            for headers in (
+                {},
+                bearer("wrong"),
+                bearer(API_KEY),
+                {"Authorization": ADMIN_KEY},
+                {"Authorization": f"Basic {ADMIN_KEY}"},
+                bearer(ADMIN_KEY + "x"),
+            ):
+                r = httpx.request(
+                    method, url + route.path, json=body if method != "GET" else None, headers=headers, timeout=30
+                )
                 assert (r.status_code, r.json()) == (401, {"error": "Unauthorized"}), (route.path, method, headers)
     info = httpx.get(url + "/server_info", headers=bearer(API_KEY), timeout=10).json()
     assert info["weight_version"] == "default" and not info["paused"] and info["weight_group"] is None
@@ -176,8 +210,9 @@ def test_with_only_an_api_key_it_opens_admin_routes(engines):
 def test_weight_version_is_default_until_updated(engines):
     url = engines["tp2"]
     assert httpx.get(url + "/model_info", timeout=10).json()["weight_version"] == "default"
-    body = httpx.post(url + "/generate", json={"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 2}},
-                      timeout=30).json()
+    body = httpx.post(
+        url + "/generate", json={"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 2}}, timeout=30
+    ).json()
     assert body["meta_info"]["weight_version"] == "default"
 
 
@@ -185,7 +220,9 @@ def test_dp_size_above_one_refuses_the_weight_group(engines):
     url, key = engines["api_only"], bearer(API_KEY)
     info = httpx.get(url + "/server_info", headers=key, timeout=10).json()
     assert (info["tp_size"], info["dp_size"], info["pp_size"]) == (1, 2, 1)
-    r = httpx.post(url + "/init_weights_update_group", headers=key, timeout=10, json=ATTACKS["/init_weights_update_group"])
+    r = httpx.post(
+        url + "/init_weights_update_group", headers=key, timeout=10, json=ATTACKS["/init_weights_update_group"]
+    )
     assert r.status_code == 500
     assert r.json()["message"] == "data-parallel replicas are not supported for update weights from distributed"
 
@@ -196,9 +233,19 @@ def _join(url: str, world: int, group: str) -> tuple[object, dict]:
 
     port = free_port()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        answer = pool.submit(httpx.post, url + "/init_weights_update_group", timeout=60, json={
-            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": world,
-            "group_name": group, "backend": "gloo"})
+        answer = pool.submit(
+            httpx.post,
+            url + "/init_weights_update_group",
+            timeout=60,
+            json={
+                "master_address": "127.0.0.1",
+                "master_port": port,
+                "rank_offset": 1,
+                "world_size": world,
+                "group_name": group,
+                "backend": "gloo",
+            },
+        )
         pg = init_weight_group("gloo", "127.0.0.1", port, world, 0, group, timeout_s=60)
         return pg, answer.result().json()
 
@@ -228,17 +275,33 @@ def test_tp_size_two_joins_as_two_ranks(engines, engine_model):
             p.add_(torch.randn(p.shape, generator=gen) * 0.05)
     named = [(n, p.detach()) for n, p in model.named_parameters()]
     with concurrent.futures.ThreadPoolExecutor(1) as pool:  # no /begin_weight_update: this build has none
-        answer = pool.submit(httpx.post, url + "/update_weights_from_distributed", timeout=60, json={
-            "names": [n for n, _ in named], "dtypes": [dtype_name(t.dtype) for _, t in named],
-            "shapes": [list(t.shape) for _, t in named], "group_name": "right", "weight_version": "1"})
+        answer = pool.submit(
+            httpx.post,
+            url + "/update_weights_from_distributed",
+            timeout=60,
+            json={
+                "names": [n for n, _ in named],
+                "dtypes": [dtype_name(t.dtype) for _, t in named],
+                "shapes": [list(t.shape) for _, t in named],
+                "group_name": "right",
+                "weight_version": "1",
+            },
+        )
         for w in [dist.broadcast(t, src=0, group=pg, async_op=True) for _, t in named]:
             w.wait()  # returns only when rank 2 (the shadow) has received it as well
         assert answer.result().json() == {"success": True, "message": "Succeeded to update parameter online."}
     assert httpx.post(url + "/destroy_weights_update_group", json={"group_name": "right"}, timeout=30).json()["success"]
     destroy_weight_group(pg)
     prompt = [11, 12, 13]
-    body = httpx.post(url + "/generate", timeout=60, json={"input_ids": prompt, "return_logprob": True,
-                      "sampling_params": {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}}).json()
+    body = httpx.post(
+        url + "/generate",
+        timeout=60,
+        json={
+            "input_ids": prompt,
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True},
+        },
+    ).json()
     assert body["meta_info"]["weight_version"] == "1"
     lps = [lp for lp, _, _ in body["meta_info"]["output_token_logprobs"]]
     assert max_abs_diff(lps, Teacher(model).logprobs(prompt, body["output_ids"])) <= 1e-4

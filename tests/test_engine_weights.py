@@ -47,8 +47,9 @@ async def _generating(urls: list[str], timeout_s: float = 60.0) -> None:
 
 
 def _greedy(url: str, prompt: list[int]) -> dict:
-    return httpx.post(url + "/generate", json={"input_ids": prompt, "return_logprob": True,
-                                               "sampling_params": GREEDY}, timeout=60).json()
+    return httpx.post(
+        url + "/generate", json={"input_ids": prompt, "return_logprob": True, "sampling_params": GREEDY}, timeout=60
+    ).json()
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +69,7 @@ def test_weight_push_reaches_both_engines_with_no_request_lost(urls, updater, en
 
     async def main():
         async with EngineClient(urls, health_check_interval_s=0.5) as client:
+
             async def call(i):
                 try:
                     results.append(await client.generate([10, i % 50], {"max_new_tokens": 40 + i, "ignore_eos": True}))

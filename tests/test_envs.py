@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import trio
 
-from agentrl.episode.rollout import EpisodeLimits, toolbox_for
 from agentrl.config import load_config
 from agentrl.envs import demonstrations, load_env, make_env, run_cleanup, score_episode, total_reward
 from agentrl.envs.base import Env, Task
 from agentrl.envs.sources import TaskSource, load_records
+from agentrl.episode.rollout import EpisodeLimits, toolbox_for
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "envs.md"
 
@@ -106,16 +106,23 @@ def test_load_env_errors_name_the_problem():
 def test_make_env_passes_kwargs_and_sandbox_settings(tmp_path):
     calc = make_env(load_config(None, ["env.kwargs={max_ops = 2, max_operand = 9}"]))
     assert (calc.max_ops, calc.max_operand) == (2, 9)
-    code = make_env(load_config(None, ["env.cls=agentrl.envs.code:CodeEnv", "sandbox.memory_mb=64",
-                                       "sandbox.pool_size=1"]))
+    code = make_env(
+        load_config(None, ["env.cls=agentrl.envs.code:CodeEnv", "sandbox.memory_mb=64", "sandbox.pool_size=1"])
+    )
     assert code.sandbox_settings.memory_mb == 64 and code.sandbox_settings.pool_size == 1
-    refined = make_env(load_config(None, ["env.cls=agentrl.envs.code:CodeEnv", "sandbox.memory_mb=64",
-                                          "env.kwargs={sandbox = {max_live = 3}}"]))
+    refined = make_env(
+        load_config(
+            None, ["env.cls=agentrl.envs.code:CodeEnv", "sandbox.memory_mb=64", "env.kwargs={sandbox = {max_live = 3}}"]
+        )
+    )
     assert refined.sandbox_settings.max_live == 3 and refined.sandbox_settings.memory_mb == 64
     cfg = load_config(None, ["env.tool_timeout_s=1.5", "env.tool_max_output_chars=99"])
     box = toolbox_for(make_env(cfg), cfg)
     assert (box.timeout_s, box.max_output_chars, [t["function"]["name"] for t in box.schemas()]) == (
-        1.5, 99, ["calculator"])
+        1.5,
+        99,
+        ["calculator"],
+    )
     with pytest.raises(ValueError, match="cannot import env module"):
         make_env(load_config(None, ["env.cls=missing_mod:Env"]))
 
@@ -148,8 +155,12 @@ def test_make_demos_cli(tmp_path):
     cfg = tmp_path / "run.toml"
     cfg.write_text('[env]\ncls = "agentrl.envs.search_qa:SearchQAEnv"\n')
     out = tmp_path / "demos.jsonl"
-    done = subprocess.run([sys.executable, "-m", "agentrl", "make-demos", str(cfg), "-o", str(out), "-n", "7"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "agentrl", "make-demos", str(cfg), "-o", str(out), "-n", "7"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(lines) == 7 and lines[0]["messages"][-1]["content"].startswith("The answer is")
@@ -157,8 +168,11 @@ def test_make_demos_cli(tmp_path):
 
 # ---------------------------------------------------------------------- task sources
 
-ROWS = [{"id": "q1", "question": "1+1", "answer": "2"}, {"id": "q2", "question": "2+2", "answer": "4"},
-        {"question": "3+3", "answer": "6"}]
+ROWS = [
+    {"id": "q1", "question": "1+1", "answer": "2"},
+    {"id": "q2", "question": "2+2", "answer": "4"},
+    {"question": "3+3", "answer": "6"},
+]
 
 
 def test_jsonl_json_and_split_placeholder(tmp_path):
@@ -181,8 +195,10 @@ def test_parquet_and_folders(tmp_path):
 
     pq.write_table(pa.Table.from_pylist(ROWS), tmp_path / "data.parquet")
     assert load_records(tmp_path / "data.parquet") == [
-        {"id": "q1", "question": "1+1", "answer": "2"}, {"id": "q2", "question": "2+2", "answer": "4"},
-        {"id": None, "question": "3+3", "answer": "6"}]
+        {"id": "q1", "question": "1+1", "answer": "2"},
+        {"id": "q2", "question": "2+2", "answer": "4"},
+        {"id": None, "question": "3+3", "answer": "6"},
+    ]
     assert [t.id for t in TaskSource(test=tmp_path / "data.parquet").tasks("test")] == ["q1", "q2", "test-2"]
     folder = tmp_path / "shards"
     folder.mkdir()
@@ -218,12 +234,15 @@ def test_hf_datasets_folders(tmp_path):
     assert [r["id"] for r in load_records(tmp_path / "dd" / "train")] == ["q1", "q2"]
 
 
-@pytest.mark.parametrize("name, content, message", [
-    ("bad.jsonl", '{"a": 1}\n{oops\n', "bad.jsonl:2 is not valid JSON"),
-    ("obj.json", '{"a": 1}', "must hold a JSON list"),
-    ("data.csv", "a,b", "expected .jsonl, .json, .parquet"),
-    ("empty.jsonl", "\n", "has no records"),
-])
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("bad.jsonl", '{"a": 1}\n{oops\n', "bad.jsonl:2 is not valid JSON"),
+        ("obj.json", '{"a": 1}', "must hold a JSON list"),
+        ("data.csv", "a,b", "expected .jsonl, .json, .parquet"),
+        ("empty.jsonl", "\n", "has no records"),
+    ],
+)
 def test_task_source_errors(tmp_path, name, content, message):
     (tmp_path / name).write_text(content)
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -251,7 +270,8 @@ def test_the_tutorial_env_in_docs_works(tmp_path, monkeypatch):
     module = next(b for b in blocks if "class CapitalsEnv" in b)
     (tmp_path / "my_envs.py").write_text(module)
     (tmp_path / "capitals.jsonl").write_text(
-        '{"id": "fr", "country": "France", "capital": "Paris"}\n{"id": "no", "country": "Norway", "capital": "Oslo"}\n')
+        '{"id": "fr", "country": "France", "capital": "Paris"}\n{"id": "no", "country": "Norway", "capital": "Oslo"}\n'
+    )
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg = load_config(None, ["env.cls=my_envs:CapitalsEnv", f"env.kwargs={{path = '{tmp_path / 'capitals.jsonl'}'}}"])
@@ -284,8 +304,10 @@ def test_reward_helpers():
 
     from agentrl.envs.rewards import exact_match, final_assistant_text, last_number, normalize_answer
 
-    assert final_assistant_text([{"role": "assistant", "content": "<think>maybe 7</think>The answer is 5."}]) == \
-        "The answer is 5."
+    assert (
+        final_assistant_text([{"role": "assistant", "content": "<think>maybe 7</think>The answer is 5."}])
+        == "The answer is 5."
+    )
     assert final_assistant_text([{"role": "assistant", "content": "x", "tool_calls": [{}]}]) is None
     assert final_assistant_text([{"role": "tool", "content": "5"}]) is None
     assert final_assistant_text([]) is None

@@ -7,16 +7,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
-import pytest
 import trio
 
-from agentrl.episode.rollout import EpisodeLimits, describe_problems, evaluate
 from agentrl.engine.client import EngineClient
-from agentrl.envs.base import Task, load_env
+from agentrl.envs.base import load_env
+from agentrl.episode.rollout import EpisodeLimits, describe_problems, evaluate
 from agentrl.run.evaluate import eval_metrics
 from agentrl.tools.base import tool
 from tests._actors_helpers import HttpEngineClient, ScriptedEngine, TurnScript, load_tokenizer, tiny_tokenizer_dir
-from tests._actors_user_env import AddEnv, call, solver
+from tests._actors_user_env import AddEnv, call
 
 LIMITS = EpisodeLimits(max_turns=4, max_total_tokens=512, max_new_tokens_per_turn=32, max_empty_aborts=1)
 
@@ -95,19 +94,27 @@ def test_tool_crashes_are_counted_but_the_model_s_own_mistakes_are_not(tmp_path_
         return "I could not add them."
 
     with ScriptedEngine(TurnScript(tokenizer, script)) as engine:
+
         async def main():
             async with HttpEngineClient([engine.url]) as client:
-                return await evaluate(client, tokenizer, env, tasks,
-                                      limits=EpisodeLimits(max_total_tokens=1024, max_new_tokens_per_turn=200))
+                return await evaluate(
+                    client,
+                    tokenizer,
+                    env,
+                    tasks,
+                    limits=EpisodeLimits(max_total_tokens=1024, max_new_tokens_per_turn=200),
+                )
 
         result = trio.run(main)
     assert result["finish_reasons"] == {"answer": 3}
     assert result["n"] == 3 and result["n_aborted"] == 0 and result["n_reward_errors"] == 0
     assert result["n_tool_faults"] == 3  # the crashes; the calls with a wrong argument type are the model's
     assert result["problems"]["tool_faults"]["first"] == [
-        "Error: broken_add failed: ZeroDivisionError: the adder fell over"]
+        "Error: broken_add failed: ZeroDivisionError: the adder fell over"
+    ]
     assert describe_problems(result) == [
-        "3 tool calls crashed or timed out (to answer with an error on purpose, a tool raises ToolError); first: Error: broken_add failed: ZeroDivisionError: the adder fell over"]
+        "3 tool calls crashed or timed out (to answer with an error on purpose, a tool raises ToolError); first: Error: broken_add failed: ZeroDivisionError: the adder fell over"
+    ]
 
 
 def test_a_clean_evaluation_reports_no_problems():
@@ -130,11 +137,21 @@ def test_agentrl_eval_prints_the_problems_and_logs_them_to_a_real_mlflow_store(e
 
     url, db = engine_urls[0], tmp_path / "store" / "mlflow.db"
     db.parent.mkdir()
-    overrides = [f"model.path={engine_model}", f'engine.urls=["{url}"]', "env.cls=tests._actors_user_env:AddEnv",
-                 "env.kwargs.num_tasks=3", "env.kwargs.reward_raises=true", "eval.num_tasks=3",
-                 "env.max_total_tokens=512", "actors.max_new_tokens_per_turn=32", "tracking.enabled=true",
-                 f"tracking.uri=sqlite:///{db}", "tracking.experiment=eval-problems", "run.name=probe",
-                 f"run.run_dir={tmp_path / 'run'}"]
+    overrides = [
+        f"model.path={engine_model}",
+        f'engine.urls=["{url}"]',
+        "env.cls=tests._actors_user_env:AddEnv",
+        "env.kwargs.num_tasks=3",
+        "env.kwargs.reward_raises=true",
+        "eval.num_tasks=3",
+        "env.max_total_tokens=512",
+        "actors.max_new_tokens_per_turn=32",
+        "tracking.enabled=true",
+        f"tracking.uri=sqlite:///{db}",
+        "tracking.experiment=eval-problems",
+        "run.name=probe",
+        f"run.run_dir={tmp_path / 'run'}",
+    ]
     done, paused = threading.Event(), threading.Event()
 
     def abort_everything():  # as an engine that fails whole batches does: every request comes back aborted
@@ -164,10 +181,14 @@ def test_agentrl_eval_prints_the_problems_and_logs_them_to_a_real_mlflow_store(e
     assert printed["problems"]["aborted"]["first"] == ["aborted by /abort_request"]
     assert "RuntimeError: the scorer crashed" in printed["problems"]["reward_errors"]["first"][0]
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
-    assert warnings[0].startswith("warning: 3 of 3 episodes were aborted by the engine") and \
-        "aborted by /abort_request" in warnings[0]
-    assert warnings[1].startswith("warning: 3 of 3 episodes' rewards raised (scored 0)") and \
-        "the scorer crashed" in warnings[1]
+    assert (
+        warnings[0].startswith("warning: 3 of 3 episodes were aborted by the engine")
+        and "aborted by /abort_request" in warnings[0]
+    )
+    assert (
+        warnings[1].startswith("warning: 3 of 3 episodes' rewards raised (scored 0)")
+        and "the scorer crashed" in warnings[1]
+    )
     assert not (tmp_path / "run").exists() or not list((tmp_path / "run").glob("*.json"))  # no summary file
 
     client = MlflowClient(tracking_uri=f"sqlite:///{db}")

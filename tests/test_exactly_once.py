@@ -15,7 +15,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import zmq
@@ -55,8 +54,15 @@ class VersionFollower:
 
 def start(cmd: list[str], log: Path) -> subprocess.Popen:
     with log.open("a") as out:
-        return subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], env=subprocess_env(), stdout=out,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        return subprocess.Popen(
+            cmd,
+            cwd=Path(__file__).resolve().parents[1],
+            env=subprocess_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
 
 
 def kill(proc: subprocess.Popen) -> None:
@@ -98,10 +104,25 @@ def dumped_groups(path: Path) -> list[dict]:
 
 
 def group_from_dump(d: dict) -> TrajectoryGroup:
-    trajs = [Trajectory(tokens=t["tokens"], loss_mask=t["loss_mask"], behavior_logprobs=t["behavior_logprobs"],
-                        weight_versions=t["weight_versions"], reward=t["reward"]) for t in d["trajectories"]]
-    return TrajectoryGroup(group_id=d["group_id"], task_id=d["task_id"], env=d["env"], trajectories=trajs,
-                           actor_id=d["actor_id"], session=d["session"], seq=d["seq"])
+    trajs = [
+        Trajectory(
+            tokens=t["tokens"],
+            loss_mask=t["loss_mask"],
+            behavior_logprobs=t["behavior_logprobs"],
+            weight_versions=t["weight_versions"],
+            reward=t["reward"],
+        )
+        for t in d["trajectories"]
+    ]
+    return TrajectoryGroup(
+        group_id=d["group_id"],
+        task_id=d["task_id"],
+        env=d["env"],
+        trajectories=trajs,
+        actor_id=d["actor_id"],
+        session=d["session"],
+        seq=d["seq"],
+    )
 
 
 def ledger_keys(state: dict) -> set[tuple]:
@@ -148,8 +169,19 @@ enabled = false
 """)
         # the learner pushes no weights (the scripted engine has no weight API); the follower plays that part
         learn = [PYTHON, "-m", "agentrl", "learn", "--config", str(config), "--set", "engine.urls=[]"]
-        actor = [PYTHON, "-m", "agentrl", "serve-actors", "--config", str(config), "--wait-for-learner",
-                 "--dump-trajectories", str(dump), "--log-interval-s", "2"]
+        actor = [
+            PYTHON,
+            "-m",
+            "agentrl",
+            "serve-actors",
+            "--config",
+            str(config),
+            "--wait-for-learner",
+            "--dump-trajectories",
+            str(dump),
+            "--log-interval-s",
+            "2",
+        ]
         follower = VersionFollower(prog, engine)
         procs: dict[str, subprocess.Popen] = {}
         end = time.monotonic() + 840  # every wait within the test's 900 s, so a slow run fails here and is killed
@@ -204,8 +236,11 @@ enabled = false
 
     # the resumed learner got back what arrived after its checkpoint from the journal, and the
     # actor resent what the dead learner had not acknowledged
-    replayed = [int(line.split(" groups from the journal")[0].rsplit(", ", 1)[1])
-                for line in learner_log.splitlines() if "groups from the journal" in line]
+    replayed = [
+        int(line.split(" groups from the journal")[0].rsplit(", ", 1)[1])
+        for line in learner_log.splitlines()
+        if "groups from the journal" in line
+    ]
     assert replayed and replayed[0] > 0, learner_log[-3000:]
     assert "the learner restarted" in actor_log
 

@@ -38,8 +38,11 @@ def engines(models, tmp_path_factory):
 
 
 def _greedy(url: str) -> tuple[list[int], list[float]]:
-    body = {"input_ids": PROMPT, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}}
+    body = {
+        "input_ids": PROMPT,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True},
+    }
     resp = httpx.post(url + "/generate", json=body, timeout=60)
     assert resp.status_code == 200, resp.text
     out = resp.json()
@@ -51,13 +54,15 @@ def _version(url: str) -> str:
 
 
 def _leave_other_weights(url: str, other: Path) -> None:
-    resp = httpx.post(url + "/update_weights_from_disk", json={"model_path": str(other), "weight_version": "2"},
-                      timeout=120)
+    resp = httpx.post(
+        url + "/update_weights_from_disk", json={"model_path": str(other), "weight_version": "2"}, timeout=120
+    )
     assert resp.status_code == 200 and resp.json()["success"], resp.text
 
 
-def test_the_evaluation_before_rl_sees_the_run_s_policy_on_an_engine_left_at_version_2(models, engines, tmp_path,
-                                                                                       monkeypatch):
+def test_the_evaluation_before_rl_sees_the_run_s_policy_on_an_engine_left_at_version_2(
+    models, engines, tmp_path, monkeypatch
+):
     """``agentrl run`` with ``engine.urls`` up to its evaluation before RL (the RL stage itself is
     left out: ``_train`` is cut to that evaluation, which is where it starts)."""
     import trio
@@ -76,8 +81,17 @@ def test_the_evaluation_before_rl_sees_the_run_s_policy_on_an_engine_left_at_ver
         state.eval_before = await run_module.evaluate_policy(cfg, name_adapter=False)
 
     monkeypatch.setattr(run_module, "_train", evaluation_before_only)
-    cfg = load_config(EXAMPLE, [f"model.path={policy}", "sft.enabled=false", "eval.num_tasks=2",
-                                f'engine.urls=["{external.url}"]', "tracking.enabled=false", "run.torch_num_threads=1"])
+    cfg = load_config(
+        EXAMPLE,
+        [
+            f"model.path={policy}",
+            "sft.enabled=false",
+            "eval.num_tasks=2",
+            f'engine.urls=["{external.url}"]',
+            "tracking.enabled=false",
+            "run.torch_num_threads=1",
+        ],
+    )
     summary = run_module.run(cfg, tmp_path / "run", live_display=False)
     assert seen["version"] == "0"
     assert seen["greedy"] == _greedy(fresh.url)  # token for token, logprob for logprob
@@ -97,16 +111,23 @@ def test_an_adapter_an_earlier_run_merged_is_dropped_before_the_evaluation(model
     policy, other = models
     fresh, external = engines
     torch.manual_seed(3)
-    stale = get_peft_model(AutoModelForCausalLM.from_pretrained(policy),
-                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    stale = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(policy),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    )
     stale.save_pretrained(tmp_path / "stale_adapter")
     _leave_other_weights(external.url, other)
-    loaded = httpx.post(external.url + "/load_lora_adapter", timeout=60,
-                        json={"lora_name": LORA_ADAPTER_NAME, "lora_path": str(tmp_path / "stale_adapter")})
+    loaded = httpx.post(
+        external.url + "/load_lora_adapter",
+        timeout=60,
+        json={"lora_name": LORA_ADAPTER_NAME, "lora_path": str(tmp_path / "stale_adapter")},
+    )
     assert loaded.status_code == 200 and loaded.json()["success"], loaded.text
 
-    cfg = load_config(EXAMPLE, [f"model.path={policy}", f'engine.urls=["{external.url}"]', "learner.lora.rank=4",
-                                "learner.lora.sync=adapter"])
+    cfg = load_config(
+        EXAMPLE,
+        [f"model.path={policy}", f'engine.urls=["{external.url}"]', "learner.lora.rank=4", "learner.lora.sync=adapter"],
+    )
     load_policy_into_engines(cfg)
     assert _version(external.url) == "0"
     assert _greedy(external.url) == _greedy(fresh.url)
@@ -115,8 +136,8 @@ def test_an_adapter_an_earlier_run_merged_is_dropped_before_the_evaluation(model
 
 
 def test_a_policy_the_engines_cannot_read_is_a_clear_error(models, engines, tmp_path):
-    from agentrl.run.evaluate import load_policy_into_engines
     from agentrl.learner.weight_push import WeightUpdateError
+    from agentrl.run.evaluate import load_policy_into_engines
 
     _, external = engines
     missing = tmp_path / "not-on-this-machine"

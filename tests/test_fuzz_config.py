@@ -20,8 +20,14 @@ from agentrl.config import AgentRLConfig, ConfigError, _toml_key, _toml_value, d
 from agentrl.config_docs import section_class
 from tests._fuzz import fuzz, texts
 
-SECTIONS = {name: list(section_class(info.annotation).model_fields) for name, info in AgentRLConfig.model_fields.items()}
-DOTTED = [f"{s}.{k}" for s, keys in SECTIONS.items() for k in keys] + ["env.kwargs.x", "env.kwargs.a.b", "envs.0.weight"]
+SECTIONS = {
+    name: list(section_class(info.annotation).model_fields) for name, info in AgentRLConfig.model_fields.items()
+}
+DOTTED = [f"{s}.{k}" for s, keys in SECTIONS.items() for k in keys] + [
+    "env.kwargs.x",
+    "env.kwargs.a.b",
+    "envs.0.weight",
+]
 
 
 def same(a, b) -> bool:
@@ -41,15 +47,51 @@ def same(a, b) -> bool:
 
 offsets = st.integers(-23 * 60, 23 * 60).map(lambda m: datetime.timezone(datetime.timedelta(minutes=m)))
 toml_scalars = st.one_of(
-    st.booleans(), st.integers(-(2**63), 2**63 - 1), st.integers(), st.floats(), texts,
-    st.datetimes(timezones=st.none() | offsets), st.dates(), st.times(),
+    st.booleans(),
+    st.integers(-(2**63), 2**63 - 1),
+    st.integers(),
+    st.floats(),
+    texts,
+    st.datetimes(timezones=st.none() | offsets),
+    st.dates(),
+    st.times(),
 )
 toml_values = st.recursive(
-    toml_scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(texts, inner, max_size=3), max_leaves=8)
+    toml_scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(texts, inner, max_size=3), max_leaves=8
+)
 # Near the schema: real section and key names, numbers around the bounds, strings of the Literals.
-plausible = st.one_of(st.integers(-2, 70_000), st.floats(-1, 3), st.sampled_from(
-    ["", "tiny", "grpo", "ppo", "gae", "rloo", "a:B", "agentrl.envs.calculator:CalculatorEnv", "auto", "gloo",
-     "token", "clamp", "none", "float32", 0, 1, 2, 16, 1024, 2048, 1e-4, float("nan"), float("inf"), 10**30]))
+plausible = st.one_of(
+    st.integers(-2, 70_000),
+    st.floats(-1, 3),
+    st.sampled_from(
+        [
+            "",
+            "tiny",
+            "grpo",
+            "ppo",
+            "gae",
+            "rloo",
+            "a:B",
+            "agentrl.envs.calculator:CalculatorEnv",
+            "auto",
+            "gloo",
+            "token",
+            "clamp",
+            "none",
+            "float32",
+            0,
+            1,
+            2,
+            16,
+            1024,
+            2048,
+            1e-4,
+            float("nan"),
+            float("inf"),
+            10**30,
+        ]
+    ),
+)
 values = st.one_of(plausible, plausible, toml_values)
 
 
@@ -84,9 +126,10 @@ def check_loads_back(cfg: AgentRLConfig, tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------------------------- tests
 
+
 @fuzz(300)
 @given(toml_values, texts)
-@example("a\x00b\x7f\"\\\n\t\u2028", "")
+@example('a\x00b\x7f"\\\n\t\u2028', "")
 @example({"a b": 1, "": [1.5, float("nan")], "é": {"x.y": "z"}}, "a.b")
 @example(datetime.datetime(1979, 5, 27, 7, 32, tzinfo=datetime.timezone(datetime.timedelta(hours=-7))), "\x7f")
 @example(float("-inf"), "=")
@@ -121,12 +164,20 @@ def test_any_toml_tree_is_a_config_or_an_error_naming_file_and_key(tmp_path_fact
         check_loads_back(cfg, tmp_path)
 
 
-override_values = st.one_of(plausible.map(_toml_value), toml_values.map(_toml_value), texts,
-                            st.sampled_from(["[", "[" * 5000, "9" * 5000, "nan", "-inf", "{a = 1}", "1979-05-27",
-                                             "\udcff", "'x'", '"unterminated']))
-overrides = st.lists(st.builds("{}={}".format, st.sampled_from(DOTTED) | texts, override_values)
-                     | texts.map(lambda t: t.replace("=", "")) | st.sampled_from(["=", "a=1", ".x=1", "run.=1"]),
-                     max_size=4)
+override_values = st.one_of(
+    plausible.map(_toml_value),
+    toml_values.map(_toml_value),
+    texts,
+    st.sampled_from(
+        ["[", "[" * 5000, "9" * 5000, "nan", "-inf", "{a = 1}", "1979-05-27", "\udcff", "'x'", '"unterminated']
+    ),
+)
+overrides = st.lists(
+    st.builds("{}={}".format, st.sampled_from(DOTTED) | texts, override_values)
+    | texts.map(lambda t: t.replace("=", ""))
+    | st.sampled_from(["=", "a=1", ".x=1", "run.=1"]),
+    max_size=4,
+)
 
 
 @fuzz(200)
@@ -148,7 +199,11 @@ def test_any_overrides_give_a_config_or_an_error_naming_the_key(tmp_path_factory
     except ConfigError as e:
         message = str(e)
         keys = {i.split("=", 1)[0] for i in items}
-        named = {p for k in keys for p in dotted_paths(_as_tree(k.strip()))} | {repr(i) for i in items} | {repr(k) for k in keys}
+        named = (
+            {p for k in keys for p in dotted_paths(_as_tree(k.strip()))}
+            | {repr(i) for i in items}
+            | {repr(k) for k in keys}
+        )
         assert any(k in message for k in named if k), message
     else:
         check_loads_back(cfg, tmp_path)
@@ -163,9 +218,32 @@ def _as_tree(key: str) -> dict:
 
 
 @fuzz(100)
-@given(st.lists(texts | st.sampled_from(["[", "]", "[[", "=", '"', "\n", "[learner]", "lr = ", "1e-4", "{", "}",
-                                         "kwargs.", "[env.kwargs]", "nan", "0x10", "1979-05-27T07:32:00"]),
-                max_size=12).map("".join))
+@given(
+    st.lists(
+        texts
+        | st.sampled_from(
+            [
+                "[",
+                "]",
+                "[[",
+                "=",
+                '"',
+                "\n",
+                "[learner]",
+                "lr = ",
+                "1e-4",
+                "{",
+                "}",
+                "kwargs.",
+                "[env.kwargs]",
+                "nan",
+                "0x10",
+                "1979-05-27T07:32:00",
+            ]
+        ),
+        max_size=12,
+    ).map("".join)
+)
 def test_any_text_file_is_a_config_or_a_config_error(tmp_path_factory, text):
     path = tmp_path_factory.mktemp("txt") / "run.toml"
     path.write_text(text, encoding="utf-8")
@@ -175,13 +253,16 @@ def test_any_text_file_is_a_config_or_a_config_error(tmp_path_factory, text):
         assert str(path) in str(e)
 
 
-@pytest.mark.parametrize("content, message", [
-    (b"\xff\xfe[learner]\n", r"is not UTF-8 text \(byte 0\)"),
-    (b"a = " + b"[" * 100_000, "nested too deeply"),
-    (b"[run]\nseed = " + b"9" * 5000, "is not valid TOML"),
-    (b"[learner]\nlr = nan\n", "invalid value for 'learner.lr'"),
-    (b"[sandbox]\nwall_time_s = inf\n", "invalid value for 'sandbox.wall_time_s'"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"\xff\xfe[learner]\n", r"is not UTF-8 text \(byte 0\)"),
+        (b"a = " + b"[" * 100_000, "nested too deeply"),
+        (b"[run]\nseed = " + b"9" * 5000, "is not valid TOML"),
+        (b"[learner]\nlr = nan\n", "invalid value for 'learner.lr'"),
+        (b"[sandbox]\nwall_time_s = inf\n", "invalid value for 'sandbox.wall_time_s'"),
+    ],
+)
 def test_unreadable_files_are_config_errors_naming_the_file(tmp_path, content, message):
     path = tmp_path / "run.toml"
     path.write_bytes(content)

@@ -22,10 +22,14 @@ from agentrl.tools.search_server import MAX_QUERIES, BM25Index, parse_request
 from tests._fuzz import finite_values, fuzz, json_values, mostly, nested, texts
 
 BAD_LINES = [b"[" * 100_000, b"9" * 5000, b"\xff\xfe{}", nested(5000).encode(), b'{"a": 1', b"NaN", b"{}{}"]
-lines = st.one_of(json_values.map(lambda v: json.dumps(v).encode()),
-                  st.dictionaries(texts, json_values, max_size=3).map(lambda v: json.dumps(v).encode()),
-                  st.sampled_from(BAD_LINES), st.binary(max_size=20).filter(lambda b: b"\n" not in b),
-                  st.just(b""), st.just(b"  "))
+lines = st.one_of(
+    json_values.map(lambda v: json.dumps(v).encode()),
+    st.dictionaries(texts, json_values, max_size=3).map(lambda v: json.dumps(v).encode()),
+    st.sampled_from(BAD_LINES),
+    st.binary(max_size=20).filter(lambda b: b"\n" not in b),
+    st.just(b""),
+    st.just(b"  "),
+)
 
 
 def _where_named(message: str, path, numbered: bool) -> bool:
@@ -33,6 +37,7 @@ def _where_named(message: str, path, numbered: bool) -> bool:
 
 
 # ------------------------------------------------------------------------------- task files
+
 
 @fuzz(200)
 @given(st.lists(lines, max_size=5), st.booleans())
@@ -64,21 +69,45 @@ def test_a_task_file_gives_tasks_or_an_error_naming_file_and_line(tmp_path_facto
 
 tool_names = st.from_regex(r"[a-z_]{1,10}", fullmatch=True)
 arguments = st.dictionaries(texts, finite_values, max_size=3) | texts
-good_call = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries({
-    "name": tool_names, "arguments": arguments})})
-tool_call = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries({
-    "name": mostly(tool_names), "arguments": mostly(arguments)})})
-parameters = st.fixed_dictionaries({"type": st.just("object"), "properties": st.dictionaries(
-    tool_names, st.fixed_dictionaries({"type": st.sampled_from(["string", "integer"])}), max_size=2)})
-good_schema = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries({
-    "name": tool_names, "description": texts, "parameters": parameters})})
-tool_schema = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries({
-    "name": mostly(tool_names), "description": texts, "parameters": mostly(parameters)})})
+good_call = st.fixed_dictionaries(
+    {"type": st.just("function"), "function": st.fixed_dictionaries({"name": tool_names, "arguments": arguments})}
+)
+tool_call = st.fixed_dictionaries(
+    {
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries({"name": mostly(tool_names), "arguments": mostly(arguments)}),
+    }
+)
+parameters = st.fixed_dictionaries(
+    {
+        "type": st.just("object"),
+        "properties": st.dictionaries(
+            tool_names, st.fixed_dictionaries({"type": st.sampled_from(["string", "integer"])}), max_size=2
+        ),
+    }
+)
+good_schema = st.fixed_dictionaries(
+    {
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries({"name": tool_names, "description": texts, "parameters": parameters}),
+    }
+)
+tool_schema = st.fixed_dictionaries(
+    {
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries(
+            {"name": mostly(tool_names), "description": texts, "parameters": mostly(parameters)}
+        ),
+    }
+)
 message = st.fixed_dictionaries(
     {"role": mostly(st.sampled_from(ROLES)), "content": mostly(texts | st.none())},
-    optional={"tool_calls": mostly(st.lists(mostly(tool_call), max_size=2))})
-conversation = st.fixed_dictionaries({"messages": mostly(st.lists(mostly(message), min_size=1, max_size=5))},
-                                     optional={"tools": mostly(st.lists(mostly(tool_schema), max_size=2))})
+    optional={"tool_calls": mostly(st.lists(mostly(tool_call), max_size=2))},
+)
+conversation = st.fixed_dictionaries(
+    {"messages": mostly(st.lists(mostly(message), min_size=1, max_size=5))},
+    optional={"tools": mostly(st.lists(mostly(tool_schema), max_size=2))},
+)
 
 
 def _turn(role: str, **extra) -> st.SearchStrategy:
@@ -87,13 +116,24 @@ def _turn(role: str, **extra) -> st.SearchStrategy:
 
 # Well-formed conversations (a user turn, then an answer, or a tool call, its result and an answer).
 well_formed = st.builds(
-    lambda system, turns, tools: {"messages": system + [m for turn in turns for m in turn],
-                                  **({"tools": tools} if tools else {})},
+    lambda system, turns, tools: {
+        "messages": system + [m for turn in turns for m in turn],
+        **({"tools": tools} if tools else {}),
+    },
     st.lists(_turn("system"), max_size=1),
-    st.lists(st.tuples(_turn("user"), _turn("assistant"))
-             | st.tuples(_turn("user"), _turn("assistant", tool_calls=st.lists(good_call, min_size=1, max_size=2)),
-                         _turn("tool"), _turn("assistant")), min_size=1, max_size=2),
-    st.lists(good_schema, max_size=2))
+    st.lists(
+        st.tuples(_turn("user"), _turn("assistant"))
+        | st.tuples(
+            _turn("user"),
+            _turn("assistant", tool_calls=st.lists(good_call, min_size=1, max_size=2)),
+            _turn("tool"),
+            _turn("assistant"),
+        ),
+        min_size=1,
+        max_size=2,
+    ),
+    st.lists(good_schema, max_size=2),
+)
 
 
 @pytest.fixture(scope="module")
@@ -104,11 +144,23 @@ def tokenizer(engine_model):
 
 
 @fuzz(150)
-@given(st.lists(mostly(well_formed.map(lambda c: json.dumps(c).encode()),
-                       conversation.map(lambda c: json.dumps(c).encode()) | lines), min_size=1, max_size=3))
+@given(
+    st.lists(
+        mostly(
+            well_formed.map(lambda c: json.dumps(c).encode()),
+            conversation.map(lambda c: json.dumps(c).encode()) | lines,
+        ),
+        min_size=1,
+        max_size=3,
+    )
+)
 @example([b'{"messages": [{"role": "user", "content": null}, {"role": "assistant", "content": "x"}]}'])  # TypeError
-@example([b'{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", '
-          b'"tool_calls": [{"function": {"arguments": {}}}]}]}'])  # jinja: a tool call without a name
+@example(
+    [
+        b'{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", '
+        b'"tool_calls": [{"function": {"arguments": {}}}]}]}'
+    ]
+)  # jinja: a tool call without a name
 @example([b'{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], "tools": ["x"]}'])
 @example([b'{"messages": ["hi"]}'])  # AttributeError
 @example([b'{"messages": [{"role": "user", "content": "a"}]}'])  # nothing to learn: named only later, no line
@@ -134,20 +186,29 @@ def test_sft_data_gives_masked_samples_or_an_error_naming_the_line(tmp_path_fact
 
 # ------------------------------------------------------------------------------ /retrieve
 
-queries = st.lists(mostly(texts, st.text(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), min_size=1)),
-                   max_size=4)
+queries = st.lists(
+    mostly(texts, st.text(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), min_size=1)), max_size=4
+)
 retrieve_bodies = st.one_of(
-    st.fixed_dictionaries({}, optional={"queries": mostly(queries | texts), "top_k": mostly(st.integers(-1, 120))})
-    .map(lambda b: json.dumps(b).encode()),
-    lines, st.just(json.dumps({"queries": ["a"] * (MAX_QUERIES + 1)}).encode()),
+    st.fixed_dictionaries({}, optional={"queries": mostly(queries | texts), "top_k": mostly(st.integers(-1, 120))}).map(
+        lambda b: json.dumps(b).encode()
+    ),
+    lines,
+    st.just(json.dumps({"queries": ["a"] * (MAX_QUERIES + 1)}).encode()),
 )
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     path = tmp_path_factory.mktemp("corpus") / "corpus.jsonl"
-    path.write_text("".join(json.dumps({"id": i, "title": f"T{i}", "text": t}) + "\n" for i, t in enumerate(
-        ["The Silver Lamp is a novel.", "Ravel Omni wrote it in 1921.", "Rivers run to the sea.", "é 🙂 \u2028"])))
+    path.write_text(
+        "".join(
+            json.dumps({"id": i, "title": f"T{i}", "text": t}) + "\n"
+            for i, t in enumerate(
+                ["The Silver Lamp is a novel.", "Ravel Omni wrote it in 1921.", "Rivers run to the sea.", "é 🙂 \u2028"]
+            )
+        )
+    )
     return path
 
 

@@ -20,7 +20,13 @@ from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
 from agentrl.engine.native_api import (
-    GENERATE_FIELDS, SAMPLING_DEFAULTS, TOP_K_ALL, GenerateCall, RequestError, decode_body, parse_generate,
+    GENERATE_FIELDS,
+    SAMPLING_DEFAULTS,
+    TOP_K_ALL,
+    GenerateCall,
+    RequestError,
+    decode_body,
+    parse_generate,
 )
 from agentrl.engine.server import CONTROL_BODIES, parse_control
 from tests._fuzz import fuzz, json_values, mostly, nested, texts
@@ -39,8 +45,12 @@ def encode(text: str) -> list[int]:
 
 surrogates = st.text(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), min_size=1, max_size=2)
 strings = st.one_of(texts, texts, texts, texts, texts, surrogates)
-numbers = (st.integers(-3, 300) | st.integers() | st.floats() | st.sampled_from([0, 1, -1, 1e-7, 2**63, -(2**63) - 1,
-                                                                                  10**400, 1 << 30]))
+numbers = (
+    st.integers(-3, 300)
+    | st.integers()
+    | st.floats()
+    | st.sampled_from([0, 1, -1, 1e-7, 2**63, -(2**63) - 1, 10**400, 1 << 30])
+)
 good_ids = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8)
 token_ids = good_ids | st.lists(st.integers(-2, VOCAB + 2) | numbers, max_size=4)
 wild = numbers | st.booleans() | st.none() | strings | st.lists(strings, max_size=3) | token_ids | json_values
@@ -51,16 +61,27 @@ def _mostly(plausible: st.SearchStrategy) -> st.SearchStrategy:
 
 
 SAMPLING_VALUES = {
-    "max_new_tokens": st.integers(0, 160) | st.none(), "temperature": st.floats(0, 3) | st.integers(0, 2),
-    "top_p": st.floats(0, 1), "top_k": st.integers(-2, 400), "min_p": st.floats(0, 1),
-    "stop": strings | st.lists(strings, max_size=3), "stop_token_ids": token_ids, "ignore_eos": st.booleans(),
-    "skip_special_tokens": st.booleans(), "spaces_between_special_tokens": st.booleans(),
-    "no_stop_trim": st.booleans(), "sampling_seed": st.integers(), "stream_interval": st.integers(-1, 4),
-    "n": st.sampled_from([1, 2]), "min_new_tokens": st.sampled_from([0, 1]), "logit_bias": st.just({}),
+    "max_new_tokens": st.integers(0, 160) | st.none(),
+    "temperature": st.floats(0, 3) | st.integers(0, 2),
+    "top_p": st.floats(0, 1),
+    "top_k": st.integers(-2, 400),
+    "min_p": st.floats(0, 1),
+    "stop": strings | st.lists(strings, max_size=3),
+    "stop_token_ids": token_ids,
+    "ignore_eos": st.booleans(),
+    "skip_special_tokens": st.booleans(),
+    "spaces_between_special_tokens": st.booleans(),
+    "no_stop_trim": st.booleans(),
+    "sampling_seed": st.integers(),
+    "stream_interval": st.integers(-1, 4),
+    "n": st.sampled_from([1, 2]),
+    "min_new_tokens": st.sampled_from([0, 1]),
+    "logit_bias": st.just({}),
 }
 sampling_params = st.one_of(
     st.lists(st.sampled_from(list(SAMPLING_DEFAULTS)), max_size=4, unique=True).flatmap(
-        lambda keys: st.fixed_dictionaries({k: _mostly(SAMPLING_VALUES.get(k, st.none())) for k in keys})),
+        lambda keys: st.fixed_dictionaries({k: _mostly(SAMPLING_VALUES.get(k, st.none())) for k in keys})
+    ),
     st.dictionaries(st.sampled_from(list(SAMPLING_DEFAULTS)) | strings, wild, max_size=3),
     wild,
 )
@@ -81,9 +102,12 @@ GENERATE_VALUES = {
     "image_data": _mostly(st.none()),
     "lora_path": _mostly(st.none() | strings),
 }
-generate_bodies = st.builds(lambda prompt, known, extra: {**extra, **prompt, **known},
-                            prompts, st.fixed_dictionaries({}, optional=GENERATE_VALUES),
-                            st.dictionaries(strings, json_values, max_size=2))
+generate_bodies = st.builds(
+    lambda prompt, known, extra: {**extra, **prompt, **known},
+    prompts,
+    st.fixed_dictionaries({}, optional=GENERATE_VALUES),
+    st.dictionaries(strings, json_values, max_size=2),
+)
 
 
 def as_bytes(body: dict) -> bytes:
@@ -93,9 +117,20 @@ def as_bytes(body: dict) -> bytes:
 raw_bodies = st.one_of(
     st.binary(max_size=40),
     json_values.map(lambda v: json.dumps(v, allow_nan=True).encode()),
-    st.sampled_from([b"", b"  ", b"{", b'{"input_ids": [1,', b"[" * 100_000, nested(5000).encode(),
-                     b'{"input_ids": [1], "rid": "\\ud800"}', b'{"\\udfff": 1}', b"\xff\xfe",
-                     b'{"input_ids": [' + b"9" * 5000 + b"]}"]),
+    st.sampled_from(
+        [
+            b"",
+            b"  ",
+            b"{",
+            b'{"input_ids": [1,',
+            b"[" * 100_000,
+            nested(5000).encode(),
+            b'{"input_ids": [1], "rid": "\\ud800"}',
+            b'{"\\udfff": 1}',
+            b"\xff\xfe",
+            b'{"input_ids": [' + b"9" * 5000 + b"]}",
+        ]
+    ),
 )
 
 
@@ -130,6 +165,7 @@ def parse_raw(raw: bytes) -> GenerateCall:
 
 
 # ---------------------------------------------------------------------------- in-process
+
 
 @fuzz(300)
 @given(generate_bodies)
@@ -166,8 +202,6 @@ def test_any_raw_body_is_a_valid_request_or_a_400(raw):
         check_valid(call, {})
 
 
-
-
 @st.composite
 def control_bodies(draw) -> tuple[str, dict]:
     path = draw(st.sampled_from(sorted(CONTROL_BODIES)))
@@ -201,6 +235,7 @@ def test_any_control_body_is_its_fields_or_a_400_naming_the_route_and_field(case
 
 # ---------------------------------------------------------------------------------- HTTP
 
+
 @pytest.fixture(scope="module")
 def tokenizer(engine_model):
     from transformers import AutoTokenizer
@@ -225,8 +260,9 @@ def _server_error(url: str) -> str | None:
 def _check_serving(url: str) -> None:
     """The engine answers /health and a normal /generate (its scheduler thread is alive)."""
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
-    r = httpx.post(f"{url}/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}},
-                   timeout=60)
+    r = httpx.post(
+        f"{url}/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}, timeout=60
+    )
     assert r.status_code == 200 and len(r.json()["output_ids"]) == 2, r.text
 
 
@@ -250,8 +286,12 @@ def test_generate_bodies_over_http_are_answered_200_or_400_and_the_engine_keeps_
     before = _server_error(url)
 
     def parse(body: bytes) -> GenerateCall:
-        return parse_generate(decode_body(body), vocab_size=info["vocab_size"], context_len=info["max_context_tokens"],
-                              encode=lambda t: tokenizer.encode(t, add_special_tokens=False))
+        return parse_generate(
+            decode_body(body),
+            vocab_size=info["vocab_size"],
+            context_len=info["max_context_tokens"],
+            encode=lambda t: tokenizer.encode(t, add_special_tokens=False),
+        )
 
     try:
         call = parse(raw)
@@ -294,10 +334,18 @@ def _would_block(path: str, fields: dict) -> bool:
 @fuzz(20)
 @given(control_bodies())
 @example(("/update_weight_version", {"new_version": "\ud800"}))  # every later response failed to encode
-@example(("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 10**30, "rank_offset": 0,
-                                         "world_size": 1, "backend": "gloo"}))  # torch's TypeError, no field named
-@example(("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 3,
-                                         "world_size": 2, "backend": "gloo"}))  # would have waited 600 s
+@example(
+    (
+        "/init_weights_update_group",
+        {"master_address": "127.0.0.1", "master_port": 10**30, "rank_offset": 0, "world_size": 1, "backend": "gloo"},
+    )
+)  # torch's TypeError, no field named
+@example(
+    (
+        "/init_weights_update_group",
+        {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 3, "world_size": 2, "backend": "gloo"},
+    )
+)  # would have waited 600 s
 @example(("/pause_generation", {"mode": "retract"}))
 @example(("/begin_weight_update", {}))
 @example(("/end_weight_update", {"\ud800": None}))  # this route did not read its body: accepted
@@ -318,8 +366,18 @@ def test_control_bodies_over_http_are_answered_200_or_400_and_the_engine_keeps_s
     elif r.status_code == 400:  # the LoRA routes answer with SGLang's error_message
         assert r.json()["success"] is False and (r.json().get("message") or r.json().get("error_message"))
     if path == "/init_weights_update_group" and r.status_code == 400:
-        assert any(name in r.json()["message"] for name in ("master_port", "rank_offset", "world_size", "backend",
-                                                             "master_address", "group_name", "lone surrogate"))
+        assert any(
+            name in r.json()["message"]
+            for name in (
+                "master_port",
+                "rank_offset",
+                "world_size",
+                "backend",
+                "master_address",
+                "group_name",
+                "lone surrogate",
+            )
+        )
     for undo in RESTORE.get(path, []):  # out of any weight-update session, generating
         httpx.post(f"{own_engine}{undo}", timeout=10)
     _check_serving(own_engine)

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from agentrl.envs.calculator import CalculatorEnv
 from agentrl.envs.rewards import exact_match, final_assistant_text, last_number
-from agentrl.tools.base import Tool, ToolBox, ToolCall, check_arguments, tool
+from agentrl.tools.base import Tool, ToolBox, ToolCall, tool
 from agentrl.tools.parsing import PARSERS, HermesToolCallParser, get_parser
 from tests._fuzz import dumps, finite_values, fuzz, json_values, nested, texts
 
@@ -33,13 +33,33 @@ class Color(enum.Enum):
 
 
 @tool
-def typed(text: str, count: int = 1, ratio: float = 0.5, flag: bool = False, tags: list[str] | None = None,
-          mode: Literal["fast", "exact"] = "fast", color: Color = Color.RED, pair: tuple[int, int] = (0, 0),
-          table: dict | None = None, extra: Any = None) -> str:
+def typed(
+    text: str,
+    count: int = 1,
+    ratio: float = 0.5,
+    flag: bool = False,
+    tags: list[str] | None = None,
+    mode: Literal["fast", "exact"] = "fast",
+    color: Color = Color.RED,
+    pair: tuple[int, int] = (0, 0),
+    table: dict | None = None,
+    extra: Any = None,
+) -> str:
     """Use every argument the way its type hint promises."""
-    return " ".join([text.upper(), str(count + 1), str(ratio * 2 > 1), str(not flag),
-                     ",".join(t.lower() for t in tags or []), {"fast": "F", "exact": "E"}[mode], color.value,
-                     str(pair[0] + pair[1]), ",".join(sorted(table or {})), type(extra).__name__])
+    return " ".join(
+        [
+            text.upper(),
+            str(count + 1),
+            str(ratio * 2 > 1),
+            str(not flag),
+            ",".join(t.lower() for t in tags or []),
+            {"fast": "F", "exact": "E"}[mode],
+            color.value,
+            str(pair[0] + pair[1]),
+            ",".join(sorted(table or {})),
+            type(extra).__name__,
+        ]
+    )
 
 
 @tool
@@ -81,6 +101,7 @@ def _check_result(call: ToolCall) -> None:
 
 # ------------------------------------------------------------------------- model text
 
+
 @st.composite
 def calls_text(draw) -> str:
     """A ``<tool_call>`` block, well-formed or not: any name, any arguments, bits cut or added."""
@@ -116,7 +137,9 @@ model_text = st.lists(texts | calls_text(), max_size=5).map("".join)
 @example('<tool_call>{"name": "echo", "arguments": {"self": 1}}</tool_call>')
 @example('<tool_call>{"name": "counter", "arguments": {"step": 1, "state": {}}}</tool_call>')
 @example('<tool_call>{"name": "' + "n" * 100_000 + '", "arguments": {}}</tool_call>')
-@example('<tool_call>{"name": "typed", "arguments": {' + ", ".join(f'"k{i}": 1' for i in range(5000)) + "}}</tool_call>")
+@example(
+    '<tool_call>{"name": "typed", "arguments": {' + ", ".join(f'"k{i}": 1' for i in range(5000)) + "}}</tool_call>"
+)
 @example("<tool_call>" + nested(900) + "</tool_call>")
 @example("<|python_tag|>" + "[" * 100_000)  # the same for the formats without tags (Llama 3)
 @example('{"name": "typed", "parameters": {"text": "a", "count": ' + "9" * 5000 + "}}")
@@ -134,8 +157,10 @@ def test_any_model_text_gives_calls_or_readable_errors(text):
 
 
 @fuzz(200)
-@given(st.sampled_from(NAMES) | texts, st.dictionaries(st.sampled_from(PARAMS) | texts, json_values, max_size=5)
-       | json_values)
+@given(
+    st.sampled_from(NAMES) | texts,
+    st.dictionaries(st.sampled_from(PARAMS) | texts, json_values, max_size=5) | json_values,
+)
 @example("typed", {"text": "a", "count": 10**4000})  # as long as JSON text may hold
 @example("typed", {"text": "a", "ratio": float("nan")})
 @example("typed", {"text": "a", "tags": ["x", 1]})
@@ -150,9 +175,18 @@ def test_arguments_that_fit_reach_the_tool_as_its_hints_say():
     result = trio.run(BOX.execute, ToolCall("typed", {"text": "a", "color": "blue", "pair": [1, 2], "mode": "exact"}))
     assert result.content == "A 2 False True  E blue 3  NoneType" and not result.is_error  # Color.BLUE, (1, 2)
     for call, message in [
-        (ToolCall("typed", {"text": "a", "mode": "slow"}), "argument 'mode' of typed must be one of 'fast', 'exact', got 'slow'"),
-        (ToolCall("typed", {"text": "a", "tags": ["x", 1]}), "argument 'tags' of typed must be an array of string items"),
-        (ToolCall("typed", {"text": "a", "pair": [1]}), "argument 'pair' of typed must be an array of 2 integer items, got [1]"),
+        (
+            ToolCall("typed", {"text": "a", "mode": "slow"}),
+            "argument 'mode' of typed must be one of 'fast', 'exact', got 'slow'",
+        ),
+        (
+            ToolCall("typed", {"text": "a", "tags": ["x", 1]}),
+            "argument 'tags' of typed must be an array of string items",
+        ),
+        (
+            ToolCall("typed", {"text": "a", "pair": [1]}),
+            "argument 'pair' of typed must be an array of 2 integer items, got [1]",
+        ),
         (ToolCall("ping", {"x": 1}), "ping cannot take these arguments: got an unexpected keyword argument 'x'"),
         (ToolCall("echo", {"self": 1}), "echo cannot take these arguments: multiple values for argument 'self'"),
         (ToolCall("n" * 5000, {}), "unknown tool '" + "n" * 60 + "...'"),
@@ -175,19 +209,27 @@ def tokenizer():
 
     from agentrl.models.builder import CHAT_TEMPLATE
 
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")),
-                                   chat_template=CHAT_TEMPLATE)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")), chat_template=CHAT_TEMPLATE
+    )
 
 
 @fuzz(100)
-@given(st.lists(st.tuples(tool_names, st.dictionaries(texts, finite_values, max_size=4)), min_size=1, max_size=3),
-       st.sampled_from(["", "Let me compute.", "x </tool_call"]))
+@given(
+    st.lists(st.tuples(tool_names, st.dictionaries(texts, finite_values, max_size=4)), min_size=1, max_size=3),
+    st.sampled_from(["", "Let me compute.", "x </tool_call"]),
+)
 @example([("search", {"query": "</tool_call>"})], "")
 @example([("search", {"query": "a\n</tool_call>\n<tool_call>"})], "")
 def test_a_well_formed_call_round_trips_the_chat_template(tokenizer, calls, content):
-    messages = [{"role": "user", "content": "hi"},
-                {"role": "assistant", "content": content, "tool_calls": [
-                    {"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]}]
+    messages = [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": content,
+            "tool_calls": [{"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls],
+        },
+    ]
     rendered = tokenizer.apply_chat_template(messages, tokenize=False)
     assistant = rendered.split("<|im_start|>assistant\n", 1)[1]
     turn = parser.parse(assistant)
@@ -198,10 +240,12 @@ def test_a_well_formed_call_round_trips_the_chat_template(tokenizer, calls, cont
 # ------------------------------------------------------------------------------ registry
 
 # Format names, and import paths that never name a module outside agentrl (no arbitrary imports).
-parser_names = (texts.filter(lambda t: ":" not in t)
-                | st.builds("agentrl.tools.parsing:{}".format, texts)
-                | st.builds("{}:HermesToolCallParser".format, st.text(alphabet=". \x00", max_size=4))
-                | st.sampled_from(["hermes", "qwen", "agentrl.tools.parsing:HermesToolCallParser"]))
+parser_names = (
+    texts.filter(lambda t: ":" not in t)
+    | st.builds("agentrl.tools.parsing:{}".format, texts)
+    | st.builds("{}:HermesToolCallParser".format, st.text(alphabet=". \x00", max_size=4))
+    | st.sampled_from(["hermes", "qwen", "agentrl.tools.parsing:HermesToolCallParser"])
+)
 
 
 @fuzz(200)
@@ -219,11 +263,13 @@ def test_the_parser_registry_gives_a_parser_or_a_value_error_naming_it(name):
 
 
 def test_strict_json_errors_name_the_problem():
-    cases = {'{"name": "a", "arguments": {"x": NaN}}': "NaN is not a JSON number",
-             '{"name": "a", "arguments": {"x": 1e999}}': "1e999 is too large for a JSON number",
-             '{"name": "a", "name": "b"}': "the key 'name' appears twice",
-             "[" * 100_000: "nested too deeply",
-             '{"name": "a", "arguments": {"x": ' + "9" * 5000 + "}}": "a number has more than 4300 digits"}
+    cases = {
+        '{"name": "a", "arguments": {"x": NaN}}': "NaN is not a JSON number",
+        '{"name": "a", "arguments": {"x": 1e999}}': "1e999 is too large for a JSON number",
+        '{"name": "a", "name": "b"}': "the key 'name' appears twice",
+        "[" * 100_000: "nested too deeply",
+        '{"name": "a", "arguments": {"x": ' + "9" * 5000 + "}}": "a number has more than 4300 digits",
+    }
     for body, message in cases.items():
         turn = parser.parse(f"<tool_call>{body}</tool_call>")
         assert turn.calls == [] and message in turn.errors[0], (body[:40], turn.errors)
@@ -234,9 +280,13 @@ def test_strict_json_errors_name_the_problem():
 
 CALCULATOR = CalculatorEnv()
 CALCULATOR_TASK = next(CALCULATOR.tasks("test"))
-messages_lists = st.lists(st.fixed_dictionaries(
-    {"role": st.sampled_from(["user", "assistant", "tool"]) | texts, "content": model_text | json_values},
-    optional={"tool_calls": json_values}), max_size=3)
+messages_lists = st.lists(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "assistant", "tool"]) | texts, "content": model_text | json_values},
+        optional={"tool_calls": json_values},
+    ),
+    max_size=3,
+)
 
 
 @fuzz(100)

@@ -133,15 +133,26 @@ def test_sequence_mean_loss_weighs_each_episode_once():
     from agentrl.learner.loss import masked_reduce
 
     def sample(n: int, weight: float) -> Sample:
-        return Sample(tokens=np.arange(n, dtype=np.int32), loss_mask=np.ones(n, np.uint8),
-                      behavior_logprobs=np.zeros(n, np.float32), episode_weight=weight)
+        return Sample(
+            tokens=np.arange(n, dtype=np.int32),
+            loss_mask=np.ones(n, np.uint8),
+            behavior_logprobs=np.zeros(n, np.float32),
+            episode_weight=weight,
+        )
 
     samples = [sample(3, 0.5), sample(5, 0.5), sample(4, 1.0)]
     mb = collate(samples)
     assert mb.seq_weights.tolist() == [0.5, 0.5, 1.0]
     per_token = torch.where(mb.seq_ids == 2, 3.0, 1.0)  # episode 0's tokens cost 1, episode 1's cost 3
-    loss = masked_reduce(per_token, mb.loss_mask, normalization="sequence", seq_ids=mb.seq_ids, num_seqs=3,
-                         seq_weights=mb.seq_weights, normalizer=loss_normalizer(samples, "sequence"))
+    loss = masked_reduce(
+        per_token,
+        mb.loss_mask,
+        normalization="sequence",
+        seq_ids=mb.seq_ids,
+        num_seqs=3,
+        seq_weights=mb.seq_weights,
+        normalizer=loss_normalizer(samples, "sequence"),
+    )
     assert loss.item() == pytest.approx((1 + 3) / 2)
     unweighted = masked_reduce(per_token, mb.loss_mask, normalization="sequence", seq_ids=mb.seq_ids, num_seqs=3)
     assert unweighted.item() == pytest.approx((1 + 1 + 3) / 3)  # what an episode of many sequences would tilt

@@ -22,7 +22,9 @@ def trainer(tiny_model):
     from agentrl.learner.trainer import Trainer, TrainerSpec
 
     torch.set_num_threads(1)
-    return Trainer(TrainerSpec(model_path=str(tiny_model), lr=1e-3, max_tokens_per_microbatch=96), init_distributed("cpu"))
+    return Trainer(
+        TrainerSpec(model_path=str(tiny_model), lr=1e-3, max_tokens_per_microbatch=96), init_distributed("cpu")
+    )
 
 
 def save(trainer, root, step: int, lineage: str | None, keep: int = 1):
@@ -96,8 +98,15 @@ def test_everything_is_on_disk_before_latest_moves(trainer, tmp_path, monkeypatc
     moved = events.index(("replace", str(root / "latest")))
     before = {name for kind, name in events[:moved] if kind == "fsync"}
     # (DCP writes .metadata.tmp, fsyncs and renames it; the folder's fsync below makes the rename durable)
-    for name in ("trainer_state.pt", "pending_groups.bin", "meta.json", "rng/rank_0.pt", ".metadata.tmp",
-                 "__0_0.distcp", "hf/config.json"):
+    for name in (
+        "trainer_state.pt",
+        "pending_groups.bin",
+        "meta.json",
+        "rng/rank_0.pt",
+        ".metadata.tmp",
+        "__0_0.distcp",
+        "hf/config.json",
+    ):
         assert str(path / name) in before, name
     assert str(path) in before and str(path / "rng") in before  # the folders' entries too
     assert str(root / "latest.tmp") in before

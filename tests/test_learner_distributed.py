@@ -30,7 +30,14 @@ def test_two_ranks_match_one_rank(two_rank_results, tiny_model):
     one = run(out, str(tiny_model), world_tag="world1")  # in this process: a single-rank group
     for recipe in ("grpo", "ppo", "lora"):
         m1, m2 = one[recipe]["metrics"], two[recipe]["metrics"]
-        for key in ("loss/total", "grad_norm", "policy/clip_frac", "policy/entropy", "policy/iw_max", "first/grad_norm"):
+        for key in (
+            "loss/total",
+            "grad_norm",
+            "policy/clip_frac",
+            "policy/entropy",
+            "policy/iw_max",
+            "first/grad_norm",
+        ):
             if key in m1:
                 assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), (recipe, key)
         if recipe == "ppo":

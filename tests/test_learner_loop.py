@@ -14,8 +14,15 @@ import pytest
 
 from agentrl.net import free_port
 from agentrl.protocol import ActorAck, Progress, decode, encode
-from tests._learner_helpers import (PYTHON, ListSource, Recorder, make_agent_group, make_group,  # noqa: F401
-                                    subprocess_env, tiny_model)
+from tests._learner_helpers import (  # noqa: F401
+    PYTHON,
+    ListSource,
+    Recorder,
+    make_agent_group,
+    make_group,
+    subprocess_env,
+    tiny_model,
+)
 
 
 def _overrides(tiny_model, run_dir, **extra) -> list[str]:
@@ -89,16 +96,25 @@ def test_loop_trains_agent_groups_per_episode_and_reports_per_env(tiny_model, tm
 
     init_distributed("cpu")
     rng = np.random.default_rng(11)
-    cfg = load_config(None, _overrides(tiny_model, tmp_path, **{"learner.max_steps": 1, "learner.groups_per_step": 3,
-                                                                 "learner.loss_normalization": '"sequence"'}))
-    agent = [make_agent_group(rng, [3, 1, 2, 1], [1.0, 0.0, 0.0, 0.0], env="calc-agent", group_id=f"a{i}",
-                              success=True) for i in range(2)]
+    cfg = load_config(
+        None,
+        _overrides(
+            tiny_model,
+            tmp_path,
+            **{"learner.max_steps": 1, "learner.groups_per_step": 3, "learner.loss_normalization": '"sequence"'},
+        ),
+    )
+    agent = [
+        make_agent_group(rng, [3, 1, 2, 1], [1.0, 0.0, 0.0, 0.0], env="calc-agent", group_id=f"a{i}", success=True)
+        for i in range(2)
+    ]
     uniform = make_agent_group(rng, [2, 2, 1, 1], [1.0, 1.0, 1.0, 1.0], env="calc-agent", group_id="u", success=True)
     plain = make_group(rng, rewards=[1, 0, 1, 0], group_id="p")
     plain.env = "calculator"
     rec = Recorder()
-    learner = Learner(cfg, io=LearnerIO(source=ListSource([agent[0], uniform, plain, agent[1]]), progress=rec,
-                                        weights=rec))
+    learner = Learner(
+        cfg, io=LearnerIO(source=ListSource([agent[0], uniform, plain, agent[1]]), progress=rec, weights=rec)
+    )
     assert learner.run() == "done" and learner.trainer.step == 1
     [row] = [json.loads(line) for line in (tmp_path / "learner_metrics.jsonl").read_text().splitlines()]
     assert row["batch/groups"] == 3 and row["batch/episodes"] == 12 and row["batch/sequences"] == 7 + 7 + 4
@@ -128,7 +144,6 @@ def test_loop_waits_for_data_then_gives_up_cleanly(tiny_model, tmp_path):
     assert (tmp_path / "checkpoints" / "learn" / "latest").exists()
 
 
-
 def test_a_learner_starved_by_zero_variance_groups_says_so(tiny_model, tmp_path, caplog):
     """A warm start with almost no successes: every group's rewards are equal, dynamic sampling
     drops them all and no batch fills. The learner says so in plain words, and its counts by
@@ -142,8 +157,18 @@ def test_a_learner_starved_by_zero_variance_groups_says_so(tiny_model, tmp_path,
     init_distributed("cpu")
     rng = np.random.default_rng(0)
     flat = [make_group(rng, group_id=f"z{i}", session="s", seq=i, rewards=[0.0] * 4) for i in range(12)]
-    cfg = load_config(None, _overrides(tiny_model, tmp_path, **{
-        "learner.max_wait_for_data_s": 1.5, "learner.wait_log_interval_s": 0.5, "learner.dynamic_sampling": "true"}))
+    cfg = load_config(
+        None,
+        _overrides(
+            tiny_model,
+            tmp_path,
+            **{
+                "learner.max_wait_for_data_s": 1.5,
+                "learner.wait_log_interval_s": 0.5,
+                "learner.dynamic_sampling": "true",
+            },
+        ),
+    )
     learner = Learner(cfg, io=LearnerIO(source=ListSource(flat), progress=Recorder(), weights=Recorder()))
     with caplog.at_level(logging.WARNING, logger="agentrl.learner"):
         assert learner.run() == "data_timeout"
@@ -168,21 +193,27 @@ def test_a_learner_that_died_before_any_checkpoint_leaves_nothing_it_acknowledge
     init_distributed("cpu")
     rng = np.random.default_rng(1)
     groups = [make_group(rng, group_id=f"a{i}", session="s1", seq=i) for i in range(3)]
-    first = Learner(load_config(None, _overrides(tiny_model, tmp_path, **{"learner.max_steps": 1})),
-                    io=LearnerIO(source=ListSource(list(groups)), progress=Recorder(), weights=None))
+    first = Learner(
+        load_config(None, _overrides(tiny_model, tmp_path, **{"learner.max_steps": 1})),
+        io=LearnerIO(source=ListSource(list(groups)), progress=Recorder(), weights=None),
+    )
     first._checkpoint = lambda: 0.0  # dies before writing any
     assert first.run() == "done"
     assert not (tmp_path / "checkpoints" / "learn").exists() or not any((tmp_path / "checkpoints" / "learn").iterdir())
 
     rec = Recorder()
     resent = make_group(rng, group_id="a2-resent", session="s1", seq=2)
-    second = Learner(load_config(None, _overrides(tiny_model, tmp_path, **{"learner.max_steps": 1})),
-                     io=LearnerIO(source=ListSource([resent, make_group(rng, group_id="b", session="s2", seq=0)]),
-                                  progress=rec, weights=None))
+    second = Learner(
+        load_config(None, _overrides(tiny_model, tmp_path, **{"learner.max_steps": 1})),
+        io=LearnerIO(
+            source=ListSource([resent, make_group(rng, group_id="b", session="s2", seq=0)]), progress=rec, weights=None
+        ),
+    )
     assert second.run() == "done"
     assert second.lineage == first.lineage
-    assert rec.progress[0].actors == [ActorAck("test-actor", groups=3, session="s1", session_groups=3,
-                                               acked=[(0, 2)])]  # before anything new arrived
+    assert rec.progress[0].actors == [
+        ActorAck("test-actor", groups=3, session="s1", session_groups=3, acked=[(0, 2)])
+    ]  # before anything new arrived
     assert second.buffer.counters["duplicate"] == 1
     assert second.buffer.counters["received"] == 4 and second.buffer.counters["consumed"] == 2
 

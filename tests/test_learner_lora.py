@@ -50,8 +50,9 @@ def _peft_model(base_path, trainer):
 
     from agentrl.learner.lora import adapter_parameters, peft_name
 
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32),
-                           SPEC.peft_config(str(base_path)))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32), SPEC.peft_config(str(base_path))
+    )
     theirs = dict(model.named_parameters())
     with torch.no_grad():
         for name, p in adapter_parameters(trainer.policy):
@@ -74,9 +75,18 @@ def test_only_the_adapters_train_and_have_optimizer_state(tiny_model, dist_info)
     trainable = {n for n, p in trainer.policy.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
     assert {n.split(".lora_")[0] for n in trainable} == {
-        f"model.layers.{i}.{m}" for i in range(4) for m in
-        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+        f"model.layers.{i}.{m}"
+        for i in range(4)
+        for m in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        )
+    }
     before = _params(trainer)
     metrics = trainer.rl_step(fixed_samples(0))
     after = _params(trainer)
@@ -148,8 +158,13 @@ def test_the_merged_push_is_peft_merge_under_the_base_names(tiny_model, dist_inf
 
 
 def test_checkpoint_holds_the_adapters_and_resumes_the_next_step_exactly(tiny_model, dist_info, tmp_path):
-    from agentrl.learner.checkpoint import checkpoint_meta, dcp_reader, latest_checkpoint, load_checkpoint, \
-        save_checkpoint
+    from agentrl.learner.checkpoint import (
+        checkpoint_meta,
+        dcp_reader,
+        latest_checkpoint,
+        load_checkpoint,
+        save_checkpoint,
+    )
 
     kw = dict(warmup_steps=2, lr_schedule="cosine", total_steps=10, loss=PolicyLossConfig(kl_coef=0.05))
     first = _trainer(tiny_model, dist_info, **kw)
@@ -199,14 +214,16 @@ def test_export_merged_and_as_a_peft_adapter_give_the_learners_logits(tiny_model
     assert config["r"] == 4 and config["lora_alpha"] == 8.0 and config["peft_type"] == "LORA"
 
     plain = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
-    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32),
-                                        tmp_path / "adapter").eval()
+    adapted = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), tmp_path / "adapter"
+    ).eval()
     for model in (plain, adapted):
         for ours, theirs in zip(learner, _logprobs(model, samples)):
             assert torch.allclose(ours, theirs, atol=1e-5)
 
-    result = CliRunner().invoke(app, ["export", str(tmp_path / "ckpt"), str(tmp_path / "x"), "--base-model",
-                                      str(tmp_path / "nowhere")])
+    result = CliRunner().invoke(
+        app, ["export", str(tmp_path / "ckpt"), str(tmp_path / "x"), "--base-model", str(tmp_path / "nowhere")]
+    )
     assert result.exit_code == 2 and "--base-model" in result.output
     full = _trainer(tiny_model, dist_info, lora=None)
     save_checkpoint(tmp_path / "full", full)
@@ -235,9 +252,12 @@ def test_config_section():
     assert LoraSpec.from_config(load_config().learner.lora) is None  # rank 0: off
     assert cfg.learner.lora.served_adapter == ""  # merged pushes name no adapter
     assert load_config(None, ["learner.lora.rank=8", "learner.lora.sync=adapter"]).learner.lora.served_adapter
-    for bad, needle in ((["learner.lora.sync=adapter"], "rank > 0"), (["learner.lora.rnk=4"], "learner.lora.rnk"),
-                        (["learner.lora.rank=-1"], "learner.lora.rank"),
-                        (["learner.lora.rank=4", "learner.lora.target_modules=[]"], "target_modules")):
+    for bad, needle in (
+        (["learner.lora.sync=adapter"], "rank > 0"),
+        (["learner.lora.rnk=4"], "learner.lora.rnk"),
+        (["learner.lora.rank=-1"], "learner.lora.rank"),
+        (["learner.lora.rank=4", "learner.lora.target_modules=[]"], "target_modules"),
+    ):
         with pytest.raises(ConfigError, match=needle):
             load_config(None, bad)
 
@@ -264,10 +284,21 @@ def test_learn_loop_pushes_merged_weights_or_the_adapter_alone(tiny_model, tmp_p
     rng = np.random.default_rng(1)
     for sync in ("merged", "adapter"):
         rec = AdapterRecorder()
-        cfg = load_config(None, [f'model.path="{tiny_model}"', f'run.run_dir="{tmp_path / sync}"',
-                                 "learner.groups_per_step=2", "learner.max_tokens_per_microbatch=128",
-                                 "learner.max_steps=1", 'learner.device="cpu"', "tracking.enabled=false",
-                                 "actors.group_size=4", "learner.lora.rank=4", f"learner.lora.sync={sync}"])
+        cfg = load_config(
+            None,
+            [
+                f'model.path="{tiny_model}"',
+                f'run.run_dir="{tmp_path / sync}"',
+                "learner.groups_per_step=2",
+                "learner.max_tokens_per_microbatch=128",
+                "learner.max_steps=1",
+                'learner.device="cpu"',
+                "tracking.enabled=false",
+                "actors.group_size=4",
+                "learner.lora.rank=4",
+                f"learner.lora.sync={sync}",
+            ],
+        )
         groups = [make_group(rng, group_id=f"{sync}{i}") for i in range(2)]
         learner = Learner(cfg, io=LearnerIO(source=ListSource(groups), progress=rec, weights=rec))
         assert learner.run() == "done"
@@ -313,8 +344,9 @@ def test_a_peft_folder_is_read_only_when_it_is_a_plain_lora(tmp_path):
     a, b = torch.ones(2, 8), torch.ones(16, 2)
     good = read_adapter(folder("good", {f"{layer}.lora_A.weight": a, f"{layer}.lora_B.weight": b}))
     assert good.scaling == 2.0 and list(good.factors) == ["model.layers.0.self_attn.q_proj"]
-    assert read_adapter(folder("rs", {f"{layer}.lora_A.weight": a, f"{layer}.lora_B.weight": b},
-                               use_rslora=True)).scaling == pytest.approx(4 / 2 ** 0.5)
+    assert read_adapter(
+        folder("rs", {f"{layer}.lora_A.weight": a, f"{layer}.lora_B.weight": b}, use_rslora=True)
+    ).scaling == pytest.approx(4 / 2**0.5)
     bad = [
         (folder("nofile", None), "adapter_model.safetensors"),
         (folder("half", {f"{layer}.lora_A.weight": a}), "lacks lora_B"),

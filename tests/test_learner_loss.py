@@ -111,7 +111,9 @@ def test_decoupled_weights_clamp_and_mask():
     loss, m = policy_loss(prox, prox, behav, adv, mask, cfg)
     assert loss.item() == pytest.approx(-2.0 / 2, abs=1e-5)  # token 1 masked, still counted in N
     # the ratio is to the proximal policy: moving theta away from prox is clipped around prox
-    loss, m = policy_loss(prox + L(1.5), prox, behav, adv, mask, PolicyLossConfig(decoupled=True, behavior_weight_cap=5.0))
+    loss, m = policy_loss(
+        prox + L(1.5), prox, behav, adv, mask, PolicyLossConfig(decoupled=True, behavior_weight_cap=5.0)
+    )
     assert loss.item() == pytest.approx(-(2.0 * 1.2 + 3.0 * 1.2) / 2, abs=1e-5)
     assert m["clip_frac_high"].item() == pytest.approx(1.0)
 

@@ -16,20 +16,44 @@ import numpy as np
 import pytest
 
 from agentrl.config import load_config
-from agentrl.net import free_port
 from agentrl.learner.launch import Nodes, check_rank0_addresses, torchrun_command
+from agentrl.net import free_port
 from tests._learner_helpers import PYTHON, make_group, subprocess_env, tiny_model  # noqa: F401
 
 
 def test_torchrun_command_for_one_and_several_nodes(tmp_path):
     config = tmp_path / "c.toml"
     one = torchrun_command("learn", config, ["learner.lr=1e-5"], 4)
-    assert one == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m",
-                   "agentrl.learner.launch", "learn", "--config", str(config), "--set", "learner.lr=1e-5"]
+    assert one == [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=4",
+        "-m",
+        "agentrl.learner.launch",
+        "learn",
+        "--config",
+        str(config),
+        "--set",
+        "learner.lr=1e-5",
+    ]
     nodes = Nodes(nnodes=2, rdzv_endpoint="head:29400", rdzv_id="job7", local_addr="node-b")
     two = torchrun_command("learn", config, [], 8, nodes)
-    assert two[3:15] == ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "head:29400", "--rdzv-id",
-                         "job7", "--local-addr", "node-b", "--nproc-per-node=8", "-m"]
+    assert two[3:15] == [
+        "--nnodes",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "head:29400",
+        "--rdzv-id",
+        "job7",
+        "--local-addr",
+        "node-b",
+        "--nproc-per-node=8",
+        "-m",
+    ]
     with pytest.raises(ValueError, match="--nnodes 2 needs --rdzv-endpoint"):
         torchrun_command("learn", config, [], 8, Nodes(nnodes=2))
 
@@ -46,14 +70,23 @@ def test_several_nodes_need_a_shared_run_folder_and_an_endpoint():
 
 
 def test_rank0_refuses_addresses_that_are_not_its_own():
-    ok = load_config(None, ["actors.trajectory_endpoint=tcp://0.0.0.0:5557",
-                            f"actors.progress_endpoint=tcp://{socket.gethostname()}:5558",
-                            "engine.urls=['http://10.1.2.3:30000']", "learner.weight_sync_address=localhost"])
+    ok = load_config(
+        None,
+        [
+            "actors.trajectory_endpoint=tcp://0.0.0.0:5557",
+            f"actors.progress_endpoint=tcp://{socket.gethostname()}:5558",
+            "engine.urls=['http://10.1.2.3:30000']",
+            "learner.weight_sync_address=localhost",
+        ],
+    )
     check_rank0_addresses(ok)
     # 192.0.2.0/24 is TEST-NET-1: never an address of this machine
     far = load_config(None, ["engine.urls=['http://e:1']", "learner.weight_sync_address=192.0.2.7"])
-    with pytest.raises(ValueError, match=r"learner.weight_sync_address points at '192.0.2.7', which is not this "
-                                         r"machine.*--local-addr sorts first"):
+    with pytest.raises(
+        ValueError,
+        match=r"learner.weight_sync_address points at '192.0.2.7', which is not this "
+        r"machine.*--local-addr sorts first",
+    ):
         check_rank0_addresses(far)
     with pytest.raises(ValueError, match="actors.trajectory_endpoint points at 'no-such-host.invalid'"):
         check_rank0_addresses(load_config(None, ["actors.trajectory_endpoint=tcp://no-such-host.invalid:5557"]))
@@ -62,7 +95,7 @@ def test_rank0_refuses_addresses_that_are_not_its_own():
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_two_learner_nodes_train_and_push_weights_into_a_real_engine(tiny_model, tmp_path):  # noqa: F811
+def test_two_learner_nodes_train_and_push_weights_into_a_real_engine(tiny_model, tmp_path):
     import httpx
     import zmq
 
@@ -104,10 +137,32 @@ enabled = false
     job = f"two-nodes-{uuid.uuid4().hex[:8]}"
 
     def node(local_addr: str) -> subprocess.Popen:
-        argv = [PYTHON, "-m", "agentrl", "learn", "--config", str(config), "--nproc", "1", "--nnodes", "2",
-                "--rdzv-endpoint", rdzv, "--rdzv-id", job, "--local-addr", local_addr]
-        return subprocess.Popen(argv, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
+        argv = [
+            PYTHON,
+            "-m",
+            "agentrl",
+            "learn",
+            "--config",
+            str(config),
+            "--nproc",
+            "1",
+            "--nnodes",
+            "2",
+            "--rdzv-endpoint",
+            rdzv,
+            "--rdzv-id",
+            job,
+            "--local-addr",
+            local_addr,
+        ]
+        return subprocess.Popen(
+            argv,
+            env=subprocess_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
 
     # c10d numbers nodes by their address in sorted order: "127.0.0.1" < "localhost", so the node
     # started second is rank 0 (it binds the sockets and leads the weight push)
@@ -133,8 +188,11 @@ enabled = false
         raise AssertionError(f"no progress with policy version {version}")
 
     prompt = [5, 17, 42, 99, 7]
-    body = {"input_ids": prompt, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}}
+    body = {
+        "input_ids": prompt,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True},
+    }
     try:
         wait_ready(engine.url, 240, process=engine.process)
         before = httpx.post(engine.url + "/generate", json=body, timeout=60).json()

@@ -218,7 +218,9 @@ def test_sft_masks_assistant_tokens_only(tiny_model):
         {
             "role": "assistant",
             "content": "",
-            "tool_calls": [{"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2 + 3"}}}],
+            "tool_calls": [
+                {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2 + 3"}}}
+            ],
         },
         {"role": "tool", "content": "5"},
         {"role": "assistant", "content": "The answer is 5."},
@@ -306,7 +308,7 @@ def _echo_env_class():
     return _EchoEnv
 
 
-EchoEnv = _echo_env_class()  # noqa: F811
+EchoEnv = _echo_env_class()
 
 
 def test_sft_demonstrations_from_an_env(tiny_model):
@@ -335,8 +337,9 @@ def test_sft_reports_bad_data(tmp_path, tiny_model):
     from agentrl.learner.sft import load_jsonl
 
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
-                   '{"nope": 1}\n')
+    bad.write_text(
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n{"nope": 1}\n'
+    )
     with pytest.raises(ValueError, match="bad.jsonl:2"):
         load_jsonl(bad)
     assert load_config(None, [f'sft.data="{bad}"']).sft.data == str(bad)
@@ -348,9 +351,8 @@ def test_weight_broadcast_makes_a_real_engine_match_the_learner(tiny_model, dist
     import httpx
     from transformers import AutoModelForCausalLM
 
-    from agentrl.learner.weight_push import WeightUpdater
     from agentrl.learner.trainer import Trainer
-    from agentrl.learner.weight_push import iter_full_tensors, push_weights
+    from agentrl.learner.weight_push import WeightUpdater, iter_full_tensors, push_weights
     from tests.conftest_engine import Teacher, max_abs_diff, start_engines
 
     trainer = Trainer(_spec(tiny_model, lr=5e-2), dist_info)
@@ -360,8 +362,11 @@ def test_weight_broadcast_makes_a_real_engine_match_the_learner(tiny_model, dist
     try:
         updater.connect()
         prompt = [5, 17, 42, 99, 7]
-        body = {"input_ids": prompt, "return_logprob": True,
-                "sampling_params": {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}}
+        body = {
+            "input_ids": prompt,
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True},
+        }
         before = httpx.post(engine.url + "/generate", json=body, timeout=60).json()
         push_weights(trainer.policy, updater, 1, bucket_bytes=256 << 10, dtype=torch.float32)
         after = httpx.post(engine.url + "/generate", json=body, timeout=60).json()

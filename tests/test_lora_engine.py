@@ -39,8 +39,11 @@ def _trainer(path, dist_info):
 
 
 def _generate(url: str, lora_path=None, prompt=PROMPT, n: int = 10) -> httpx.Response:
-    body = {"input_ids": prompt, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}}
+    body = {
+        "input_ids": prompt,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True},
+    }
     if lora_path is not None:
         body["lora_path"] = lora_path
     return httpx.post(url + "/generate", json=body, timeout=60)
@@ -62,8 +65,7 @@ def _merged_teacher(base_path, trainer) -> Teacher:
     return Teacher(model)
 
 
-def test_adapter_pushes_serve_the_learners_policy_and_unload_restores_the_base(tiny_model, dist_info, engine,
-                                                                               tmp_path):
+def test_adapter_pushes_serve_the_learners_policy_and_unload_restores_the_base(tiny_model, dist_info, engine, tmp_path):
     from agentrl.learner.weight_push import WeightUpdater, push_adapter
 
     url = engine.url
@@ -74,8 +76,14 @@ def test_adapter_pushes_serve_the_learners_policy_and_unload_restores_the_base(t
     try:
         for version in (1, 2):  # the second push unloads the first adapter, then loads the new one
             trainer.rl_step(fixed_samples(20 + version))
-            stats = push_adapter(trainer.policy, updater, version, folder_root=tmp_path / "adapters", spec=SPEC,
-                                 base_model_path=str(tiny_model))
+            stats = push_adapter(
+                trainer.policy,
+                updater,
+                version,
+                folder_root=tmp_path / "adapters",
+                spec=SPEC,
+                base_model_path=str(tiny_model),
+            )
             assert stats["bytes"] == sum(p.numel() * 4 for n, p in trainer.policy.named_parameters() if p.requires_grad)
             resp = _generate(url, LORA_ADAPTER_NAME)
             out, lp = _logprobs(resp)
@@ -118,12 +126,19 @@ def test_lora_routes_answer_as_sglang_and_lora_path_is_checked(tiny_model, dist_
     assert no_name.status_code == 400 and "lora_name" in no_name.json()["message"]  # SGLang's ErrorResponse
     before = _logprobs(_generate(url))
     for name, (a_shape, b_shape), needle in (
-            ("model.layers.99.self_attn.q_proj", ((4, 128), (128, 4)), "no layer"),
-            ("model.layers.0.self_attn.q_proj", ((4, 3), (5, 4)), "the weight is"),
-            ("model.layers.0.self_attn", ((4, 128), (128, 4)), "no layer")):
+        ("model.layers.99.self_attn.q_proj", ((4, 128), (128, 4)), "no layer"),
+        ("model.layers.0.self_attn.q_proj", ((4, 3), (5, 4)), "the weight is"),
+        ("model.layers.0.self_attn", ((4, 128), (128, 4)), "no layer"),
+    ):
         bad = tmp_path / f"bad{len(needle)}{a_shape[1]}"
-        write_adapter(bad, {f"{name}.lora_A.default.weight": torch.ones(a_shape),
-                            f"{name}.lora_B.default.weight": torch.ones(b_shape)}, SPEC)
+        write_adapter(
+            bad,
+            {
+                f"{name}.lora_A.default.weight": torch.ones(a_shape),
+                f"{name}.lora_B.default.weight": torch.ones(b_shape),
+            },
+            SPEC,
+        )
         refused = httpx.post(url + "/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(bad)}, timeout=30)
         assert refused.status_code == 400 and needle in refused.json()["error_message"], refused.text
     after_out, after_lp = _logprobs(_generate(url))
@@ -141,9 +156,15 @@ def test_lora_routes_answer_as_sglang_and_lora_path_is_checked(tiny_model, dist_
         assert again.status_code == 400 and "already loaded" in again.json()["error_message"]
         second = httpx.post(url + "/load_lora_adapter", json={"lora_name": "b", "lora_path": str(folder)})
         assert second.status_code == 400 and "one LoRA adapter at a time" in second.json()["error_message"]
-        batch = httpx.post(url + "/generate", timeout=60, json={
-            "input_ids": [PROMPT, PROMPT], "lora_path": ["a", None],
-            "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}})
+        batch = httpx.post(
+            url + "/generate",
+            timeout=60,
+            json={
+                "input_ids": [PROMPT, PROMPT],
+                "lora_path": ["a", None],
+                "sampling_params": {"max_new_tokens": 2, "temperature": 0.0},
+            },
+        )
         assert batch.status_code == 200 and len(batch.json()) == 2
         wrong = httpx.post(url + "/unload_lora_adapter", json={"lora_name": "b"})
         assert wrong.status_code == 400 and "LoRA with name b does not exist" in wrong.json()["error_message"]
@@ -154,8 +175,16 @@ def test_lora_routes_answer_as_sglang_and_lora_path_is_checked(tiny_model, dist_
     httpx.post(url + "/pause_generation", json={"mode": "abort"}, timeout=10)
     try:
         with pytest.raises(httpx.ReadTimeout):  # accepted: it waits in the queue like any paused request
-            httpx.post(url + "/generate", json={"input_ids": PROMPT, "lora_path": "a", "rid": "paused-lora",
-                                                "sampling_params": {"max_new_tokens": 1}}, timeout=1.0)
+            httpx.post(
+                url + "/generate",
+                json={
+                    "input_ids": PROMPT,
+                    "lora_path": "a",
+                    "rid": "paused-lora",
+                    "sampling_params": {"max_new_tokens": 1},
+                },
+                timeout=1.0,
+            )
     finally:
         httpx.post(url + "/abort_request", json={"rid": "paused-lora"}, timeout=10)
         httpx.post(url + "/continue_generation", json={}, timeout=10)
@@ -208,17 +237,29 @@ def test_a_full_update_under_a_merged_adapter_replaces_the_base_beneath_it(tiny_
 def _adapter_run(tiny_model, run_dir):
     """A planned ``sync = "adapter"`` run with one engine, the engine's ChildSpec (as ``agentrl run``
     starts and restarts it) and a learner on it (its real weight updater, no actors)."""
-    from agentrl.run.process_plan import engine_specs, plan_config
     from agentrl.config import load_config
     from agentrl.learner.loop import Learner, LearnerIO
     from agentrl.learner.weight_push import WeightUpdater
     from agentrl.run.placement import placement_for
+    from agentrl.run.process_plan import engine_specs, plan_config
     from tests._learner_helpers import ListSource, Recorder
 
-    cfg = load_config(None, [f'model.path="{tiny_model}"', f'run.run_dir="{run_dir}"', "run.torch_num_threads=1",
-                             "learner.lora.rank=4", "learner.lora.alpha=8.0", "learner.lora.sync=adapter",
-                             'learner.device="cpu"', "learner.max_tokens_per_microbatch=96", "learner.lr=5e-2",
-                             "tracking.enabled=false", "engine.max_context_tokens=1024"])
+    cfg = load_config(
+        None,
+        [
+            f'model.path="{tiny_model}"',
+            f'run.run_dir="{run_dir}"',
+            "run.torch_num_threads=1",
+            "learner.lora.rank=4",
+            "learner.lora.alpha=8.0",
+            "learner.lora.sync=adapter",
+            'learner.device="cpu"',
+            "learner.max_tokens_per_microbatch=96",
+            "learner.lr=5e-2",
+            "tracking.enabled=false",
+            "engine.max_context_tokens=1024",
+        ],
+    )
     placement = placement_for(cfg, ())
     cfg = plan_config(cfg, run_dir, str(tiny_model), placement)
     (spec,) = engine_specs(cfg, run_dir, placement)
@@ -251,23 +292,24 @@ async def _until(condition, timeout_s: float, what: str) -> None:
         await trio.sleep(0.05)
 
 
-async def _episode_waits_until(url: str, tokenizer, bring_adapter) -> "object":
+async def _episode_waits_until(url: str, tokenizer, bring_adapter) -> object:
     """An actor's episode naming the adapter on ``url``; once it waits, ``bring_adapter()`` runs
     (in a thread, as the learner's process would); returns the episode's trajectory."""
     import trio
 
-    from agentrl.episode import rollout
-    from agentrl.episode.rollout import EpisodeLimits, run_episode, toolbox_for
     from agentrl.engine.client import EngineClient
     from agentrl.envs.base import Task
+    from agentrl.episode import rollout
+    from agentrl.episode.rollout import EpisodeLimits, run_episode, toolbox_for
     from tests._actors_user_env import AddEnv
 
     env, out = AddEnv(), {}
     limits = EpisodeLimits(max_turns=2, max_new_tokens_per_turn=8, max_total_tokens=512)
 
     async def play(client) -> None:
-        out["traj"] = await run_episode(client, tokenizer, env, toolbox_for(env), Task(id="t", data={"a": 1, "b": 2}),
-                                        {"temperature": 0.0}, limits)
+        out["traj"] = await run_episode(
+            client, tokenizer, env, toolbox_for(env), Task(id="t", data={"a": 1, "b": 2}), {"temperature": 0.0}, limits
+        )
 
     async with EngineClient([url], lora_path=LORA_ADAPTER_NAME) as client:
         with trio.fail_after(200):

@@ -108,8 +108,10 @@ def test_chat_template_with_tools_round_trips(built) -> None:
     assert report["reencoded"] == report["ids"]  # and tokenizing the text gives the same ids
     text = report["text"]
     # tools are rendered as compact signatures, so the tiny model's prompts stay short
-    assert text.startswith("<|im_start|>system\nYou are careful.\n\n# Tools\n"
-                           "calculator(expression: string): Evaluate arithmetic.\nCall a tool with <tool_call>")
+    assert text.startswith(
+        "<|im_start|>system\nYou are careful.\n\n# Tools\n"
+        "calculator(expression: string): Evaluate arithmetic.\nCall a tool with <tool_call>"
+    )
     assert '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * (3 + 4)"}}\n</tool_call>' in text
     assert "<|im_start|>user\n<tool_response>\n84\n</tool_response><|im_end|>\n" in text
     assert text.endswith("<|im_start|>assistant\nThe answer is 84.<|im_end|>\n")

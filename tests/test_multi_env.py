@@ -28,17 +28,25 @@ def write_config(tmp_path, text: str, *overrides: str):
 
 def test_evaluation_reports_every_env_and_their_sum(tmp_path_factory, tmp_path):
     from agentrl.episode.rollout import describe_problems
-    from agentrl.run.evaluate import eval_metrics
-    from agentrl.run.evaluate import evaluate_policy
+    from agentrl.run.evaluate import eval_metrics, evaluate_policy
 
     tok_dir = tiny_tokenizer_dir(tmp_path_factory)
     tokenizer = load_tokenizer(tok_dir)
 
     with ScriptedEngine(TurnScript(tokenizer, prompt_solver)) as engine:
-        cfg = write_config(tmp_path, ENVS, f'model.path="{tok_dir}"', f'engine.urls=["{engine.url}"]',
-                           "eval.num_tasks=6", "eval.split=test", "engine.request_retries=0")
+        cfg = write_config(
+            tmp_path,
+            ENVS,
+            f'model.path="{tok_dir}"',
+            f'engine.urls=["{engine.url}"]',
+            "eval.num_tasks=6",
+            "eval.split=test",
+            "engine.request_retries=0",
+        )
         result = trio.run(evaluate_policy, cfg)
-        sampled = trio.run(evaluate_policy, cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"greedy": False})}))
+        sampled = trio.run(
+            evaluate_policy, cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"greedy": False})})
+        )
     assert set(result["by_env"]) == {"add", "add-agent"}
     add, agent = result["by_env"]["add"], result["by_env"]["add-agent"]
     assert add["n"] == agent["n"] == 6 and result["n"] == 12 and result["n_failed"] == 0
@@ -65,9 +73,11 @@ def test_dry_run_checks_each_env_and_understands_agent_envs(tmp_path):
 
     # an agent env without run(), an env whose tasks raise, and two envs with one name
     broken = tmp_path / "broken.py"
-    broken.write_text("from agentrl.agents import AgentEnv\n"
-                      "class NoRun(AgentEnv):\n    name = 'add'\n"
-                      "    def tasks(self, split='train', seed=0):\n        raise KeyError('no data')\n")
+    broken.write_text(
+        "from agentrl.agents import AgentEnv\n"
+        "class NoRun(AgentEnv):\n    name = 'add'\n"
+        "    def tasks(self, split='train', seed=0):\n        raise KeyError('no data')\n"
+    )
     report = check_env(write_config(tmp_path, ENVS + f'[[envs]]\ncls = "{broken}:NoRun"\n', "sft.enabled=true"))
     problems = "\n".join(report.problems)
     assert "envs.2 (add): NoRun is an AgentEnv without run(task, client)" in problems

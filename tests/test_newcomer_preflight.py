@@ -20,8 +20,8 @@ from agentrl.run.preflight import DEMOS_CHECKED, check_env, summary_lines
 ROOT = Path(__file__).resolve().parent.parent
 
 # A two-tool unit-conversion env, as a newcomer writes it: its table lives in a module next to it.
-UNIT_TABLE = '''FACTORS = {("km", "m"): 1000, ("kg", "g"): 1000, ("h", "min"): 60}
-'''
+UNIT_TABLE = """FACTORS = {("km", "m"): 1000, ("kg", "g"): 1000, ("h", "min"): 60}
+"""
 
 UNITS_ENV = '''
 import math
@@ -140,13 +140,20 @@ def tiny_model(fresh_clone) -> Path:
 
 
 def _cfg(env_dir: Path, cls: str, model: Path, *extra: str):
-    return load_config(None, [f"env.cls={env_dir / 'units_env.py'}:{cls}", f"model.path={model}",
-                              "sft.enabled=true", *extra])
+    return load_config(
+        None, [f"env.cls={env_dir / 'units_env.py'}:{cls}", f"model.path={model}", "sft.enabled=true", *extra]
+    )
 
 
 def _agentrl(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "agentrl", *args], capture_output=True, text=True, timeout=300,
-                          cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return subprocess.run(
+        [sys.executable, "-m", "agentrl", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
 
 
 def test_a_sound_env_from_a_file_that_imports_its_sibling_passes(env_dir: Path, tiny_model: Path) -> None:
@@ -159,14 +166,22 @@ def test_a_sound_env_from_a_file_that_imports_its_sibling_passes(env_dir: Path, 
     assert "answered 'I do not know.': 0" in text
 
 
-@pytest.mark.parametrize("cls, expected", [
-    ("RaisingReward", "the demonstration of task 'train-0': reward of RaisingReward failed: KeyError: 'dozens'"),
-    ("NanReward", "the demonstration of task 'train-0': reward of NanReward is not finite: nan"),
-    ("UnknownTool", "the demonstration of task 'train-0', message 3: calls the unknown tool 'times'; "
-                    "the env's tools: factor, multiply"),
-    ("BadArguments", "the demonstration of task 'train-0', message 1: factor is missing required argument(s): "
-                     "from_unit"),
-])
+@pytest.mark.parametrize(
+    "cls, expected",
+    [
+        ("RaisingReward", "the demonstration of task 'train-0': reward of RaisingReward failed: KeyError: 'dozens'"),
+        ("NanReward", "the demonstration of task 'train-0': reward of NanReward is not finite: nan"),
+        (
+            "UnknownTool",
+            "the demonstration of task 'train-0', message 3: calls the unknown tool 'times'; "
+            "the env's tools: factor, multiply",
+        ),
+        (
+            "BadArguments",
+            "the demonstration of task 'train-0', message 1: factor is missing required argument(s): from_unit",
+        ),
+    ],
+)
 def test_each_broken_piece_is_a_problem(env_dir: Path, tiny_model: Path, cls: str, expected: str) -> None:
     report = check_env(_cfg(env_dir, cls, tiny_model))
     assert not report.ok
@@ -191,13 +206,16 @@ def test_bad_calls_past_the_first_few_are_counted(env_dir: Path, tiny_model: Pat
     problems, notes = checker.finish()
     assert len(problems) == MAX_CALL_PROBLEMS + 1
     assert problems[-1] == "... and 4 more bad tool calls in the demonstrations (SFT would teach the model these calls)"
-    assert notes == [f"demonstrations: {MAX_CALL_PROBLEMS + 4} checked ({2 * (MAX_CALL_PROBLEMS + 4)} tool calls), "
-                     "rewards of the first 0: -"]
+    assert notes == [
+        f"demonstrations: {MAX_CALL_PROBLEMS + 4} checked ({2 * (MAX_CALL_PROBLEMS + 4)} tool calls), "
+        "rewards of the first 0: -"
+    ]
     assert DEMOS_CHECKED >= 3
 
 
-def test_dry_run_and_make_demos_exit_2_for_a_raising_reward_and_an_unknown_tool(env_dir: Path, tiny_model: Path,
-                                                                               tmp_path: Path) -> None:
+def test_dry_run_and_make_demos_exit_2_for_a_raising_reward_and_an_unknown_tool(
+    env_dir: Path, tiny_model: Path, tmp_path: Path
+) -> None:
     """The real CLI, in the newcomer's own folder (relative env path; the sibling import works there)."""
     sets = ["-s", f"model.path={tiny_model}", "-s", "sft.enabled=true"]
     config = tmp_path / "run.toml"
@@ -205,18 +223,33 @@ def test_dry_run_and_make_demos_exit_2_for_a_raising_reward_and_an_unknown_tool(
     out = _agentrl("run", str(config), "--dry-run", *sets, "-s", "env.cls=units_env.py:RaisingReward", cwd=env_dir)
     assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
     assert "# env check: " in out.stdout and "problem(s)" in out.stdout
-    assert "PROBLEM: the demonstration of task 'train-0': reward of RaisingReward failed: KeyError: 'dozens'" in out.stdout
+    assert (
+        "PROBLEM: the demonstration of task 'train-0': reward of RaisingReward failed: KeyError: 'dozens'" in out.stdout
+    )
 
     demos = tmp_path / "demos.jsonl"
-    out = _agentrl("make-demos", str(config), "-o", str(demos), "-n", "5", *sets, "-s", "env.cls=units_env.py:UnknownTool",
-                   cwd=env_dir)
+    out = _agentrl(
+        "make-demos",
+        str(config),
+        "-o",
+        str(demos),
+        "-n",
+        "5",
+        *sets,
+        "-s",
+        "env.cls=units_env.py:UnknownTool",
+        cwd=env_dir,
+    )
     assert out.returncode == 2, out.stdout + out.stderr
-    assert "make-demos: PROBLEM: units: the demonstration of task 'train-0', message 3: calls the unknown tool 'times'" \
+    assert (
+        "make-demos: PROBLEM: units: the demonstration of task 'train-0', message 3: calls the unknown tool 'times'"
         in out.stderr
+    )
     assert not demos.exists() and not list(tmp_path.glob("demos.jsonl*"))  # nothing written, no partial file left
 
-    out = _agentrl("make-demos", str(config), "-o", str(demos), "-n", "5", *sets, "-s", "env.cls=units_env.py:Units",
-                   cwd=env_dir)
+    out = _agentrl(
+        "make-demos", str(config), "-o", str(demos), "-n", "5", *sets, "-s", "env.cls=units_env.py:Units", cwd=env_dir
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     records = [json.loads(line) for line in demos.read_text().splitlines()]
     assert len(records) == 3 and records[0]["tools"][0]["function"]["name"] == "factor"
@@ -239,9 +272,11 @@ def test_a_fresh_clone_builds_the_tiny_model_or_names_the_command(fresh_clone, e
 
     report = check_env(_cfg(env_dir, "Units", bigger, "model.init_size="))
     assert not report.ok and not bigger.exists()
-    assert report.problems == [f"no model at {bigger} (config.json missing) and model.init_size is empty, so a run "
-                               f"cannot start: build one with `agentrl init-model {bigger} --size tiny --seed 0`, or "
-                               "set model.path to a Hugging Face model folder"]
+    assert report.problems == [
+        f"no model at {bigger} (config.json missing) and model.init_size is empty, so a run "
+        f"cannot start: build one with `agentrl init-model {bigger} --size tiny --seed 0`, or "
+        "set model.path to a Hugging Face model folder"
+    ]
 
 
 def test_a_tool_error_raised_on_purpose_is_not_a_crash(env_dir: Path) -> None:

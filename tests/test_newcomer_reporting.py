@@ -12,8 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.actors.metrics import (MAX_REWARD_ERROR_KINDS, OTHER_REWARD_ERRORS, REWARD_ERRORS_MARKER, ActorStats,
-                                    RewardErrors, parse_reward_errors)
+from agentrl.actors.metrics import (
+    MAX_REWARD_ERROR_KINDS,
+    OTHER_REWARD_ERRORS,
+    REWARD_ERRORS_MARKER,
+    ActorStats,
+    RewardErrors,
+    parse_reward_errors,
+)
 from agentrl.config import ConfigError, load_config
 from agentrl.protocol import Trajectory, TrajectoryGroup
 
@@ -52,8 +58,16 @@ def _group(env: str, errors: list[str | None]) -> TrajectoryGroup:
     trajectories = []
     for i, error in enumerate(errors):
         md = {"episode_id": f"e{i}", "finish_reason": "answer", **({"reward_error": error} if error else {})}
-        trajectories.append(Trajectory(tokens=[1, 2, 3], loss_mask=[0, 1, 1], behavior_logprobs=[0.0, -1.0, -1.0],
-                                       weight_versions=[0, 0, 0], reward=0.0, metadata=md))
+        trajectories.append(
+            Trajectory(
+                tokens=[1, 2, 3],
+                loss_mask=[0, 1, 1],
+                behavior_logprobs=[0.0, -1.0, -1.0],
+                weight_versions=[0, 0, 0],
+                reward=0.0,
+                metadata=md,
+            )
+        )
     return TrajectoryGroup(group_id="g", task_id="t", env=env, trajectories=trajectories)
 
 
@@ -61,13 +75,16 @@ def test_actor_stats_log_each_reward_error_once_and_count_it(actor_log, tmp_path
     path = actor_log(0)
     stats = ActorStats()
     for _ in range(3):
-        stats.add_group(_group("units", ["reward of U failed: KeyError: 'dozen'", None, "reward of U failed: KeyError: 'dozen'"]))
+        stats.add_group(
+            _group("units", ["reward of U failed: KeyError: 'dozen'", None, "reward of U failed: KeyError: 'dozen'"])
+        )
     stats.add_group(_group("units", ["reward of U is not finite: nan"]))
     summary = stats.summary()  # the final report: its line goes out whatever the time since the last
     assert summary["reward_errors"] == 7
     assert summary["reward_error_kinds"] == [
         {"env": "units", "error": "reward of U failed: KeyError: 'dozen'", "count": 6},
-        {"env": "units", "error": "reward of U is not finite: nan", "count": 1}]
+        {"env": "units", "error": "reward of U is not finite: nan", "count": 1},
+    ]
     text = path.read_text()
     assert text.count("(first of its kind, counted from now on): reward of U failed: KeyError: 'dozen'") == 1
     assert text.count("(first of its kind, counted from now on): reward of U is not finite: nan") == 1
@@ -110,20 +127,27 @@ def test_the_run_reads_every_actor_process_and_says_each_error_once(actor_log, t
         other.write(force=True)
         state.read_reward_errors()
         state.read_reward_errors()
-    assert state.reward_errors == [{"env": "calc", "error": "KeyError: 'dozen'", "count": 3},
-                                   {"env": "search", "error": "ValueError: [no] answer", "count": 2}]
+    assert state.reward_errors == [
+        {"env": "calc", "error": "KeyError: 'dozen'", "count": 3},
+        {"env": "search", "error": "ValueError: [no] answer", "count": 2},
+    ]
     said = [r.getMessage() for r in caplog.records if r.name == "agentrl.run.stages"]
-    assert said == ["actors: reward error in env calc: KeyError: 'dozen' (episodes scored 0; counted in summary.json "
-                    "reward_errors)", "actors: reward error in env search: ValueError: [no] answer (episodes scored 0; "
-                    "counted in summary.json reward_errors)"]
+    assert said == [
+        "actors: reward error in env calc: KeyError: 'dozen' (episodes scored 0; counted in summary.json "
+        "reward_errors)",
+        "actors: reward error in env search: ValueError: [no] answer (episodes scored 0; "
+        "counted in summary.json reward_errors)",
+    ]
     assert " | reward errors 5" in progress_line(state, cfg)
 
     from rich.console import Console
 
     console = Console(width=250, record=True)
     console.print(_table(state, cfg))  # the message's [brackets] are text, not markup
-    assert re.search(r"reward errors +│ 5 episodes scored 0 \(2 kinds; most: 3 × env calc: KeyError: 'dozen'\)",
-                     console.export_text()), console.export_text()
+    assert re.search(
+        r"reward errors +│ 5 episodes scored 0 \(2 kinds; most: 3 × env calc: KeyError: 'dozen'\)",
+        console.export_text(),
+    ), console.export_text()
 
 
 def test_summary_holds_the_reward_errors(actor_log, tmp_path: Path) -> None:
@@ -143,9 +167,14 @@ def test_evaluations_are_logged_at_the_step_they_describe() -> None:
     def result(rate: float, **extra) -> dict:
         return {"n": 4, "success_rate": rate, "reward_mean": rate, "success_by_group": {}, **extra}
 
-    summary = {"eval_before": result(0.25), "evals_during_training": [result(0.5, policy_version=10)],
-               "eval_after": result(0.75), "success_rise": 0.5, "learner_steps": 20,
-               "reward_errors": [{"env": "calc", "error": "KeyError", "count": 7}]}
+    summary = {
+        "eval_before": result(0.25),
+        "evals_during_training": [result(0.5, policy_version=10)],
+        "eval_after": result(0.75),
+        "success_rise": 0.5,
+        "learner_steps": 20,
+        "reward_errors": [{"env": "calc", "error": "KeyError", "count": 7}],
+    }
     steps = {step: metrics for step, metrics in summary_metrics(summary)}
     assert sorted(steps) == [0, 10, 20]
     assert steps[0]["eval_before/success_rate"] == 0.25 and not any(k.startswith("eval_after") for k in steps[0])
@@ -154,13 +183,16 @@ def test_evaluations_are_logged_at_the_step_they_describe() -> None:
     assert steps[20]["actors/reward_errors"] == 7
 
 
-@pytest.mark.parametrize("override, key, suggestion", [
-    ("learner.lrr=0.1", "learner.lrr", "learner.lr"),
-    ("sft.num_demos=5", "sft.num_demos", "sft.num_demonstrations"),
-    ("lerner.lr=0.1", "lerner", "learner"),  # an unknown section
-    ("env.clss=x:Y", "env.clss", "env.cls"),
-    ("learner.lora.rnk=4", "learner.lora.rnk", "learner.lora.rank"),
-])
+@pytest.mark.parametrize(
+    "override, key, suggestion",
+    [
+        ("learner.lrr=0.1", "learner.lrr", "learner.lr"),
+        ("sft.num_demos=5", "sft.num_demos", "sft.num_demonstrations"),
+        ("lerner.lr=0.1", "lerner", "learner"),  # an unknown section
+        ("env.clss=x:Y", "env.clss", "env.cls"),
+        ("learner.lora.rnk=4", "learner.lora.rnk", "learner.lora.rank"),
+    ],
+)
 def test_unknown_keys_get_did_you_mean(override: str, key: str, suggestion: str) -> None:
     with pytest.raises(ConfigError) as e:
         load_config(None, [override])
@@ -190,8 +222,11 @@ def test_every_commands_help_keeps_its_bracketed_text() -> None:
     for command in app.registered_commands:
         name = command.name or command.callback.__name__
         texts = [inspect.getdoc(command.callback) or ""]
-        texts += [getattr(a, "help", "") or "" for p in inspect.signature(command.callback).parameters.values()
-                  for a in getattr(p.annotation, "__metadata__", ())]
+        texts += [
+            getattr(a, "help", "") or ""
+            for p in inspect.signature(command.callback).parameters.values()
+            for a in getattr(p.annotation, "__metadata__", ())
+        ]
         words = {w.replace("\\[", "[") for t in texts for w in re.findall(r"(?:\\?\[)+[^\]\s]*\]+", t)}
         shown = runner.invoke(app, [name, "--help"], env={"COLUMNS": "200", "TERMINAL_WIDTH": "200"}).output
         for word in words:
@@ -219,8 +254,10 @@ def test_a_changed_env_or_sft_sets_the_old_folder_aside(tmp_path: Path) -> None:
     env_file.write_text(env_file.read_text() + "# edited\n")
     said = supersede_changed_run(load_config(EXAMPLE, [f"env.cls={env_file}:Units", "sft.epochs=9"]), run_dir)
     archive = next(run_dir.glob("superseded-*"))
-    assert said == (f"env code, sft changed since this folder's last run: its warm start, checkpoints, journal, logs "
-                    f"and metrics moved to {archive}; this run starts afresh, with a new warm start")
+    assert said == (
+        f"env code, sft changed since this folder's last run: its warm start, checkpoints, journal, logs "
+        f"and metrics moved to {archive}; this run starts afresh, with a new warm start"
+    )
     assert sorted(p.name for p in run_dir.iterdir()) == [archive.name]  # nothing old left to reuse or replay
     assert (archive / "sft" / "model" / "config.json").exists() and (archive / "learner_status.json").exists()
 
@@ -236,7 +273,8 @@ def test_an_env_file_imports_its_sibling_module(tmp_path: Path) -> None:
     (tmp_path / "dozen_env.py").write_text(
         "from newcomer_unit_table_7 import FACTOR\n"
         "from agentrl.envs.calculator import CalculatorEnv\n"
-        "class Dozen(CalculatorEnv):\n    factor = FACTOR\n")
+        "class Dozen(CalculatorEnv):\n    factor = FACTOR\n"
+    )
     env = load_env(f"{tmp_path / 'dozen_env.py'}:Dozen")
     assert env.factor == 12
 
@@ -250,16 +288,34 @@ def test_mlflow_holds_each_evaluation_at_its_step(tmp_path: Path) -> None:
     run_id = create_mlflow_run(load_config(EXAMPLE, [f"tracking.uri={uri}"]), tmp_path)
     cfg = load_config(EXAMPLE, [f"tracking.uri={uri}", f"tracking.run_id={run_id}"])
     result = {"n": 4, "success_rate": 0.5, "reward_mean": 0.5, "success_by_group": {}}
-    summary = {"eval_before": result, "evals_during_training": [{**result, "policy_version": 6}],
-               "eval_after": result, "success_rise": 0.0, "learner_steps": 12, "reward_errors": []}
+    summary = {
+        "eval_before": result,
+        "evals_during_training": [{**result, "policy_version": 6}],
+        "eval_after": result,
+        "success_rise": 0.0,
+        "learner_steps": 12,
+        "reward_errors": [],
+    }
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     log_to_mlflow(cfg, tmp_path, summary)
     client = MlflowClient(tracking_uri=uri)
-    steps = {name: [m.step for m in client.get_metric_history(run_id, name)]
-             for name in ("eval_before/success_rate", "eval/success_rate", "eval_after/success_rate",
-                          "eval/success_rise", "actors/reward_errors")}
-    assert steps == {"eval_before/success_rate": [0], "eval/success_rate": [6], "eval_after/success_rate": [12],
-                     "eval/success_rise": [12], "actors/reward_errors": [12]}
+    steps = {
+        name: [m.step for m in client.get_metric_history(run_id, name)]
+        for name in (
+            "eval_before/success_rate",
+            "eval/success_rate",
+            "eval_after/success_rate",
+            "eval/success_rise",
+            "actors/reward_errors",
+        )
+    }
+    assert steps == {
+        "eval_before/success_rate": [0],
+        "eval/success_rate": [6],
+        "eval_after/success_rate": [12],
+        "eval/success_rise": [12],
+        "actors/reward_errors": [12],
+    }
 
 
 def test_the_warm_starts_progress_is_logged_while_it_runs(tmp_path: Path, caplog) -> None:
@@ -284,4 +340,6 @@ def test_the_warm_starts_progress_is_logged_while_it_runs(tmp_path: Path, caplog
     with caplog.at_level(logging.INFO, logger="agentrl.run.stages"):
         trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     assert [r.getMessage() for r in caplog.records if r.name == "agentrl.run.stages"] == [
-        "sft: step 1/10 | nll 3.2000", "sft: step 4/10 | nll 2.1000"]
+        "sft: step 1/10 | nll 3.2000",
+        "sft: step 4/10 | nll 2.1000",
+    ]

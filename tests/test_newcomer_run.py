@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "calculator" / "config.toml"
 
 HELPERS = 'BAD_ENDINGS = "02468ace"  # task ids ending in one of these: the reward raises\n'
-FLAKY_ENV = '''
+FLAKY_ENV = """
 from calc_helpers import BAD_ENDINGS  # a module next to this file
 
 from agentrl.envs.calculator import CalculatorEnv
@@ -34,7 +34,7 @@ class FlakyCalc(CalculatorEnv):
         if task.id[-1] in BAD_ENDINGS:
             raise KeyError("dozen")
         return await super().reward(task, state, messages)
-'''
+"""
 ERROR = "reward of FlakyCalc failed: KeyError: 'dozen'"
 
 
@@ -46,14 +46,37 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _run(env_file: Path, model: Path, run_dir: Path) -> tuple[int, str, str]:
-    overrides = [f"env.cls={env_file}:FlakyCalc", f"model.path={model}", "sft.enabled=false", "learner.max_steps=2",
-                 "learner.groups_per_step=2", "actors.group_size=2", "actors.num_concurrent_episodes=8",
-                 "learner.dynamic_sampling=false", "actors.max_new_tokens_per_turn=24", "eval.num_tasks=4",
-                 "tracking.enabled=false", "learner.checkpoint_every_steps=0"]
+    overrides = [
+        f"env.cls={env_file}:FlakyCalc",
+        f"model.path={model}",
+        "sft.enabled=false",
+        "learner.max_steps=2",
+        "learner.groups_per_step=2",
+        "actors.group_size=2",
+        "actors.num_concurrent_episodes=8",
+        "learner.dynamic_sampling=false",
+        "actors.max_new_tokens_per_turn=24",
+        "eval.num_tasks=4",
+        "tracking.enabled=false",
+        "learner.checkpoint_every_steps=0",
+    ]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agentrl", "run", str(EXAMPLE), "--no-live", "--run-dir", str(run_dir),
-         *[x for o in overrides for x in ("-s", o)]],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "agentrl",
+            "run",
+            str(EXAMPLE),
+            "--no-live",
+            "--run-dir",
+            str(run_dir),
+            *[x for o in overrides for x in ("-s", o)],
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     try:
@@ -82,8 +105,10 @@ def test_a_flaky_reward_is_visible_and_a_changed_env_starts_afresh(tiny_model: P
     assert [(e["env"], e["error"]) for e in errors] == [("flaky", ERROR)], errors
     reports = final_reports(run_dir)
     assert reports and errors[0]["count"] == sum(r["reward_errors"] for r in reports) > 0
-    assert all(r["reward_error_kinds"] in ([], [{"env": "flaky", "error": ERROR, "count": r["reward_errors"]}])
-               for r in reports)
+    assert all(
+        r["reward_error_kinds"] in ([], [{"env": "flaky", "error": ERROR, "count": r["reward_errors"]}])
+        for r in reports
+    )
     actor_log = (run_dir / "logs" / "actor0.log").read_text()
     assert actor_log.count(f"reward error in env flaky (first of its kind, counted from now on): {ERROR}") == 1
     assert err.count(f"actors: reward error in env flaky: {ERROR}") == 1  # the run says it once, when first seen

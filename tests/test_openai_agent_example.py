@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import trio
 
-from agentrl.episode.rollout import EpisodeLimits, run_episode, toolbox_for
 from agentrl.agents.agent_runner import AgentRunner
 from agentrl.envs.base import load_env
 from agentrl.envs.calculator import CalculatorEnv
+from agentrl.episode.rollout import EpisodeLimits, run_episode, toolbox_for
 from tests._actors_helpers import HttpEngineClient, ScriptedEngine, TurnScript, load_tokenizer, tiny_tokenizer_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,12 +50,14 @@ def demonstrator(expression_of):
 
 def play_both(tokenizer, script, task):
     with ScriptedEngine(TurnScript(tokenizer, script), version=0) as engine:
+
         async def main():
             async with HttpEngineClient([engine.url]) as client:
                 env = CalculatorEnv(max_ops=3)
                 own = await run_episode(client, tokenizer, env, toolbox_for(env), task, {"max_new_tokens": 40}, LIMITS)
-            async with AgentRunner(tokenizer, lambda: HttpEngineClient([engine.url]), default_max_tokens=40,
-                                   max_tokens_cap=40) as runner:
+            async with AgentRunner(
+                tokenizer, lambda: HttpEngineClient([engine.url]), default_max_tokens=40, max_tokens_cap=40
+            ) as runner:
                 [agent] = await runner.play(agent_env(), task, limits=LIMITS)
             return own, agent
 
@@ -71,8 +73,12 @@ def truncated(turn: int, prompt: str) -> str:
 def test_the_agent_records_the_quickstarts_tokens(tokenizer, case):
     env = CalculatorEnv(max_ops=3)
     task = next(t for t in env.tasks("test") if t.data["num_ops"] == 2)
-    expression_of = {"right": lambda q: q, "sloppy": lambda q: " ".join(q.split()[:3]),
-                     "tool_error": lambda q: q + " / 0", "truncated": None}[case]
+    expression_of = {
+        "right": lambda q: q,
+        "sloppy": lambda q: " ".join(q.split()[:3]),
+        "tool_error": lambda q: q + " / 0",
+        "truncated": None,
+    }[case]
     own, agent = play_both(tokenizer, truncated if case == "truncated" else demonstrator(expression_of), task)
     assert agent.tokens.tolist() == own.tokens.tolist()
     assert agent.loss_mask.tolist() == own.loss_mask.tolist()
@@ -88,12 +94,12 @@ def test_the_agent_records_the_quickstarts_tokens(tokenizer, case):
 
 def test_the_agents_first_prompt_is_the_warm_starts(tokenizer):
     """The warm start's demonstrations come from the agent env and start with what the agent sends."""
-    from agentrl.episode.chat import codec_for
     from agentrl.envs import demonstrations
+    from agentrl.episode.chat import codec_for
 
     env, calc = agent_env(), CalculatorEnv(max_ops=3)
     [record] = demonstrations(env, 1)
     task = next(t for t in calc.tasks("train") if t.id == record["task_id"])
     prompt, _ = codec_for(tokenizer).prompt(record["messages"][:2], record["tools"])
     own, agent = play_both(tokenizer, demonstrator(lambda q: q), task)
-    assert agent.tokens.tolist()[:len(prompt)] == list(prompt)
+    assert agent.tokens.tolist()[: len(prompt)] == list(prompt)

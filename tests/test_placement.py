@@ -9,8 +9,16 @@ from pathlib import Path
 import pytest
 
 from agentrl.config import ConfigError, load_config
-from agentrl.run.placement import (Placement, PlacementError, parse_visible_devices, placement_for, plan_cluster,
-                               plan_placement, visible_gpus, weight_group_backend)
+from agentrl.run.placement import (
+    Placement,
+    PlacementError,
+    parse_visible_devices,
+    placement_for,
+    plan_cluster,
+    plan_placement,
+    visible_gpus,
+    weight_group_backend,
+)
 
 
 def cfg(*overrides: str):
@@ -38,9 +46,11 @@ def _fake_nvidia_smi(folder: Path, body: str) -> str:
 
 
 def test_visible_gpus_from_the_environment_then_nvidia_smi_then_none(tmp_path):
-    listing = ("GPU 0: NVIDIA H200 (UUID: GPU-aaaa)\\n"
-               "  MIG 3g.71gb Device 0: (UUID: MIG-bbbb)\\n"
-               "GPU 1: NVIDIA H200 (UUID: GPU-cccc)")
+    listing = (
+        "GPU 0: NVIDIA H200 (UUID: GPU-aaaa)\\n"
+        "  MIG 3g.71gb Device 0: (UUID: MIG-bbbb)\\n"
+        "GPU 1: NVIDIA H200 (UUID: GPU-cccc)"
+    )
     smi = _fake_nvidia_smi(tmp_path, f'[ "$1" = "-L" ] && printf "{listing}\\n"')
     # a cluster job's CUDA_VISIBLE_DEVICES wins over what the machine has
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": "3,5"}, nvidia_smi=smi) == ("3", "5")
@@ -61,14 +71,20 @@ def test_default_layout_on_several_gpus_gives_everyone_their_own():
     assert p.learner_env() == {"CUDA_VISIBLE_DEVICES": "0,1"}
     assert p.engine_env(1) == {"CUDA_VISIBLE_DEVICES": "3"}
     assert p.cpu_env() == {"CUDA_VISIBLE_DEVICES": ""}  # actors never touch a GPU
-    assert p.describe() == ["GPUs visible: 0,1,2,3 (4)", "learner: 2 ranks on GPU 0,1", "engine0: GPU 2",
-                            "engine1: GPU 3", "actors, retrieval server: no GPU"]
+    assert p.describe() == [
+        "GPUs visible: 0,1,2,3 (4)",
+        "learner: 2 ranks on GPU 0,1",
+        "engine0: GPU 2",
+        "engine1: GPU 3",
+        "actors, retrieval server: no GPU",
+    ]
 
 
 def test_sglang_tensor_parallel_engines_take_consecutive_gpus_by_uuid():
     gpus = tuple(f"GPU-{i}" for i in range(8))
-    p = placement_for(cfg("engine.backend=sglang", "engine.num_engines=2", "engine.gpus_per_engine=2",
-                          "learner.gpus=4"), gpus)
+    p = placement_for(
+        cfg("engine.backend=sglang", "engine.num_engines=2", "engine.gpus_per_engine=2", "learner.gpus=4"), gpus
+    )
     assert p.learner == gpus[:4] and p.engines == (gpus[4:6], gpus[6:8])
     assert p.engine_env(0) == {"CUDA_VISIBLE_DEVICES": "GPU-4,GPU-5"}
 
@@ -81,12 +97,17 @@ def test_learner_nproc_means_one_gpu_per_rank_and_gpus_implies_the_rank_count():
 
 
 def test_oversized_plans_are_refused_with_the_numbers():
-    with pytest.raises(PlacementError, match=r"needs 2 GPUs \(learner 1 \+ engines 1 × 1\) but 1 is visible \(0\)"
-                                             r".*engine.colocate = true"):
+    with pytest.raises(
+        PlacementError,
+        match=r"needs 2 GPUs \(learner 1 \+ engines 1 × 1\) but 1 is visible \(0\)"
+        r".*engine.colocate = true",
+    ):
         placement_for(cfg(), ("0",))
     with pytest.raises(PlacementError, match=r"needs 10 GPUs \(learner 4 \+ engines 3 × 2\) but 8 are visible"):
-        placement_for(cfg("engine.backend=sglang", "engine.num_engines=3", "engine.gpus_per_engine=2",
-                          "learner.gpus=4"), tuple(str(i) for i in range(8)))
+        placement_for(
+            cfg("engine.backend=sglang", "engine.num_engines=3", "engine.gpus_per_engine=2", "learner.gpus=4"),
+            tuple(str(i) for i in range(8)),
+        )
     with pytest.raises(PlacementError, match="learner.gpus = 2 but no GPU is visible"):
         placement_for(cfg("learner.gpus=2"), ())
 
@@ -166,8 +187,11 @@ def test_config_refuses_placement_keys_that_cannot_apply():
 
 
 def test_cluster_layout_fills_engine_nodes_and_gives_the_learner_its_own():
-    layout = plan_cluster(cfg("engine.backend=sglang", "engine.num_engines=5", "engine.gpus_per_engine=2"),
-                          gpus_per_node=8, learner_nodes=2)
+    layout = plan_cluster(
+        cfg("engine.backend=sglang", "engine.num_engines=5", "engine.gpus_per_engine=2"),
+        gpus_per_node=8,
+        learner_nodes=2,
+    )
     assert (layout.engines_per_node, layout.engine_nodes, layout.learner_ranks_per_node) == (4, 2, 8)
     assert layout.engine_slots() == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0)]
     assert plan_cluster(cfg("learner.gpus=4"), gpus_per_node=8, learner_nodes=1).learner_ranks_per_node == 4

@@ -119,7 +119,9 @@ def sample_group(num_tokens: int = 6, n: int = 2) -> TrajectoryGroup:
         )
         for i in range(n)
     ]
-    return TrajectoryGroup(group_id="g1", task_id="t1", env="calc", trajectories=trajs, actor_id="a0", session="s", seq=4)
+    return TrajectoryGroup(
+        group_id="g1", task_id="t1", env="calc", trajectories=trajs, actor_id="a0", session="s", seq=4
+    )
 
 
 # ------------------------------------------------------------------ round trips
@@ -191,8 +193,12 @@ def test_unstamped_groups_fail_in_the_sender() -> None:
 
 
 def test_progress_carries_acks() -> None:
-    p = Progress(policy_version=2, accept_groups=9, learner_session="L1",
-                 actors=[ActorAck("actor0", groups=12, session="s2", session_groups=7, acked=[(0, 3), (5, 7)])])
+    p = Progress(
+        policy_version=2,
+        accept_groups=9,
+        learner_session="L1",
+        actors=[ActorAck("actor0", groups=12, session="s2", session_groups=7, acked=[(0, 3), (5, 7)])],
+    )
     assert decode(encode(p)) == p
 
 
@@ -238,8 +244,14 @@ def test_specific_malformations_raise_protocol_error() -> None:
     for expected, body in cases.items():
         with pytest.raises(ProtocolError, match=expected):
             decode(_pack(body))
-    p = _wire(Progress(policy_version=1, accept_groups=2, learner_session="L",
-                       actors=[ActorAck("a", groups=5, session="s", session_groups=4, acked=[(0, 1), (3, 4)])]))
+    p = _wire(
+        Progress(
+            policy_version=1,
+            accept_groups=2,
+            learner_session="L",
+            actors=[ActorAck("a", groups=5, session="s", session_groups=4, acked=[(0, 1), (3, 4)])],
+        )
+    )
     ack = p["actors"][0]
     bad_acks = {
         "sorted, disjoint": {**ack, "acked": [[3, 4], [0, 1]]},
@@ -293,7 +305,10 @@ def test_fuzz_truncated_and_byte_mutated_messages(msg, data) -> None:
 
 msgpack_value = st.recursive(
     json_leaf | st.binary(max_size=16),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6) | st.integers(-(2**63), 2**63 - 1), inner, max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(st.text(max_size=6) | st.integers(-(2**63), 2**63 - 1), inner, max_size=3)
+    ),
     max_leaves=8,
 )
 

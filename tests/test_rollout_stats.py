@@ -24,14 +24,23 @@ def calc_group(rng, rewards: list[float], group_id: str, version: int = 0):
     group.env = "calc"
     for i, t in enumerate(group.trajectories):
         t.metadata = {
-            "env": "calc", "episode_id": f"{group_id}-{i}", "num_turns": TURNS[i], "num_tool_calls": CALLS[i],
-            "num_tool_errors": ERRORS[i], "num_generate_calls": TURNS[i], "generation_latency_s": 0.5 * TURNS[i],
-            "tool_latency_s": 0.25 * CALLS[i], "finish_reason": FINISH[i], "episode_wall_s": WALL[i],
+            "env": "calc",
+            "episode_id": f"{group_id}-{i}",
+            "num_turns": TURNS[i],
+            "num_tool_calls": CALLS[i],
+            "num_tool_errors": ERRORS[i],
+            "num_generate_calls": TURNS[i],
+            "generation_latency_s": 0.5 * TURNS[i],
+            "tool_latency_s": 0.25 * CALLS[i],
+            "finish_reason": FINISH[i],
+            "episode_wall_s": WALL[i],
             "success": rewards[i] > 0,
-            "messages": [{"role": "user", "content": f"{group_id}: what is 2+3?"},
-                         {"role": "assistant", "content": '<tool_call>{"name": "calc", "arguments": "2+3"}</tool_call>'},
-                         {"role": "tool", "content": "5"},
-                         {"role": "assistant", "content": f"The answer is {5 if rewards[i] else 6}."}],
+            "messages": [
+                {"role": "user", "content": f"{group_id}: what is 2+3?"},
+                {"role": "assistant", "content": '<tool_call>{"name": "calc", "arguments": "2+3"}</tool_call>'},
+                {"role": "tool", "content": "5"},
+                {"role": "assistant", "content": f"The answer is {5 if rewards[i] else 6}."},
+            ],
         }
     return group
 
@@ -98,8 +107,12 @@ def test_samples_are_the_best_and_worst_episodes():
     doc = sample_episodes(groups, step=4, policy_version=3, groups_to_show=2, decode=lambda ids: f"<{len(ids)} ids>")
     assert (doc["step"], doc["policy_version"]) == (4, 3)
     picks = [(e["group_id"], e["pick"], e["episode"], e["reward"]) for e in doc["episodes"]]
-    assert picks == [("a", "best", "a-1", 1.0), ("a", "worst", "a-0", 0.0),
-                     ("ag", "best", "ag-0", 1.0), ("ag", "worst", "ag-1", 0.0)]
+    assert picks == [
+        ("a", "best", "a-1", 1.0),
+        ("a", "worst", "a-0", 0.0),
+        ("ag", "best", "ag-0", 1.0),
+        ("ag", "worst", "ag-1", 0.0),
+    ]
     best = doc["episodes"][0]
     assert best["messages"][-1] == {"role": "assistant", "content": "The answer is 5."}
     assert best["finish_reason"] == "max_turns" and best["num_tool_calls"] == 2 and best["policy_versions"] == [0]
@@ -121,15 +134,34 @@ def test_learner_logs_rollout_metrics_and_samples_to_mlflow(tiny_model, tmp_path
     init_distributed("cpu")
     rng = np.random.default_rng(2)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    cfg = load_config(None, [f'model.path="{tiny_model}"', f'run.run_dir="{tmp_path}"', "learner.groups_per_step=2",
-                             "learner.max_tokens_per_microbatch=128", "learner.checkpoint_every_steps=0",
-                             'learner.device="cpu"', "learner.max_steps=3", f'tracking.uri="{uri}"',
-                             "tracking.sample_episodes_every=2", "tracking.sample_episodes_groups=2"])
+    cfg = load_config(
+        None,
+        [
+            f'model.path="{tiny_model}"',
+            f'run.run_dir="{tmp_path}"',
+            "learner.groups_per_step=2",
+            "learner.max_tokens_per_microbatch=128",
+            "learner.checkpoint_every_steps=0",
+            'learner.device="cpu"',
+            "learner.max_steps=3",
+            f'tracking.uri="{uri}"',
+            "tracking.sample_episodes_every=2",
+            "tracking.sample_episodes_groups=2",
+        ],
+    )
     plain = make_group(rng, rewards=[0, 1, 1, 0], group_id="plain", version=1)  # no metadata at all
     # a None ends a wave: the learner's drain stops there, so each step sees exactly its wave
-    waves = [calc_group(rng, [1, 0, 0, 1], "a"), calc_group(rng, [0, 1, 0, 0], "b"), None,
-             agent_group(rng, version=1), plain, None,
-             calc_group(rng, [1, 0, 1, 0], "c", version=1), calc_group(rng, [0, 0, 1, 0], "d", version=2), None]
+    waves = [
+        calc_group(rng, [1, 0, 0, 1], "a"),
+        calc_group(rng, [0, 1, 0, 0], "b"),
+        None,
+        agent_group(rng, version=1),
+        plain,
+        None,
+        calc_group(rng, [1, 0, 1, 0], "c", version=1),
+        calc_group(rng, [0, 0, 1, 0], "d", version=2),
+        None,
+    ]
     rec = Recorder()
     tracker = open_tracker(cfg.tracking, tmp_path)
     learner = Learner(cfg, io=LearnerIO(source=ListSource(waves), progress=rec, weights=rec, tracker=tracker))

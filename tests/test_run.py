@@ -35,12 +35,25 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _short(model: Path, *extra: str):
-    return load_config(EXAMPLE, [
-        f"model.path={model}", "sft.num_demonstrations=160", "sft.epochs=1.0", "sft.batch_tokens=4096",
-        "learner.max_steps=4", "learner.groups_per_step=4", "actors.group_size=4",
-        "actors.num_concurrent_episodes=32", "learner.dynamic_sampling=false", "learner.max_staleness=1",
-        "actors.max_staleness=1", "eval.num_tasks=16", "actors.max_new_tokens_per_turn=32", *extra,
-    ])
+    return load_config(
+        EXAMPLE,
+        [
+            f"model.path={model}",
+            "sft.num_demonstrations=160",
+            "sft.epochs=1.0",
+            "sft.batch_tokens=4096",
+            "learner.max_steps=4",
+            "learner.groups_per_step=4",
+            "actors.group_size=4",
+            "actors.num_concurrent_episodes=32",
+            "learner.dynamic_sampling=false",
+            "learner.max_staleness=1",
+            "actors.max_staleness=1",
+            "eval.num_tasks=16",
+            "actors.max_new_tokens_per_turn=32",
+            *extra,
+        ],
+    )
 
 
 def _alive(pid: int) -> bool:
@@ -58,18 +71,24 @@ def _start_strict_engine(cfg, model: Path, log_dir: Path, env: dict[str, str]):
     from agentrl.engine.launch import EngineProcess, engine_args
     from agentrl.net import free_port
 
-    flags = engine_args("embedded", device="cpu", max_running_requests=cfg.engine.max_running_requests,
-                        max_context_tokens=cfg.engine.max_context_tokens, num_threads=1)
+    flags = engine_args(
+        "embedded",
+        device="cpu",
+        max_running_requests=cfg.engine.max_running_requests,
+        max_context_tokens=cfg.engine.max_context_tokens,
+        num_threads=1,
+    )
     i = flags.index("--weight-version")
-    flags = flags[:i] + flags[i + 2:] + ["--tp-size", "2", "--disable-weight-update-bracket"]
-    return EngineProcess(str(model), free_port(), extra=flags, log_path=log_dir / "strict-engine.log",
-                         env={**os.environ, **env}).start(wait_s=240)
+    flags = flags[:i] + flags[i + 2 :] + ["--tp-size", "2", "--disable-weight-update-bracket"]
+    return EngineProcess(
+        str(model), free_port(), extra=flags, log_path=log_dir / "strict-engine.log", env={**os.environ, **env}
+    ).start(wait_s=240)
 
 
 @pytest.mark.timeout(900)
-def test_shortened_quickstart_learns_against_an_sglang_strict_engine(tiny_model: Path, tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch,
-                                                                    quickstart_warm_start: Path) -> None:
+def test_shortened_quickstart_learns_against_an_sglang_strict_engine(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, quickstart_warm_start: Path
+) -> None:
     """The quickstart's own warm start, then 8 RL steps against an engine that behaves like a
     hand-started SGLang server (see _start_strict_engine): the run sets the version, forms a
     weight group with both TP ranks, skips the missing routes, sends the keys, and learns."""
@@ -83,11 +102,18 @@ def test_shortened_quickstart_learns_against_an_sglang_strict_engine(tiny_model:
     shutil.copytree(quickstart_warm_start, warm)  # the quickstart's SFT of the same tiny model, once per session
     engine = _start_strict_engine(cfg, warm, tmp_path, keys)
     try:
-        assert httpx.get(engine.url + "/model_info", timeout=10,
-                         headers={"Authorization": f"Bearer {keys['AGENTRL_ENGINE_API_KEY']}"}).json()[
-            "weight_version"] == "default"
-        cfg = load_config(EXAMPLE, [f"model.path={tiny_model}", "learner.max_steps=8", "eval.num_tasks=200",
-                                    f"engine.urls=[\"{engine.url}\"]"])
+        assert (
+            httpx.get(
+                engine.url + "/model_info",
+                timeout=10,
+                headers={"Authorization": f"Bearer {keys['AGENTRL_ENGINE_API_KEY']}"},
+            ).json()["weight_version"]
+            == "default"
+        )
+        cfg = load_config(
+            EXAMPLE,
+            [f"model.path={tiny_model}", "learner.max_steps=8", "eval.num_tasks=200", f'engine.urls=["{engine.url}"]'],
+        )
         summary = run(cfg, run_dir, live_display=False)
         assert httpx.post(engine.url + "/pause_generation", json={"mode": "abort"}, timeout=10).status_code == 401
     finally:
@@ -113,10 +139,13 @@ def test_shortened_quickstart_learns_against_an_sglang_strict_engine(tiny_model:
     # the engines served several policy versions, and the learner consumed off-policy data
     assert len(on_disk["policy_versions_seen"]) >= 3
     rows = [json.loads(line) for line in (run_dir / "learner_metrics.jsonl").read_text().splitlines()]
-    versions_consumed = {int(r["policy_version"]) - lag for r in rows
-                         for lag in range(0, 3) if r.get(f"staleness/{lag}", 0) > 0}
+    versions_consumed = {
+        int(r["policy_version"]) - lag for r in rows for lag in range(0, 3) if r.get(f"staleness/{lag}", 0) > 0
+    }
     assert len(versions_consumed) >= 2
-    assert on_disk["groups_produced"]["groups_delivered"] >= on_disk["groups_consumed"] >= 8 * cfg.learner.groups_per_step
+    assert (
+        on_disk["groups_produced"]["groups_delivered"] >= on_disk["groups_consumed"] >= 8 * cfg.learner.groups_per_step
+    )
     # one MLflow run holds the learner's metrics and the supervisor's evaluations
     from mlflow import MlflowClient
 
@@ -148,10 +177,31 @@ def test_failing_learner_stops_the_run_and_is_named(tiny_model: Path, tmp_path: 
 
 def test_cli_run_reports_a_failing_child_with_exit_1(tiny_model: Path, tmp_path: Path) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agentrl", "run", str(EXAMPLE), "--no-live", "--run-dir", str(tmp_path / "run"),
-         "-s", f"model.path={tiny_model}", "-s", "sft.enabled=false", "-s", "learner.device=cuda",
-         "-s", "tracking.enabled=false", "-s", "eval.num_tasks=4"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "agentrl",
+            "run",
+            str(EXAMPLE),
+            "--no-live",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "-s",
+            f"model.path={tiny_model}",
+            "-s",
+            "sft.enabled=false",
+            "-s",
+            "learner.device=cuda",
+            "-s",
+            "tracking.enabled=false",
+            "-s",
+            "eval.num_tasks=4",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
         env={**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": "0,1"},  # a pretend GPU for the learner
     )
     try:
@@ -164,12 +214,22 @@ def test_cli_run_reports_a_failing_child_with_exit_1(tiny_model: Path, tmp_path:
 
 @pytest.mark.parametrize("example", ["search_qa", "code", "custom_env"])
 def test_cpu_examples_run_a_few_steps(example: str, tiny_model: Path, tmp_path: Path) -> None:
-    cfg = load_config(ROOT / "examples" / example / "config.toml", [
-        f"model.path={tiny_model}", "sft.enabled=false", "learner.max_steps=2", "learner.groups_per_step=2",
-        "actors.group_size=2", "actors.num_concurrent_episodes=8", "learner.dynamic_sampling=false",
-        "actors.max_new_tokens_per_turn=24", "eval.num_tasks=4", "tracking.enabled=false",
-        "learner.checkpoint_every_steps=0",
-    ])
+    cfg = load_config(
+        ROOT / "examples" / example / "config.toml",
+        [
+            f"model.path={tiny_model}",
+            "sft.enabled=false",
+            "learner.max_steps=2",
+            "learner.groups_per_step=2",
+            "actors.group_size=2",
+            "actors.num_concurrent_episodes=8",
+            "learner.dynamic_sampling=false",
+            "actors.max_new_tokens_per_turn=24",
+            "eval.num_tasks=4",
+            "tracking.enabled=false",
+            "learner.checkpoint_every_steps=0",
+        ],
+    )
     cwd = os.getcwd()
     os.chdir(ROOT)  # example paths are relative to the repository root
     try:
@@ -193,9 +253,20 @@ def test_live_table_shows_rl_rates(tmp_path: Path) -> None:
     cfg = load_config(EXAMPLE, ["learner.max_steps=20"])
     state = RunState(tmp_path)
     state.last_metrics = {"step": 3, "staleness/mean": 0.5, "reward/mean": 0.25}
-    (tmp_path / "learner_status.json").write_text(json.dumps({
-        "received": 20, "consumed": 12, "duplicate": 0, "dropped": {"stale": 1, "zero_variance": 3},
-        "buffered": 4, "groups_per_step": 16, "waiting_s": 0.0, "warning": ""}))
+    (tmp_path / "learner_status.json").write_text(
+        json.dumps(
+            {
+                "received": 20,
+                "consumed": 12,
+                "duplicate": 0,
+                "dropped": {"stale": 1, "zero_variance": 3},
+                "buffered": 4,
+                "groups_per_step": 16,
+                "waiting_s": 0.0,
+                "warning": "",
+            }
+        )
+    )
     state.read_learner_status()
     state.rl_started = time.monotonic() - 10.0  # 20 groups x 8 episodes in 10 s
     state.restarts = {"engine0": 1, "learner": 2}
@@ -208,26 +279,50 @@ def test_live_table_shows_rl_rates(tmp_path: Path) -> None:
     rate = float(text.split("episodes/s (received)")[1].split("│")[1])
     assert 15.0 < rate <= 16.0
     # one row per env: the learner's recent reward and success, groups, and the evaluations
-    state.last_metrics.update({"env/calculator/received": 12, "env/calculator/accepted": 9,
-                               "env/calculator/dropped_zero_variance": 3, "env/calculator/reward_recent": 0.4,
-                               "env/calculator/success_recent": 0.375, "env/calc agent/received": 8,
-                               "env/calc agent/accepted": 8, "env/calc agent/reward_recent": 0.5})
-    state.eval_before = {"success_rate": 0.3, "reward_mean": 0.3, "n": 4,
-                         "by_env": {"calculator": {"success_rate": 0.25}, "calc agent": {"success_rate": 0.35}}}
+    state.last_metrics.update(
+        {
+            "env/calculator/received": 12,
+            "env/calculator/accepted": 9,
+            "env/calculator/dropped_zero_variance": 3,
+            "env/calculator/reward_recent": 0.4,
+            "env/calculator/success_recent": 0.375,
+            "env/calc agent/received": 8,
+            "env/calc agent/accepted": 8,
+            "env/calc agent/reward_recent": 0.5,
+        }
+    )
+    state.eval_before = {
+        "success_rate": 0.3,
+        "reward_mean": 0.3,
+        "n": 4,
+        "by_env": {"calculator": {"success_rate": 0.25}, "calc agent": {"success_rate": 0.35}},
+    }
     console = Console(record=True, width=140)
     console.print(_table(state, cfg))
-    rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in console.export_text().splitlines()
-            if line.count("│") == 3}
+    rows = {
+        line.split("│")[1].strip(): line.split("│")[2].strip()
+        for line in console.export_text().splitlines()
+        if line.count("│") == 3
+    }
     assert rows["env calculator"] == ("reward 0.400 · success 37.5% · groups 9 / dropped 3 · eval before 25.0%")
     assert rows["env calc agent"] == "reward 0.500 · groups 8 / dropped 0 · eval before 35.0%"
     assert rows["episodes (last step)"] == "-"  # no rollout/* yet
-    state.last_metrics.update({"rollout/episodes": 64.0, "rollout/turns_mean": 2.5, "rollout/tool_calls_mean": 1.25,
-                               "rollout/tool_errors_per_episode": 0.125, "rollout/truncated_frac": 0.0625,
-                               "rollout/response_tokens_mean": 180.4})
+    state.last_metrics.update(
+        {
+            "rollout/episodes": 64.0,
+            "rollout/turns_mean": 2.5,
+            "rollout/tool_calls_mean": 1.25,
+            "rollout/tool_errors_per_episode": 0.125,
+            "rollout/truncated_frac": 0.0625,
+            "rollout/response_tokens_mean": 180.4,
+        }
+    )
     console = Console(record=True, width=160)
     console.print(_table(state, cfg))
-    assert ("64 received · turns 2.5 · tool calls 1.2 (errors 0.12) · truncated 6% · 180 tokens generated"
-            in console.export_text())
+    assert (
+        "64 received · turns 2.5 · tool calls 1.2 (errors 0.12) · truncated 6% · 180 tokens generated"
+        in console.export_text()
+    )
 
 
 def test_live_table_and_summary_show_drops_and_the_learner_s_warning_before_any_step(tmp_path: Path) -> None:
@@ -240,9 +335,20 @@ def test_live_table_and_summary_show_drops_and_the_learner_s_warning_before_any_
     cfg = load_config(EXAMPLE)
     state = RunState(tmp_path)
     warning = "96 of the 99 groups received in the last 60 s had rewards that do not vary ..."
-    (tmp_path / "learner_status.json").write_text(json.dumps({
-        "received": 99, "consumed": 0, "duplicate": 0, "dropped": {"zero_variance": 96}, "buffered": 3,
-        "groups_per_step": 16, "waiting_s": 61.0, "warning": warning}))
+    (tmp_path / "learner_status.json").write_text(
+        json.dumps(
+            {
+                "received": 99,
+                "consumed": 0,
+                "duplicate": 0,
+                "dropped": {"zero_variance": 96},
+                "buffered": 3,
+                "groups_per_step": 16,
+                "waiting_s": 61.0,
+                "warning": warning,
+            }
+        )
+    )
     state.read_learner_status()
     state.read_learner_status()  # said once
     console = Console(record=True, width=250)
@@ -257,8 +363,9 @@ def test_live_table_and_summary_show_drops_and_the_learner_s_warning_before_any_
 
 
 @pytest.mark.parametrize("signum, wait_for", [(15, "learner.log"), (1, "engine0.log")])
-def test_sigterm_and_sighup_stop_a_real_run_like_ctrl_c(signum: int, wait_for: str, tiny_model: Path,
-                                                         tmp_path: Path) -> None:
+def test_sigterm_and_sighup_stop_a_real_run_like_ctrl_c(
+    signum: int, wait_for: str, tiny_model: Path, tmp_path: Path
+) -> None:
     """SLURM, Kubernetes and systemd stop jobs with SIGTERM (terminals hang up with SIGHUP): every
     child is stopped, summary.json is written, the exit status is 128 + the signal."""
     import signal
@@ -266,10 +373,30 @@ def test_sigterm_and_sighup_stop_a_real_run_like_ctrl_c(signum: int, wait_for: s
 
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agentrl", "run", str(EXAMPLE), "--no-live", "--run-dir", str(run_dir),
-         "-s", f"model.path={tiny_model}", "-s", "sft.enabled=false", "-s", "tracking.enabled=false",
-         "-s", "eval.num_tasks=4", "-s", "learner.max_steps=1000"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "agentrl",
+            "run",
+            str(EXAMPLE),
+            "--no-live",
+            "--run-dir",
+            str(run_dir),
+            "-s",
+            f"model.path={tiny_model}",
+            "-s",
+            "sft.enabled=false",
+            "-s",
+            "tracking.enabled=false",
+            "-s",
+            "eval.num_tasks=4",
+            "-s",
+            "learner.max_steps=1000",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     try:
@@ -290,8 +417,9 @@ def test_sigterm_and_sighup_stop_a_real_run_like_ctrl_c(signum: int, wait_for: s
     assert pids and not any(_alive(p) for p in pids)
 
 
-def test_without_a_terminal_the_live_view_is_a_plain_line_every_few_seconds(tmp_path: Path, capsys,
-                                                                            monkeypatch) -> None:
+def test_without_a_terminal_the_live_view_is_a_plain_line_every_few_seconds(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
     """A batch job's log (stdout not a terminal) got the final table only; it now gets one plain
     progress line every PLAIN_LINE_S, with the data warning when there is one."""
     import agentrl.run.stages as run_module
@@ -369,7 +497,10 @@ def test_a_run_mixes_the_calculator_and_its_agent_env_and_reports_each(tiny_mode
     for when in ("eval_before", "eval_after"):
         by_env = summary[when]["by_env"]
         assert set(by_env) == {"calc", "calculator-agent"}
-        assert all(r["n"] + r["n_failed"] == 4 for r in by_env.values()) and summary[when]["n"] == 8 - summary[when]["n_failed"]
+        assert (
+            all(r["n"] + r["n_failed"] == 4 for r in by_env.values())
+            and summary[when]["n"] == 8 - summary[when]["n_failed"]
+        )
     assert set(summary["success_rise_by_env"]) == {"calc", "calculator-agent"}
     rows = [json.loads(line) for line in (tmp_path / "run" / "learner_metrics.jsonl").read_text().splitlines()]
     received = {env: rows[-1].get(f"env/{env}/received", 0) for env in ("calc", "calculator-agent")}

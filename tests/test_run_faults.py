@@ -44,23 +44,50 @@ def _ranges(seqs: list[int]) -> list[list[int]]:
     return out
 
 
-def write_checkpoint(run_dir: Path, *, step: int, received: dict[tuple[str, str], list[int]], consumed: int,
-                     dropped: dict[str, int], pending: int, lineage: str = "lin", segment: int = 1,
-                     root: str = "checkpoints") -> Path:
+def write_checkpoint(
+    run_dir: Path,
+    *,
+    step: int,
+    received: dict[tuple[str, str], list[int]],
+    consumed: int,
+    dropped: dict[str, int],
+    pending: int,
+    lineage: str = "lin",
+    segment: int = 1,
+    root: str = "checkpoints",
+) -> Path:
     """A learner checkpoint as save_checkpoint lays it out (what accounting reads of it)."""
     path = run_dir / root / "learn" / f"step_{step:08d}"
     path.mkdir(parents=True)
     (path / ".metadata").write_bytes(b"")
-    ledger = {"sessions": [[a, s, _ranges(seqs)] for (a, s), seqs in received.items()],
-              "latest": {a: s for a, s in received}}
-    counters = {"received": sum(len(v) for v in received.values()), "consumed": consumed,
-                **{f"dropped_{k}": v for k, v in dropped.items()}}
-    caller = {"policy_version": step, "lineage": lineage, "journal_segment": segment, "counters": counters,
-              "ledger": ledger}
+    ledger = {
+        "sessions": [[a, s, _ranges(seqs)] for (a, s), seqs in received.items()],
+        "latest": {a: s for a, s in received},
+    }
+    counters = {
+        "received": sum(len(v) for v in received.values()),
+        "consumed": consumed,
+        **{f"dropped_{k}": v for k, v in dropped.items()},
+    }
+    caller = {
+        "policy_version": step,
+        "lineage": lineage,
+        "journal_segment": segment,
+        "counters": counters,
+        "ledger": ledger,
+    }
     torch.save({"step": step, "caller": caller}, path / "trainer_state.pt")
     (path / "pending_groups.bin").write_bytes(msgpack.packb([b"x"] * pending) if pending else b"")
-    (path / "meta.json").write_text(json.dumps({"step": step, "lineage": lineage, "saved_at": time.time(),
-                                                "caller": {"lineage": lineage, "journal_segment": segment}}))
+    (path / "meta.json").write_text(
+        json.dumps(
+            {
+                "step": step,
+                "lineage": lineage,
+                "saved_at": time.time(),
+                "caller": {"lineage": lineage, "journal_segment": segment},
+            }
+        )
+    )
     (path.parent / "latest").write_text(path.name)
     return path
 
@@ -75,8 +102,19 @@ def write_report(run_dir: Path, index: int, session: str, produced: int, acked: 
     log = run_dir / "logs" / f"actor{index}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("a") as f:
-        f.write(json.dumps({"actor_id": f"actor{index}", "session": session, "groups_produced": produced,
-                            "groups_acked": acked, "groups_delivered": produced, "groups_lost": 0}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "actor_id": f"actor{index}",
+                    "session": session,
+                    "groups_produced": produced,
+                    "groups_acked": acked,
+                    "groups_delivered": produced,
+                    "groups_lost": 0,
+                }
+            )
+            + "\n"
+        )
 
 
 def journal(run_dir: Path, lineage: str, segment: int, keys: list[tuple[str, str, int]]) -> None:
@@ -97,8 +135,14 @@ def a_killed_and_a_clean_session(run_dir: Path) -> None:
     arrived after it (in the journal)."""
     killed = [0, 1, 2, 4, 5]
     clean = [0, 1, 2]
-    write_checkpoint(run_dir, step=2, received={("actor0", "A"): killed, ("actor0", "B"): clean}, consumed=4,
-                     dropped={"zero_variance": 2}, pending=2)
+    write_checkpoint(
+        run_dir,
+        step=2,
+        received={("actor0", "A"): killed, ("actor0", "B"): clean},
+        consumed=4,
+        dropped={"zero_variance": 2},
+        pending=2,
+    )
     write_batches(run_dir, [[("actor0", "A", 0), ("actor0", "A", 1)], [("actor0", "A", 2), ("actor0", "B", 0)]])
     journal(run_dir, "lin", 1, [("actor0", "B", 3)])
     write_report(run_dir, 0, "B", produced=4, acked=4)
@@ -150,7 +194,13 @@ def test_accounting_of_a_learner_that_never_checkpointed_reads_its_journal(tmp_p
     acc = account(tmp_path)
     assert acc["balanced"], acc["problems"]
     assert acc["checkpoint"] is None and "no checkpoint" in acc["learner_source"]
-    assert (acc["produced"], acc["received"], acc["consumed"], acc["held"], acc["actor_sessions_killed"]) == (4, 4, 0, 4, 1)
+    assert (acc["produced"], acc["received"], acc["consumed"], acc["held"], acc["actor_sessions_killed"]) == (
+        4,
+        4,
+        0,
+        4,
+        1,
+    )
     assert not account(tmp_path / "empty")["balanced"]
 
 
@@ -158,8 +208,15 @@ def test_accounting_takes_the_fallback_checkpoint_when_it_is_newer(tmp_path: Pat
     from agentrl.run.accounting import account
 
     write_checkpoint(tmp_path, step=1, received={("actor0", "A"): [0, 1]}, consumed=2, dropped={}, pending=0)
-    write_checkpoint(tmp_path, step=2, received={("actor0", "A"): [0, 1, 2, 3]}, consumed=4, dropped={}, pending=0,
-                     root="checkpoints_fallback")
+    write_checkpoint(
+        tmp_path,
+        step=2,
+        received={("actor0", "A"): [0, 1, 2, 3]},
+        consumed=4,
+        dropped={},
+        pending=0,
+        root="checkpoints_fallback",
+    )
     write_batches(tmp_path, [[("actor0", "A", 0), ("actor0", "A", 1)], [("actor0", "A", 2), ("actor0", "A", 3)]])
     acc = account(tmp_path)
     assert acc["balanced"] and acc["checkpoint_step"] == 2 and "checkpoints_fallback" in acc["checkpoint"]
@@ -173,9 +230,17 @@ def test_summary_tells_steps_versions_and_every_session(tmp_path: Path) -> None:
 
     a_killed_and_a_clean_session(tmp_path)
     (tmp_path / "learner_metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3)))
-    (tmp_path / "learner_status.json").write_text(json.dumps({
-        "received": 9, "consumed": 4, "exit_reason": "stopped", "stop_message": "",
-        "checkpoint_errors": ["checkpoint of step 1 failed 6 times: PermissionError"]}))
+    (tmp_path / "learner_status.json").write_text(
+        json.dumps(
+            {
+                "received": 9,
+                "consumed": 4,
+                "exit_reason": "stopped",
+                "stop_message": "",
+                "checkpoint_errors": ["checkpoint of step 1 failed 6 times: PermissionError"],
+            }
+        )
+    )
     state = RunState(tmp_path)
     for v in (0, 0, 1, 2, 3, 1, 1, 2):  # the learner came back from its checkpoint at version 1
         state.see_version(v)
@@ -184,8 +249,12 @@ def test_summary_tells_steps_versions_and_every_session(tmp_path: Path) -> None:
     assert summary["learner_steps"] == 2 and summary["accounting"]["checkpoint_step"] == 2
     assert summary["policy_versions_seen"] == [0, 1, 2, 3, 1, 2]
     produced = summary["groups_produced"]
-    assert (produced["total"], produced["sessions"], produced["sessions_killed"], produced["of_killed_sessions"]) == \
-        (10, 2, 1, 6)
+    assert (produced["total"], produced["sessions"], produced["sessions_killed"], produced["of_killed_sessions"]) == (
+        10,
+        2,
+        1,
+        6,
+    )
     assert produced["groups_delivered"] == 4 + 6
     assert summary["learner_stop"] == {"reason": "stopped", "message": None}
     assert summary["checkpoint_errors"] == ["checkpoint of step 1 failed 6 times: PermissionError"]
@@ -197,19 +266,24 @@ def test_the_learner_restart_note_says_what_really_happens(tmp_path: Path) -> No
 
     log = tmp_path / "logs" / "learner.log"
     log.parent.mkdir(parents=True)
-    log.write_text("step 3 | loss 0.1\nTraceback (most recent call last):\n  File x\n"
-                   "PermissionError: [Errno 13] Permission denied: 'checkpoints/learn/step_00000004'\n")
+    log.write_text(
+        "step 3 | loss 0.1\nTraceback (most recent call last):\n  File x\n"
+        "PermissionError: [Errno 13] Permission denied: 'checkpoints/learn/step_00000004'\n"
+    )
     journal(tmp_path, "lin", 0, [("actor0", "A", q) for q in range(3)])
     note = learner_restart_note(tmp_path)
-    assert note.startswith("no checkpoint: starts again from the initial weights, redoing every step, and replays "
-                           "3 journal groups")
-    assert note.endswith("its last error: PermissionError: [Errno 13] Permission denied: "
-                         "'checkpoints/learn/step_00000004'")
+    assert note.startswith(
+        "no checkpoint: starts again from the initial weights, redoing every step, and replays 3 journal groups"
+    )
+    assert note.endswith(
+        "its last error: PermissionError: [Errno 13] Permission denied: 'checkpoints/learn/step_00000004'"
+    )
     write_checkpoint(tmp_path, step=2, received={("actor0", "A"): [0, 1]}, consumed=2, dropped={}, pending=0)
     journal(tmp_path, "lin", 1, [("actor0", "A", 2), ("actor0", "A", 3)])
     assert learner_restart_note(tmp_path).startswith(
         f"resumes from its checkpoint at step 2 ({tmp_path / 'checkpoints' / 'learn' / 'step_00000002'}), replays 2 "
-        "journal groups received after it and redoes the steps after 2")
+        "journal groups received after it and redoes the steps after 2"
+    )
 
 
 def test_restarts_are_printed_on_the_console_as_they_happen(tmp_path: Path, capsys) -> None:
@@ -244,19 +318,22 @@ def test_a_clean_stop_stops_the_actors_first_and_within_the_grace(tmp_path: Path
     from agentrl.run.supervisor import STOP_GRACE_S, Supervisor
 
     assert ActorSettings().drain_timeout_s <= STOP_GRACE_S / 2
-    script = ("import signal, sys, time, pathlib\n"
-              "out = pathlib.Path(sys.argv[1])\n"
-              "def stop(*_):\n"
-              "    time.sleep(float(sys.argv[2]))\n"
-              "    out.write_text(repr(time.monotonic()))\n"
-              "    sys.exit(0)\n"
-              "signal.signal(signal.SIGTERM, stop)\n"
-              "pathlib.Path(str(out) + '.up').write_text('')\n"
-              "while True: time.sleep(1)\n")
+    script = (
+        "import signal, sys, time, pathlib\n"
+        "out = pathlib.Path(sys.argv[1])\n"
+        "def stop(*_):\n"
+        "    time.sleep(float(sys.argv[2]))\n"
+        "    out.write_text(repr(time.monotonic()))\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "pathlib.Path(str(out) + '.up').write_text('')\n"
+        "while True: time.sleep(1)\n"
+    )
 
     def spec(name: str, drain_s: float) -> ChildSpec:
-        return ChildSpec(name, [sys.executable, "-c", script, str(tmp_path / name), str(drain_s)],
-                         tmp_path / f"{name}.log")
+        return ChildSpec(
+            name, [sys.executable, "-c", script, str(tmp_path / name), str(drain_s)], tmp_path / f"{name}.log"
+        )
 
     async def main() -> None:
         sup = Supervisor(stop_first=("actor",))
@@ -277,15 +354,23 @@ def test_a_clean_stop_stops_the_actors_first_and_within_the_grace(tmp_path: Path
 
 
 def _learner_overrides(model: Path, run_dir: Path, **extra) -> list[str]:
-    items = {"model.path": f'"{model}"', "run.run_dir": f'"{run_dir}"', "learner.groups_per_step": "2",
-             "learner.max_tokens_per_microbatch": "128", "learner.device": '"cpu"', "tracking.enabled": "false",
-             "actors.group_size": "4", "learner.checkpoint_every_steps": "1"}
+    items = {
+        "model.path": f'"{model}"',
+        "run.run_dir": f'"{run_dir}"',
+        "learner.groups_per_step": "2",
+        "learner.max_tokens_per_microbatch": "128",
+        "learner.device": '"cpu"',
+        "tracking.enabled": "false",
+        "actors.group_size": "4",
+        "learner.checkpoint_every_steps": "1",
+    }
     items.update({k: str(v) for k, v in extra.items()})
     return [f"{k}={v}" for k, v in items.items()]
 
 
-def test_a_checkpoint_write_that_fails_is_retried_reported_and_the_weights_survive(tiny_model, tmp_path,
-                                                                                  monkeypatch) -> None:
+def test_a_checkpoint_write_that_fails_is_retried_reported_and_the_weights_survive(
+    tiny_model, tmp_path, monkeypatch
+) -> None:
     """The checkpoint folder refuses writes (here: a file where the folder goes; root ignores chmod).
     Each write is retried, then goes to the fallback folder, reported; a learner resumes from there and
     its redone steps leave one metrics row per step. When the fallback refuses too, training goes on
@@ -301,13 +386,17 @@ def test_a_checkpoint_write_that_fails_is_retried_reported_and_the_weights_survi
     (tmp_path / "checkpoints" / "learn").write_text("not a folder")
     rng = np.random.default_rng(0)
     groups = [make_group(rng, group_id=f"g{i}", session="s", seq=i, version=0 if i < 4 else 2) for i in range(6)]
-    first = Learner(load_config(None, _learner_overrides(tiny_model, tmp_path, **{"learner.max_steps": 2})),
-                    io=LearnerIO(source=ListSource(groups[:4]), progress=Recorder(), weights=Recorder()))
+    first = Learner(
+        load_config(None, _learner_overrides(tiny_model, tmp_path, **{"learner.max_steps": 2})),
+        io=LearnerIO(source=ListSource(groups[:4]), progress=Recorder(), weights=Recorder()),
+    )
     assert first.run() == "done" and first.trainer.step == 2
     status = json.loads((tmp_path / "learner_status.json").read_text())
     assert status["checkpoint_step"] == 2 and status["exit_reason"] == "done"
     assert len(status["checkpoint_errors"]) == 2  # steps 1 and 2, each written to the fallback after 3 failures
-    assert "written to" in status["checkpoint_errors"][-1] and "after 3 failed writes" in status["checkpoint_errors"][-1]
+    assert (
+        "written to" in status["checkpoint_errors"][-1] and "after 3 failed writes" in status["checkpoint_errors"][-1]
+    )
     assert latest_run_checkpoint(tmp_path, "learn") == fallback_root(tmp_path, "learn") / "step_00000002"
 
     with (tmp_path / "learner_metrics.jsonl").open("a") as f:  # what a learner killed after step 4 left
@@ -320,16 +409,23 @@ def test_a_checkpoint_write_that_fails_is_retried_reported_and_the_weights_survi
     (tmp_path / "checkpoints_fallback" / "learn").parent.rmdir()
     (tmp_path / "checkpoints_fallback").write_text("refuses writes too")
     rec = Recorder()  # a missing batch would wait 1 s (the data clock runs: the checkpoint's groups count)
-    second = Learner(load_config(None, _learner_overrides(tiny_model, tmp_path, **{
-        "learner.max_steps": 3, "learner.max_wait_for_data_s": 1.0})),
-                     io=LearnerIO(source=ListSource(groups[4:]), progress=rec, weights=rec))
+    second = Learner(
+        load_config(
+            None,
+            _learner_overrides(tiny_model, tmp_path, **{"learner.max_steps": 3, "learner.max_wait_for_data_s": 1.0}),
+        ),
+        io=LearnerIO(source=ListSource(groups[4:]), progress=rec, weights=rec),
+    )
     second._resume = _resume_from(second, tmp_path / "kept" / "step_00000002")
     assert second.run() == "done" and second.trainer.step == 3
     assert [v for v, _ in rec.pushes][-1] == second.version  # the final weights reached the engines
     steps = [json.loads(line)["step"] for line in (tmp_path / "learner_metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
     status = json.loads((tmp_path / "learner_status.json").read_text())
-    assert status["checkpoint_step"] == 2 and "failed 6 times, also in the fallback folder" in status["checkpoint_errors"][-1]
+    assert (
+        status["checkpoint_step"] == 2
+        and "failed 6 times, also in the fallback folder" in status["checkpoint_errors"][-1]
+    )
     assert "training goes on" in status["checkpoint_errors"][-1]
 
 
@@ -354,13 +450,22 @@ def _resume_from(learner, path: Path):
 def _start_run(run_dir: Path, model: Path, *sets: str) -> tuple[subprocess.Popen, Path]:
     out = run_dir.parent / "console.txt"
     args = [sys.executable, "-m", "agentrl", "run", str(EXAMPLE), "--no-live", "--run-dir", str(run_dir)]
-    for item in (f"model.path={model}", "sft.enabled=false", "tracking.enabled=false", "eval.num_tasks=4",
-                 "learner.groups_per_step=2", "actors.group_size=4", "actors.num_concurrent_episodes=16",
-                 "actors.max_new_tokens_per_turn=24", *sets):
+    for item in (
+        f"model.path={model}",
+        "sft.enabled=false",
+        "tracking.enabled=false",
+        "eval.num_tasks=4",
+        "learner.groups_per_step=2",
+        "actors.group_size=4",
+        "actors.num_concurrent_episodes=16",
+        "actors.max_new_tokens_per_turn=24",
+        *sets,
+    ):
         args += ["-s", item]
     with out.open("w") as f:
-        proc = subprocess.Popen(args, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+        proc = subprocess.Popen(
+            args, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}
+        )
     return proc, out
 
 
@@ -410,26 +515,46 @@ def test_kill_9_of_the_actor_then_the_learner_then_sigterm_tells_the_truth(tiny_
     stopped is not counted as killed; learner_steps is the checkpoint's step; the policy versions
     show the one going backwards; learner_metrics.jsonl has one row per step."""
     run_dir = tmp_path / "run"
-    proc, console = _start_run(run_dir, tiny_model, "learner.max_steps=1000", "learner.checkpoint_every_steps=2",
-                               "learner.dynamic_sampling=false")
+    proc, console = _start_run(
+        run_dir,
+        tiny_model,
+        "learner.max_steps=1000",
+        "learner.checkpoint_every_steps=2",
+        "learner.dynamic_sampling=false",
+    )
     deadline = time.monotonic() + 700
     try:
         _until(lambda: len(_steps(run_dir)) >= 2, "two learner steps", proc, console, deadline)
         actor = _child_pid(run_dir, "serve-actors")
         assert actor is not None
         os.kill(actor, signal.SIGKILL)
-        _until(lambda: "actor0: exited with status -9; restart 1/3" in console.read_text(), "the actor's restart line",
-               proc, console, deadline)
+        _until(
+            lambda: "actor0: exited with status -9; restart 1/3" in console.read_text(),
+            "the actor's restart line",
+            proc,
+            console,
+            deadline,
+        )
         killed_at = max(_steps(run_dir))
         # one step after a checkpoint (every 2 steps), past the actor's restart
-        _until(lambda: (s := max(_steps(run_dir))) >= killed_at + 2 and s % 2 == 1, "a step after a checkpoint", proc,
-               console, deadline)
+        _until(
+            lambda: (s := max(_steps(run_dir))) >= killed_at + 2 and s % 2 == 1,
+            "a step after a checkpoint",
+            proc,
+            console,
+            deadline,
+        )
         learner = _child_pid(run_dir, "learn")
         assert learner is not None
         resumed_from = max(_steps(run_dir)) - 1
         os.killpg(learner, signal.SIGKILL)
-        _until(lambda: "learner: exited with status -9; restart 1/3" in console.read_text(), "the learner's restart",
-               proc, console, deadline)
+        _until(
+            lambda: "learner: exited with status -9; restart 1/3" in console.read_text(),
+            "the learner's restart",
+            proc,
+            console,
+            deadline,
+        )
         _until(lambda: _steps(run_dir)[-1] >= resumed_from + 2, "the resumed learner's steps", proc, console, deadline)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
@@ -467,8 +592,14 @@ def test_a_run_whose_warm_start_never_varies_ends_by_itself_with_the_reason(tiny
     drops them all, no batch ever fills. With the wait bound shortened, the run ends on its own (the
     learner is not restarted), with a checkpoint, and says why on the console and in summary.json."""
     run_dir = tmp_path / "run"
-    proc, console = _start_run(run_dir, tiny_model, "learner.max_steps=10", "learner.dynamic_sampling=true",
-                               "learner.max_wait_for_data_s=15", "learner.wait_log_interval_s=5")
+    proc, console = _start_run(
+        run_dir,
+        tiny_model,
+        "learner.max_steps=10",
+        "learner.dynamic_sampling=true",
+        "learner.max_wait_for_data_s=15",
+        "learner.wait_log_interval_s=5",
+    )
     try:
         proc.wait(timeout=540)
     finally:

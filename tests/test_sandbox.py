@@ -16,9 +16,17 @@ from pathlib import Path
 
 import pytest
 import trio
+from _sandbox_helpers import (
+    ALLOCATE,
+    COUNT_FORKS,
+    DISK_FILL,
+    FORK_BOMB,
+    MEMORY_SPREAD,
+    changed_settings,
+    processes_of,
+    require,
+)
 from trio.testing import wait_all_tasks_blocked
-from _sandbox_helpers import (ALLOCATE, COUNT_FORKS, DISK_FILL, FORK_BOMB, MEMORY_SPREAD, changed_settings, processes_of,
-                              require)
 
 from agentrl.tools.base import ToolBox, ToolCall
 from agentrl.tools.python_sandbox import PythonTool
@@ -27,8 +35,9 @@ from agentrl.tools.sandbox.base import CallResult, ExecResult, parse_calls, pars
 from agentrl.tools.sandbox.e2b import E2BSandbox
 from agentrl.tools.sandbox.local import LocalSandbox, bwrap_available
 
-SETTINGS = SandboxSettings(cpu_time_s=1, wall_time_s=3, memory_mb=128, max_processes=16, max_output_chars=500,
-                           work_mb=16)
+SETTINGS = SandboxSettings(
+    cpu_time_s=1, wall_time_s=3, memory_mb=128, max_processes=16, max_output_chars=500, work_mb=16
+)
 ROOT = os.geteuid() == 0
 
 
@@ -67,8 +76,12 @@ def test_errors_files_stdin_and_reset(sandbox):
     assert result.exit_code == 3 and result.render(SETTINGS) == "before\n[exit code 3]"
     trace = run(sandbox, "1 / 0")
     assert "ZeroDivisionError" in trace.render(SETTINGS) and "[exit code 1]" in trace.render(SETTINGS)
-    echo = run(sandbox, "import sys, helper\nprint(helper.X, sys.stdin.read())", files={"helper.py": "X = 7"},
-               stdin="from stdin")
+    echo = run(
+        sandbox,
+        "import sys, helper\nprint(helper.X, sys.stdin.read())",
+        files={"helper.py": "X = 7"},
+        stdin="from stdin",
+    )
     assert echo.stdout == "7 from stdin\n"
     if sandbox.work_mounted:
         run(sandbox, "open('notes.txt', 'w').write('kept')")
@@ -311,11 +324,16 @@ def test_e2b_adapter(tmp_path):
     settings = SandboxSettings(backend="e2b", e2b_template="agentrl-py", wall_time_s=3, cpu_time_s=1, lifetime_s=600)
 
     async def main():
-        sb = await E2BSandbox.create(settings, sandbox_cls=FakeE2B, control_dir=str(tmp_path / "ctl"),
-                                     workdir=str(tmp_path / "work"))
+        sb = await E2BSandbox.create(
+            settings, sandbox_cls=FakeE2B, control_dir=str(tmp_path / "ctl"), workdir=str(tmp_path / "work")
+        )
         fake = FakeE2B.last
-        assert fake.kwargs == {"template": "agentrl-py", "timeout": 600, "allow_internet_access": False,
-                               "metadata": {"agentrl": "sandbox"}}
+        assert fake.kwargs == {
+            "template": "agentrl-py",
+            "timeout": 600,
+            "allow_internet_access": False,
+            "metadata": {"agentrl": "sandbox"},
+        }
         assert fake.writes == [(str(tmp_path / "ctl" / "runner.py"), "root")]
         result = await sb.run("import os\nprint(os.getcwd())\nopen('f.txt', 'w').write('1')")
         assert result.ok and result.stdout.strip() == str(tmp_path / "work")

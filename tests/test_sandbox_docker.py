@@ -20,9 +20,19 @@ from agentrl.tools.sandbox.docker import DockerSandbox, docker_client, docker_un
 
 pytestmark = pytest.mark.docker
 
-SETTINGS = SandboxSettings(backend="docker", image=os.environ.get("AGENTRL_SANDBOX_IMAGE", "agentrl-python:latest"),
-                           cpu_time_s=1, wall_time_s=3, memory_mb=128, max_processes=16, max_output_chars=500,
-                           work_mb=32, tmpfs_mb=16, max_open_files=128, lifetime_s=600)
+SETTINGS = SandboxSettings(
+    backend="docker",
+    image=os.environ.get("AGENTRL_SANDBOX_IMAGE", "agentrl-python:latest"),
+    cpu_time_s=1,
+    wall_time_s=3,
+    memory_mb=128,
+    max_processes=16,
+    max_output_chars=500,
+    work_mb=32,
+    tmpfs_mb=16,
+    max_open_files=128,
+    lifetime_s=600,
+)
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +54,11 @@ def test_container_is_locked_down(sandbox):
     assert host["CapDrop"] == ["ALL"] and "no-new-privileges" in host["SecurityOpt"]
     assert host["Tmpfs"]["/work"].startswith("size=32m,nr_inodes=16384,mode=0700")
     assert {u["Name"]: (u["Soft"], u["Hard"]) for u in host["Ulimits"]} == {"nofile": (128, 128), "nproc": (18, 18)}
-    result = run(sandbox, "import os, resource\nprint(os.getuid(), os.getcwd(), resource.getrlimit(resource.RLIMIT_NOFILE))\n"
-                          "open('/etc/x', 'w')")
+    result = run(
+        sandbox,
+        "import os, resource\nprint(os.getuid(), os.getcwd(), resource.getrlimit(resource.RLIMIT_NOFILE))\n"
+        "open('/etc/x', 'w')",
+    )
     assert result.stdout == f"{sandbox.uid} /work (128, 128)\n" and "Read-only file system" in result.stderr
     assert sandbox.uid == SETTINGS.sandbox_uid(0) != 65534  # a uid of its own: RLIMIT_NPROC is per uid, host-wide
 

@@ -20,12 +20,32 @@ from pathlib import Path
 
 import pytest
 import trio
-from _sandbox_helpers import (ALLOCATE, BACKENDS, CONNECT, COUNT_FORKS, DISK_FILL, ESCAPE, FLOOD, FORK_BOMB,
-                              KILL_EVERYTHING, MEMORY_SPREAD, PROBE_PARENT, READ_OUTSIDE, SLEEP, SPIN, STOP_THE_RUNNER,
-                              changed_settings, open_sandbox, orphan_zombies, processes_of, require)
+from _sandbox_helpers import (
+    ALLOCATE,
+    BACKENDS,
+    CONNECT,
+    COUNT_FORKS,
+    DISK_FILL,
+    ESCAPE,
+    FLOOD,
+    FORK_BOMB,
+    KILL_EVERYTHING,
+    MEMORY_SPREAD,
+    PROBE_PARENT,
+    READ_OUTSIDE,
+    SLEEP,
+    SPIN,
+    STOP_THE_RUNNER,
+    changed_settings,
+    open_sandbox,
+    orphan_zombies,
+    processes_of,
+    require,
+)
 
-LIMITS = dict(cpu_time_s=1, wall_time_s=3, memory_mb=128, max_processes=16, max_output_chars=500,
-              work_mb=32, tmpfs_mb=16)
+LIMITS = dict(
+    cpu_time_s=1, wall_time_s=3, memory_mb=128, max_processes=16, max_output_chars=500, work_mb=32, tmpfs_mb=16
+)
 CAP_MB = LIMITS["memory_mb"] + 64 + 2 * LIMITS["tmpfs_mb"] + LIMITS["work_mb"]  # SandboxSettings.total_memory_mb
 
 

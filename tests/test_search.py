@@ -27,7 +27,11 @@ def start_server(corpus, *args: str, env: dict | None = None) -> tuple[subproces
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("AGENTRL_SEARCH_TOKEN")}, **(env or {})}
     proc = subprocess.Popen(
         [sys.executable, "-m", "agentrl", "serve-search", "--corpus", str(corpus), "--port", "0", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env=env,
     )
     deadline = time.monotonic() + 60
     seen = ""
@@ -81,10 +85,15 @@ def test_server_health_and_ranked_retrieval(server):
     assert results[0][0]["score"] >= results[0][1]["score"] > 0
 
 
-@pytest.mark.parametrize("body, message", [
-    ({"queries": "x", "top_k": 0}, "top_k"), ({"queries": [1]}, "list of strings"), ([1, 2], "JSON object"),
-    ({"queries": ["x"], "top_k": True}, "top_k"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"queries": "x", "top_k": 0}, "top_k"),
+        ({"queries": [1]}, "list of strings"),
+        ([1, 2], "JSON object"),
+        ({"queries": ["x"], "top_k": True}, "top_k"),
+    ],
+)
 def test_server_rejects_bad_requests(server, body, message):
     response = httpx.post(f"{server}/retrieve", json=body, timeout=10)
     assert response.status_code == 400 and message in response.json()["error"]
@@ -95,8 +104,12 @@ def test_server_rejects_bad_requests(server, body, message):
 def test_serve_search_reports_a_bad_corpus(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"title": "no text"}\n')
-    out = subprocess.run([sys.executable, "-m", "agentrl", "serve-search", "--corpus", str(bad), "--port", "0"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "agentrl", "serve-search", "--corpus", str(bad), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "bad.jsonl:2 must be an object with a string 'text'" in out.stderr
 
 
@@ -146,13 +159,19 @@ class socket_port:
 def test_a_guarded_server_refuses_requests_without_its_token(tmp_path, monkeypatch):
     token = "t-" + os.urandom(8).hex()
     (tmp_path / "token").write_text(token + "\n")
-    proc, url = start_server(corpus_path(), "--token-env", "MY_SEARCH_TOKEN",
-                             env={"MY_SEARCH_TOKEN_FILE": str(tmp_path / "token")})
+    proc, url = start_server(
+        corpus_path(), "--token-env", "MY_SEARCH_TOKEN", env={"MY_SEARCH_TOKEN_FILE": str(tmp_path / "token")}
+    )
     query = load_corpus(corpus_path())[0]["text"]
     try:
         body = {"queries": [query], "top_k": 1}
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": token},
-                        {"Authorization": f"Basic {token}"}, {"Authorization": f"Bearer {token}x"}):
+        for headers in (
+            {},
+            {"Authorization": "Bearer wrong"},
+            {"Authorization": token},
+            {"Authorization": f"Basic {token}"},
+            {"Authorization": f"Bearer {token}x"},
+        ):
             r = httpx.post(url + "/retrieve", json=body, headers=headers, timeout=10)
             assert (r.status_code, r.json()) == (401, {"error": "Unauthorized"}), headers
         assert httpx.get(url + "/health", timeout=10).status_code == 200  # probes need no token
@@ -228,7 +247,8 @@ def test_reward_normalises_the_answer():
     task = next(env.tasks("test"))
     answer = task.data["answer"]
     score = lambda text: trio.run(  # noqa: E731
-        env.reward, task, {}, env.initial_messages(task) + [{"role": "assistant", "content": text}])["correct"]
+        env.reward, task, {}, env.initial_messages(task) + [{"role": "assistant", "content": text}]
+    )["correct"]
     assert score(answer) == score(f"The answer is {answer.lower()}.") == score(f"answer: {answer}!") == 1.0
     assert score(f"Maybe {answer} or someone else") == 0.0
     assert score("") == 0.0

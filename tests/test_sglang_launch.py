@@ -14,12 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from agentrl.run.process_plan import engine_specs, plan_config
 from agentrl.config import load_config
-from agentrl.engine.launch import (SGLANG_CPU_FLAGS, SGLANG_CPU_SHIM, SGLANG_VERSION, cpu_kv_tokens,
-                                   sglang_problem)
+from agentrl.engine.launch import SGLANG_CPU_FLAGS, SGLANG_CPU_SHIM, SGLANG_VERSION, cpu_kv_tokens, sglang_problem
 from agentrl.engine.sglang_cpu import sgl_kernel
 from agentrl.run.placement import placement_for
+from agentrl.run.process_plan import engine_specs, plan_config
 from tests.test_cli import run_cli
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "calculator" / "config.toml"
@@ -38,8 +37,9 @@ def _engine(overrides: list[str], visible: tuple[str, ...], tmp_path: Path, conf
 
 def test_on_the_cpu_agentrl_passes_sglangs_cpu_flags_environment_and_kv_pool(tmp_path):
     python = "/opt/sglang-venv/bin/python"
-    cfg, spec = _engine([f"engine.sglang_python={python}", 'engine.sglang_env={SGLANG_X = "1", PYTHONPATH = "/mine"}'],
-                        (), tmp_path)
+    cfg, spec = _engine(
+        [f"engine.sglang_python={python}", 'engine.sglang_env={SGLANG_X = "1", PYTHONPATH = "/mine"}'], (), tmp_path
+    )
     assert spec.argv[:3] == [python, "-m", "sglang.launch_server"]
     for argv in (spec.argv, spec.restart_argv):
         flags = _pairs(argv)
@@ -53,8 +53,9 @@ def test_on_the_cpu_agentrl_passes_sglangs_cpu_flags_environment_and_kv_pool(tmp
 
 
 def test_the_kv_pool_follows_the_runs_concurrency_and_a_users_own_size_wins(tmp_path):
-    cfg, _ = _engine(["engine.num_engines=2", "actors.num_concurrent_episodes=16", "env.max_total_tokens=200"],
-                     (), tmp_path)
+    cfg, _ = _engine(
+        ["engine.num_engines=2", "actors.num_concurrent_episodes=16", "env.max_total_tokens=200"], (), tmp_path
+    )
     assert cpu_kv_tokens(cfg) == 8 * 200  # 16 episodes over two engines
     cfg, _ = _engine(["actors.num_concurrent_episodes=1", "env.max_total_tokens=32"], (), tmp_path)
     assert cpu_kv_tokens(cfg) == cfg.engine.max_context_tokens  # never below one request's context
@@ -94,8 +95,18 @@ def test_the_check_finds_sglang_in_the_named_interpreter_without_importing_it(tm
 
 def test_dry_run_and_run_refuse_an_interpreter_without_sglang_before_anything_starts(tmp_path):
     python = interpreter_with_sglang(tmp_path, None)
-    args = ["-s", "engine.backend=sglang", "-s", f"engine.sglang_python={python}", "-s", "model.init_size=tiny",
-            "-s", f"model.path={tmp_path / 'model'}", "--run-dir", str(tmp_path / "run")]
+    args = [
+        "-s",
+        "engine.backend=sglang",
+        "-s",
+        f"engine.sglang_python={python}",
+        "-s",
+        "model.init_size=tiny",
+        "-s",
+        f"model.path={tmp_path / 'model'}",
+        "--run-dir",
+        str(tmp_path / "run"),
+    ]
     rc, _, _, err = run_cli("run", str(QUICKSTART), *args, "--dry-run")
     assert rc == 2 and "engine check:" in err and "has no sglang" in err
     rc, _, _, err = run_cli("run", str(QUICKSTART), *args)
@@ -115,8 +126,9 @@ def test_the_kernel_stand_in_writes_each_requests_slice_of_cache_locations():
     with pytest.raises(ValueError, match="cache locations"):
         sgl_kernel.assign_req_to_token_pool_cpu(rows, req_to_token, starts, ends, out_cache_loc[:4], 10)
     with pytest.raises(ValueError, match="outside a row"):
-        sgl_kernel.assign_req_to_token_pool_cpu(rows[:1], req_to_token, starts[:1], torch.tensor([11]),
-                                                out_cache_loc, 10)
+        sgl_kernel.assign_req_to_token_pool_cpu(
+            rows[:1], req_to_token, starts[:1], torch.tensor([11]), out_cache_loc, 10
+        )
 
 
 def test_the_kernel_stand_in_names_itself_for_any_op_it_does_not_implement():

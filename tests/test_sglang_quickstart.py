@@ -38,14 +38,37 @@ def test_shortened_quickstart_learns_against_a_real_sglang_server(quickstart_war
     require(sglang_problem(python))
     run_dir = tmp_path / "run"
     shutil.copytree(quickstart_warm_start, run_dir / "sft" / "model")
-    argv = [sys.executable, "-m", "agentrl", "run", str(EXAMPLE), "--run-dir", str(run_dir),
-            "-s", "engine.backend=sglang", "-s", f"engine.sglang_python={python}",
-            "-s", f"model.path={engine_model}", "-s", "learner.max_steps=4", "-s", "eval.num_tasks=100",
-            "-s", "tracking.enabled=false"]
+    argv = [
+        sys.executable,
+        "-m",
+        "agentrl",
+        "run",
+        str(EXAMPLE),
+        "--run-dir",
+        str(run_dir),
+        "-s",
+        "engine.backend=sglang",
+        "-s",
+        f"engine.sglang_python={python}",
+        "-s",
+        f"model.path={engine_model}",
+        "-s",
+        "learner.max_steps=4",
+        "-s",
+        "eval.num_tasks=100",
+        "-s",
+        "tracking.enabled=false",
+    ]
     log = tmp_path / "agentrl-run.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+        proc = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
         try:
             proc.wait(RUN_S)
         except subprocess.TimeoutExpired:

@@ -27,7 +27,7 @@ import trio
 from agentrl.engine.client import EngineClient, EngineRequestError
 from agentrl.learner.weight_push import WeightUpdater
 from tests.conftest_engine import Teacher, max_abs_diff
-from tests.conftest_sglang import API_KEY, ADMIN_KEY, Engine, log_tail, require, sglang_python, start_sglang
+from tests.conftest_sglang import ADMIN_KEY, API_KEY, Engine, log_tail, require, sglang_python, start_sglang
 
 pytestmark = pytest.mark.sglang
 
@@ -77,12 +77,13 @@ class Stream:
 
     async def run(self, http: httpx.AsyncClient) -> None:
         try:
-            async with http.stream("POST", self.engine.url + "/generate", json=self.body,
-                                   headers=self.engine.headers()) as r:
+            async with http.stream(
+                "POST", self.engine.url + "/generate", json=self.body, headers=self.engine.headers()
+            ) as r:
                 self.status = r.status_code
                 async for line in r.aiter_lines():
                     if line.startswith("data: ") and line != "data: [DONE]":
-                        self.last = json.loads(line[len("data: "):])
+                        self.last = json.loads(line[len("data: ") :])
                         self.started.set()
         finally:
             self.started.set()
@@ -133,10 +134,15 @@ def test_a_stop_token_ends_the_turn_and_stays_in_the_output(engine, engine_teach
     prompt = PROMPTS[2]
     free = engine_teacher.greedy(prompt, 8)
     stop = free[3]
-    body = engine.generate({"input_ids": prompt, "return_logprob": True,
-                            "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "stop_token_ids": [stop]}})
+    body = engine.generate(
+        {
+            "input_ids": prompt,
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "stop_token_ids": [stop]},
+        }
+    )
     assert body["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
-    assert body["output_ids"] == free[:free.index(stop) + 1]
+    assert body["output_ids"] == free[: free.index(stop) + 1]
     assert len(logprobs(body)) == body["meta_info"]["completion_tokens"] == len(body["output_ids"])
 
 
@@ -188,12 +194,16 @@ def test_pause_with_a_request_in_flight(engine, engine_teacher, mode):
         async with httpx.AsyncClient(timeout=120) as http, trio.open_nursery() as nursery:
             nursery.start_soon(running.run, http)
             await running.started.wait()
-            assert (await http.post(engine.url + "/pause_generation", json={"mode": mode},
-                                    headers=engine.headers(admin=True))).json()["status"] == "ok"
+            assert (
+                await http.post(
+                    engine.url + "/pause_generation", json={"mode": mode}, headers=engine.headers(admin=True)
+                )
+            ).json()["status"] == "ok"
             nursery.start_soon(waiting.run, http)
             if mode == "in_place":
-                await acontrol(http, engine, "/update_weight_version",
-                               {"new_version": "9", "abort_all_requests": False})
+                await acontrol(
+                    http, engine, "/update_weight_version", {"new_version": "9", "abort_all_requests": False}
+                )
             assert (await http.get(engine.url + "/ping", headers=engine.headers())).status_code == 200
             assert not await answered_within(waiting.done, PAUSED_WINDOW_S), "a request was served while paused"
             assert running.done.is_set() == (mode == "abort")
@@ -247,13 +257,13 @@ def test_abort_matches_rids_by_prefix_and_a_live_rid_cannot_be_reused(engine):
 # ----------------------------------------------------------------------------- weight updates
 
 
-def test_update_from_disk_serves_the_new_weights_under_the_new_version(engine, engine_model, engine_teacher,
-                                                                       tmp_path):
+def test_update_from_disk_serves_the_new_weights_under_the_new_version(engine, engine_model, engine_teacher, tmp_path):
     model = perturbed(engine_model, seed=3)
     model.save_pretrained(tmp_path / "v3")
     try:
-        answer = engine.control("/update_weights_from_disk", {"model_path": str(tmp_path / "v3"),
-                                                             "weight_version": "3"}).json()
+        answer = engine.control(
+            "/update_weights_from_disk", {"model_path": str(tmp_path / "v3"), "weight_version": "3"}
+        ).json()
         assert answer["success"] is True and answer["num_paused_requests"] == 0
         check_policy(engine, Teacher(model), "3")
     finally:
@@ -311,8 +321,12 @@ def test_keys_normal_and_admin_routes(engine):
     """SGLang's rules with both keys: normal routes take only the api key, admin routes only the admin key;
     /health and /ready are open; /ping is a normal route (it needs the api key)."""
     url, gen = engine.url, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
-    keys = {"none": {}, "wrong": {"Authorization": "Bearer wrong"}, "api": engine.headers(),
-            "admin": engine.headers(admin=True)}
+    keys = {
+        "none": {},
+        "wrong": {"Authorization": "Bearer wrong"},
+        "api": engine.headers(),
+        "admin": engine.headers(admin=True),
+    }
     for name, headers in keys.items():
         r = httpx.post(url + "/generate", json=gen, headers=headers, timeout=60)
         assert r.status_code == (200 if name == "api" else 401), (name, r.text)
@@ -347,13 +361,19 @@ def test_both_engines_answer_the_same_requests_alike(embedded_twin, sglang_serve
         e.control("/flush_cache")
     requests = [{"input_ids": p, "return_logprob": True, "sampling_params": greedy(10)} for p in PROMPTS]
     stop = engine_teacher.greedy([9, 8, 7, 6, 5], 16)[5]  # a turn that ends on a stop token
-    requests.append({"input_ids": [9, 8, 7, 6, 5], "return_logprob": True,
-                     "sampling_params": {"max_new_tokens": 16, "temperature": 0.0, "stop_token_ids": [stop]}})
+    requests.append(
+        {
+            "input_ids": [9, 8, 7, 6, 5],
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 16, "temperature": 0.0, "stop_token_ids": [stop]},
+        }
+    )
     for req in requests:
         a, b = (e.generate(req) for e in pair)
         _same(a, b)
-        assert a["meta_info"]["finish_reason"]["type"] == ("stop" if "stop_token_ids" in req["sampling_params"] else
-                                                           "length")
+        assert a["meta_info"]["finish_reason"]["type"] == (
+            "stop" if "stop_token_ids" in req["sampling_params"] else "length"
+        )
         turn = {**req, "input_ids": req["input_ids"] + a["output_ids"] + [4, 5]}  # the next turn of the episode
         embedded, sglang = (e.generate(turn) for e in pair)
         if a["meta_info"]["finish_reason"]["type"] == "stop":
@@ -369,8 +389,14 @@ def test_both_engines_answer_the_same_requests_alike(embedded_twin, sglang_serve
 def _same(a: dict, b: dict) -> None:
     ma, mb = a["meta_info"], b["meta_info"]
     assert a["output_ids"] == b["output_ids"]
-    for key in ("finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "weight_version",
-                "weight_versions"):
+    for key in (
+        "finish_reason",
+        "prompt_tokens",
+        "completion_tokens",
+        "cached_tokens",
+        "weight_version",
+        "weight_versions",
+    ):
         assert ma[key] == mb[key], (key, ma[key], mb[key])
     assert [e[1:] for e in ma["output_token_logprobs"]] == [e[1:] for e in mb["output_token_logprobs"]]
     assert max_abs_diff(logprobs(a), logprobs(b)) <= TOL
@@ -402,16 +428,35 @@ def test_sglang_router_with_the_workers_key_in_front_of_two_servers(sglang_serve
 
     python = sglang_python()
     probe = subprocess.run([python, "-c", "import sglang_router"], capture_output=True, text=True)
-    require(None if probe.returncode == 0 else
-            f"{python} has no sglang_router (AGENTRL_SGLANG=1 bash scripts/install.sh installs sglang-router 0.3.2)")
+    require(
+        None
+        if probe.returncode == 0
+        else f"{python} has no sglang_router (AGENTRL_SGLANG=1 bash scripts/install.sh installs sglang-router 0.3.2)"
+    )
     second = start_sglang(engine_model, tmp_path / "second.log", weight_version=None)
     port = free_port()
     router = EngineProcess(str(engine_model), port, log_path=tmp_path / "router.log")
-    router.argv = [python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-                   "--worker-urls", sglang_server.url, second.url, "--policy", "round_robin", "--api-key", API_KEY]
+    router.argv = [
+        python,
+        "-m",
+        "sglang_router.launch_router",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--worker-urls",
+        sglang_server.url,
+        second.url,
+        "--policy",
+        "round_robin",
+        "--api-key",
+        API_KEY,
+    ]
     try:
-        assert httpx.get(second.url + "/model_info", headers=sglang_server.headers(), timeout=30).json()[
-            "weight_version"] == "default"
+        assert (
+            httpx.get(second.url + "/model_info", headers=sglang_server.headers(), timeout=30).json()["weight_version"]
+            == "default"
+        )
         router.start(wait_s=0)
         try:
             wait_ready(router.url, 120, process=router.process)
@@ -419,8 +464,9 @@ def test_sglang_router_with_the_workers_key_in_front_of_two_servers(sglang_serve
             require(f"sglang-router did not start ({e}):\n{log_tail(tmp_path / 'router.log')}")
 
         async def main():
-            async with EngineClient([sglang_server.url, second.url], router_url=router.url, api_key=API_KEY,
-                                    admin_api_key=ADMIN_KEY) as client:
+            async with EngineClient(
+                [sglang_server.url, second.url], router_url=router.url, api_key=API_KEY, admin_api_key=ADMIN_KEY
+            ) as client:
                 results = [await client.generate(PROMPTS[0], greedy(4)) for _ in range(4)]
             return results
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.lowlevel
 
 from agentrl.run.supervisor import ChildFailed, ChildSpec, Supervisor
 
@@ -59,8 +60,9 @@ def _child_failure(sup: Supervisor, *specs: ChildSpec) -> ChildFailed:
 def test_restarts_then_fails_naming_child_and_log(tmp_path: Path) -> None:
     events: list[tuple[str, str]] = []
     sup = Supervisor(stop_grace_s=2, on_event=lambda n, w: events.append((n, w)))
-    crash = ChildSpec("actor", _py("print('boom from actor'); raise SystemExit(3)"), tmp_path / "actor.log",
-                      max_restarts=2)
+    crash = ChildSpec(
+        "actor", _py("print('boom from actor'); raise SystemExit(3)"), tmp_path / "actor.log", max_restarts=2
+    )
     err = _child_failure(sup, crash)
     assert err.name == "actor" and err.returncode == 3
     assert "boom from actor" in err.log_tail
@@ -77,10 +79,17 @@ def test_a_killed_child_is_restarted_with_its_restart_command(tmp_path: Path) ->
     events: list[tuple[str, str]] = []
     sup = Supervisor(stop_grace_s=2, on_event=lambda n, w: events.append((n, w)))
     ready = tmp_path / "first.pid"
-    first = _py(f"import os, time; open({str(ready)!r}, 'w').write(str(os.getpid())); print('first', flush=True); "
-                "time.sleep(60)")
-    spec = ChildSpec("engine0", first, tmp_path / "engine0.log", max_restarts=1,
-                     restart_argv=_py("print('restarted without a version')"))
+    first = _py(
+        f"import os, time; open({str(ready)!r}, 'w').write(str(os.getpid())); print('first', flush=True); "
+        "time.sleep(60)"
+    )
+    spec = ChildSpec(
+        "engine0",
+        first,
+        tmp_path / "engine0.log",
+        max_restarts=1,
+        restart_argv=_py("print('restarted without a version')"),
+    )
 
     async def main() -> None:
         async with trio.open_nursery() as n:
@@ -100,8 +109,9 @@ def test_a_killed_child_is_restarted_with_its_restart_command(tmp_path: Path) ->
 def test_critical_failure_stops_the_others(tmp_path: Path) -> None:
     sup = Supervisor(stop_grace_s=2)
     sleeper = ChildSpec("engine", _py("import time; time.sleep(60)"), tmp_path / "engine.log")
-    learner = ChildSpec("learner", _py("import time; time.sleep(0.5); raise SystemExit(1)"),
-                        tmp_path / "learner.log", critical=True)
+    learner = ChildSpec(
+        "learner", _py("import time; time.sleep(0.5); raise SystemExit(1)"), tmp_path / "learner.log", critical=True
+    )
     assert _child_failure(sup, sleeper, learner).name == "learner"
     engine_pid = sup.children["engine"].process.pid
     assert _gone_soon(engine_pid)
@@ -112,9 +122,11 @@ def test_cancel_stops_process_tree_and_finished_child_is_not_restarted(tmp_path:
     # a child that ignores SIGTERM and has a grandchild: both must be gone after cancellation
     stubborn = ChildSpec(
         "stubborn",
-        _py("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        _py(
+            "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
             "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
-            "print(p.pid, flush=True); time.sleep(60)"),
+            "print(p.pid, flush=True); time.sleep(60)"
+        ),
         tmp_path / "stubborn.log",
     )
     done = ChildSpec("oneshot", _py("print('ok')"), tmp_path / "oneshot.log")
@@ -153,24 +165,25 @@ def test_copy_redacted_replaces_secrets_split_across_chunks(tmp_path: Path) -> N
         async with trio.open_nursery() as n:
             n.start_soon(copy_redacted, receive, log, ("sk-abc123", "sk-abc123-admin", ""), done)
             for i in range(len(text)):
-                await send.send_all(text[i:i + 1])
-                await trio.sleep(0)
+                await send.send_all(text[i : i + 1])
+                await trio.lowlevel.checkpoint()
             await send.aclose()
         assert done.is_set()
 
     trio.run(main)
-    assert log.read_bytes() == (b"key=sk-<redacted>; admin=<redacted>\nnot a key: sk-ab\n"
-                                b"tail without newline sk-abc12")
+    assert log.read_bytes() == (b"key=sk-<redacted>; admin=<redacted>\nnot a key: sk-ab\ntail without newline sk-abc12")
 
 
 def test_a_redacted_child_logs_everything_but_its_secrets(tmp_path: Path) -> None:
     """A child that writes its secret in pieces on stdout and stderr and dies: the log has all its
     output but the secret, and the failure quotes its last line (copied before the log is read)."""
     sup = Supervisor(stop_grace_s=2)
-    code = ("import sys, time\n"
-            "for part in ('api_key=sk-', 'live', '-42 ok\\n'):\n"
-            "    sys.stdout.write(part); sys.stdout.flush(); time.sleep(0.2)\n"
-            "sys.stderr.write('Traceback: bad key sk-live-42'); sys.stderr.flush(); sys.exit(5)")
+    code = (
+        "import sys, time\n"
+        "for part in ('api_key=sk-', 'live', '-42 ok\\n'):\n"
+        "    sys.stdout.write(part); sys.stdout.flush(); time.sleep(0.2)\n"
+        "sys.stderr.write('Traceback: bad key sk-live-42'); sys.stderr.flush(); sys.exit(5)"
+    )
     spec = ChildSpec("engine0", _py(code), tmp_path / "engine0.log", critical=True, redact=("sk-live-42",))
     err = _child_failure(sup, spec)
     assert (tmp_path / "engine0.log").read_text() == "api_key=<redacted> ok\nTraceback: bad key <redacted>"
@@ -198,7 +211,7 @@ def test_copy_redacted_is_the_whole_texts_redaction_however_it_is_chunked(tmp_pa
                 n.start_soon(copy_redacted, receive, log, keys, trio.Event())
                 for a, b in zip([0, *cuts], [*cuts, len(text)]):
                     await send.send_all(text[a:b])
-                    await trio.sleep(0)
+                    await trio.lowlevel.checkpoint()
                 await send.aclose()
 
         trio.run(main)

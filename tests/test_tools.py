@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from fractions import Fraction
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import pytest
 import trio
@@ -17,8 +17,9 @@ from agentrl.tools.parsing import HermesToolCallParser, get_parser
 
 
 @tool
-async def lookup(query: str, top_k: int = 3, mode: Literal["fast", "exact"] = "fast",
-                 tags: Optional[list[str]] = None) -> str:
+async def lookup(
+    query: str, top_k: int = 3, mode: Literal["fast", "exact"] = "fast", tags: list[str] | None = None
+) -> str:
     """Search the corpus for passages.
 
     Args:
@@ -74,8 +75,11 @@ def test_class_tool_schema_is_derived():
     t = WeatherTool()
     assert t.name == "weather"
     assert t.description == "Report the weather of a city."
-    assert t.parameters == {"type": "object", "required": ["city"], "properties": {
-        "city": {"type": "string", "description": "the city's name."}, "days": {"type": "integer"}}}
+    assert t.parameters == {
+        "type": "object",
+        "required": ["city"],
+        "properties": {"city": {"type": "string", "description": "the city's name."}, "days": {"type": "integer"}},
+    }
     assert t.wants_state
     out = trio.run(ToolBox([t]).execute, ToolCall("weather", {"city": "Oslo", "days": 2}))
     assert out.content == "Oslo sunny for 2 day(s)"
@@ -83,18 +87,21 @@ def test_class_tool_schema_is_derived():
 
 def test_unresolvable_annotations_are_an_error_naming_the_tool():
     with pytest.raises(ToolSchemaError, match=r"Odd\.run.*do not resolve"):
+
         class Odd(Tool):
-            async def run(self, thing: "NotDefinedAnywhere", count: int = 1) -> str:  # noqa: F821
+            async def run(self, thing: NotDefinedAnywhere, count: int = 1) -> str:  # noqa: F821
                 return "ok"
 
 
 def test_a_parameter_without_a_type_hint_is_an_error_naming_it():
     with pytest.raises(ToolSchemaError, match=r"lookup_factor.*'to_unit' has no type hint"):
+
         @tool
         def lookup_factor(from_unit: str, to_unit) -> str:
             return "1"
 
     with pytest.raises(ToolSchemaError, match=r"Convert\.run.*'value' has no type hint"):
+
         class Convert(Tool):
             async def run(self, value) -> str:
                 return "1"
@@ -102,6 +109,7 @@ def test_a_parameter_without_a_type_hint_is_an_error_naming_it():
 
 def test_an_unsupported_type_hint_is_an_error_naming_it():
     with pytest.raises(ToolSchemaError, match=r"scale.*'factor': Fraction has no JSON-schema type"):
+
         @tool
         def scale(x: float, factor: Fraction) -> str:
             return "1"
@@ -114,8 +122,9 @@ class Unit(enum.Enum):
 
 def test_any_unions_enums_and_tuples_have_schemas():
     @tool
-    def convert(value: int | float, unit: Unit, extra: Any = None, pair: tuple[int, int] = (0, 0),
-                note: str | None = None) -> str:
+    def convert(
+        value: int | float, unit: Unit, extra: Any = None, pair: tuple[int, int] = (0, 0), note: str | None = None
+    ) -> str:
         return "ok"
 
     props = convert.parameters["properties"]
@@ -197,13 +206,16 @@ def _box(**kw) -> ToolBox:
     return ToolBox([lookup, hang, block, explode, chatty, number], **kw)
 
 
-@pytest.mark.parametrize("call, expected", [
-    (ToolCall("nope", {}), "unknown tool 'nope'; available tools: lookup, hang, block, explode, chatty, number"),
-    (ToolCall("lookup", {"top_k": 2}), "lookup is missing required argument(s): query"),
-    (ToolCall("lookup", {"query": 5}), "argument 'query' of lookup must be of type string, got int"),
-    (ToolCall("lookup", "not a dict"), "arguments for lookup must be a JSON object, got str"),
-    (ToolCall("explode", {}), "explode failed: KeyError: 'boom'"),
-])
+@pytest.mark.parametrize(
+    "call, expected",
+    [
+        (ToolCall("nope", {}), "unknown tool 'nope'; available tools: lookup, hang, block, explode, chatty, number"),
+        (ToolCall("lookup", {"top_k": 2}), "lookup is missing required argument(s): query"),
+        (ToolCall("lookup", {"query": 5}), "argument 'query' of lookup must be of type string, got int"),
+        (ToolCall("lookup", "not a dict"), "arguments for lookup must be a JSON object, got str"),
+        (ToolCall("explode", {}), "explode failed: KeyError: 'boom'"),
+    ],
+)
 def test_failures_become_error_observations(call, expected):
     result = trio.run(_box().execute, call)
     assert result.is_error
@@ -261,29 +273,38 @@ parser = HermesToolCallParser()
 
 
 def test_parse_single_call():
-    turn = parser.parse('Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 2"}}\n'
-                        "</tool_call>")
+    turn = parser.parse(
+        'Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 2"}}\n</tool_call>'
+    )
     assert [(c.name, c.arguments) for c in turn.calls] == [("calculator", {"expression": "1 + 2"})]
     assert turn.errors == [] and not turn.truncated and turn.has_tool_activity
     assert turn.calls[0].raw.startswith("<tool_call>") and turn.calls[0].raw.endswith("</tool_call>")
 
 
 def test_parse_several_calls_and_string_arguments():
-    text = ('<tool_call>{"name": "search", "arguments": {"query": "a"}}</tool_call>\n'
-            '<tool_call>{"name": "search", "arguments": "{\\"query\\": \\"b\\"}"}</tool_call>'
-            '<tool_call>{"name": "ping"}</tool_call>')
+    text = (
+        '<tool_call>{"name": "search", "arguments": {"query": "a"}}</tool_call>\n'
+        '<tool_call>{"name": "search", "arguments": "{\\"query\\": \\"b\\"}"}</tool_call>'
+        '<tool_call>{"name": "ping"}</tool_call>'
+    )
     turn = parser.parse(text)
     assert [(c.name, c.arguments) for c in turn.calls] == [
-        ("search", {"query": "a"}), ("search", {"query": "b"}), ("ping", {})]
+        ("search", {"query": "a"}),
+        ("search", {"query": "b"}),
+        ("ping", {}),
+    ]
 
 
-@pytest.mark.parametrize("body, message", [
-    ('{"name": "calc", "arguments": {"expression": "1"}', "not valid JSON"),
-    ('["calc"]', "must be a JSON object"),
-    ('{"arguments": {}}', 'has no "name"'),
-    ('{"name": "calc", "arguments": [1, 2]}', "arguments of calc must be a JSON object"),
-    ('{"name": "calc", "arguments": "{oops"}', "arguments of calc are not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ('{"name": "calc", "arguments": {"expression": "1"}', "not valid JSON"),
+        ('["calc"]', "must be a JSON object"),
+        ('{"arguments": {}}', 'has no "name"'),
+        ('{"name": "calc", "arguments": [1, 2]}', "arguments of calc must be a JSON object"),
+        ('{"name": "calc", "arguments": "{oops"}', "arguments of calc are not valid JSON"),
+    ],
+)
 def test_malformed_calls_become_errors(body, message):
     turn = parser.parse(f"<tool_call>{body}</tool_call>")
     assert turn.calls == [] and len(turn.errors) == 1 and message in turn.errors[0]
@@ -322,12 +343,21 @@ def test_parser_round_trips_the_chat_template_rendering():
 
     from agentrl.models.builder import CHAT_TEMPLATE
 
-    messages = [{"role": "user", "content": "hi"},
-                {"role": "assistant", "content": "", "tool_calls": [
-                    {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2 * 3"}}},
-                    {"type": "function", "function": {"name": "search", "arguments": {"query": "x \"y\""}}}]}]
+    messages = [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2 * 3"}}},
+                {"type": "function", "function": {"name": "search", "arguments": {"query": 'x "y"'}}},
+            ],
+        },
+    ]
     rendered = Template(CHAT_TEMPLATE).render(messages=messages, tools=None, add_generation_prompt=False)
     assistant = rendered.split("<|im_start|>assistant\n", 1)[1]
     turn = parser.parse(assistant)
     assert [(c.name, c.arguments) for c in turn.calls] == [
-        ("calculator", {"expression": "2 * 3"}), ("search", {"query": 'x "y"'})]
+        ("calculator", {"expression": "2 * 3"}),
+        ("search", {"query": 'x "y"'}),
+    ]

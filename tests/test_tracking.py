@@ -29,10 +29,12 @@ def log_a_run(tracker: Tracker, tmp: Path) -> Path:
     for step in range(3):
         tracker.log_metrics({"loss": 1.0 / (step + 1), "reward/mean": 0.5 * step}, step=step)
     artifact = tmp / "resolved_config.toml"
-    artifact.write_text('[learner]\nlr = 0.0003\n')
+    artifact.write_text("[learner]\nlr = 0.0003\n")
     tracker.log_artifact(artifact)
-    tracker.log_json({"step": 2, "episodes": [{"reward": 1.0, "messages": [{"role": "user", "content": "hi"}]}]},
-                     "samples/step_000002.json")
+    tracker.log_json(
+        {"step": 2, "episodes": [{"reward": 1.0, "messages": [{"role": "user", "content": "hi"}]}]},
+        "samples/step_000002.json",
+    )
     tracker.close()
     return artifact
 

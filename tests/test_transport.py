@@ -37,8 +37,9 @@ def group(i: int, num_tokens: int = 8) -> TrajectoryGroup:
         reward=float(i),
         metadata={"i": i},
     )
-    return TrajectoryGroup(group_id=f"g{i}", task_id=f"t{i}", env="test", trajectories=[traj], actor_id="a0",
-                           session="s0", seq=i)
+    return TrajectoryGroup(
+        group_id=f"g{i}", task_id=f"t{i}", env="test", trajectories=[traj], actor_id="a0", session="s0", seq=i
+    )
 
 
 def assert_no_thread_named(prefix: str) -> None:
@@ -186,7 +187,9 @@ def test_fuzzed_frames_are_delivered_or_counted_never_raised() -> None:
     rng = random.Random(7)
     ack = ActorAck("a0", groups=3, session="s0", session_groups=2, acked=[(0, 0), (2, 2)])
     frames = _mutations(rng, encode(group(1)), 150)
-    frames += _mutations(rng, encode(Progress(policy_version=1, accept_groups=2, learner_session="L", actors=[ack])), 50)
+    frames += _mutations(
+        rng, encode(Progress(policy_version=1, accept_groups=2, learner_session="L", actors=[ack])), 50
+    )
     with GroupReceiver(ANY_PORT) as receiver:
         ctx = zmq.Context()
         push = ctx.socket(zmq.PUSH)

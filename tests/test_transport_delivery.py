@@ -7,8 +7,6 @@ import json
 import logging
 import random
 
-import numpy as np
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -17,8 +15,9 @@ from agentrl.transport.delivery import Ledger, Outbox, SeqRanges
 
 
 def group(name: str = "g") -> TrajectoryGroup:
-    traj = Trajectory(tokens=[1, 2, 3], loss_mask=[0, 1, 1], behavior_logprobs=[0, -0.5, -0.5],
-                      weight_versions=[-1, 0, 0], reward=1.0)
+    traj = Trajectory(
+        tokens=[1, 2, 3], loss_mask=[0, 1, 1], behavior_logprobs=[0, -0.5, -0.5], weight_versions=[-1, 0, 0], reward=1.0
+    )
     return TrajectoryGroup(group_id=name, task_id=name, env="test", trajectories=[traj])
 
 

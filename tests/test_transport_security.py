@@ -12,8 +12,16 @@ import trio
 import zmq
 
 from agentrl.protocol import Progress, Trajectory, TrajectoryGroup, encode
-from agentrl.transport import (ChannelSecurity, CurveKey, GroupReceiver, GroupSender, ProgressPublisher,
-                               ProgressSubscriber, TransportError, security_from_config)
+from agentrl.transport import (
+    ChannelSecurity,
+    CurveKey,
+    GroupReceiver,
+    GroupSender,
+    ProgressPublisher,
+    ProgressSubscriber,
+    TransportError,
+    security_from_config,
+)
 from agentrl.transport.security import is_local
 
 pytestmark = pytest.mark.timeout(60)
@@ -21,10 +29,16 @@ ANY_PORT = "tcp://127.0.0.1:*"
 
 
 def group(i: int) -> TrajectoryGroup:
-    traj = Trajectory(tokens=np.arange(4), loss_mask=np.ones(4), behavior_logprobs=np.full(4, -0.5),
-                      weight_versions=np.zeros(4), reward=1.0)
-    return TrajectoryGroup(group_id=f"g{i}", task_id="t", env="test", trajectories=[traj], actor_id="a0",
-                           session="s", seq=i)
+    traj = Trajectory(
+        tokens=np.arange(4),
+        loss_mask=np.ones(4),
+        behavior_logprobs=np.full(4, -0.5),
+        weight_versions=np.zeros(4),
+        reward=1.0,
+    )
+    return TrajectoryGroup(
+        group_id=f"g{i}", task_id="t", env="test", trajectories=[traj], actor_id="a0", session="s", seq=i
+    )
 
 
 def curve() -> ChannelSecurity:
@@ -51,8 +65,9 @@ def try_send(sock, data: bytes) -> None:
         pass
 
 
-async def send_and_receive(receiver: GroupReceiver, security: ChannelSecurity, groups: list[TrajectoryGroup],
-                           wait_s: float) -> list[TrajectoryGroup | None]:
+async def send_and_receive(
+    receiver: GroupReceiver, security: ChannelSecurity, groups: list[TrajectoryGroup], wait_s: float
+) -> list[TrajectoryGroup | None]:
     """Send ``groups`` and take as many from ``receiver`` (None where ``wait_s`` passed) while the sender is
     still open: it closes with linger 0, which drops what ZMQ has not written yet."""
     async with GroupSender(receiver.endpoint, security=security) as sender:
@@ -87,7 +102,9 @@ def test_only_holders_of_the_key_can_push_groups() -> None:
 def test_a_key_holder_sending_garbage_is_counted_and_dropped() -> None:
     sec = curve()
     with GroupReceiver(ANY_PORT, security=sec) as receiver:
-        ctx, sock = raw_push(receiver.endpoint, server_key=sec.curve.public, client=(sec.curve.public, sec.curve.secret))
+        ctx, sock = raw_push(
+            receiver.endpoint, server_key=sec.curve.public, client=(sec.curve.public, sec.curve.secret)
+        )
         sock.send(b"\x93not a group")
         sock.send(encode(group(5)))
         got = receiver.get(timeout_s=5.0)
@@ -103,9 +120,11 @@ def test_only_holders_of_the_key_can_read_progress() -> None:
         publisher.publish(Progress(policy_version=3, accept_groups=7, learner_session="L"))
 
         async def main() -> None:
-            async with ProgressSubscriber(publisher.endpoint, security=sec) as ours, \
-                    ProgressSubscriber(publisher.endpoint) as plain, \
-                    ProgressSubscriber(publisher.endpoint, security=curve()) as other_key:
+            async with (
+                ProgressSubscriber(publisher.endpoint, security=sec) as ours,
+                ProgressSubscriber(publisher.endpoint) as plain,
+                ProgressSubscriber(publisher.endpoint, security=curve()) as other_key,
+            ):
                 with trio.fail_after(10):
                     assert (await ours.receive()).accept_groups == 7
                 with trio.move_on_after(1.0):  # 20 heartbeats went out meanwhile
@@ -136,14 +155,28 @@ def test_plain_tcp_beyond_loopback_is_refused_unless_allowed() -> None:
         assert r.endpoint.startswith("tcp://0.0.0.0:")
 
 
-@pytest.mark.parametrize("endpoint,local", [
-    ("tcp://127.0.0.1:5557", True), ("tcp://127.8.0.1:1", True), ("tcp://localhost:5557", True),
-    ("tcp://[::1]:5557", True), ("tcp://lo:5557", True), ("ipc:///tmp/x.sock", True), ("inproc://x", True),
-    ("tcp://127.0.0.1;10.0.0.2:5557", False), ("tcp://10.0.0.2;127.0.0.1:5557", True),
-    ("tcp://0.0.0.0:5557", False), ("tcp://*:5557", False), ("tcp://eth0:5557", False),
-    ("tcp://[::]:5557", False), ("tcp://host.example:5557", False), ("ws://127.0.0.1:5557", False),
-    ("epgm://eth0;239.0.0.1:5555", False), ("garbage", False),
-])
+@pytest.mark.parametrize(
+    "endpoint,local",
+    [
+        ("tcp://127.0.0.1:5557", True),
+        ("tcp://127.8.0.1:1", True),
+        ("tcp://localhost:5557", True),
+        ("tcp://[::1]:5557", True),
+        ("tcp://lo:5557", True),
+        ("ipc:///tmp/x.sock", True),
+        ("inproc://x", True),
+        ("tcp://127.0.0.1;10.0.0.2:5557", False),
+        ("tcp://10.0.0.2;127.0.0.1:5557", True),
+        ("tcp://0.0.0.0:5557", False),
+        ("tcp://*:5557", False),
+        ("tcp://eth0:5557", False),
+        ("tcp://[::]:5557", False),
+        ("tcp://host.example:5557", False),
+        ("ws://127.0.0.1:5557", False),
+        ("epgm://eth0;239.0.0.1:5555", False),
+        ("garbage", False),
+    ],
+)
 def test_what_counts_as_loopback(endpoint: str, local: bool) -> None:
     assert is_local(endpoint) is local
 

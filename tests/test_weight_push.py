@@ -19,9 +19,16 @@ import httpx
 import pytest
 import torch
 
+from agentrl.learner.weight_push import (
+    EngineLost,
+    WeightUpdateError,
+    WeightUpdater,
+    full_tensors,
+    plan_buckets,
+    rank_layout,
+    without_tied_head,
+)
 from agentrl.net import free_port
-from agentrl.learner.weight_push import (EngineLost, WeightUpdateError, WeightUpdater, full_tensors, plan_buckets,
-                                         rank_layout, without_tied_head)
 from agentrl.weight_group import bind_store_socket, destroy_weight_group, init_weight_group
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,10 +43,15 @@ class FakeSGLang:
     def __init__(self, *flags: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests._fake_sglang", "--port", str(self.port), *flags],
-                                     cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests._fake_sglang", "--port", str(self.port), *flags],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
-    def wait_ready(self, timeout_s: float = 120.0) -> "FakeSGLang":
+    def wait_ready(self, timeout_s: float = 120.0) -> FakeSGLang:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:  # an external process: polling with a bound
             if self.proc.poll() is not None:
@@ -76,11 +88,13 @@ def fakes(*flag_sets: tuple[str, ...]) -> list[FakeSGLang]:
 
 def tensors(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
-    return [("model.embed_tokens.weight", torch.randn(64, 32, generator=gen)),
-            ("model.layers.0.mlp.weight", torch.randn(96, 32, generator=gen)),
-            ("model.layers.0.norm.weight", torch.randn(32, generator=gen).to(torch.bfloat16)),
-            ("model.norm.weight", torch.randn(32, generator=gen)),
-            ("lm_head.weight", torch.randn(64, 32, generator=gen))]
+    return [
+        ("model.embed_tokens.weight", torch.randn(64, 32, generator=gen)),
+        ("model.layers.0.mlp.weight", torch.randn(96, 32, generator=gen)),
+        ("model.layers.0.norm.weight", torch.randn(32, generator=gen).to(torch.bfloat16)),
+        ("model.norm.weight", torch.randn(32, generator=gen)),
+        ("lm_head.weight", torch.randn(64, 32, generator=gen)),
+    ]
 
 
 def checksums(named) -> dict[str, float]:
@@ -125,8 +139,14 @@ def test_the_tied_head_rule():
 
 
 def test_one_bucketing_pass_bounds_size_and_keeps_one_dtype():
-    named = [("a", torch.zeros(100)), ("b", torch.zeros(100)), ("c", torch.zeros(100, dtype=torch.bfloat16)),
-             ("d", torch.zeros(300)), ("e", torch.zeros(50)), ("f", torch.zeros(50))]
+    named = [
+        ("a", torch.zeros(100)),
+        ("b", torch.zeros(100)),
+        ("c", torch.zeros(100, dtype=torch.bfloat16)),
+        ("d", torch.zeros(300)),
+        ("e", torch.zeros(50)),
+        ("f", torch.zeros(50)),
+    ]
     plan = plan_buckets(named, bucket_bytes=600)
     assert [[n for n, _ in b] for b in plan] == [["a"], ["b"], ["c"], ["d"], ["e", "f"]]
     for bucket in plan:
@@ -204,7 +224,7 @@ def test_tp_ranks_versions_flush_and_a_build_without_begin_end(caplog):
             assert state["weight_version"] == "2" and state["paused"] is None and not state["session"]
             # before each push, right after the pause: "default", so a cut-short push leaves no number
             assert state["version_updates"] == [{"new_version": "default", "abort_all_requests": False}] * 2
-            first = updates[:len(plan)]
+            first = updates[: len(plan)]
             assert [u["flush_cache"] for u in first] == [False] * (len(plan) - 1) + [True]
             assert [u["weight_version"] for u in first] == [None] * (len(plan) - 1) + ["1"]
             assert {u["paused"] for u in updates} == {"abort"}

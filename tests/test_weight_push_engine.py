@@ -21,15 +21,19 @@ import trio
 
 from agentrl.engine.client import EngineClient, EngineRequestError
 from agentrl.engine.launch import EngineProcess, wait_ready
-from agentrl.net import free_port
 from agentrl.learner.weight_push import EngineLost, WeightUpdater, full_tensors, plan_buckets, without_tied_head
+from agentrl.net import free_port
 from tests.conftest_engine import ENGINE_FLAGS, Teacher, max_abs_diff
 
 
 def _start(model, log_dir, *flags: str) -> list[EngineProcess]:
     """One engine per flag list, started together."""
-    procs = [EngineProcess(str(model), free_port(), extra=[*ENGINE_FLAGS, *f], log_path=log_dir / f"engine{i}.log")
-             .start(wait_s=0) for i, f in enumerate(flags)]
+    procs = [
+        EngineProcess(str(model), free_port(), extra=[*ENGINE_FLAGS, *f], log_path=log_dir / f"engine{i}.log").start(
+            wait_s=0
+        )
+        for i, f in enumerate(flags)
+    ]
     try:
         for p in procs:
             wait_ready(p.url, 240, process=p.process)
@@ -59,9 +63,16 @@ def _perturbed(model_path, seed: int):
 
 
 def _greedy(url: str, prompt: list[int], n: int = 8, headers: dict | None = None) -> tuple[list[int], list[float]]:
-    body = httpx.post(url + "/generate", headers=headers, timeout=60, json={
-        "input_ids": prompt, "return_logprob": True,
-        "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}}).json()
+    body = httpx.post(
+        url + "/generate",
+        headers=headers,
+        timeout=60,
+        json={
+            "input_ids": prompt,
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True},
+        },
+    ).json()
     return body["output_ids"], [lp for lp, _, _ in body["meta_info"]["output_token_logprobs"]]
 
 
@@ -138,9 +149,11 @@ def test_an_actor_waits_for_the_learner_to_set_the_engines_version(engine, engin
         try:
             with trio.fail_after(180):
                 async with EngineClient([url]) as client:
+
                     async def play():
-                        out["traj"] = await run_episode(client, tokenizer, env, toolbox_for(env), task,
-                                                        {"temperature": 1.0}, limits)
+                        out["traj"] = await run_episode(
+                            client, tokenizer, env, toolbox_for(env), task, {"temperature": 1.0}, limits
+                        )
 
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(play)
@@ -181,10 +194,22 @@ def test_the_learner_sets_the_version_before_its_first_progress_message(engine, 
             pass
 
     init_distributed("cpu")
-    cfg = load_config(None, [f'model.path="{engine_model}"', f'run.run_dir="{tmp_path}"', "learner.max_steps=1",
-                             "learner.groups_per_step=1", "learner.max_tokens_per_microbatch=128",
-                             "learner.checkpoint_every_steps=0", 'learner.device="cpu"', "tracking.enabled=false",
-                             "actors.group_size=4", f"engine.urls=['{url}']", "engine.weight_group_backend=gloo"])
+    cfg = load_config(
+        None,
+        [
+            f'model.path="{engine_model}"',
+            f'run.run_dir="{tmp_path}"',
+            "learner.max_steps=1",
+            "learner.groups_per_step=1",
+            "learner.max_tokens_per_microbatch=128",
+            "learner.checkpoint_every_steps=0",
+            'learner.device="cpu"',
+            "tracking.enabled=false",
+            "actors.group_size=4",
+            f"engine.urls=['{url}']",
+            "engine.weight_group_backend=gloo",
+        ],
+    )
     weights = WeightUpdater.from_config(cfg.engine)
     weights.connect()
     io = LearnerIO(source=ListSource([make_group(np.random.default_rng(0))]), progress=Progress(), weights=weights)
@@ -205,12 +230,17 @@ def test_e2e_after_engine_strict_tp_ranks_keys_and_no_begin_end(engine_model, tm
 
     api, admin = "e2e-api-key-1234", "e2e-admin-key-5678"
     keys = ["--api-key", api, "--admin-api-key", admin]
-    a, b = _start(engine_model, tmp_path, ["--tp-size", "2", "--weight-version", "default", *keys],
-                  ["--disable-weight-update-bracket", "--weight-version", "0", *keys])
+    a, b = _start(
+        engine_model,
+        tmp_path,
+        ["--tp-size", "2", "--weight-version", "default", *keys],
+        ["--disable-weight-update-bracket", "--weight-version", "0", *keys],
+    )
     monkeypatch.setenv("AGENTRL_ENGINE_API_KEY", api)
     monkeypatch.setenv("AGENTRL_ENGINE_ADMIN_API_KEY", admin)
-    cfg = load_config(None, [f"engine.urls=['{a.url}', '{b.url}']", "engine.weight_group_backend=gloo",
-                             "engine.weight_bucket_mb=1"])
+    cfg = load_config(
+        None, [f"engine.urls=['{a.url}', '{b.url}']", "engine.weight_group_backend=gloo", "engine.weight_bucket_mb=1"]
+    )
     new = _perturbed(engine_model, seed=6)
     try:
         with WeightUpdater.from_config(cfg.engine) as updater, caplog.at_level(logging.WARNING):
@@ -328,10 +358,13 @@ def test_the_client_takes_a_restarted_engine_back_and_a_call_in_flight_does_not_
     a, b = _start(engine_model, tmp_path, ENGINE_FLAGS, ENGINE_FLAGS)
     long = {"max_new_tokens": 600, "temperature": 1.0, "ignore_eos": True}
     try:
+
         async def main():
             with trio.fail_after(240):
-                async with EngineClient([a.url, b.url], health_check_interval_s=0.2) as both, \
-                        EngineClient([b.url], max_retries=0, health_check_interval_s=0.2) as only_b:
+                async with (
+                    EngineClient([a.url, b.url], health_check_interval_s=0.2) as both,
+                    EngineClient([b.url], max_retries=0, health_check_interval_s=0.2) as only_b,
+                ):
                     results: dict = {}
 
                     async def call(name, client, key):
@@ -373,8 +406,11 @@ def test_a_new_learner_cleans_up_what_a_learner_killed_mid_push_left_on_the_engi
     url = engine.url
     old = WeightUpdater([url])
     old.connect()  # the dead learner's group
-    for path, body in (("/pause_generation", {"mode": "abort"}), ("/begin_weight_update", {}),
-                       ("/update_weight_version", {"new_version": "default", "abort_all_requests": False})):
+    for path, body in (
+        ("/pause_generation", {"mode": "abort"}),
+        ("/begin_weight_update", {}),
+        ("/update_weight_version", {"new_version": "default", "abort_all_requests": False}),
+    ):
         assert httpx.post(url + path, json=body, timeout=10).status_code == 200
     old._drop_group()  # its trainer end is gone, as with SIGKILL (the engine still holds its group)
     info = httpx.get(url + "/server_info", timeout=10).json()

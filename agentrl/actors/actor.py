@@ -58,16 +58,17 @@ import signal
 import time
 import uuid
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import trio
 
 from agentrl.actors.metrics import ActorStats
-from agentrl.episode.rollout import EngineClientLike, EpisodeLimits, GroupLost, run_group
 from agentrl.envs.agent import AgentEnv
 from agentrl.envs.base import Env, Task
+from agentrl.episode.rollout import EngineClientLike, EpisodeLimits, GroupLost, run_group
 from agentrl.protocol import Progress, TrajectoryGroup
 from agentrl.tools.base import ToolBox
 from agentrl.transport.base import GroupSink, ProgressSource
@@ -130,9 +131,19 @@ class ActorSettings:
 class ActorService:
     """Runs groups of episodes until stopped; see the module docstring."""
 
-    def __init__(self, *, client: EngineClientLike, tokenizer: Any, envs: list[ActorEnv], sampling: dict[str, Any],
-                 settings: ActorSettings, agents: Any = None, sender: GroupSink | None = None,
-                 progress: ProgressSource | None = None, dump_path: str | Path | None = None):
+    def __init__(
+        self,
+        *,
+        client: EngineClientLike,
+        tokenizer: Any,
+        envs: list[ActorEnv],
+        sampling: dict[str, Any],
+        settings: ActorSettings,
+        agents: Any = None,
+        sender: GroupSink | None = None,
+        progress: ProgressSource | None = None,
+        dump_path: str | Path | None = None,
+    ):
         """``agents``: the process's :class:`agentrl.agents.agent_runner.AgentRunner`, entered by the caller;
         needed when an env is an :class:`agentrl.agents.AgentEnv`."""
         if not envs:
@@ -160,12 +171,18 @@ class ActorService:
         self._not_before = 0.0
         self._warned_staleness = False
         if settings.max_open_groups * settings.group_size < settings.num_concurrent_episodes:
-            log.info("num_concurrent_episodes %d is not a multiple of group_size %d: running %d episodes",
-                     settings.num_concurrent_episodes, settings.group_size,
-                     settings.max_open_groups * settings.group_size)
+            log.info(
+                "num_concurrent_episodes %d is not a multiple of group_size %d: running %d episodes",
+                settings.num_concurrent_episodes,
+                settings.group_size,
+                settings.max_open_groups * settings.group_size,
+            )
         if settings.group_size > settings.num_concurrent_episodes:
-            log.warning("group_size %d > num_concurrent_episodes %d: one group at a time",
-                        settings.group_size, settings.num_concurrent_episodes)
+            log.warning(
+                "group_size %d > num_concurrent_episodes %d: one group at a time",
+                settings.group_size,
+                settings.num_concurrent_episodes,
+            )
 
     # ------------------------------------------------------------------ control
 
@@ -244,8 +261,7 @@ class ActorService:
         return self.report()
 
     def _awaiting_acks(self) -> bool:
-        return (self.outbox.held > 0 and self.sender is not None and self.progress is not None
-                and not self.progress.done)
+        return self.outbox.held > 0 and self.sender is not None and self.progress is not None and not self.progress.done
 
     def report(self) -> dict[str, Any]:
         s = self.stats
@@ -253,9 +269,13 @@ class ActorService:
             "stop_reason": self.stop_reason or "done",
             "failed": self.failed,
             "groups_unsent": s.groups_completed - s.groups_delivered,
-            "last_progress": None if self.progress is None else {
-                "policy_version": self.progress.policy_version, "accept_groups": self.progress.accept_groups,
-                "learner_session": self.progress.learner_session},
+            "last_progress": None
+            if self.progress is None
+            else {
+                "policy_version": self.progress.policy_version,
+                "accept_groups": self.progress.accept_groups,
+                "learner_session": self.progress.learner_session,
+            },
             **self.outbox.stats(),
             **s.summary(),
         }
@@ -315,12 +335,29 @@ class ActorService:
         cfg = self.settings
         gid = uuid.uuid4().hex[:12]
         if isinstance(entry.env, AgentEnv):
-            group = await self.agents.play_group(entry.env, task, cfg.group_size, group_id=gid, actor_id=cfg.actor_id,
-                                                 extra_metadata=extra, limits=entry.limits)
+            group = await self.agents.play_group(
+                entry.env,
+                task,
+                cfg.group_size,
+                group_id=gid,
+                actor_id=cfg.actor_id,
+                extra_metadata=extra,
+                limits=entry.limits,
+            )
         else:
-            group = await run_group(self.client, self.tokenizer, entry.env, entry.toolbox, task, self.sampling,
-                                    entry.limits, cfg.group_size, group_id=gid, actor_id=cfg.actor_id,
-                                    extra_metadata=extra)
+            group = await run_group(
+                self.client,
+                self.tokenizer,
+                entry.env,
+                entry.toolbox,
+                task,
+                self.sampling,
+                entry.limits,
+                cfg.group_size,
+                group_id=gid,
+                actor_id=cfg.actor_id,
+                extra_metadata=extra,
+            )
         for t in group.trajectories:
             t.metadata["success"] = _is_success(entry.env, task, t.reward)
         return group
@@ -397,14 +434,18 @@ class ActorService:
                 self.request_stop(f"the progress channel failed: {type(e).__name__}: {e}")
                 return
             if self.progress is None:
-                log.info("learner seen: policy version %d, budget %d groups", progress.policy_version,
-                         progress.accept_groups)
+                log.info(
+                    "learner seen: policy version %d, budget %d groups", progress.policy_version, progress.accept_groups
+                )
             self.progress = progress
             self._resend.extend(self.outbox.on_progress(progress))
             if progress.max_staleness != self.settings.max_staleness and not self._warned_staleness:
                 self._warned_staleness = True
-                log.warning("actors.max_staleness=%d but the learner publishes %d; the learner's value governs",
-                            self.settings.max_staleness, progress.max_staleness)
+                log.warning(
+                    "actors.max_staleness=%d but the learner publishes %d; the learner's value governs",
+                    self.settings.max_staleness,
+                    progress.max_staleness,
+                )
             if progress.done:
                 self.request_stop("the learner is done")
             self._notify()
@@ -423,17 +464,28 @@ class ActorService:
             await trio.sleep(self.settings.log_interval_s)
             window = self.stats.window()
             s = self.stats.summary()
-            log.info("actor %s: %.1f turns/s, %.2f groups/s, open %d, delivered %d, unacked %d, lost %d, reward %.3f, "
-                     "turns %.2f, tool errors %.3f, finish %s", self.settings.actor_id, window["turns_per_s"],
-                     window["groups_per_s"], self.open_groups, s["groups_delivered"], self.outbox.held, s["groups_lost"],
-                     s["reward_mean"], s["turns_mean"], s["tool_error_rate"], s["finish_reasons"])
+            log.info(
+                "actor %s: %.1f turns/s, %.2f groups/s, open %d, delivered %d, unacked %d, lost %d, reward %.3f, "
+                "turns %.2f, tool errors %.3f, finish %s",
+                self.settings.actor_id,
+                window["turns_per_s"],
+                window["groups_per_s"],
+                self.open_groups,
+                s["groups_delivered"],
+                self.outbox.held,
+                s["groups_lost"],
+                s["reward_mean"],
+                s["turns_mean"],
+                s["tool_error_rate"],
+                s["finish_reasons"],
+            )
 
 
 def _is_success(env: Env, task: Task, reward: float) -> bool:
     """``env.is_success``; an env whose ``is_success`` raises says nothing about success (False, logged)."""
     try:
         return bool(env.is_success(task, reward))
-    except Exception as e:  # noqa: BLE001 - a judge's bug must not lose the group
+    except Exception as e:
         log.warning("%s.is_success raised %s: %s", type(env).__name__, type(e).__name__, e)
         return False
 
@@ -441,12 +493,19 @@ def _is_success(env: Env, task: Task, reward: float) -> bool:
 def group_to_json(group: TrajectoryGroup) -> dict[str, Any]:
     """A group as one JSON object (for ``--dump-trajectories``)."""
     return {
-        "group_id": group.group_id, "task_id": group.task_id, "env": group.env, "actor_id": group.actor_id,
-        "session": group.session, "seq": group.seq, "created_at": group.created_at,
+        "group_id": group.group_id,
+        "task_id": group.task_id,
+        "env": group.env,
+        "actor_id": group.actor_id,
+        "session": group.session,
+        "seq": group.seq,
+        "created_at": group.created_at,
         "trajectories": [
             {
-                "reward": t.reward, "reward_components": t.reward_components,
-                "tokens": t.tokens.tolist(), "loss_mask": t.loss_mask.tolist(),
+                "reward": t.reward,
+                "reward_components": t.reward_components,
+                "tokens": t.tokens.tolist(),
+                "loss_mask": t.loss_mask.tolist(),
                 "behavior_logprobs": [round(float(x), 6) if math.isfinite(x) else None for x in t.behavior_logprobs],
                 "weight_versions": t.weight_versions.tolist(),
                 "metadata": t.metadata,

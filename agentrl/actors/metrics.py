@@ -92,8 +92,19 @@ def parse_reward_errors(line: str) -> dict[str, Any] | None:
     except (ValueError, KeyError, TypeError):
         return None
 
-_SUMMED = ("num_turns", "num_tool_calls", "num_tool_errors", "num_aborts", "num_generate_calls",
-           "tool_latency_s", "tool_wall_s", "generation_latency_s", "episode_wall_s", "num_model_tokens")
+
+_SUMMED = (
+    "num_turns",
+    "num_tool_calls",
+    "num_tool_errors",
+    "num_aborts",
+    "num_generate_calls",
+    "tool_latency_s",
+    "tool_wall_s",
+    "generation_latency_s",
+    "episode_wall_s",
+    "num_model_tokens",
+)
 
 
 @dataclass
@@ -109,9 +120,14 @@ class EnvStats:
 
     def summary(self) -> dict[str, Any]:
         n = max(1, self.episodes)
-        return {"groups_started": self.groups_started, "groups_completed": self.groups_completed,
-                "groups_lost": self.groups_lost, "episodes": self.episodes, "reward_mean": self.reward_sum / n,
-                "success_rate": self.successes / n}
+        return {
+            "groups_started": self.groups_started,
+            "groups_completed": self.groups_completed,
+            "groups_lost": self.groups_lost,
+            "episodes": self.episodes,
+            "reward_mean": self.reward_sum / n,
+            "success_rate": self.successes / n,
+        }
 
 
 @dataclass
@@ -179,12 +195,17 @@ class ActorStats:
         gens = max(1, self.sums["num_generate_calls"])
         return {
             "elapsed_s": round(elapsed, 3),
-            "groups_started": self.groups_started, "groups_completed": self.groups_completed,
-            "groups_delivered": self.groups_delivered, "groups_lost": self.groups_lost,
+            "groups_started": self.groups_started,
+            "groups_completed": self.groups_completed,
+            "groups_delivered": self.groups_delivered,
+            "groups_lost": self.groups_lost,
             "groups_abandoned": self.groups_abandoned,
-            "episodes": self.episodes, "episodes_abandoned": self.episodes_abandoned,
-            "turns_per_s": turns / elapsed, "episodes_per_s": self.episodes / elapsed,
-            "reward_mean": self.reward_sum / n, "reward_errors": self.reward_errors,
+            "episodes": self.episodes,
+            "episodes_abandoned": self.episodes_abandoned,
+            "turns_per_s": turns / elapsed,
+            "episodes_per_s": self.episodes / elapsed,
+            "reward_mean": self.reward_sum / n,
+            "reward_errors": self.reward_errors,
             "reward_error_kinds": self.reward_error_kinds.as_list(),
             "turns_mean": turns / n,
             "tool_calls_mean": self.sums["num_tool_calls"] / n,
@@ -194,7 +215,8 @@ class ActorStats:
             "generation_latency_mean_s": self.sums["generation_latency_s"] / gens,
             "episode_wall_mean_s": self.sums["episode_wall_s"] / n,
             "aborts_survived": self.sums["num_aborts"],
-            "tokens_mean": self.tokens / n, "model_tokens_mean": self.sums["num_model_tokens"] / n,
+            "tokens_mean": self.tokens / n,
+            "model_tokens_mean": self.sums["num_model_tokens"] / n,
             "finish_reasons": dict(self.finish_reasons),
             "lost_reasons": dict(self.lost_reasons),
             "by_env": {name: stats.summary() for name, stats in sorted(self.by_env.items())},

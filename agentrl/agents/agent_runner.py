@@ -45,16 +45,17 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import trio
 
-from agentrl.episode.chat import ChatCodec
-from agentrl.episode.rollout import EpisodeFailed, EpisodeLimits, GroupLost
+from agentrl.agents.chat_service import ChatService
 from agentrl.agents.endpoint import AgentEndpoint
 from agentrl.envs.agent import AgentEnv
-from agentrl.agents.chat_service import ChatService
 from agentrl.envs.base import Env, Task, score_episode, total_reward
+from agentrl.episode.chat import ChatCodec
+from agentrl.episode.rollout import EpisodeFailed, EpisodeLimits, GroupLost
 from agentrl.protocol import Trajectory, TrajectoryGroup
 
 log = logging.getLogger(__name__)
@@ -75,18 +76,35 @@ class AgentRunner:
     ``env.reasoning`` (:class:`agentrl.envs.agent.AgentEnv`).
     """
 
-    def __init__(self, tokenizer: Any, engine: Callable[[], Any], *, host: str = "127.0.0.1", port: int = 0,
-                 model_name: str = "agentrl", max_model_len: int | None = None,
-                 versioned: bool = True, forced_sampling: dict | None = None, default_max_tokens: int | None = None,
-                 max_tokens_cap: int | None = None, client_timeout_s: float = 600.0,
-                 client_max_retries: int = 2,
-                 cancel_grace_s: float = 10.0, cleanup_timeout_s: float = 30.0):
+    def __init__(
+        self,
+        tokenizer: Any,
+        engine: Callable[[], Any],
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        model_name: str = "agentrl",
+        max_model_len: int | None = None,
+        versioned: bool = True,
+        forced_sampling: dict | None = None,
+        default_max_tokens: int | None = None,
+        max_tokens_cap: int | None = None,
+        client_timeout_s: float = 600.0,
+        client_max_retries: int = 2,
+        cancel_grace_s: float = 10.0,
+        cleanup_timeout_s: float = 30.0,
+    ):
         self.codec = ChatCodec(tokenizer)  # its own: the endpoint's thread renders with it
         self._engine_factory = engine
         self._host, self._port = host, port
-        self._service_kwargs = dict(model_name=model_name, max_model_len=max_model_len,
-                                    versioned=versioned, forced_sampling=forced_sampling,
-                                    default_max_tokens=default_max_tokens, max_tokens_cap=max_tokens_cap)
+        self._service_kwargs = dict(
+            model_name=model_name,
+            max_model_len=max_model_len,
+            versioned=versioned,
+            forced_sampling=forced_sampling,
+            default_max_tokens=default_max_tokens,
+            max_tokens_cap=max_tokens_cap,
+        )
         self.client_timeout_s, self.client_max_retries = client_timeout_s, client_max_retries
         self.cancel_grace_s, self.cleanup_timeout_s = cancel_grace_s, cleanup_timeout_s
         self.url = ""
@@ -99,7 +117,7 @@ class AgentRunner:
         self._ssl: Any = None
 
     # -- lifecycle (trio) ---------------------------------------------------------------------
-    async def __aenter__(self) -> "AgentRunner":
+    async def __aenter__(self) -> AgentRunner:
         for name in _URL_LOGGERS:  # their per-request INFO lines would log the episode keys in the URLs
             logger = logging.getLogger(name)
             if logger.getEffectiveLevel() < logging.WARNING:
@@ -133,7 +151,7 @@ class AgentRunner:
         self._loop = loop
         try:
             loop.run_until_complete(self._serve(sock))
-        except BaseException as e:  # noqa: BLE001 - reported to whoever waits for the start
+        except BaseException as e:
             if not self._started.done():
                 self._started.set_exception(e)
             else:
@@ -159,8 +177,14 @@ class AgentRunner:
         async with self._engine_factory() as engine:
             service = ChatService(self.codec, engine, continue_aborts=True, **self._service_kwargs)
             self.endpoint = AgentEndpoint(service)
-            config = uvicorn.Config(self.endpoint.app, log_level="warning", access_log=False, lifespan="off",
-                                    timeout_keep_alive=60, timeout_graceful_shutdown=5)
+            config = uvicorn.Config(
+                self.endpoint.app,
+                log_level="warning",
+                access_log=False,
+                lifespan="off",
+                timeout_keep_alive=60,
+                timeout_graceful_shutdown=5,
+            )
             server = uvicorn.Server(config)
             serving = asyncio.ensure_future(server.serve(sockets=[sock]))
             self._started.set_result(None)  # the socket already listens: calls queue until uvicorn accepts
@@ -176,8 +200,15 @@ class AgentRunner:
                 await asyncio.wait(left, timeout=self.cancel_grace_s)
 
     # -- episodes (trio) ----------------------------------------------------------------------
-    async def play(self, env: AgentEnv, task: Task, *, episode_id: str | None = None,
-                   extra_metadata: dict[str, Any] | None = None, limits: EpisodeLimits | None = None) -> list[Trajectory]:
+    async def play(
+        self,
+        env: AgentEnv,
+        task: Task,
+        *,
+        episode_id: str | None = None,
+        extra_metadata: dict[str, Any] | None = None,
+        limits: EpisodeLimits | None = None,
+    ) -> list[Trajectory]:
         """Play one episode of ``env`` on ``task``; its sequences as trajectories (each with the episode's
         reward). ``limits``: the env's ``max_turns`` (calls to the model), ``max_total_tokens`` (per
         sequence) and ``max_abs_reward`` (module docstring, "Limits"). Raises :class:`EpisodeFailed` when
@@ -187,9 +218,17 @@ class AgentRunner:
         episode_id = episode_id or uuid.uuid4().hex[:12]
         return await self._run_in_loop(self._episode(env, task, episode_id, extra_metadata or {}, limits))
 
-    async def play_group(self, env: AgentEnv, task: Task, n: int, *, group_id: str | None = None,
-                         actor_id: str = "", extra_metadata: dict[str, Any] | None = None,
-                         limits: EpisodeLimits | None = None) -> TrajectoryGroup:
+    async def play_group(
+        self,
+        env: AgentEnv,
+        task: Task,
+        n: int,
+        *,
+        group_id: str | None = None,
+        actor_id: str = "",
+        extra_metadata: dict[str, Any] | None = None,
+        limits: EpisodeLimits | None = None,
+    ) -> TrajectoryGroup:
         """The ``n`` episodes of ``task``, concurrently (episode ids ``<group_id>-<i>``), as one group: every
         sequence of every episode, in episode order. When one episode fails the others are cancelled and
         :class:`agentrl.episode.rollout.GroupLost` says why, as :func:`agentrl.episode.rollout.run_group` does.
@@ -200,8 +239,9 @@ class AgentRunner:
 
         async def one(i: int, cancel: trio.CancelScope) -> None:
             try:
-                episodes[i] = await self.play(env, task, episode_id=f"{gid}-{i}", extra_metadata=extra_metadata,
-                                              limits=limits)
+                episodes[i] = await self.play(
+                    env, task, episode_id=f"{gid}-{i}", extra_metadata=extra_metadata, limits=limits
+                )
             except EpisodeFailed as e:
                 failures.append(str(e))
                 cancel.cancel()
@@ -211,9 +251,14 @@ class AgentRunner:
                 nursery.start_soon(one, i, nursery.cancel_scope)
         if failures:
             raise GroupLost(failures[0])
-        return TrajectoryGroup(group_id=gid, task_id=task.id, env=env.name,
-                               trajectories=[t for episode in episodes for t in episode], actor_id=actor_id,
-                               created_at=time.time())
+        return TrajectoryGroup(
+            group_id=gid,
+            task_id=task.id,
+            env=env.name,
+            trajectories=[t for episode in episodes for t in episode],
+            actor_id=actor_id,
+            created_at=time.time(),
+        )
 
     async def _run_in_loop(self, coro: Any) -> Any:
         loop = self._loop
@@ -258,21 +303,29 @@ class AgentRunner:
             raise EpisodeFailed(f"the episode crashed: {type(error).__name__}: {error}") from error
         return task.result()
 
-    async def _episode(self, env: AgentEnv, task: Task, episode_id: str, extra: dict[str, Any],
-                       limits: EpisodeLimits | None) -> list[Trajectory]:
+    async def _episode(
+        self, env: AgentEnv, task: Task, episode_id: str, extra: dict[str, Any], limits: EpisodeLimits | None
+    ) -> list[Trajectory]:
         """One episode, in the asyncio loop."""
         import openai
 
         endpoint = self.endpoint
         assert endpoint is not None
         start = time.monotonic()
-        key, episode = endpoint.open_episode(episode_id, max_calls=limits.max_turns if limits else None,
-                                             max_len=limits.max_total_tokens if limits else None,
-                                             tool_parser=getattr(env, "tool_parser", None),
-                                             reasoning=bool(getattr(env, "reasoning", False)))
-        client = openai.AsyncOpenAI(base_url=f"{self.url}/episodes/{key}/v1", api_key=key,
-                                    timeout=self.client_timeout_s, max_retries=self.client_max_retries,
-                                    http_client=openai.DefaultAsyncHttpxClient(verify=self._ssl))
+        key, episode = endpoint.open_episode(
+            episode_id,
+            max_calls=limits.max_turns if limits else None,
+            max_len=limits.max_total_tokens if limits else None,
+            tool_parser=getattr(env, "tool_parser", None),
+            reasoning=bool(getattr(env, "reasoning", False)),
+        )
+        client = openai.AsyncOpenAI(
+            base_url=f"{self.url}/episodes/{key}/v1",
+            api_key=key,
+            timeout=self.client_timeout_s,
+            max_retries=self.client_max_retries,
+            http_client=openai.DefaultAsyncHttpxClient(verify=self._ssl),
+        )
         state: dict[str, Any] = {}
         try:
             try:
@@ -283,20 +336,26 @@ class AgentRunner:
                 value = await env.run(task, client)
             except asyncio.CancelledError:
                 raise
-            except BaseException as e:  # noqa: BLE001 - SystemExit from agent code ends the episode, not the thread
+            except BaseException as e:
                 if not (episode.limit and episode.sequences):
                     log.info("agent of episode %s raised", episode_id, exc_info=True)
                     raise EpisodeFailed(f"the agent ({type(env).__name__}.run) raised {type(e).__name__}: {e}") from e
                 value = _LIMIT_REACHED  # the agent gave up at the env's limit: the episode is scored as played
             endpoint.close_episode(key)
             if not episode.sequences:
-                raise EpisodeFailed(f"the agent ({type(env).__name__}.run) returned without a completed call to the "
-                                    "model: nothing to train on")
+                raise EpisodeFailed(
+                    f"the agent ({type(env).__name__}.run) returned without a completed call to the "
+                    "model: nothing to train on"
+                )
             max_abs = limits.max_abs_reward if limits else math.inf
             reward, components, reward_error = await _score(env, task, state, episode, value, max_abs)
-            metadata: dict[str, Any] = {"env": env.name, "task_id": task.id, "episode_wall_s": time.monotonic() - start,
-                                        "new_sequence_reasons": dict(episode.new_sequence_reasons),
-                                        "num_stitched_calls": episode.num_stitched}
+            metadata: dict[str, Any] = {
+                "env": env.name,
+                "task_id": task.id,
+                "episode_wall_s": time.monotonic() - start,
+                "new_sequence_reasons": dict(episode.new_sequence_reasons),
+                "num_stitched_calls": episode.num_stitched,
+            }
             if episode.limit:
                 metadata["episode_limit"] = episode.limit
             if reward_error:
@@ -309,15 +368,16 @@ class AgentRunner:
                 await client.close()
             try:
                 await asyncio.wait_for(env.cleanup(task, state), self.cleanup_timeout_s)
-            except Exception as e:  # noqa: BLE001 - a leaking env is logged, the episode still counts
+            except Exception as e:
                 log.warning("cleanup of %s failed: %s: %s", type(env).__name__, type(e).__name__, e)
 
 
 _LIMIT_REACHED = object()  # run() raised after the episode reached a limit
 
 
-async def _score(env: AgentEnv, task: Task, state: dict, episode: Any, value: Any,
-                 max_abs_reward: float = math.inf) -> tuple[float, dict[str, float], str | None]:
+async def _score(
+    env: AgentEnv, task: Task, state: dict, episode: Any, value: Any, max_abs_reward: float = math.inf
+) -> tuple[float, dict[str, float], str | None]:
     """The agent's own reward, or ``env.reward`` of the last call's conversation when it returned None.
     An agent that raised at a limit is scored by ``env.reward`` when the env has one, else 0."""
     if value is _LIMIT_REACHED:
@@ -333,13 +393,17 @@ async def _score(env: AgentEnv, task: Task, state: dict, episode: Any, value: An
     if not all(math.isfinite(r) for r in (total, *components.values())):
         return 0.0, {}, f"{type(env).__name__}.run returned a reward that is not finite: {value!r}"
     if not all(abs(r) <= max_abs_reward for r in (total, *components.values())):
-        return 0.0, {}, (f"{type(env).__name__}.run returned a reward beyond learner.max_abs_reward="
-                         f"{max_abs_reward:g}: {value!r}")
+        return (
+            0.0,
+            {},
+            (f"{type(env).__name__}.run returned a reward beyond learner.max_abs_reward={max_abs_reward:g}: {value!r}"),
+        )
     return total, components, None
 
 
-async def play_agent_episode(env: AgentEnv, task: Task, tokenizer: Any, engine: Callable[[], Any],
-                             **runner_kwargs: Any) -> list[Trajectory]:
+async def play_agent_episode(
+    env: AgentEnv, task: Task, tokenizer: Any, engine: Callable[[], Any], **runner_kwargs: Any
+) -> list[Trajectory]:
     """One episode with an endpoint of its own (started and stopped around it): for scripts and checks.
     An actor process keeps one :class:`AgentRunner` for all its episodes instead."""
     async with AgentRunner(tokenizer, engine, **runner_kwargs) as runner:

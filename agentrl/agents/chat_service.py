@@ -57,15 +57,27 @@ from typing import Any, Protocol
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from agentrl.agents.openai_api import (
+    ChatRequest,
+    ChoiceOut,
+    OpenAIRequestError,
+    chat_completion,
+    chat_completion_chunks,
+    completion_id,
+    finish_reason_of,
+    model_list,
+    parse_chat_request,
+    retrieve_model,
+    split_reasoning,
+    split_tool_calls,
+    sse,
+    token_logprobs,
+    usage,
+)
+from agentrl.engine.client import EngineRequestError
+from agentrl.engine.native_api import RequestError
 from agentrl.episode.chat import ChatCodec, TokenChat
 from agentrl.episode.rollout import EngineClientLike, EpisodeFailed, VersionNotSet, _unpack
-from agentrl.agents.openai_api import (
-    ChatRequest, ChoiceOut, OpenAIRequestError, chat_completion, chat_completion_chunks, completion_id,
-    finish_reason_of, model_list, parse_chat_request, retrieve_model, split_reasoning, split_tool_calls, sse,
-    token_logprobs, usage,
-)
-from agentrl.engine.native_api import RequestError
-from agentrl.engine.client import EngineRequestError
 from agentrl.tools.parsing import ToolCallParser, get_parser
 
 log = logging.getLogger(__name__)
@@ -131,11 +143,23 @@ def clone_chats(chat: TokenChat, n: int) -> list[TokenChat]:
 class ChatService:
     """Generation and response building behind ``/v1/chat/completions`` (see the module docstring)."""
 
-    def __init__(self, codec: ChatCodec, engine: EngineClientLike, model_name: str, *,
-                 max_model_len: int | None = None, tool_parser: str | ToolCallParser = "hermes",
-                 continue_aborts: bool = True, versioned: bool = False, forced_sampling: dict | None = None,
-                 default_max_tokens: int | None = None, max_tokens_cap: int | None = None, max_empty_aborts: int = 20,
-                 max_version_wait_s: float = 600.0, reasoning: bool = False):
+    def __init__(
+        self,
+        codec: ChatCodec,
+        engine: EngineClientLike,
+        model_name: str,
+        *,
+        max_model_len: int | None = None,
+        tool_parser: str | ToolCallParser = "hermes",
+        continue_aborts: bool = True,
+        versioned: bool = False,
+        forced_sampling: dict | None = None,
+        default_max_tokens: int | None = None,
+        max_tokens_cap: int | None = None,
+        max_empty_aborts: int = 20,
+        max_version_wait_s: float = 600.0,
+        reasoning: bool = False,
+    ):
         self.codec, self.engine, self.model_name = codec, engine, model_name
         self.max_model_len = max_model_len
         self.parser = get_parser(tool_parser) if isinstance(tool_parser, str) else tool_parser
@@ -184,11 +208,17 @@ class ChatService:
         """SGLang sampling params of choice ``index`` (``max_new_tokens`` included)."""
         params = dict(req.sampling)
         if self.forced_sampling:
-            changed = {k: params[k] for k in self.forced_sampling if k in params and params[k] != self.forced_sampling[k]}
+            changed = {
+                k: params[k] for k in self.forced_sampling if k in params and params[k] != self.forced_sampling[k]
+            }
             if changed and not self._override_logged:
                 self._override_logged = True
-                log.warning("an agent asked for %s; the run samples with %s (behaviour logprobs must be of the "
-                            "distribution the learner trains on)", changed, self.forced_sampling)
+                log.warning(
+                    "an agent asked for %s; the run samples with %s (behaviour logprobs must be of the "
+                    "distribution the learner trains on)",
+                    changed,
+                    self.forced_sampling,
+                )
             params.update(self.forced_sampling)
         if req.seed is not None:
             params["sampling_seed"] = req.seed + index
@@ -217,8 +247,9 @@ class ChatService:
             raise OpenAIRequestError(str(e), status=503, kind="server_error") from e
         except Exception as e:
             log.warning("generation failed: %s: %s", type(e).__name__, e)
-            raise OpenAIRequestError(f"the engine could not complete the request: {type(e).__name__}: {e}",
-                                     status=503, kind="server_error") from e
+            raise OpenAIRequestError(
+                f"the engine could not complete the request: {type(e).__name__}: {e}", status=503, kind="server_error"
+            ) from e
         finally:  # one failed choice ends the call: the others stop generating
             for task in tasks:
                 task.cancel()
@@ -238,8 +269,10 @@ class ChatService:
             if room < 1:
                 raise OpenAIRequestError(
                     f"This model's maximum context length is {self.max_model_len} tokens; the messages take "
-                    f"{len(chat)}, which leaves no room for a completion", param="messages",
-                    code="context_length_exceeded")
+                    f"{len(chat)}, which leaves no room for a completion",
+                    param="messages",
+                    code="context_length_exceeded",
+                )
             remaining = room if remaining is None else min(remaining, room)
         if plan.max_len is not None:  # the session's own limit (the session refused a prompt without room)
             room = max(1, plan.max_len - len(chat) - 1 - self.codec.reserve_tokens)
@@ -247,9 +280,12 @@ class ChatService:
         empty_aborts, version_wait = 0, None
         while True:
             start = time.monotonic()
-            reply = await self.engine.generate(chat.tokens, {**params, "max_new_tokens": remaining},
-                                               affinity_key=plan.affinity_key,
-                                               rid=f"{plan.rid}-{index}-{result.num_generate_calls}")
+            reply = await self.engine.generate(
+                chat.tokens,
+                {**params, "max_new_tokens": remaining},
+                affinity_key=plan.affinity_key,
+                rid=f"{plan.rid}-{index}-{result.num_generate_calls}",
+            )
             result.generation_latency_s += time.monotonic() - start
             result.num_generate_calls += 1
             try:
@@ -257,8 +293,10 @@ class ChatService:
             except VersionNotSet as e:  # no policy version produced it: wait for the learner to set one
                 version_wait = version_wait or time.monotonic()
                 if time.monotonic() - version_wait > self.max_version_wait_s:
-                    raise EpisodeFailed(f"engine {e.url} still reports weight_version 'default' after "
-                                        f"{self.max_version_wait_s:.0f} s: no learner has set a policy version") from e
+                    raise EpisodeFailed(
+                        f"engine {e.url} still reports weight_version 'default' after "
+                        f"{self.max_version_wait_s:.0f} s: no learner has set a policy version"
+                    ) from e
                 await asyncio.sleep(min(2.0, 0.1 + 0.25 * (time.monotonic() - version_wait)))
                 continue
             version_wait = None
@@ -288,16 +326,22 @@ class ChatService:
         text = r.chat.turn_content()
         matched = r.finish.get("matched")
         if r.finish.get("type") == "stop" and isinstance(matched, str) and matched in text:
-            text = text[:text.index(matched)]  # the client never sees the stop string (SGLang trims it)
+            text = text[: text.index(matched)]  # the client never sees the stop string (SGLang trims it)
         thought, text = split_reasoning(text) if reasoning else (None, text)
-        content, calls = (split_tool_calls(text, parser, req.tool_names) if req.tools else (text, []))
+        content, calls = split_tool_calls(text, parser, req.tool_names) if req.tools else (text, [])
         reason, matched_stop = finish_reason_of(r.finish, bool(calls))
         logprobs = None
         if req.logprobs:
-            ids = r.chat.tokens[r.prompt_len:]
-            logprobs = token_logprobs([self.codec.decode([t]) for t in ids], list(r.chat.logprobs[r.prompt_len:]))
-        return ChoiceOut(content=content, tool_calls=calls or None, finish_reason=reason, matched_stop=matched_stop,
-                         logprobs=logprobs, reasoning_content=thought)
+            ids = r.chat.tokens[r.prompt_len :]
+            logprobs = token_logprobs([self.codec.decode([t]) for t in ids], list(r.chat.logprobs[r.prompt_len :]))
+        return ChoiceOut(
+            content=content,
+            tool_calls=calls or None,
+            finish_reason=reason,
+            matched_stop=matched_stop,
+            logprobs=logprobs,
+            reasoning_content=thought,
+        )
 
     # -- responses ----------------------------------------------------------------------------
     def respond(self, plan: CallPlan) -> Response:

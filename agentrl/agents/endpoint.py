@@ -31,9 +31,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from agentrl.agents.recording import Episode
-from agentrl.agents.openai_api import error_body
 from agentrl.agents.chat_service import ChatService
+from agentrl.agents.openai_api import error_body
+from agentrl.agents.recording import Episode
 from agentrl.tools.parsing import ToolCallParser
 
 KEY_PREFIX = "agentrl-ep-"
@@ -44,8 +44,14 @@ def _digest(key: str) -> bytes:
 
 
 def _unauthorized(why: str) -> JSONResponse:
-    return JSONResponse(error_body(f"{why}: calls need the key of an open agentrl episode (as the API key, or in "
-                                   "the base URL /episodes/<key>/v1)", code="invalid_api_key"), status_code=401)
+    return JSONResponse(
+        error_body(
+            f"{why}: calls need the key of an open agentrl episode (as the API key, or in "
+            "the base URL /episodes/<key>/v1)",
+            code="invalid_api_key",
+        ),
+        status_code=401,
+    )
 
 
 class AgentEndpoint:
@@ -57,13 +63,21 @@ class AgentEndpoint:
         self._episodes: dict[bytes, Episode] = {}
         self.app = self._build_app()
 
-    def open_episode(self, episode_id: str, *, max_calls: int | None = None, max_len: int | None = None,
-                     tool_parser: ToolCallParser | None = None, reasoning: bool | None = None) -> tuple[str, Episode]:
+    def open_episode(
+        self,
+        episode_id: str,
+        *,
+        max_calls: int | None = None,
+        max_len: int | None = None,
+        tool_parser: ToolCallParser | None = None,
+        reasoning: bool | None = None,
+    ) -> tuple[str, Episode]:
         """A new episode (with its limits and how its completions are read,
         :class:`agentrl.agents.recording.Episode`) and its key."""
         key = KEY_PREFIX + secrets.token_urlsafe(32)
-        episode = Episode(episode_id, max_calls=max_calls, max_len=max_len, tool_parser=tool_parser,
-                          reasoning=reasoning)
+        episode = Episode(
+            episode_id, max_calls=max_calls, max_len=max_len, tool_parser=tool_parser, reasoning=reasoning
+        )
         self._episodes[_digest(key)] = episode
         return key, episode
 
@@ -110,12 +124,15 @@ class AgentEndpoint:
 
         routes: list[Any] = [Route("/health", health, methods=["GET"])]
         for prefix in ("", "/episodes/{key}"):
-            routes += [Route(f"{prefix}/v1/chat/completions", chat_completions, methods=["POST"]),
-                       Route(f"{prefix}/v1/models", models, methods=["GET"]),
-                       Route(f"{prefix}/v1/models/{{model:path}}", model, methods=["GET"])]
+            routes += [
+                Route(f"{prefix}/v1/chat/completions", chat_completions, methods=["POST"]),
+                Route(f"{prefix}/v1/models", models, methods=["GET"]),
+                Route(f"{prefix}/v1/models/{{model:path}}", model, methods=["GET"]),
+            ]
 
         async def not_found(request: Request, exc: Exception) -> Response:
-            return JSONResponse(error_body(f"no route {request.method} {request.url.path}", code="not_found"),
-                                status_code=404)
+            return JSONResponse(
+                error_body(f"no route {request.method} {request.url.path}", code="not_found"), status_code=404
+            )
 
         return Starlette(routes=routes, exception_handlers={404: not_found})

@@ -25,8 +25,15 @@ def openai_routes(server: Any) -> list[Route]:
 
     def chat_service() -> ChatService:
         if not services:
-            services.append(ChatService(ChatCodec(server.tokenizer), server, server.model_path,
-                                        max_model_len=server.runner.max_context_tokens, continue_aborts=False))
+            services.append(
+                ChatService(
+                    ChatCodec(server.tokenizer),
+                    server,
+                    server.model_path,
+                    max_model_len=server.runner.max_context_tokens,
+                    continue_aborts=False,
+                )
+            )
         return services[0]
 
     async def chat_completions(request: Request) -> Response:

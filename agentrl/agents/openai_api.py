@@ -60,13 +60,37 @@ from agentrl.tools.parsing import HermesToolCallParser, ToolCallParser
 
 MAX_N = 128
 
-USED_FIELDS = frozenset({
-    "messages", "model", "n", "temperature", "top_p", "max_tokens", "max_completion_tokens", "stop", "seed",
-    "stream", "stream_options", "tools", "tool_choice", "logprobs", "top_k", "min_p",
-})
-IGNORED_FIELDS = frozenset({
-    "user", "metadata", "store", "prompt_cache_key", "prompt_cache_retention", "safety_identifier", "service_tier",
-})
+USED_FIELDS = frozenset(
+    {
+        "messages",
+        "model",
+        "n",
+        "temperature",
+        "top_p",
+        "max_tokens",
+        "max_completion_tokens",
+        "stop",
+        "seed",
+        "stream",
+        "stream_options",
+        "tools",
+        "tool_choice",
+        "logprobs",
+        "top_k",
+        "min_p",
+    }
+)
+IGNORED_FIELDS = frozenset(
+    {
+        "user",
+        "metadata",
+        "store",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "safety_identifier",
+        "service_tier",
+    }
+)
 # field -> the values accepted (they all mean "the default"); anything else is a 400 naming the field
 DEFAULT_ONLY_FIELDS: dict[str, tuple] = {
     "frequency_penalty": (None, 0, 0.0),
@@ -98,8 +122,15 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 class OpenAIRequestError(ValueError):
     """A request OpenAI's API would refuse; answered as ``error_body`` with ``status``."""
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error"):
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        status: int = 400,
+        kind: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.message, self.param, self.code, self.status, self.kind = message, param, code, status, kind
 
@@ -107,16 +138,21 @@ class OpenAIRequestError(ValueError):
         return error_body(self.message, param=self.param, code=self.code, kind=self.kind)
 
 
-def error_body(message: str, *, param: str | None = None, code: str | None = None,
-               kind: str = "invalid_request_error") -> dict:
+def error_body(
+    message: str, *, param: str | None = None, code: str | None = None, kind: str = "invalid_request_error"
+) -> dict:
     """OpenAI's error shape."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def _unsupported(name: str, value: Any) -> OpenAIRequestError:
     why = WHY_UNSUPPORTED.get(name, "agentrl does not implement it")
-    return OpenAIRequestError(f"Unsupported parameter: '{name}' = {json.dumps(value)[:200]} is not supported ({why}); "
-                              f"leave it out or use its default", param=name, code="unsupported_parameter")
+    return OpenAIRequestError(
+        f"Unsupported parameter: '{name}' = {json.dumps(value)[:200]} is not supported ({why}); "
+        f"leave it out or use its default",
+        param=name,
+        code="unsupported_parameter",
+    )
 
 
 # ----------------------------------------------------------------------------- messages
@@ -138,8 +174,11 @@ def _text(content: Any, where: str) -> str:
         if kind in ("text", "input_text") and isinstance(part.get("text"), str):
             parts.append(part["text"])
         else:
-            raise OpenAIRequestError(f"{where}.content[{j}] of type {kind!r} is not supported: agentrl's endpoint "
-                                     "takes text only", param=f"{where}.content", code="unsupported_value")
+            raise OpenAIRequestError(
+                f"{where}.content[{j}] of type {kind!r} is not supported: agentrl's endpoint takes text only",
+                param=f"{where}.content",
+                code="unsupported_value",
+            )
     return " ".join(parts)
 
 
@@ -166,8 +205,9 @@ def _tool_calls(raw: Any, where: str) -> list[dict]:
         here = f"{where}[{k}]"
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise OpenAIRequestError(f"{here} must be {{\"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}",
-                                     param=here)
+            raise OpenAIRequestError(
+                f'{here} must be {{"type": "function", "function": {{"name", "arguments"}}}}', param=here
+            )
         if call.get("type", "function") != "function":
             raise OpenAIRequestError(f"{here}.type {call.get('type')!r} is not supported (function only)", param=here)
         calls.append({"id": call.get("id"), "name": fn["name"], "arguments": _arguments(fn.get("arguments"), here)})
@@ -195,8 +235,10 @@ def convert_message(message: Any, i: int) -> tuple[dict, str]:
                 view[key] = value
     if role == "assistant" and message.get("tool_calls"):
         calls = _tool_calls(message["tool_calls"], f"{where}.tool_calls")
-        out["tool_calls"] = [{"id": c["id"], "type": "function",
-                              "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
+        out["tool_calls"] = [
+            {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+            for c in calls
+        ]
         if out["tool_calls"] and not any(c["id"] for c in calls):
             for c in out["tool_calls"]:
                 del c["id"]
@@ -242,12 +284,17 @@ def _number(body: dict, name: str, low: float, high: float, *, low_open: bool = 
     value = body.get(name)
     if value is None:
         return None
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (low < value if low_open else low <= value) \
+    ok = (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and (low < value if low_open else low <= value)
         and value <= high
+    )
     if not ok:
         bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
-        raise OpenAIRequestError(f"'{name}' must be a number in {bound}, got {value!r}", param=name,
-                                 code="invalid_value")
+        raise OpenAIRequestError(
+            f"'{name}' must be a number in {bound}, got {value!r}", param=name, code="invalid_value"
+        )
     return float(value)
 
 
@@ -256,7 +303,9 @@ def _integer(body: dict, name: str, low: int) -> int | None:
     if value is None:
         return None
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise OpenAIRequestError(f"'{name}' must be an integer >= {low}, got {value!r}", param=name, code="invalid_value")
+        raise OpenAIRequestError(
+            f"'{name}' must be an integer >= {low}, got {value!r}", param=name, code="invalid_value"
+        )
     return value
 
 
@@ -269,8 +318,9 @@ def _tools(body: dict) -> list[dict] | None:
     for k, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type", "function") != "function":
-            raise OpenAIRequestError(f"tools[{k}] must be a function tool ({{\"type\": \"function\", ...}})",
-                                     param=f"tools[{k}]")
+            raise OpenAIRequestError(
+                f'tools[{k}] must be a function tool ({{"type": "function", ...}})', param=f"tools[{k}]"
+            )
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise OpenAIRequestError(f"tools[{k}].function.name must be a non-empty string", param=f"tools[{k}]")
     return tools or None
@@ -304,8 +354,11 @@ def parse_chat_request(body: Any) -> ChatRequest:
     if choice not in (None, "auto", "none"):
         if choice == "required" or isinstance(choice, dict):
             raise _unsupported("tool_choice", choice)
-        raise OpenAIRequestError(f"'tool_choice' must be 'auto', 'none', 'required' or a function, got {choice!r}",
-                                 param="tool_choice", code="invalid_value")
+        raise OpenAIRequestError(
+            f"'tool_choice' must be 'auto', 'none', 'required' or a function, got {choice!r}",
+            param="tool_choice",
+            code="invalid_value",
+        )
     if choice == "none":
         tools = None
 
@@ -329,15 +382,21 @@ def parse_chat_request(body: Any) -> ChatRequest:
     stream = bool(body.get("stream"))
     options = body.get("stream_options")
     if options is not None:
-        if not isinstance(options, dict) or not set(options) <= {"include_usage", "continuous_usage_stats",
-                                                                 "include_obfuscation"}:
+        if not isinstance(options, dict) or not set(options) <= {
+            "include_usage",
+            "continuous_usage_stats",
+            "include_obfuscation",
+        }:
             raise OpenAIRequestError("'stream_options' may only hold include_usage", param="stream_options")
         if not stream:
             raise OpenAIRequestError("'stream_options' is only allowed with stream: true", param="stream_options")
 
     sampling: dict[str, Any] = {}
-    for name, low, high, low_open in (("temperature", 0.0, 2.0, False), ("top_p", 0.0, 1.0, True),
-                                      ("min_p", 0.0, 1.0, False)):
+    for name, low, high, low_open in (
+        ("temperature", 0.0, 2.0, False),
+        ("top_p", 0.0, 1.0, True),
+        ("min_p", 0.0, 1.0, False),
+    ):
         value = _number(body, name, low, high, low_open=low_open)
         if value is not None:
             sampling[name] = value
@@ -348,9 +407,19 @@ def parse_chat_request(body: Any) -> ChatRequest:
         sampling["top_k"] = top_k
     if stop:
         sampling["stop"] = stop
-    return ChatRequest(messages=messages, views=views, tools=tools, model=model, n=n or 1, stream=stream,
-                       include_usage=bool((options or {}).get("include_usage")), logprobs=bool(body.get("logprobs")),
-                       max_tokens=max_tokens, sampling=sampling, seed=seed)
+    return ChatRequest(
+        messages=messages,
+        views=views,
+        tools=tools,
+        model=model,
+        n=n or 1,
+        stream=stream,
+        include_usage=bool((options or {}).get("include_usage")),
+        logprobs=bool(body.get("logprobs")),
+        max_tokens=max_tokens,
+        sampling=sampling,
+        seed=seed,
+    )
 
 
 # ----------------------------------------------------------------------------- completions
@@ -369,7 +438,11 @@ class ChoiceOut:
 
     def message(self) -> dict:
         """The assistant message (SGLang's ``ChatMessage``)."""
-        out: dict[str, Any] = {"role": "assistant", "content": self.content, "reasoning_content": self.reasoning_content}
+        out: dict[str, Any] = {
+            "role": "assistant",
+            "content": self.content,
+            "reasoning_content": self.reasoning_content,
+        }
         if self.tool_calls:
             out["tool_calls"] = self.tool_calls
         return out
@@ -383,7 +456,7 @@ def split_reasoning(text: str) -> tuple[str | None, str]:
     closing tag without an opening one (the template opened it) counts; an unclosed block runs to the end."""
     if THINK_START not in text and THINK_END not in text:
         return None, text
-    body = text[text.index(THINK_START) + len(THINK_START):] if THINK_START in text else text
+    body = text[text.index(THINK_START) + len(THINK_START) :] if THINK_START in text else text
     reasoning, _, rest = body.partition(THINK_END)
     return reasoning.strip(), rest.lstrip()
 
@@ -396,10 +469,16 @@ def split_tool_calls(text: str, parser: ToolCallParser, tool_names: set[str]) ->
         starts.append(text.index(parser.open_tag))
     if not starts:
         return text, []
-    content = text[:min(starts)].strip()
-    calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "index": k, "type": "function",
-              "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
-             for k, c in enumerate(c for c in turn.calls if c.name in tool_names)]
+    content = text[: min(starts)].strip()
+    calls = [
+        {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "index": k,
+            "type": "function",
+            "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)},
+        }
+        for k, c in enumerate(c for c in turn.calls if c.name in tool_names)
+    ]
     for k, call in enumerate(calls):
         call["index"] = k
     return content, calls
@@ -414,13 +493,18 @@ def finish_reason_of(engine_finish: dict, has_calls: bool) -> tuple[str, int | s
 
 
 def token_logprobs(token_texts: list[str], logprobs: list[float]) -> list[dict]:
-    return [{"token": t, "bytes": list(t.encode("utf-8")), "logprob": lp, "top_logprobs": []}
-            for t, lp in zip(token_texts, logprobs)]
+    return [
+        {"token": t, "bytes": list(t.encode("utf-8")), "logprob": lp, "top_logprobs": []}
+        for t, lp in zip(token_texts, logprobs)
+    ]
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def completion_id() -> str:
@@ -430,10 +514,20 @@ def completion_id() -> str:
 def chat_completion(cid: str, model: str, choices: list[ChoiceOut], use: dict, metadata: dict | None = None) -> dict:
     """The non-streaming response (``chat.completion``)."""
     out = {
-        "id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": i, "message": c.message(), "logprobs": {"content": c.logprobs} if c.logprobs is not None
-                     else None, "finish_reason": c.finish_reason, "matched_stop": c.matched_stop}
-                    for i, c in enumerate(choices)],
+        "id": cid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": i,
+                "message": c.message(),
+                "logprobs": {"content": c.logprobs} if c.logprobs is not None else None,
+                "finish_reason": c.finish_reason,
+                "matched_stop": c.matched_stop,
+            }
+            for i, c in enumerate(choices)
+        ],
         "usage": use,
     }
     if metadata:
@@ -447,10 +541,19 @@ def chat_completion_chunks(cid: str, model: str, choices: list[ChoiceOut], use: 
     when asked."""
     created = int(time.time())
 
-    def chunk(index: int, delta: dict, finish: str | None = None, logprobs: list | None = None,
-              matched: int | str | None = None) -> dict:
-        choice = {"index": index, "delta": delta, "logprobs": {"content": logprobs} if logprobs is not None else None,
-                  "finish_reason": finish}
+    def chunk(
+        index: int,
+        delta: dict,
+        finish: str | None = None,
+        logprobs: list | None = None,
+        matched: int | str | None = None,
+    ) -> dict:
+        choice = {
+            "index": index,
+            "delta": delta,
+            "logprobs": {"content": logprobs} if logprobs is not None else None,
+            "finish_reason": finish,
+        }
         if finish is not None:
             choice["matched_stop"] = matched
         return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
@@ -466,21 +569,37 @@ def chat_completion_chunks(cid: str, model: str, choices: list[ChoiceOut], use: 
             chunks.append(chunk(i, {"tool_calls": [call]}))
         chunks.append(chunk(i, {}, finish=c.finish_reason, matched=c.matched_stop))
     if use is not None:
-        chunks.append({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                       "choices": [], "usage": use})
+        chunks.append(
+            {
+                "id": cid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": [],
+                "usage": use,
+            }
+        )
     return chunks
 
 
 def sse(chunks: list[dict]) -> bytes:
     """Server-sent events: ``data: {json}`` per chunk, then ``data: [DONE]``."""
-    return b"".join(b"data: " + json.dumps(c, ensure_ascii=False).encode() + b"\n\n" for c in chunks) + \
-        b"data: [DONE]\n\n"
+    return (
+        b"".join(b"data: " + json.dumps(c, ensure_ascii=False).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+    )
 
 
 def model_card(name: str, max_model_len: int | None) -> dict:
     """SGLang's ``ModelCard``."""
-    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "agentrl", "root": name,
-            "parent": None, "max_model_len": max_model_len}
+    return {
+        "id": name,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "agentrl",
+        "root": name,
+        "parent": None,
+        "max_model_len": max_model_len,
+    }
 
 
 def model_list(name: str, max_model_len: int | None) -> dict:

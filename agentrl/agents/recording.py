@@ -53,14 +53,20 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentrl.episode.chat import ChatCodec, TemplateMismatch, TokenChat
-from agentrl.agents.openai_api import ChatRequest, OpenAIRequestError, message_view
 from agentrl.agents.chat_service import CallPlan, clone_chats
+from agentrl.agents.openai_api import ChatRequest, OpenAIRequestError, message_view
+from agentrl.episode.chat import ChatCodec, TemplateMismatch, TokenChat
 from agentrl.protocol import Trajectory
 from agentrl.tools.parsing import ToolCallParser
 
-NEW_SEQUENCE_REASONS = ("first_call", "reply_edited", "history_differs", "tools_differ", "template_not_prefix_stable",
-                        "branch")
+NEW_SEQUENCE_REASONS = (
+    "first_call",
+    "reply_edited",
+    "history_differs",
+    "tools_differ",
+    "template_not_prefix_stable",
+    "branch",
+)
 
 
 @dataclass
@@ -90,15 +96,23 @@ class _Extends:
 
 class EpisodeClosed(OpenAIRequestError):
     def __init__(self) -> None:
-        super().__init__("this episode has finished; its key no longer accepts calls", status=401,
-                         code="invalid_api_key")
+        super().__init__(
+            "this episode has finished; its key no longer accepts calls", status=401, code="invalid_api_key"
+        )
 
 
 class Episode:
     """The calls of one episode as sequences; an :class:`agentrl.agents.chat_service.PromptSession`."""
 
-    def __init__(self, episode_id: str, *, max_calls: int | None = None, max_len: int | None = None,
-                 tool_parser: ToolCallParser | None = None, reasoning: bool | None = None):
+    def __init__(
+        self,
+        episode_id: str,
+        *,
+        max_calls: int | None = None,
+        max_len: int | None = None,
+        tool_parser: ToolCallParser | None = None,
+        reasoning: bool | None = None,
+    ):
         self.id = episode_id
         self.max_calls, self.max_len = max_calls, max_len
         # how its completions are read (the env's tool_parser and reasoning); None: the service's defaults
@@ -118,15 +132,18 @@ class Episode:
             raise EpisodeClosed()
         if self.max_calls is not None and self.num_calls >= self.max_calls:
             self.limit = "max_turns"
-            raise OpenAIRequestError(f"this episode has made its {self.max_calls} calls to the model (the env's "
-                                     "max_turns): finish the episode", code="max_turns_exceeded")
+            raise OpenAIRequestError(
+                f"this episode has made its {self.max_calls} calls to the model (the env's "
+                "max_turns): finish the episode",
+                code="max_turns_exceeded",
+            )
         chat, extends, reason = None, None, "first_call"
         if self.sequences:
             sequence, reason = self._find(request)
             if sequence is not None:
                 chat = copy_chat(sequence.chat)
                 try:
-                    chat.close_turn_and_add(request.messages[len(sequence.views):])
+                    chat.close_turn_and_add(request.messages[len(sequence.views) :])
                     if codec.render(chat.messages, chat.tools, add_generation_prompt=True) != chat.text:
                         raise TemplateMismatch("the template renders this history otherwise")
                     extends = _Extends(sequence, sequence.num_calls)
@@ -136,13 +153,24 @@ class Episode:
             chat = TokenChat.start(codec, request.messages, request.tools)
         if self.max_len is not None and len(chat) + 1 + codec.reserve_tokens > self.max_len:
             self.limit = "context_full"
-            raise OpenAIRequestError(f"This episode's maximum length is {self.max_len} tokens (the env's "
-                                     f"max_total_tokens); the messages take {len(chat)}, which leaves no room for a "
-                                     "completion", param="messages", code="context_length_exceeded")
+            raise OpenAIRequestError(
+                f"This episode's maximum length is {self.max_len} tokens (the env's "
+                f"max_total_tokens); the messages take {len(chat)}, which leaves no room for a "
+                "completion",
+                param="messages",
+                code="context_length_exceeded",
+            )
         self._planned += 1
-        return CallPlan(request, clone_chats(chat, request.n), affinity_key=self.id, rid=f"{self.id}-{self._planned}",
-                        state=(extends, reason), max_len=self.max_len, tool_parser=self.tool_parser,
-                        reasoning=self.reasoning)
+        return CallPlan(
+            request,
+            clone_chats(chat, request.n),
+            affinity_key=self.id,
+            rid=f"{self.id}-{self._planned}",
+            state=(extends, reason),
+            max_len=self.max_len,
+            tool_parser=self.tool_parser,
+            reasoning=self.reasoning,
+        )
 
     def commit(self, plan: CallPlan) -> None:
         if self.closed:  # the agent returned (or was cancelled) while this call generated: not recorded
@@ -159,8 +187,14 @@ class Episode:
                 self.num_stitched += 1
             else:
                 why = reason if extends is None and i == 0 else "branch"
-                target = Sequence(chat=r.chat, views=views, tools_key=req.tools_key, context_tokens=r.prompt_len,
-                                  index=len(self.sequences), reason=why)
+                target = Sequence(
+                    chat=r.chat,
+                    views=views,
+                    tools_key=req.tools_key,
+                    context_tokens=r.prompt_len,
+                    index=len(self.sequences),
+                    reason=why,
+                )
                 self.sequences.append(target)
                 self.new_sequence_reasons[why] += 1
             target.num_calls += 1
@@ -184,7 +218,7 @@ class Episode:
                 if request.tools_key == s.tools_key:
                     return s, ""
                 reason = "tools_differ"
-            elif request.views[:k - 1] == s.views[:-1] and reason == "history_differs":
+            elif request.views[: k - 1] == s.views[:-1] and reason == "history_differs":
                 reason = "reply_edited"
         return None, reason
 
@@ -196,8 +230,9 @@ class Episode:
         content = self._last.chat.turn_content()
         return self._last.chat.messages + [{"role": "assistant", "content": content}]
 
-    def trajectories(self, reward: float, reward_components: dict[str, float] | None = None,
-                     metadata: dict[str, Any] | None = None) -> list[Trajectory]:
+    def trajectories(
+        self, reward: float, reward_components: dict[str, float] | None = None, metadata: dict[str, Any] | None = None
+    ) -> list[Trajectory]:
         """One trajectory per sequence, each with the episode's reward; closes every sequence's last
         turn (the template's closing tokens as context). Call once, after the episode ends."""
         out = []
@@ -211,20 +246,36 @@ class Episode:
             n = s.context_tokens
             mask[:n], logprobs[:n], versions[:n] = array("B", [0]) * n, array("f", [0.0]) * n, array("i", [-1]) * n
             meta = {
-                "episode_id": self.id, "sequence_index": s.index, "num_sequences": len(self.sequences),
-                "num_calls": s.num_calls, "episode_num_calls": self.num_calls, "num_turns": s.num_calls,
-                "new_sequence_reason": s.reason, "finish_reason": s.finish_reason,
-                "num_generate_calls": s.num_generate_calls, "num_aborts": s.num_aborts,
-                "generation_latency_s": s.generation_latency_s, "num_model_tokens": mask.count(1),
-                "call_spans": s.call_spans, "call_finish_reasons": s.call_finish_reasons,
+                "episode_id": self.id,
+                "sequence_index": s.index,
+                "num_sequences": len(self.sequences),
+                "num_calls": s.num_calls,
+                "episode_num_calls": self.num_calls,
+                "num_turns": s.num_calls,
+                "new_sequence_reason": s.reason,
+                "finish_reason": s.finish_reason,
+                "num_generate_calls": s.num_generate_calls,
+                "num_aborts": s.num_aborts,
+                "generation_latency_s": s.generation_latency_s,
+                "num_model_tokens": mask.count(1),
+                "call_spans": s.call_spans,
+                "call_finish_reasons": s.call_finish_reasons,
                 "messages": chat.messages,
             }
             meta.update(metadata or {})
-            out.append(Trajectory(tokens=chat.tokens, loss_mask=mask, behavior_logprobs=logprobs, weight_versions=versions,
-                                  reward=reward, reward_components=dict(reward_components or {}), metadata=meta))
+            out.append(
+                Trajectory(
+                    tokens=chat.tokens,
+                    loss_mask=mask,
+                    behavior_logprobs=logprobs,
+                    weight_versions=versions,
+                    reward=reward,
+                    reward_components=dict(reward_components or {}),
+                    metadata=meta,
+                )
+            )
         return out
 
 
 def copy_chat(chat: TokenChat) -> TokenChat:
     return clone_chats(chat, 2)[1]
-

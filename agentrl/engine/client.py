@@ -106,7 +106,7 @@ class GenerateResult:
     META_INFO_FIELDS_READ = ("output_token_logprobs", "finish_reason", "weight_version", "prompt_tokens")
 
     @classmethod
-    def from_response(cls, body: dict, url: str = "") -> "GenerateResult":
+    def from_response(cls, body: dict, url: str = "") -> GenerateResult:
         meta = body.get("meta_info") or {}
         lps = meta.get("output_token_logprobs") or []
         return cls(
@@ -155,11 +155,23 @@ def _error_message(resp: httpx.Response) -> str:
 
 
 class EngineClient:
-    def __init__(self, urls: list[str], *, router_url: str = "", max_retries: int = 5,
-                 health_check_interval_s: float = 2.0, timeout_s: float = 600.0, health_timeout_s: float = 5.0,
-                 backoff_s: float = 0.2, max_backoff_s: float = 5.0, max_affinity_keys: int = 100_000,
-                 api_key: str = "", admin_api_key: str = "", key_hints: tuple[str, str] = ("pass api_key", "pass admin_api_key"),
-                 lora_path: str = ""):
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        router_url: str = "",
+        max_retries: int = 5,
+        health_check_interval_s: float = 2.0,
+        timeout_s: float = 600.0,
+        health_timeout_s: float = 5.0,
+        backoff_s: float = 0.2,
+        max_backoff_s: float = 5.0,
+        max_affinity_keys: int = 100_000,
+        api_key: str = "",
+        admin_api_key: str = "",
+        key_hints: tuple[str, str] = ("pass api_key", "pass admin_api_key"),
+        lora_path: str = "",
+    ):
         if not urls and not router_url:
             raise ValueError("EngineClient needs engine urls, a router_url, or both")
         self.engines = [_Server(u.rstrip("/")) for u in urls]
@@ -182,21 +194,29 @@ class EngineClient:
         self.lora_path = lora_path  # the LoRA adapter every /generate names ("": none)
 
     @classmethod
-    def from_config(cls, engine, urls: list[str] | None = None, **kwargs: Any) -> "EngineClient":
+    def from_config(cls, engine, urls: list[str] | None = None, **kwargs: Any) -> EngineClient:
         """From an ``[engine]`` config section; ``urls`` overrides ``engine.urls`` (e.g. engines just
         started); keys from the variables ``engine.api_key_env`` / ``engine.admin_api_key_env`` name."""
         from agentrl.secrets import read_secret
 
-        hints = (f"set {engine.api_key_env} (engine.api_key_env) to the engines' --api-key",
-                 f"set {engine.admin_api_key_env} (engine.admin_api_key_env) to the engines' --admin-api-key, "
-                 f"or {engine.api_key_env} to their --api-key when they have no admin key")
-        return cls(list(urls if urls is not None else engine.urls), router_url=engine.router_url,
-                   max_retries=engine.request_retries, health_check_interval_s=engine.health_check_interval_s,
-                   api_key=read_secret(engine.api_key_env), admin_api_key=read_secret(engine.admin_api_key_env),
-                   key_hints=hints, **kwargs)
+        hints = (
+            f"set {engine.api_key_env} (engine.api_key_env) to the engines' --api-key",
+            f"set {engine.admin_api_key_env} (engine.admin_api_key_env) to the engines' --admin-api-key, "
+            f"or {engine.api_key_env} to their --api-key when they have no admin key",
+        )
+        return cls(
+            list(urls if urls is not None else engine.urls),
+            router_url=engine.router_url,
+            max_retries=engine.request_retries,
+            health_check_interval_s=engine.health_check_interval_s,
+            api_key=read_secret(engine.api_key_env),
+            admin_api_key=read_secret(engine.admin_api_key_env),
+            key_hints=hints,
+            **kwargs,
+        )
 
     # -- lifecycle ----------------------------------------------------------------------------
-    async def __aenter__(self) -> "EngineClient":
+    async def __aenter__(self) -> EngineClient:
         self._client()
         await self.check_health()
         self._tg = anyio.create_task_group()
@@ -218,15 +238,17 @@ class EngineClient:
             await http.aclose()
 
     def _new_http(self) -> httpx.AsyncClient:
-        return httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s, connect=min(10.0, self.timeout_s)),
-                                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=512))
+        return httpx.AsyncClient(
+            timeout=httpx.Timeout(self.timeout_s, connect=min(10.0, self.timeout_s)),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
+        )
 
     def _client(self) -> httpx.AsyncClient:
         if self._http is None:
             self._http = self._new_http()
         return self._http
 
-    def _shard(self) -> "_Shard":
+    def _shard(self) -> _Shard:
         """The httpx client for the next ``/generate``: the least busy one, or a new one when all
         have ``SHARD_REQUESTS`` calls in flight. httpx's connection pool spends time proportional
         to (requests x connections) on every request; with 128 calls in one pool that was 70% of
@@ -269,8 +291,7 @@ class EngineClient:
 
     async def _get_probe(self, server: _Server) -> httpx.Response:
         headers = self._api_headers if server.probe_path == "/ping" else None  # /ping is a normal route
-        return await self._client().get(server.url + server.probe_path, headers=headers,
-                                        timeout=self.health_timeout_s)
+        return await self._client().get(server.url + server.probe_path, headers=headers, timeout=self.health_timeout_s)
 
     async def check_health(self, only_unhealthy: bool = False) -> None:
         """Probe every server (or only the dropped ones) once, concurrently."""
@@ -329,19 +350,30 @@ class EngineClient:
         return s
 
     # -- calls --------------------------------------------------------------------------------
-    async def generate(self, input_ids: list[int], sampling_params: dict, *, affinity_key: str | None = None,
-                       rid: str | None = None, return_logprob: bool = True) -> GenerateResult:
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: dict,
+        *,
+        affinity_key: str | None = None,
+        rid: str | None = None,
+        return_logprob: bool = True,
+    ) -> GenerateResult:
         """One ``/generate`` call (a single prompt), balanced, retried and health-aware. ``rid`` is the
         request's base id (module docstring): each attempt sends a fresh :func:`attempt_rid` of it."""
-        payload = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params),
-                   "return_logprob": return_logprob}
+        payload = {
+            "input_ids": list(input_ids),
+            "sampling_params": dict(sampling_params),
+            "return_logprob": return_logprob,
+        }
         if self.lora_path:
             payload["lora_path"] = self.lora_path
         body, url = await self._request("/generate", payload, affinity_key, rid_base=rid or uuid.uuid4().hex)
         return GenerateResult.from_response(body, url)
 
-    async def _request(self, path: str, payload: dict, affinity_key: str | None,
-                       rid_base: str | None = None) -> tuple[Any, str]:
+    async def _request(
+        self, path: str, payload: dict, affinity_key: str | None, rid_base: str | None = None
+    ) -> tuple[Any, str]:
         """POST with balancing, retries and health handling; returns (JSON body, server url). With
         ``rid_base`` every attempt carries a fresh rid of it, each registered until the call ends (an
         attempt whose connection dropped may still run on its server: :meth:`abort` reaches it too)."""
@@ -352,8 +384,9 @@ class EngineClient:
             for rid in sent:
                 self._forget_attempt(rid_base or "", rid)
 
-    async def _attempts_until_answered(self, path: str, payload: dict, affinity_key: str | None,
-                                       rid_base: str | None, sent: list[str]) -> tuple[Any, str]:
+    async def _attempts_until_answered(
+        self, path: str, payload: dict, affinity_key: str | None, rid_base: str | None, sent: list[str]
+    ) -> tuple[Any, str]:
         deadline = time.monotonic() + self.timeout_s
         attempt, avoid = 0, None
         while True:
@@ -369,8 +402,12 @@ class EngineClient:
             shard = self._shard()
             shard.in_flight += 1
             try:
-                resp = await shard.http.post(server.url + path, json=payload, headers=self._api_headers,
-                                             timeout=max(1.0, deadline - time.monotonic()))
+                resp = await shard.http.post(
+                    server.url + path,
+                    json=payload,
+                    headers=self._api_headers,
+                    timeout=max(1.0, deadline - time.monotonic()),
+                )
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:
                 self._mark_down(server, f"{type(e).__name__}: {e}")
                 why = f"{server.url}: cannot connect ({type(e).__name__})"
@@ -443,7 +480,9 @@ class EngineClient:
             if r.status_code >= 400:  # collected, so that the caller gets the error, not an exception group
                 refusals.append(self._refusal(r, s.url + path, admin=True))
                 return
-            results[i] = r.json() if r.content and r.headers.get("content-type", "").startswith("application/json") else None
+            results[i] = (
+                r.json() if r.content and r.headers.get("content-type", "").startswith("application/json") else None
+            )
 
         async with anyio.create_task_group() as tg:
             for i, s in enumerate(targets):

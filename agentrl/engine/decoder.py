@@ -60,7 +60,9 @@ def unsupported_reason(model) -> str | None:
     rope_type = model.get_decoder().rotary_emb.rope_type
     if rope_type not in STATIC_ROPE_TYPES:
         return f"rotary type {rope_type!r}"
-    if getattr(config, "use_sliding_window", False) or "sliding_attention" in (getattr(config, "layer_types", None) or []):
+    if getattr(config, "use_sliding_window", False) or "sliding_attention" in (
+        getattr(config, "layer_types", None) or []
+    ):
         return "sliding-window attention"
     return None
 
@@ -103,11 +105,24 @@ def _layer(module) -> _Layer:
     q_norm = getattr(a, "q_norm", None)  # Qwen3 has them, Llama and Qwen2 do not
     k_norm = getattr(a, "k_norm", None)
     return _Layer(
-        ln1=module.input_layernorm.weight, wq=a.q_proj.weight, bq=a.q_proj.bias, wk=a.k_proj.weight, bk=a.k_proj.bias,
-        wv=a.v_proj.weight, bv=a.v_proj.bias, q_norm=None if q_norm is None else q_norm.weight,
-        k_norm=None if k_norm is None else k_norm.weight, wo=a.o_proj.weight, bo=a.o_proj.bias,
-        ln2=module.post_attention_layernorm.weight, wg=m.gate_proj.weight, bg=m.gate_proj.bias,
-        wu=m.up_proj.weight, bu=m.up_proj.bias, wd=m.down_proj.weight, bd=m.down_proj.bias,
+        ln1=module.input_layernorm.weight,
+        wq=a.q_proj.weight,
+        bq=a.q_proj.bias,
+        wk=a.k_proj.weight,
+        bk=a.k_proj.bias,
+        wv=a.v_proj.weight,
+        bv=a.v_proj.bias,
+        q_norm=None if q_norm is None else q_norm.weight,
+        k_norm=None if k_norm is None else k_norm.weight,
+        wo=a.o_proj.weight,
+        bo=a.o_proj.bias,
+        ln2=module.post_attention_layernorm.weight,
+        wg=m.gate_proj.weight,
+        bg=m.gate_proj.bias,
+        wu=m.up_proj.weight,
+        bu=m.up_proj.bias,
+        wd=m.down_proj.weight,
+        bd=m.down_proj.bias,
     )
 
 
@@ -121,8 +136,9 @@ class FunctionalDecoder:
         self.layers = [_layer(layer) for layer in inner.layers]
         self.norm = inner.norm.weight
         self.eps = float(inner.norm.variance_epsilon)
-        self.qk_eps = float(inner.layers[0].self_attn.q_norm.variance_epsilon) if self.layers[0].q_norm is not None \
-            else self.eps
+        self.qk_eps = (
+            float(inner.layers[0].self_attn.q_norm.variance_epsilon) if self.layers[0].q_norm is not None else self.eps
+        )
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
@@ -137,8 +153,16 @@ class FunctionalDecoder:
         self.cos = cos[0]  # [positions, head_dim]
         self.sin = sin[0] * sign  # rotate_half(x) * sin == cat(x2, x1) * (sign * sin)
 
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor, cache, row0: int, kv_len: int, mask: torch.Tensor,
-                grid: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        cache,
+        row0: int,
+        kv_len: int,
+        mask: torch.Tensor,
+        grid: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """Packed tokens ``ids`` [M] at positions ``pos`` [M] of cache rows ``row0..``; returns their
         final-normed hidden states [M, hidden].
 
@@ -152,8 +176,9 @@ class FunctionalDecoder:
         rows, width = mask.shape[0], mask.shape[2]
         slots = row0 + (torch.arange(rows, device=ids.device) if grid is None else grid[0])
         # Flat index of (slot, kv head, position) in a [slots * kv_heads * capacity, head_dim] view.
-        write = ((slots[:, None] * kv_heads + torch.arange(kv_heads, device=ids.device)) * cache.capacity
-                 + pos[:, None]).view(-1)  # [M * kv_heads]
+        write = (
+            (slots[:, None] * kv_heads + torch.arange(kv_heads, device=ids.device)) * cache.capacity + pos[:, None]
+        ).view(-1)  # [M * kv_heads]
         cos = self.cos[pos][:, None]  # [M, 1, D]
         sin = self.sin[pos][:, None]
         bmm_decode = grid is None and ids.device.type == "cpu"
@@ -169,25 +194,31 @@ class FunctionalDecoder:
                 q = rms_norm(q, layer.q_norm, self.qk_eps)
                 k = rms_norm(k, layer.k_norm, self.qk_eps)
             qk = torch.cat((q, k), dim=1)  # rotate q and k in one go: [M, heads + kv_heads, D]
-            qk = torch.cat((qk[..., d // 2:], qk[..., : d // 2]), dim=-1).mul_(sin).add_(qk.mul_(cos))
+            qk = torch.cat((qk[..., d // 2 :], qk[..., : d // 2]), dim=-1).mul_(sin).add_(qk.mul_(cos))
             q, k = qk[:, :heads], qk[:, heads:]
             k_buf, v_buf = cache.k[i], cache.v[i]
             k_buf.view(-1, d).index_copy_(0, write, k.reshape(-1, d))
             v_buf.view(-1, d).index_copy_(0, write, v.view(-1, d))
             keys, values = k_buf[row0 : row0 + rows, :, :kv_len], v_buf[row0 : row0 + rows, :, :kv_len]
             if bmm_decode:  # one query per row: its heads as [kv_heads, group], each K/V head read once
-                scores = torch.baddbmm(mask, q.reshape(rows * kv_heads, group, d),
-                                       keys.reshape(rows * kv_heads, kv_len, d).transpose(1, 2), alpha=self.scale)
+                scores = torch.baddbmm(
+                    mask,
+                    q.reshape(rows * kv_heads, group, d),
+                    keys.reshape(rows * kv_heads, kv_len, d).transpose(1, 2),
+                    alpha=self.scale,
+                )
                 probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)  # as transformers' eager
                 o = torch.bmm(probs, values.reshape(rows * kv_heads, kv_len, d))
             elif grid is None:  # on accelerators, the fused kernel, the heads packed the same way
-                o = F.scaled_dot_product_attention(q.view(rows, kv_heads, group, d), keys, values, attn_mask=mask,
-                                                   scale=self.scale)
+                o = F.scaled_dot_product_attention(
+                    q.view(rows, kv_heads, group, d), keys, values, attn_mask=mask, scale=self.scale
+                )
             else:  # queries placed in the padded grid for one attention call, then taken back out
                 qg = q.new_zeros(rows, width, heads, d)
                 qg[grid] = q
-                o = F.scaled_dot_product_attention(qg.transpose(1, 2), keys, values, attn_mask=mask,
-                                                   scale=self.scale, enable_gqa=group > 1)
+                o = F.scaled_dot_product_attention(
+                    qg.transpose(1, 2), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=group > 1
+                )
                 o = o.transpose(1, 2)[grid]
             h.add_(F.linear(o.reshape(m, heads * d), layer.wo, layer.bo))  # h is this forward's own tensor
             x = rms_norm(h, layer.ln2, self.eps)

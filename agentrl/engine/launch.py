@@ -21,8 +21,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Callable, Mapping, Sequence
+from typing import IO
 
 log = logging.getLogger(__name__)
 
@@ -30,12 +31,19 @@ SGLANG_VERSION = "0.5.23"  # the SGLang release agentrl is tested against (tests
 SGLANG_INSTALL_HINT = (
     f"SGLang pins its own torch and transformers, so give it a virtualenv of its own: AGENTRL_SGLANG=1 bash "
     f"scripts/install.sh (builds .venv-sglang with sglang=={SGLANG_VERSION}), or python -m venv V && "
-    f"V/bin/pip install sglang=={SGLANG_VERSION}; then set engine.sglang_python = \"V/bin/python\" "
-    f"(serve-engine: --sglang-python). Or use the embedded engine (engine.backend = \"embedded\")"
+    f'V/bin/pip install sglang=={SGLANG_VERSION}; then set engine.sglang_python = "V/bin/python" '
+    f'(serve-engine: --sglang-python). Or use the embedded engine (engine.backend = "embedded")'
 )
 # SGLang's CPU path (REFERENCE.md): torch-native attention and sampling; the x86 default backend needs sgl_kernel
-SGLANG_CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
-                    "--skip-server-warmup")
+SGLANG_CPU_FLAGS = (
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--sampling-backend",
+    "pytorch",
+    "--skip-server-warmup",
+)
 SGLANG_CPU_SHIM = Path(__file__).parent / "sglang_cpu"  # the folder holding the sgl_kernel stand-in
 
 
@@ -43,14 +51,14 @@ class EngineLaunchError(RuntimeError):
     """A server could not be started or did not become ready; the message says why."""
 
 
-
-
 def sglang_problem(python: str = "") -> str | None:
     """Why ``python`` (default: this interpreter) cannot start SGLang, or None when it can. Asks the
     interpreter for sglang's installed version without importing sglang (a fraction of a second)."""
     python = python or sys.executable
-    probe = ("import importlib.metadata as m, importlib.util as u, sys\n"
-             "sys.exit(3) if u.find_spec('sglang') is None else print(m.version('sglang'))")
+    probe = (
+        "import importlib.metadata as m, importlib.util as u, sys\n"
+        "sys.exit(3) if u.find_spec('sglang') is None else print(m.version('sglang'))"
+    )
     try:
         out = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -88,24 +96,65 @@ def cpu_kv_tokens(cfg) -> int:
     return max(min(e.max_running_requests, per_engine) * longest, e.max_context_tokens)
 
 
-def engine_command(model_path: str, port: int, *, backend: str = "embedded", host: str = "127.0.0.1",
-                   extra: Sequence[str] = (), python: str = "") -> list[str]:
+def engine_command(
+    model_path: str,
+    port: int,
+    *,
+    backend: str = "embedded",
+    host: str = "127.0.0.1",
+    extra: Sequence[str] = (),
+    python: str = "",
+) -> list[str]:
     """argv for a server process serving ``model_path`` on ``host:port``; ``python`` is SGLang's
     interpreter (default: this one)."""
     if backend == "embedded":
-        return [sys.executable, "-m", "agentrl.run.engine_process", "--model", str(model_path),
-                "--host", host, "--port", str(port), *extra]
+        return [
+            sys.executable,
+            "-m",
+            "agentrl.run.engine_process",
+            "--model",
+            str(model_path),
+            "--host",
+            host,
+            "--port",
+            str(port),
+            *extra,
+        ]
     if backend == "sglang":
-        return [python or sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
-                "--host", host, "--port", str(port), *extra]
+        return [
+            python or sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            str(model_path),
+            "--host",
+            host,
+            "--port",
+            str(port),
+            *extra,
+        ]
     raise ValueError(f"unknown engine backend {backend!r}; choose embedded or sglang")
 
 
-def engine_args(backend: str, *, device: str = "auto", dtype: str = "auto", max_running_requests: int = 64,
-                max_context_tokens: int = 2048, weight_version: str = "0", num_threads: int = 0,
-                gpus_per_engine: int = 1, mem_fraction_static: float = 0.0, api_key: str = "",
-                admin_api_key: str = "", api_key_env: str = "", admin_api_key_env: str = "",
-                sglang_args: Sequence[str] = (), on_cpu: bool = False, max_total_tokens: int = 0) -> list[str]:
+def engine_args(
+    backend: str,
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    max_running_requests: int = 64,
+    max_context_tokens: int = 2048,
+    weight_version: str = "0",
+    num_threads: int = 0,
+    gpus_per_engine: int = 1,
+    mem_fraction_static: float = 0.0,
+    api_key: str = "",
+    admin_api_key: str = "",
+    api_key_env: str = "",
+    admin_api_key_env: str = "",
+    sglang_args: Sequence[str] = (),
+    on_cpu: bool = False,
+    max_total_tokens: int = 0,
+) -> list[str]:
     """The shared settings as flags of either server (SGLang's own flag names for ``sglang``).
 
     ``--weight-version`` is always there: a server started without it reports ``"default"``
@@ -117,8 +166,18 @@ def engine_args(backend: str, *, device: str = "auto", dtype: str = "auto", max_
     ``max_total_tokens`` is set, its KV pool size.
     """
     if backend == "sglang":
-        args = ["--tp-size", str(gpus_per_engine), "--base-gpu-id", "0", "--context-length", str(max_context_tokens),
-                "--max-running-requests", str(max_running_requests), "--weight-version", str(weight_version)]
+        args = [
+            "--tp-size",
+            str(gpus_per_engine),
+            "--base-gpu-id",
+            "0",
+            "--context-length",
+            str(max_context_tokens),
+            "--max-running-requests",
+            str(max_running_requests),
+            "--weight-version",
+            str(weight_version),
+        ]
         if mem_fraction_static:
             args += ["--mem-fraction-static", str(mem_fraction_static)]
         if on_cpu:
@@ -135,9 +194,20 @@ def engine_args(backend: str, *, device: str = "auto", dtype: str = "auto", max_
         return args + list(sglang_args)
     if gpus_per_engine != 1:
         raise ValueError(f"the embedded engine runs on one device; got gpus_per_engine = {gpus_per_engine}")
-    args = ["--device", device, "--dtype", dtype, "--max-running-requests", str(max_running_requests),
-            "--max-context-tokens", str(max_context_tokens), "--weight-version", str(weight_version),
-            "--num-threads", str(num_threads)]
+    args = [
+        "--device",
+        device,
+        "--dtype",
+        dtype,
+        "--max-running-requests",
+        str(max_running_requests),
+        "--max-context-tokens",
+        str(max_context_tokens),
+        "--weight-version",
+        str(weight_version),
+        "--num-threads",
+        str(num_threads),
+    ]
     if api_key_env:
         args += ["--api-key-env", api_key_env]
     if admin_api_key_env:
@@ -145,8 +215,9 @@ def engine_args(backend: str, *, device: str = "auto", dtype: str = "auto", max_
     return args
 
 
-def config_engine_args(cfg, *, secret: Callable[[str], str] | None = None, weight_version: str = "0",
-                       on_cpu: bool = False) -> list[str]:
+def config_engine_args(
+    cfg, *, secret: Callable[[str], str] | None = None, weight_version: str = "0", on_cpu: bool = False
+) -> list[str]:
     """``engine_args`` for a run config's ``[engine]`` and ``[model]`` sections. ``secret(var)`` gives the
     value of an API-key variable (default: ``agentrl.secrets.read_secret``; SGLang takes keys as flags).
     ``on_cpu``: the engine is placed on no GPU (SGLang's CPU flags; a KV pool sized by :func:`cpu_kv_tokens`
@@ -160,17 +231,32 @@ def config_engine_args(cfg, *, secret: Callable[[str], str] | None = None, weigh
         keys = {"api_key": secret(e.api_key_env), "admin_api_key": secret(e.admin_api_key_env)}
         lora = cfg.learner.lora
         if lora.served_adapter:  # adapters loaded later by the learner: SGLang must size its LoRA pool now
-            sglang_args += ["--enable-lora", "--max-lora-rank", str(lora.rank),
-                            "--lora-target-modules", *lora.target_modules]
+            sglang_args += [
+                "--enable-lora",
+                "--max-lora-rank",
+                str(lora.rank),
+                "--lora-target-modules",
+                *lora.target_modules,
+            ]
     else:  # the embedded engine takes /load_lora_adapter without flags
         keys = {"api_key_env": e.api_key_env, "admin_api_key_env": e.admin_api_key_env}
     sized = any(a.split("=", 1)[0] == "--max-total-tokens" for a in sglang_args)
     kv_tokens = cpu_kv_tokens(cfg) if on_cpu and e.backend == "sglang" and not sized else 0
-    return engine_args(e.backend, device=e.device, dtype=cfg.model.dtype, max_running_requests=e.max_running_requests,
-                       max_context_tokens=e.max_context_tokens, weight_version=weight_version,
-                       num_threads=cfg.run.torch_num_threads, gpus_per_engine=e.gpus_per_engine,
-                       mem_fraction_static=e.mem_fraction_static, sglang_args=sglang_args,
-                       on_cpu=on_cpu and e.backend == "sglang", max_total_tokens=kv_tokens, **keys)
+    return engine_args(
+        e.backend,
+        device=e.device,
+        dtype=cfg.model.dtype,
+        max_running_requests=e.max_running_requests,
+        max_context_tokens=e.max_context_tokens,
+        weight_version=weight_version,
+        num_threads=cfg.run.torch_num_threads,
+        gpus_per_engine=e.gpus_per_engine,
+        mem_fraction_static=e.mem_fraction_static,
+        sglang_args=sglang_args,
+        on_cpu=on_cpu and e.backend == "sglang",
+        max_total_tokens=kv_tokens,
+        **keys,
+    )
 
 
 def wait_ready(url: str, timeout_s: float, *, process: subprocess.Popen | None = None) -> None:
@@ -197,9 +283,18 @@ def wait_ready(url: str, timeout_s: float, *, process: subprocess.Popen | None =
 class EngineProcess:
     """One server process (its own process group), started with :meth:`start`, ended with :meth:`stop`."""
 
-    def __init__(self, model_path: str, port: int, *, backend: str = "embedded", host: str = "127.0.0.1",
-                 extra: Sequence[str] = (), log_path: str | Path | None = None, env: dict | None = None,
-                 python: str = ""):
+    def __init__(
+        self,
+        model_path: str,
+        port: int,
+        *,
+        backend: str = "embedded",
+        host: str = "127.0.0.1",
+        extra: Sequence[str] = (),
+        log_path: str | Path | None = None,
+        env: dict | None = None,
+        python: str = "",
+    ):
         if backend == "sglang":
             require_sglang(python)
         self.url = f"http://{host}:{port}"
@@ -209,14 +304,19 @@ class EngineProcess:
         self.process: subprocess.Popen | None = None
         self._log: IO | None = None
 
-    def start(self, wait_s: float = 300.0) -> "EngineProcess":
+    def start(self, wait_s: float = 300.0) -> EngineProcess:
         out = subprocess.DEVNULL
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = open(self.log_path, "ab")
             out = self._log
-        self.process = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                        env=self.env if self.env is not None else os.environ.copy())
+        self.process = subprocess.Popen(
+            self.argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=self.env if self.env is not None else os.environ.copy(),
+        )
         if wait_s > 0:
             try:
                 wait_ready(self.url, wait_s, process=self.process)
@@ -241,7 +341,7 @@ class EngineProcess:
             self._log.close()
             self._log = None
 
-    def __enter__(self) -> "EngineProcess":
+    def __enter__(self) -> EngineProcess:
         return self.start() if self.process is None else self
 
     def __exit__(self, *exc) -> None:

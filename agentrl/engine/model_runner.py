@@ -44,9 +44,10 @@ from __future__ import annotations
 import inspect
 import logging
 from collections import Counter, OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -74,8 +75,17 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 class SlotKVCache:
     """Compact per-slot K/V buffers; duck-types the part of transformers' ``Cache`` used by attention."""
 
-    def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, max_tokens: int, min_capacity: int = 128):
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_tokens: int,
+        min_capacity: int = 128,
+    ):
         self.num_layers, self.num_slots, self.kv_heads, self.head_dim = num_layers, num_slots, kv_heads, head_dim
         self.dtype, self.device, self.max_tokens, self.min_capacity = dtype, device, max_tokens, min_capacity
         self.capacity = 0
@@ -209,9 +219,17 @@ class RowParams:
 class ModelRunner:
     """Owns the model weights, the KV cache and the forward/sampling code. Single-threaded."""
 
-    def __init__(self, model_path: str | Path, *, device: str = "auto", dtype: str = "auto",
-                 max_running_requests: int = 64, max_context_tokens: int = 2048, seed: int = 0,
-                 prefix_cache_tokens: int = 65536):
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        max_running_requests: int = 64,
+        max_context_tokens: int = 2048,
+        seed: int = 0,
+        prefix_cache_tokens: int = 65536,
+    ):
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         self.model_path = str(model_path)
@@ -220,9 +238,11 @@ class ModelRunner:
         config = AutoConfig.from_pretrained(self.model_path)
         if "sliding_attention" in (getattr(config, "layer_types", None) or []):
             raise ValueError("models with sliding-window attention layers are not supported by the embedded engine")
-        self.model = AutoModelForCausalLM.from_pretrained(
-            self.model_path, dtype=self.dtype, attn_implementation="sdpa"
-        ).to(self.device).eval()
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype, attn_implementation="sdpa")
+            .to(self.device)
+            .eval()
+        )
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
@@ -232,13 +252,22 @@ class ModelRunner:
         params = inspect.signature(self.decoder.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.vocab_size = int(self.config.vocab_size)
-        self.max_context_tokens = min(max_context_tokens, int(getattr(self.config, "max_position_embeddings", max_context_tokens)))
+        self.max_context_tokens = min(
+            max_context_tokens, int(getattr(self.config, "max_position_embeddings", max_context_tokens))
+        )
         self.max_running_requests = max_running_requests
         self.eos_token_ids = self._eos_ids()
         head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
         kv_heads = getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads
-        self.cache = SlotKVCache(self.config.num_hidden_layers, max_running_requests, kv_heads, head_dim,
-                                 self.dtype, self.device, self.max_context_tokens)
+        self.cache = SlotKVCache(
+            self.config.num_hidden_layers,
+            max_running_requests,
+            kv_heads,
+            head_dim,
+            self.dtype,
+            self.device,
+            self.max_context_tokens,
+        )
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self._arange = torch.arange(self.max_context_tokens, device=self.device)
@@ -271,8 +300,9 @@ class ModelRunner:
         return named
 
     # -- forward ------------------------------------------------------------------------------
-    def _generic_forward(self, ids: torch.Tensor, pos: torch.Tensor, allowed: torch.Tensor, row0: int,
-                         kv_len: int) -> torch.Tensor:
+    def _generic_forward(
+        self, ids: torch.Tensor, pos: torch.Tensor, allowed: torch.Tensor, row0: int, kv_len: int
+    ) -> torch.Tensor:
         """transformers' decoder over the slot cache: hidden states [N, T, hidden] of tokens ``ids`` at
         positions ``pos`` (both [N, T]) of rows ``row0..``, attending to positions ``0..kv_len`` where
         ``allowed`` ([N, 1, T, kv_len], bool)."""
@@ -280,8 +310,9 @@ class ModelRunner:
         cache._row0, cache._kv_len, cache._write_pos = row0, kv_len, pos
         cache._rows = (row0 + self._arange[: ids.shape[0]])[:, None].expand_as(pos)
         # A 4-D mask is used as is by transformers' mask creation (Llama-style and layer-typed models alike).
-        out = self.decoder(input_ids=ids, position_ids=pos, attention_mask=allowed, use_cache=True,
-                           **{self._cache_kw: cache})
+        out = self.decoder(
+            input_ids=ids, position_ids=pos, attention_mask=allowed, use_cache=True, **{self._cache_kw: cache}
+        )
         return out.last_hidden_state
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
@@ -291,7 +322,9 @@ class ModelRunner:
         return self.lm_head(hidden).float()
 
     @torch.inference_mode()
-    def prefill(self, row0: int, sequences: Sequence[Sequence[int]], starts: Sequence[int] | None = None) -> torch.Tensor:
+    def prefill(
+        self, row0: int, sequences: Sequence[Sequence[int]], starts: Sequence[int] | None = None
+    ) -> torch.Tensor:
         """Run ``sequences`` (rows ``row0..``) and return last-token logits [N, V] (fp32).
 
         ``starts[i]`` positions of row ``row0 + i`` already hold K/V (a cached prefix, see
@@ -311,7 +344,9 @@ class ModelRunner:
         pos = first[:, None] + torch.minimum(self._arange[None, :width], lens[:, None])  # [N, width]
         keys = self._arange[:kv_len]
         # Causal and inside the row's own tokens: [N, 1, width, kv_len].
-        allowed = ((keys[None, None, :] <= pos[:, :, None]) & (keys[None, None, :] < (first + lens)[:, None, None]))[:, None]
+        allowed = ((keys[None, None, :] <= pos[:, :, None]) & (keys[None, None, :] < (first + lens)[:, None, None]))[
+            :, None
+        ]
         if self.fast is not None:  # the real tokens only, packed; the grid is for attention
             grid = (self._arange[None, :width] < lens[:, None]).nonzero(as_tuple=True)
             ids = torch.tensor([t for s, c in zip(sequences, starts) for t in s[c:]], dtype=torch.long).to(self.device)

@@ -76,9 +76,21 @@ SAMPLING_DEFAULTS: dict[str, Any] = {
 
 # Accepted by SGLang but not implemented by the embedded engine: only the default is allowed.
 UNSUPPORTED_SAMPLING = (
-    "stop_regex", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens",
-    "n", "json_schema", "regex", "ebnf", "structural_tag", "custom_params", "logit_bias", "beam_width",
-    "watermark", "choice",
+    "stop_regex",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_new_tokens",
+    "n",
+    "json_schema",
+    "regex",
+    "ebnf",
+    "structural_tag",
+    "custom_params",
+    "logit_bias",
+    "beam_width",
+    "watermark",
+    "choice",
 )
 
 
@@ -106,8 +118,9 @@ def decode_body(raw: bytes) -> dict:
         raise RequestError("the request body must be a JSON object")
     where = _lone_surrogate(body)
     if where is not None:
-        raise RequestError(f"{_short(where)} holds a lone surrogate (a \\ud800-\\udfff escape), which is not valid "
-                           "Unicode")
+        raise RequestError(
+            f"{_short(where)} holds a lone surrogate (a \\ud800-\\udfff escape), which is not valid Unicode"
+        )
     return body
 
 
@@ -252,9 +265,16 @@ def parse_sampling_params(raw: Any, vocab_size: int) -> SamplingParams:
     if temperature < SAMPLING_EPS:  # greedy: SGLang samples with top_k = 1 at temperature 1
         temperature, top_k = 1.0, 1
     return SamplingParams(
-        max_new_tokens=max_new, temperature=float(temperature), top_p=float(top_p), top_k=top_k,
-        min_p=float(min_p), stop=stop, stop_token_ids=frozenset(stop_ids), sampling_seed=seed,
-        stream_interval=interval, **flags,
+        max_new_tokens=max_new,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=top_k,
+        min_p=float(min_p),
+        stop=stop,
+        stop_token_ids=frozenset(stop_ids),
+        sampling_seed=seed,
+        stream_interval=interval,
+        **flags,
     )
 
 
@@ -314,9 +334,22 @@ def check_context(num_input: int, max_new: int | None, context_len: int) -> None
 
 # The top-level /generate fields parse_generate reads (fields of SGLang's GenerateReqInput; others are
 # ignored, as SGLang ignores keys it does not know). tests/test_engine_conformance.py checks them.
-GENERATE_FIELDS = ("text", "input_ids", "input_embeds", "image_data", "audio_data", "video_data", "lora_path",
-                   "top_logprobs_num", "logprob_start_len", "stream", "rid", "sampling_params", "return_logprob",
-                   "return_text_in_logprobs")
+GENERATE_FIELDS = (
+    "text",
+    "input_ids",
+    "input_embeds",
+    "image_data",
+    "audio_data",
+    "video_data",
+    "lora_path",
+    "top_logprobs_num",
+    "logprob_start_len",
+    "stream",
+    "rid",
+    "sampling_params",
+    "return_logprob",
+    "return_text_in_logprobs",
+)
 
 
 def parse_generate(body: Any, *, vocab_size: int, context_len: int, encode=None) -> GenerateCall:
@@ -460,7 +493,5 @@ def build_response(c: Completion, inp: GenerateInput, text: str, token_texts: li
     }
     if inp.return_logprob:
         texts = token_texts if token_texts is not None else [None] * len(c.output_ids)
-        meta["output_token_logprobs"] = [
-            [lp, tok, txt] for lp, tok, txt in zip(c.output_logprobs, c.output_ids, texts)
-        ]
+        meta["output_token_logprobs"] = [[lp, tok, txt] for lp, tok, txt in zip(c.output_logprobs, c.output_ids, texts)]
     return {"text": text, "output_ids": list(c.output_ids), "meta_info": meta}

@@ -37,15 +37,21 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from agentrl.engine.native_api import (
-    Completion, GenerateInput, finish_abort, finish_length, finish_stop_str, finish_stop_token,
-)
 from agentrl.engine.model_runner import ModelRunner
+from agentrl.engine.native_api import (
+    Completion,
+    GenerateInput,
+    finish_abort,
+    finish_length,
+    finish_stop_str,
+    finish_stop_token,
+)
 
 log = logging.getLogger(__name__)
 
@@ -226,10 +232,17 @@ class Scheduler:
             req.generator = torch.Generator(device=self.runner.device)
             req.generator.manual_seed(p.sampling_seed)
         if p.stop:
-            req.stop_window = max(max(len(s) for s in p.stop),
-                                  max(len(self.tokenizer.encode(s, add_special_tokens=False)) for s in p.stop)) + 1
+            req.stop_window = (
+                max(
+                    max(len(s) for s in p.stop),
+                    max(len(self.tokenizer.encode(s, add_special_tokens=False)) for s in p.stop),
+                )
+                + 1
+            )
         if p.max_new_tokens is None:
-            req.inp.params = dataclasses.replace(p, max_new_tokens=self.runner.max_context_tokens - len(req.inp.input_ids) - 1)
+            req.inp.params = dataclasses.replace(
+                p, max_new_tokens=self.runner.max_context_tokens - len(req.inp.input_ids) - 1
+            )
 
     def _run_ops(self) -> None:
         while True:
@@ -371,5 +384,3 @@ class Scheduler:
             e2e_latency=time.perf_counter() - req.created,
             cached_tokens=req.cached_tokens,
         )
-
-

@@ -69,8 +69,9 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -79,8 +80,17 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from agentrl.engine.native_api import (
-    Completion, GenerateCall, GenerateInput, RequestError, build_response, decode_body, error_body,
-    output_text_ids, parse_generate, show, trim_stop_str,
+    Completion,
+    GenerateCall,
+    GenerateInput,
+    RequestError,
+    build_response,
+    decode_body,
+    error_body,
+    output_text_ids,
+    parse_generate,
+    show,
+    trim_stop_str,
 )
 from agentrl.http_auth import AuthLevel, BearerAuthMiddleware, auth_level
 
@@ -93,8 +103,10 @@ ADMIN_API_KEY_ENV = "AGENTRL_ENGINE_ADMIN_API_KEY"
 DP_REFUSAL = "data-parallel replicas are not supported for update weights from distributed"
 DP_REFUSAL_DESTROY = "data-parallel replicas are not supported for destroy parameter update group"
 DP_REFUSAL_LORA = "data-parallel replicas are not supported for dynamic lora loading"
-NOT_FLUSHED = ("Weights were updated, but the cache was not flushed because requests are still running or "
-               "queued. Retract or finish them, then call /flush_cache.")
+NOT_FLUSHED = (
+    "Weights were updated, but the cache was not flushed because requests are still running or "
+    "queued. Retract or finish them, then call /flush_cache."
+)
 NO_SESSION = "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
 SESSION_OPEN = "a weight-update session is already open; call end_weight_update() first"
 SESSION_CLOSED = "no weight-update session is open; call begin_weight_update() first"
@@ -107,8 +119,10 @@ def health_check_timeout() -> float:
     return float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))
 
 
-FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
-           "requests, the operation will not be performed.)\n")
+FLUSHED = (
+    "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
+    "requests, the operation will not be performed.)\n"
+)
 
 
 # ------------------------------------------------------------------------- control bodies
@@ -138,30 +152,60 @@ CONTROL_BODIES: dict[str, dict[str, BodyField]] = {
     "/pause_generation": {"mode": _f(str, "abort", ("abort", "retract", "in_place"))},
     "/continue_generation": {"torch_empty_cache": _f(bool, True)},
     "/init_weights_update_group": {
-        "master_address": _f(str), "master_port": _f(int), "rank_offset": _f(int), "world_size": _f(int),
-        "group_name": _f(str, GROUP), "backend": _f(str, "nccl", ("nccl", "gloo"))},
+        "master_address": _f(str),
+        "master_port": _f(int),
+        "rank_offset": _f(int),
+        "world_size": _f(int),
+        "group_name": _f(str, GROUP),
+        "backend": _f(str, "nccl", ("nccl", "gloo")),
+    },
     "/destroy_weights_update_group": {"group_name": _f(str, GROUP)},
     "/begin_weight_update": {"selector": _f(str, "all", ("all", "target"))},  # no draft model here
     "/end_weight_update": {},
     "/update_weights_from_distributed": {
-        "names": _f(list), "dtypes": _f(list), "shapes": _f(list), "group_name": _f(str, GROUP),
-        "flush_cache": _f(bool, True), "abort_all_requests": _f(bool, False),
-        "weight_version": _f((str, NONE), None), "load_format": _f((str, NONE), None, (None, "flattened_bucket")),
-        "selector": _f(str, "all", ("all", "target")), "torch_empty_cache": _f(bool, False)},
+        "names": _f(list),
+        "dtypes": _f(list),
+        "shapes": _f(list),
+        "group_name": _f(str, GROUP),
+        "flush_cache": _f(bool, True),
+        "abort_all_requests": _f(bool, False),
+        "weight_version": _f((str, NONE), None),
+        "load_format": _f((str, NONE), None, (None, "flattened_bucket")),
+        "selector": _f(str, "all", ("all", "target")),
+        "torch_empty_cache": _f(bool, False),
+    },
     "/update_weights_from_disk": {
-        "model_path": _f(str), "load_format": _f((str, NONE), None, (None, "auto", "safetensors")),
-        "abort_all_requests": _f(bool, False), "weight_version": _f((str, NONE), None),
-        "is_async": _f(bool, False, (False,)), "torch_empty_cache": _f(bool, False),
-        "keep_pause": _f(bool, False, (False,)), "recapture_cuda_graph": _f(bool, False),
-        "token_step": _f(int, 0), "flush_cache": _f(bool, True), "manifest": _f((dict, NONE), None, (None,))},
+        "model_path": _f(str),
+        "load_format": _f((str, NONE), None, (None, "auto", "safetensors")),
+        "abort_all_requests": _f(bool, False),
+        "weight_version": _f((str, NONE), None),
+        "is_async": _f(bool, False, (False,)),
+        "torch_empty_cache": _f(bool, False),
+        "keep_pause": _f(bool, False, (False,)),
+        "recapture_cuda_graph": _f(bool, False),
+        "token_step": _f(int, 0),
+        "flush_cache": _f(bool, True),
+        "manifest": _f((dict, NONE), None, (None,)),
+    },
     "/update_weight_version": {"new_version": _f(str), "abort_all_requests": _f(bool, True)},
-    "/load_lora_adapter": {"lora_name": _f(str), "lora_path": _f(str), "pinned": _f(bool, False),
-                           "lora_id": _f((str, NONE), None)},
+    "/load_lora_adapter": {
+        "lora_name": _f(str),
+        "lora_path": _f(str),
+        "pinned": _f(bool, False),
+        "lora_id": _f((str, NONE), None),
+    },
     "/unload_lora_adapter": {"lora_name": _f(str), "lora_id": _f((str, NONE), None)},
 }
 
-_KIND_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false", list: "a list",
-               dict: "an object", NONE: "null"}
+_KIND_NAMES = {
+    str: "a string",
+    int: "an integer",
+    float: "a number",
+    bool: "true or false",
+    list: "a list",
+    dict: "an object",
+    NONE: "null",
+}
 
 
 def _is_kind(value: Any, kind: type) -> bool:
@@ -186,16 +230,19 @@ def parse_control(path: str, body: dict) -> dict[str, Any]:
             wanted = " or ".join(_KIND_NAMES[k] for k in spec.kinds)
             raise RequestError(f"{path}: {name} must be {wanted}, got {show(value)}")
         if spec.supported is not None and value not in spec.supported:
-            raise RequestError(f"{path}: {name} = {show(value)} is not supported by the embedded engine "
-                               f"(supported: {', '.join(repr(v) for v in spec.supported)})")
+            raise RequestError(
+                f"{path}: {name} = {show(value)} is not supported by the embedded engine "
+                f"(supported: {', '.join(repr(v) for v in spec.supported)})"
+            )
         out[name] = value
     return out
 
 
 def bad_request(message: str) -> JSONResponse:
     """SGLang's answer to a body that fails its request struct (``ErrorResponse``, HTTP 400)."""
-    return JSONResponse({"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400},
-                        status_code=400)
+    return JSONResponse(
+        {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}, status_code=400
+    )
 
 
 # --------------------------------------------------------------------------------- server
@@ -204,10 +251,22 @@ def bad_request(message: str) -> JSONResponse:
 class EngineServer:
     """Holds the runner, scheduler and weight receiver behind the HTTP routes."""
 
-    def __init__(self, model_path: str, *, device: str = "auto", dtype: str = "auto", max_running_requests: int = 64,
-                 max_context_tokens: int = 2048, max_prefill_tokens: int = 8192, weight_version: str = "default",
-                 seed: int = 0, prefix_cache_tokens: int = 65536, tp_size: int = 1, dp_size: int = 1,
-                 weight_update_bracket: bool = True):
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        max_running_requests: int = 64,
+        max_context_tokens: int = 2048,
+        max_prefill_tokens: int = 8192,
+        weight_version: str = "default",
+        seed: int = 0,
+        prefix_cache_tokens: int = 65536,
+        tp_size: int = 1,
+        dp_size: int = 1,
+        weight_update_bracket: bool = True,
+    ):
         from agentrl.engine.model_runner import ModelRunner
         from agentrl.engine.scheduler import Scheduler
         from agentrl.engine.weights import EngineWeightReceiver
@@ -217,9 +276,15 @@ class EngineServer:
         self.model_path = model_path
         self.tp_size, self.dp_size = tp_size, dp_size
         self.weight_update_bracket = weight_update_bracket
-        self.runner = ModelRunner(model_path, device=device, dtype=dtype, max_running_requests=max_running_requests,
-                                  max_context_tokens=max_context_tokens, seed=seed,
-                                  prefix_cache_tokens=prefix_cache_tokens)
+        self.runner = ModelRunner(
+            model_path,
+            device=device,
+            dtype=dtype,
+            max_running_requests=max_running_requests,
+            max_context_tokens=max_context_tokens,
+            seed=seed,
+            prefix_cache_tokens=prefix_cache_tokens,
+        )
         self.scheduler = Scheduler(self.runner, weight_version=weight_version, max_prefill_tokens=max_prefill_tokens)
         self.receiver = EngineWeightReceiver(self.runner, tp_size=tp_size)
         self.tokenizer = self.runner.tokenizer
@@ -259,25 +324,35 @@ class EngineServer:
             raise RequestError(DUPLICATE_RID.format(live[0]))
         self.live_rids.update(inp.rid for inp in call.inputs)
         for i, inp in enumerate(call.inputs):
-            self.scheduler.submit(Request(inp, lambda req, c, i=i: self._update(req.rid, c, i, on_update),
-                                          stream=call.stream))
+            self.scheduler.submit(
+                Request(inp, lambda req, c, i=i: self._update(req.rid, c, i, on_update), stream=call.stream)
+            )
 
     def _update(self, rid: str, c: Completion, i: int, on_update: Callable[[int, Completion], None]) -> None:
         if c.finish_reason is not None:
             self.live_rids.discard(rid)
         on_update(i, c)
 
-    async def generate(self, input_ids: list[int], sampling_params: dict, *, affinity_key: str | None = None,
-                       rid: str | None = None, return_logprob: bool = True) -> Any:
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: dict,
+        *,
+        affinity_key: str | None = None,
+        rid: str | None = None,
+        return_logprob: bool = True,
+    ) -> Any:
         """One ``/generate`` on token ids, in process: the engine behind this server's ``/v1/chat/completions``
         (the ``EngineClient.generate`` interface). RequestError for a request /generate would refuse;
         cancelling the call aborts the request."""
-        from agentrl.engine.client import GenerateResult
+        from agentrl.engine.client import GenerateResult, attempt_rid
 
-        from agentrl.engine.client import attempt_rid
-
-        body = {"input_ids": list(input_ids), "sampling_params": sampling_params, "return_logprob": return_logprob,
-                "rid": attempt_rid(rid or uuid.uuid4().hex)}
+        body = {
+            "input_ids": list(input_ids),
+            "sampling_params": sampling_params,
+            "return_logprob": return_logprob,
+            "rid": attempt_rid(rid or uuid.uuid4().hex),
+        }
         call = parse_generate(body, vocab_size=self.runner.vocab_size, context_len=self.runner.max_context_tokens)
         loop = asyncio.get_running_loop()
         done = loop.create_future()
@@ -299,14 +374,20 @@ class EngineServer:
                 continue
             if name not in receiver.adapters_seen:  # SGLang's message, with the field named
                 loaded = [merged] if merged else []
-                raise RequestError(f"lora_path: Got LoRA adapter that has never been loaded: {show(name)}\n"
-                                   f"All loaded adapters: {loaded}.")
+                raise RequestError(
+                    f"lora_path: Got LoRA adapter that has never been loaded: {show(name)}\n"
+                    f"All loaded adapters: {loaded}."
+                )
             if merged is not None:
-                raise RequestError(f"lora_path: LoRA adapter {show(name)} is not loaded: the embedded engine serves "
-                                   f"one adapter, merged into its weights, and {merged!r} is merged now")
+                raise RequestError(
+                    f"lora_path: LoRA adapter {show(name)} is not loaded: the embedded engine serves "
+                    f"one adapter, merged into its weights, and {merged!r} is merged now"
+                )
             if not self.scheduler.paused:
-                raise RequestError(f"lora_path: LoRA adapter {show(name)} is not loaded (it was unloaded; the embedded "
-                                   "engine does not load it again implicitly as SGLang does)")
+                raise RequestError(
+                    f"lora_path: LoRA adapter {show(name)} is not loaded (it was unloaded; the embedded "
+                    "engine does not load it again implicitly as SGLang does)"
+                )
 
     def lora_status(self) -> dict:
         """``loaded_adapters`` of SGLang's LoRA answers: name -> folder."""
@@ -385,15 +466,20 @@ async def _wait_disconnect(request: HttpRequest) -> None:
             return
 
 
-def build_app(server: EngineServer, *, api_key: str = "", admin_api_key: str = "",
-              extra_routes: Sequence[Route] = ()) -> Starlette:
+def build_app(
+    server: EngineServer, *, api_key: str = "", admin_api_key: str = "", extra_routes: Sequence[Route] = ()
+) -> Starlette:
     sched = server.scheduler
 
     async def generate(request: HttpRequest) -> Response:
         try:
             body = await _body(request)
-            call = parse_generate(body, vocab_size=server.runner.vocab_size,
-                                  context_len=server.runner.max_context_tokens, encode=server.encode)
+            call = parse_generate(
+                body,
+                vocab_size=server.runner.vocab_size,
+                context_len=server.runner.max_context_tokens,
+                encode=server.encode,
+            )
             server.check_lora(call)
         except RequestError as e:
             return _error(str(e))
@@ -429,9 +515,11 @@ def build_app(server: EngineServer, *, api_key: str = "", admin_api_key: str = "
         if not sched.alive:
             return Response(status_code=503)
         rid = f"{HEALTH_CHECK_RID_PREFIX}_{uuid.uuid4().hex}"
-        call = parse_generate({"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
-                               "rid": rid}, vocab_size=server.runner.vocab_size,
-                              context_len=server.runner.max_context_tokens)
+        call = parse_generate(
+            {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}, "rid": rid},
+            vocab_size=server.runner.vocab_size,
+            context_len=server.runner.max_context_tokens,
+        )
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         steps = sched.num_steps
@@ -506,9 +594,15 @@ def build_app(server: EngineServer, *, api_key: str = "", admin_api_key: str = "
         # Deliberately not SGLang's default: nccl needs a GPU, so a CPU engine defaults to gloo.
         backend = b["backend"] if "backend" in raw or server.runner.device.type == "cuda" else "gloo"
         try:
-            await asyncio.to_thread(server.receiver.init_group, master_address=b["master_address"],
-                                    master_port=b["master_port"], rank_offset=b["rank_offset"],
-                                    world_size=b["world_size"], group_name=b["group_name"], backend=backend)
+            await asyncio.to_thread(
+                server.receiver.init_group,
+                master_address=b["master_address"],
+                master_port=b["master_port"],
+                rank_offset=b["rank_offset"],
+                world_size=b["world_size"],
+                group_name=b["group_name"],
+                backend=backend,
+            )
         except Exception as e:
             return _result(False, f"Failed to init parameter update group: {e}")
         return _result(True, "Succeeded to initialize custom process group.")
@@ -605,13 +699,16 @@ def build_app(server: EngineServer, *, api_key: str = "", admin_api_key: str = "
             sched.weight_version = version
 
         await server.call(run)
-        return JSONResponse({"success": True, "message": f"Weight version updated to {version}",
-                             "new_version": version})
+        return JSONResponse(
+            {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
+        )
 
     # -- LoRA adapters (module docstring) ----------------------------------------------------
     def _lora_result(success: bool, error: str | None = None) -> JSONResponse:
-        return JSONResponse({"success": success, "error_message": error, "loaded_adapters": server.lora_status()},
-                            status_code=200 if success else 400)
+        return JSONResponse(
+            {"success": success, "error_message": error, "loaded_adapters": server.lora_status()},
+            status_code=200 if success else 400,
+        )
 
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def load_lora_adapter(request: HttpRequest) -> Response:
@@ -673,8 +770,10 @@ def build_app(server: EngineServer, *, api_key: str = "", admin_api_key: str = "
     ]
     routes += list(extra_routes)
     if server.weight_update_bracket:
-        routes += [Route("/begin_weight_update", begin_weight_update, methods=["POST"]),
-                   Route("/end_weight_update", end_weight_update, methods=["POST"])]
+        routes += [
+            Route("/begin_weight_update", begin_weight_update, methods=["POST"]),
+            Route("/end_weight_update", end_weight_update, methods=["POST"]),
+        ]
 
     async def not_found(request: HttpRequest, exc: Exception) -> Response:  # FastAPI's bodies, as SGLang sends
         return JSONResponse({"detail": "Not Found"}, status_code=404)
@@ -686,8 +785,9 @@ def build_app(server: EngineServer, *, api_key: str = "", admin_api_key: str = "
         return bad_request(str(exc))
 
     auth = Middleware(BearerAuthMiddleware, routes=routes, api_key=api_key, admin_api_key=admin_api_key)
-    return Starlette(routes=routes, middleware=[auth],
-                     exception_handlers={404: not_found, 405: not_allowed, RequestError: refused})
+    return Starlette(
+        routes=routes, middleware=[auth], exception_handlers={404: not_found, 405: not_allowed, RequestError: refused}
+    )
 
 
 def _resolve(fut: asyncio.Future, value: Any) -> None:
@@ -725,30 +825,54 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    ap.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16 | float16")
+    ap.add_argument(
+        "--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16 | float16"
+    )
     ap.add_argument("--max-running-requests", type=int, default=64)
     ap.add_argument("--max-context-tokens", type=int, default=2048)
     ap.add_argument("--max-prefill-tokens", type=int, default=8192)
     ap.add_argument("--weight-version", default="default", help="reported until the first update (SGLang's default)")
     ap.add_argument("--num-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--prefix-cache-tokens", type=int, default=65536,
-                    help="K/V of finished requests kept for the next turn of their episode (tokens; 0: off)")
-    ap.add_argument("--api-key", default=None,
-                    help=f"bearer key of the normal routes (default: ${API_KEY_ENV}, see --api-key-env)")
-    ap.add_argument("--admin-api-key", default=None,
-                    help=f"bearer key of the admin routes (default: ${ADMIN_API_KEY_ENV}, see --admin-api-key-env)")
-    ap.add_argument("--api-key-env", default=API_KEY_ENV,
-                    help="environment variable (or <NAME>_FILE) holding the api key when --api-key is not given")
-    ap.add_argument("--admin-api-key-env", default=ADMIN_API_KEY_ENV,
-                    help="environment variable (or <NAME>_FILE) holding the admin key when --admin-api-key is not given")
-    ap.add_argument("--tp-size", type=int, default=1,
-                    help="report this TP size and join the weight group as this many ranks (extra ones receive and drop)")
-    ap.add_argument("--dp-size", type=int, default=1,
-                    help="report this DP size; > 1 refuses the weight group, as SGLang does")
-    ap.add_argument("--disable-weight-update-bracket", action="store_true",
-                    help="serve no /begin_weight_update and /end_weight_update (404), like SGLang builds without "
-                         "them; weight updates then need no bracket")
+    ap.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        default=65536,
+        help="K/V of finished requests kept for the next turn of their episode (tokens; 0: off)",
+    )
+    ap.add_argument(
+        "--api-key", default=None, help=f"bearer key of the normal routes (default: ${API_KEY_ENV}, see --api-key-env)"
+    )
+    ap.add_argument(
+        "--admin-api-key",
+        default=None,
+        help=f"bearer key of the admin routes (default: ${ADMIN_API_KEY_ENV}, see --admin-api-key-env)",
+    )
+    ap.add_argument(
+        "--api-key-env",
+        default=API_KEY_ENV,
+        help="environment variable (or <NAME>_FILE) holding the api key when --api-key is not given",
+    )
+    ap.add_argument(
+        "--admin-api-key-env",
+        default=ADMIN_API_KEY_ENV,
+        help="environment variable (or <NAME>_FILE) holding the admin key when --admin-api-key is not given",
+    )
+    ap.add_argument(
+        "--tp-size",
+        type=int,
+        default=1,
+        help="report this TP size and join the weight group as this many ranks (extra ones receive and drop)",
+    )
+    ap.add_argument(
+        "--dp-size", type=int, default=1, help="report this DP size; > 1 refuses the weight group, as SGLang does"
+    )
+    ap.add_argument(
+        "--disable-weight-update-bracket",
+        action="store_true",
+        help="serve no /begin_weight_update and /end_weight_update (404), like SGLang builds without "
+        "them; weight updates then need no bracket",
+    )
     ap.add_argument("--log-level", default="warning")
     return ap.parse_args(argv)
 
@@ -768,23 +892,50 @@ def serve(args: argparse.Namespace, routes_for: Callable[[EngineServer], list[Ro
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
-    server = EngineServer(args.model, device=args.device, dtype=args.dtype,
-                          max_running_requests=args.max_running_requests, max_context_tokens=args.max_context_tokens,
-                          max_prefill_tokens=args.max_prefill_tokens, weight_version=str(args.weight_version),
-                          seed=args.seed, prefix_cache_tokens=args.prefix_cache_tokens, tp_size=args.tp_size,
-                          dp_size=args.dp_size, weight_update_bracket=not args.disable_weight_update_bracket)
+    server = EngineServer(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        max_running_requests=args.max_running_requests,
+        max_context_tokens=args.max_context_tokens,
+        max_prefill_tokens=args.max_prefill_tokens,
+        weight_version=str(args.weight_version),
+        seed=args.seed,
+        prefix_cache_tokens=args.prefix_cache_tokens,
+        tp_size=args.tp_size,
+        dp_size=args.dp_size,
+        weight_update_bracket=not args.disable_weight_update_bracket,
+    )
     server.start()
-    app = build_app(server, api_key=api_key, admin_api_key=admin_api_key,
-                    extra_routes=routes_for(server) if routes_for else ())
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            access_log=False, timeout_keep_alive=30, timeout_graceful_shutdown=5, lifespan="off")
-    auth = "admin and api keys" if api_key and admin_api_key else "admin key" if admin_api_key else \
-        "api key" if api_key else "no key"
-    print(f"agentrl engine serving {args.model} on http://{args.host}:{args.port} "
-          f"(device {server.runner.device}, dtype {str(server.runner.dtype).removeprefix('torch.')}, {auth})",
-          file=sys.stderr, flush=True)
+    app = build_app(
+        server, api_key=api_key, admin_api_key=admin_api_key, extra_routes=routes_for(server) if routes_for else ()
+    )
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,
+        timeout_keep_alive=30,
+        timeout_graceful_shutdown=5,
+        lifespan="off",
+    )
+    auth = (
+        "admin and api keys"
+        if api_key and admin_api_key
+        else "admin key"
+        if admin_api_key
+        else "api key"
+        if api_key
+        else "no key"
+    )
+    print(
+        f"agentrl engine serving {args.model} on http://{args.host}:{args.port} "
+        f"(device {server.runner.device}, dtype {str(server.runner.dtype).removeprefix('torch.')}, {auth})",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         uvicorn.Server(config).run()
     finally:
         server.stop()
-

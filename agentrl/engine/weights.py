@@ -61,8 +61,9 @@ class ShadowRank:
     with the same name in one process. A trainer that miscounts the world size then hangs or
     fails exactly as it would against real SGLang."""
 
-    def __init__(self, master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
-                 timeout_s: float):
+    def __init__(
+        self, master_address: str, master_port: int, rank: int, world_size: int, group_name: str, timeout_s: float
+    ):
         import torch.distributed as dist
 
         timeout = timedelta(seconds=timeout_s)
@@ -95,8 +96,9 @@ def check_group_args(master_port: int, rank_offset: int, world_size: int) -> Non
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {show(world_size)}")
     if not 0 <= rank_offset < world_size:
-        raise ValueError(f"rank_offset must be in [0, world_size), got rank_offset {show(rank_offset)} with "
-                         f"world_size {world_size}")
+        raise ValueError(
+            f"rank_offset must be in [0, world_size), got rank_offset {show(rank_offset)} with world_size {world_size}"
+        )
 
 
 @dataclass
@@ -127,8 +129,16 @@ class EngineWeightReceiver:
         self.adapter: MergedAdapter | None = None  # the LoRA adapter merged into the weights
         self.adapters_seen: dict[str, str] = {}  # every adapter name loaded so far -> its folder
 
-    def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                   group_name: str, backend: str, timeout_s: float = 600.0) -> None:
+    def init_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+        timeout_s: float = 600.0,
+    ) -> None:
         """Join as ranks ``rank_offset .. rank_offset + tp_size - 1`` (SGLang: one rank per TP rank)."""
         check_group_args(master_port, rank_offset, world_size)
         if self.group is not None:
@@ -136,23 +146,34 @@ class EngineWeightReceiver:
         if backend == "nccl" and self.runner.device.type != "cuda":
             raise ValueError("backend 'nccl' needs the engine on a CUDA device; use 'gloo' on CPU")
         if self.tp_size == 1:
-            self.group = init_weight_group(backend, master_address, master_port, world_size, rank_offset,
-                                           group_name, timeout_s)
+            self.group = init_weight_group(
+                backend, master_address, master_port, world_size, rank_offset, group_name, timeout_s
+            )
         else:
             if backend != "gloo":
                 raise ValueError(f"--tp-size {self.tp_size} joins extra ranks as gloo shadows; use backend 'gloo'")
             self._join_with_shadows(master_address, master_port, rank_offset, world_size, group_name, timeout_s)
         self.group_name, self.backend = group_name, backend
 
-    def _join_with_shadows(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                           group_name: str, timeout_s: float) -> None:
+    def _join_with_shadows(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        timeout_s: float,
+    ) -> None:
         """Every rank blocks in the rendezvous until all have arrived, so they join concurrently."""
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=self.tp_size - 1, thread_name_prefix="weight-shadow")
-        joins = [pool.submit(ShadowRank, master_address, master_port, rank_offset + k, world_size, group_name,
-                             timeout_s) for k in range(1, self.tp_size)]
+        joins = [
+            pool.submit(ShadowRank, master_address, master_port, rank_offset + k, world_size, group_name, timeout_s)
+            for k in range(1, self.tp_size)
+        ]
         try:
-            group = init_weight_group("gloo", master_address, master_port, world_size, rank_offset, group_name,
-                                      timeout_s)
+            group = init_weight_group(
+                "gloo", master_address, master_port, world_size, rank_offset, group_name, timeout_s
+            )
         except BaseException:
             for f in joins:
                 f.cancel()
@@ -167,8 +188,9 @@ class EngineWeightReceiver:
         # One worker per shadow keeps its broadcasts in the order they were declared.
         pool.shutdown(wait=True)
         self.group, self.shadows = group, shadows
-        self._shadow_pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(shadows),
-                                                                  thread_name_prefix="weight-shadow")
+        self._shadow_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=len(shadows), thread_name_prefix="weight-shadow"
+        )
 
     def destroy_group(self) -> None:
         destroy_weight_group(self.group)
@@ -184,7 +206,9 @@ class EngineWeightReceiver:
         if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
             raise ValueError("names, dtypes and shapes must be lists")
         if not (len(names) == len(dtypes) == len(shapes)):
-            raise ValueError(f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes ({len(shapes)}) differ in length")
+            raise ValueError(
+                f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes ({len(shapes)}) differ in length"
+            )
         spec = []
         for name, dt, shape in zip(names, dtypes, shapes):
             if not isinstance(name, str):
@@ -203,7 +227,9 @@ class EngineWeightReceiver:
             raise ValueError("no weight update group: call /init_weights_update_group first")
         shadows = [self._shadow_pool.submit(s.receive, spec, flattened) for s in self.shadows] if self.shadows else []
         named = self.runner.named_tensors()
-        recv_device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        recv_device = (
+            torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        )
         with torch.no_grad():
             if flattened:
                 received = self._receive_flat(spec, recv_device)
@@ -211,8 +237,13 @@ class EngineWeightReceiver:
                 received, works = [], []
                 for name, dtype, shape in spec:  # post every receive at once (async): no round trip per tensor
                     target = named.get(name)
-                    direct = (target is not None and target.dtype == dtype and tuple(target.shape) == shape
-                              and target.device == recv_device and target.is_contiguous())
+                    direct = (
+                        target is not None
+                        and target.dtype == dtype
+                        and tuple(target.shape) == shape
+                        and target.device == recv_device
+                        and target.is_contiguous()
+                    )
                     buf = target.data if direct else torch.empty(shape, dtype=dtype, device=recv_device)
                     works.append(dist.broadcast(buf, src=0, group=self.group, async_op=True))
                     if not direct:
@@ -263,8 +294,11 @@ class EngineWeightReceiver:
         unknown = [n for n in tensors if n not in named]
         if unknown:
             raise ValueError(f"checkpoint has parameters the model lacks: {unknown[:5]}")
-        tied = self.runner.lm_head is not None and "lm_head.weight" in named and \
-            named["lm_head.weight"] is named.get("model.embed_tokens.weight")
+        tied = (
+            self.runner.lm_head is not None
+            and "lm_head.weight" in named
+            and named["lm_head.weight"] is named.get("model.embed_tokens.weight")
+        )
         missing = [n for n in named if n not in tensors and not (tied and n == "lm_head.weight")]
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} parameters, e.g. {missing[:5]}")
@@ -294,8 +328,9 @@ class EngineWeightReceiver:
             if target is None:
                 raise ValueError(f"{path}: the model has no layer {layer!r} (no parameter {weight!r})")
             if (b.shape[0], a.shape[1]) != tuple(target.shape):
-                raise ValueError(f"{path}: {layer}: B @ A is {[b.shape[0], a.shape[1]]}, the weight is "
-                                 f"{list(target.shape)}")
+                raise ValueError(
+                    f"{path}: {layer}: B @ A is {[b.shape[0], a.shape[1]]}, the weight is {list(target.shape)}"
+                )
             deltas[weight] = (a.to(target.device, torch.float32), b.to(target.device, torch.float32), files.scaling)
         return MergedAdapter(name, str(path), deltas)
 
@@ -304,8 +339,10 @@ class EngineWeightReceiver:
         if self.adapter is not None:
             if self.adapter.name == adapter.name:
                 raise ValueError(f"Failed to load LoRA adapter {adapter.name} because it is already loaded")
-            raise ValueError(f"the embedded engine serves one LoRA adapter at a time, merged into its weights: "
-                             f"unload {self.adapter.name!r} first")
+            raise ValueError(
+                f"the embedded engine serves one LoRA adapter at a time, merged into its weights: "
+                f"unload {self.adapter.name!r} first"
+            )
         self.adapter = adapter
         self._merge_again(list(adapter.deltas))
         self.adapters_seen[adapter.name] = adapter.path

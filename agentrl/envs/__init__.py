@@ -19,21 +19,35 @@ Built-in envs (import paths for ``env.cls``): ``agentrl.envs.calculator:Calculat
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from agentrl.envs.base import Env, Message, Task, load_env, run_cleanup, score_episode, total_reward
 
 if TYPE_CHECKING:
     from agentrl.config import AgentRLConfig, EnvSection
 
-__all__ = ["Env", "Message", "Task", "check_env_names", "demonstrated", "demonstrations", "env_section", "load_env",
-           "make_env", "make_envs", "run_cleanup", "score_episode", "total_reward"]
+__all__ = [
+    "Env",
+    "Message",
+    "Task",
+    "check_env_names",
+    "demonstrated",
+    "demonstrations",
+    "env_section",
+    "load_env",
+    "make_env",
+    "make_envs",
+    "run_cleanup",
+    "score_episode",
+    "total_reward",
+]
 
 
-from agentrl.envs.base import _import_module_or_file  # noqa: E402
+from agentrl.envs.base import _import_module_or_file
 
 
-def env_section(cfg: "AgentRLConfig", section: "EnvSection | None" = None) -> "EnvSection":
+def env_section(cfg: AgentRLConfig, section: EnvSection | None = None) -> EnvSection:
     """``section``, or the run's only env section; a config with ``[[envs]]`` must say which."""
     if section is not None:
         return section
@@ -42,7 +56,7 @@ def env_section(cfg: "AgentRLConfig", section: "EnvSection | None" = None) -> "E
     return cfg.env
 
 
-def make_env(cfg: "AgentRLConfig", section: "EnvSection | None" = None) -> Env:
+def make_env(cfg: AgentRLConfig, section: EnvSection | None = None) -> Env:
     """Instantiate an env section's env (default: the run's only one), passing the sandbox
     settings to envs that take them."""
     section = env_section(cfg, section)
@@ -63,7 +77,7 @@ def make_env(cfg: "AgentRLConfig", section: "EnvSection | None" = None) -> Env:
     return env
 
 
-def make_envs(cfg: "AgentRLConfig") -> list[tuple["EnvSection", Env]]:
+def make_envs(cfg: AgentRLConfig) -> list[tuple[EnvSection, Env]]:
     """Every env of the run with its section, in config order; two envs with one name are an error."""
     built: list[tuple[EnvSection, Env]] = []
     try:
@@ -85,8 +99,10 @@ def check_env_names(envs: list[tuple[str, str]]) -> None:
     twice = {name: classes for name, classes in seen.items() if len(classes) > 1}
     if twice:
         which = "; ".join(f"{name!r}: {', '.join(classes)}" for name, classes in twice.items())
-        raise ValueError(f"env names must be unique in a run (groups, metrics and evaluations are keyed by them), "
-                         f"but several envs are named {which}: give each [[envs]] entry its own `name`")
+        raise ValueError(
+            f"env names must be unique in a run (groups, metrics and evaluations are keyed by them), "
+            f"but several envs are named {which}: give each [[envs]] entry its own `name`"
+        )
 
 
 def close_quietly(env: Env) -> None:
@@ -95,12 +111,13 @@ def close_quietly(env: Env) -> None:
 
     try:
         trio.run(env.aclose)
-    except Exception:  # noqa: BLE001 - closing what failed to start must not hide why
+    except Exception:
         pass
 
 
-def demonstrations(env: Env, num: int, seed: int = 0, split: str = "train",
-                   max_tasks: int | None = None) -> Iterator[dict[str, Any]]:
+def demonstrations(
+    env: Env, num: int, seed: int = 0, split: str = "train", max_tasks: int | None = None
+) -> Iterator[dict[str, Any]]:
     """Up to ``num`` records ``{"task_id", "messages", "tools"}`` of correct episodes.
 
     Tasks the env does not demonstrate (``demonstration`` returns None, e.g. questions
@@ -111,8 +128,9 @@ def demonstrations(env: Env, num: int, seed: int = 0, split: str = "train",
         yield record
 
 
-def demonstrated(env: Env, num: int, seed: int = 0, split: str = "train",
-                 max_tasks: int | None = None) -> Iterator[tuple[Task, dict[str, Any]]]:
+def demonstrated(
+    env: Env, num: int, seed: int = 0, split: str = "train", max_tasks: int | None = None
+) -> Iterator[tuple[Task, dict[str, Any]]]:
     """:func:`demonstrations` with the task of each record (to score it with ``env.reward``)."""
     schemas = [t.schema() for t in env.tools()]
     made = 0

@@ -48,13 +48,15 @@ class AgentEnv(Env):
     """An environment played by your own agent through an OpenAI client (see the module docstring)."""
 
     name = "agent"
-    tool_parser: "ToolCallParser | None" = None  # None: Hermes/Qwen <tool_call> (the module docstring)
+    tool_parser: ToolCallParser | None = None  # None: Hermes/Qwen <tool_call> (the module docstring)
     reasoning: bool = False  # True: <think>...</think> comes back as reasoning_content
 
-    async def run(self, task: Task, client: "openai.AsyncOpenAI") -> float | dict[str, float] | None:
+    async def run(self, task: Task, client: openai.AsyncOpenAI) -> float | dict[str, float] | None:
         """Play ``task`` with ``client``; return the reward, or None to score with :meth:`Env.reward`."""
         raise NotImplementedError(f"{type(self).__name__} must implement run(task, client)")
 
     def initial_messages(self, task: Task) -> list[Message]:
-        raise TypeError(f"{type(self).__name__} is an AgentEnv: its episodes are played by run(task, client), "
-                        "which writes its own messages")
+        raise TypeError(
+            f"{type(self).__name__} is an AgentEnv: its episodes are played by run(task, client), "
+            "which writes its own messages"
+        )

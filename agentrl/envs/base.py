@@ -24,8 +24,9 @@ from __future__ import annotations
 import importlib
 import math
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from agentrl.tools.base import Tool
@@ -58,7 +59,7 @@ class Env:
         """The opening messages of an episode (system and first user turn)."""
         raise NotImplementedError(f"{type(self).__name__} must implement initial_messages()")
 
-    def tools(self) -> list["Tool"]:
+    def tools(self) -> list[Tool]:
         """Tools offered to the agent in every episode of this env."""
         return []
 
@@ -74,9 +75,7 @@ class Env:
         simulated user's next message."""
         return None
 
-    async def reward(
-        self, task: Task, state: dict[str, Any], messages: list[Message]
-    ) -> float | dict[str, float]:
+    async def reward(self, task: Task, state: dict[str, Any], messages: list[Message]) -> float | dict[str, float]:
         """Score a finished episode. A dict gives named components; their sum is the reward."""
         raise NotImplementedError(f"{type(self).__name__} must implement reward()")
 
@@ -159,7 +158,7 @@ async def score_episode(
     try:
         value = await env.reward(task, state, messages)
         total, components = total_reward(value)
-    except Exception as e:  # noqa: BLE001 - a broken reward is reported, never fatal
+    except Exception as e:
         return 0.0, {}, f"reward of {type(env).__name__} failed: {type(e).__name__}: {e}"
     if not all(math.isfinite(r) for r in (total, *components.values())):
         return 0.0, {}, f"reward of {type(env).__name__} is not finite: {value!r}"
@@ -178,7 +177,7 @@ async def run_cleanup(env: Env, task: Task, state: dict[str, Any], limit_s: floa
         with trio.move_on_after(limit_s) as scope:
             try:
                 await env.cleanup(task, state)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 return f"cleanup of {type(env).__name__} failed: {type(e).__name__}: {e}"
         if scope.cancelled_caught:
             return f"cleanup of {type(env).__name__} took longer than {limit_s:g} s"

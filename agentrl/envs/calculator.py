@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import hashlib
 import random
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from agentrl.envs.base import Env, Message, Task
 from agentrl.envs.rewards import final_assistant_text, last_number
@@ -120,8 +121,9 @@ class CalculatorEnv(Env):
             else:
                 misses += 1
                 if misses > 100_000:
-                    raise ValueError("the calculator task space is too small for a train/test split; "
-                                     "raise max_operand or max_ops")
+                    raise ValueError(
+                        "the calculator task space is too small for a train/test split; raise max_operand or max_ops"
+                    )
 
     def sample_task(self, rng: random.Random) -> Task:
         """One random question (split membership is decided by the caller)."""
@@ -132,9 +134,15 @@ class CalculatorEnv(Env):
             question = f"What is {expression}?"
         value = evaluate(expression)
         task_id = "calc-" + hashlib.sha1(question.encode()).hexdigest()[:12]
-        return Task(id=task_id, data={"question": question, "expression": expression,
-                                      "answer": format_number(value),
-                                      "num_ops": sum(expression.count(f" {op} ") for op in "+-*/")})
+        return Task(
+            id=task_id,
+            data={
+                "question": question,
+                "expression": expression,
+                "answer": format_number(value),
+                "num_ops": sum(expression.count(f" {op} ") for op in "+-*/"),
+            },
+        )
 
     def _expression(self, rng: random.Random) -> str:
         for _ in range(1000):
@@ -164,8 +172,7 @@ class CalculatorEnv(Env):
     # --------------------------------------------------------------- episode
 
     def initial_messages(self, task: Task) -> list[Message]:
-        return [{"role": "system", "content": self.system_prompt},
-                {"role": "user", "content": task.data["question"]}]
+        return [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": task.data["question"]}]
 
     def tools(self) -> list[Tool]:
         return [CalculatorTool()]

@@ -32,7 +32,8 @@ import hashlib
 import json
 import random
 import re
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from agentrl.envs.base import Message, Task
 from agentrl.envs.rewards import final_assistant_text
@@ -40,8 +41,10 @@ from agentrl.envs.sandboxed import SandboxedEnv
 from agentrl.tools.base import Tool
 from agentrl.tools.sandbox.base import ExecResult, SandboxSettings
 
-SYSTEM_PROMPT = ("Write the requested Python function. You can test code with the python tool. "
-                 "Finish with the function in a ```python code block.")
+SYSTEM_PROMPT = (
+    "Write the requested Python function. You can test code with the python tool. "
+    "Finish with the function in a ```python code block."
+)
 
 
 def _ints(rng: random.Random, n: int = 1) -> list[Any]:
@@ -58,44 +61,80 @@ def _int_list(rng: random.Random) -> list[Any]:
 
 # family: (params(rng) -> dict, prompt, function name, reference source, args(rng, params) -> list)
 FAMILIES: dict[str, tuple[Callable, str, str, str, Callable]] = {
-    "add_k": (lambda r: {"k": r.randint(1, 99)},
-              "Write a function add_k(x) that returns x plus {k}.", "add_k",
-              "def add_k(x):\n    return x + {k}", lambda r, p: _ints(r)),
-    "count_char": (lambda r: {"c": r.choice("abcde")},
-                   "Write a function count_char(s) that returns how many times the letter '{c}' occurs in s.",
-                   "count_char", "def count_char(s):\n    return s.count('{c}')",
-                   lambda r, p: ["".join(r.choice("abcde") for _ in range(r.randint(0, 12)))]),
-    "clip": (lambda r: (lambda lo: {"lo": lo, "hi": lo + r.randint(1, 40)})(r.randint(-30, 30)),
-             "Write a function clip(x) that returns x limited to the range {lo} to {hi}.", "clip",
-             "def clip(x):\n    return max({lo}, min({hi}, x))", lambda r, p: _ints(r)),
-    "sum_above": (lambda r: {"k": r.randint(-10, 10)},
-                  "Write a function sum_above(xs) that returns the sum of the numbers in the list xs "
-                  "that are greater than {k}.", "sum_above",
-                  "def sum_above(xs):\n    return sum(x for x in xs if x > {k})", lambda r, p: _int_list(r)),
-    "is_multiple": (lambda r: {"k": r.randint(2, 12)},
-                    "Write a function is_multiple(x) that returns True if x is divisible by {k}, else False.",
-                    "is_multiple", "def is_multiple(x):\n    return x % {k} == 0", lambda r, p: _ints(r)),
-    "repeat_word": (lambda r: {"n": r.randint(2, 5)},
-                    "Write a function repeat_word(w) that returns w repeated {n} times, separated by single "
-                    "spaces.", "repeat_word", "def repeat_word(w):\n    return ' '.join([w] * {n})",
-                    lambda r, p: [_word(r)]),
-    "reverse_words": (lambda r: {"sep": r.choice(["-", ",", "+", "_", "/", ":", ";", "|"])},
-                      "Write a function reverse_words(s) that returns the words of s in reverse order, "
-                      "joined by '{sep}'.", "reverse_words",
-                      "def reverse_words(s):\n    return '{sep}'.join(s.split()[::-1])",
-                      lambda r, p: [" ".join(_word(r) for _ in range(r.randint(1, 4)))]),
-    "label": (lambda r: {"k": r.randint(-50, 50)},
-              "Write a function label(x) that returns 'big' if x is greater than {k} and 'small' otherwise.",
-              "label", "def label(x):\n    return 'big' if x > {k} else 'small'", lambda r, p: _ints(r)),
-    "first_n": (lambda r: {"n": r.randint(1, 4)},
-                "Write a function first_n(xs) that returns a list of the first {n} items of the list xs.",
-                "first_n", "def first_n(xs):\n    return list(xs[:{n}])", lambda r, p: _int_list(r)),
-    "scale": (lambda r: {"k": r.randint(2, 9)},
-              "Write a function scale(xs) that returns a new list with every number of xs multiplied by {k}.",
-              "scale", "def scale(xs):\n    return [x * {k} for x in xs]", lambda r, p: _int_list(r)),
+    "add_k": (
+        lambda r: {"k": r.randint(1, 99)},
+        "Write a function add_k(x) that returns x plus {k}.",
+        "add_k",
+        "def add_k(x):\n    return x + {k}",
+        lambda r, p: _ints(r),
+    ),
+    "count_char": (
+        lambda r: {"c": r.choice("abcde")},
+        "Write a function count_char(s) that returns how many times the letter '{c}' occurs in s.",
+        "count_char",
+        "def count_char(s):\n    return s.count('{c}')",
+        lambda r, p: ["".join(r.choice("abcde") for _ in range(r.randint(0, 12)))],
+    ),
+    "clip": (
+        lambda r: (lambda lo: {"lo": lo, "hi": lo + r.randint(1, 40)})(r.randint(-30, 30)),
+        "Write a function clip(x) that returns x limited to the range {lo} to {hi}.",
+        "clip",
+        "def clip(x):\n    return max({lo}, min({hi}, x))",
+        lambda r, p: _ints(r),
+    ),
+    "sum_above": (
+        lambda r: {"k": r.randint(-10, 10)},
+        "Write a function sum_above(xs) that returns the sum of the numbers in the list xs that are greater than {k}.",
+        "sum_above",
+        "def sum_above(xs):\n    return sum(x for x in xs if x > {k})",
+        lambda r, p: _int_list(r),
+    ),
+    "is_multiple": (
+        lambda r: {"k": r.randint(2, 12)},
+        "Write a function is_multiple(x) that returns True if x is divisible by {k}, else False.",
+        "is_multiple",
+        "def is_multiple(x):\n    return x % {k} == 0",
+        lambda r, p: _ints(r),
+    ),
+    "repeat_word": (
+        lambda r: {"n": r.randint(2, 5)},
+        "Write a function repeat_word(w) that returns w repeated {n} times, separated by single spaces.",
+        "repeat_word",
+        "def repeat_word(w):\n    return ' '.join([w] * {n})",
+        lambda r, p: [_word(r)],
+    ),
+    "reverse_words": (
+        lambda r: {"sep": r.choice(["-", ",", "+", "_", "/", ":", ";", "|"])},
+        "Write a function reverse_words(s) that returns the words of s in reverse order, joined by '{sep}'.",
+        "reverse_words",
+        "def reverse_words(s):\n    return '{sep}'.join(s.split()[::-1])",
+        lambda r, p: [" ".join(_word(r) for _ in range(r.randint(1, 4)))],
+    ),
+    "label": (
+        lambda r: {"k": r.randint(-50, 50)},
+        "Write a function label(x) that returns 'big' if x is greater than {k} and 'small' otherwise.",
+        "label",
+        "def label(x):\n    return 'big' if x > {k} else 'small'",
+        lambda r, p: _ints(r),
+    ),
+    "first_n": (
+        lambda r: {"n": r.randint(1, 4)},
+        "Write a function first_n(xs) that returns a list of the first {n} items of the list xs.",
+        "first_n",
+        "def first_n(xs):\n    return list(xs[:{n}])",
+        lambda r, p: _int_list(r),
+    ),
+    "scale": (
+        lambda r: {"k": r.randint(2, 9)},
+        "Write a function scale(xs) that returns a new list with every number of xs multiplied by {k}.",
+        "scale",
+        "def scale(xs):\n    return [x * {k} for x in xs]",
+        lambda r, p: _int_list(r),
+    ),
 }
 
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.S)
+
 
 def extract_code(text: str) -> str | None:
     """The last fenced code block of an answer, or the answer itself if it defines a function."""
@@ -167,8 +206,17 @@ class CodeEnv(SandboxedEnv):
         for args, expected in tests:
             canonical_json([args, expected])  # every test must cross the sandbox as JSON
         task_id = "code-" + hashlib.sha1(prompt.encode()).hexdigest()[:12]
-        return Task(id=task_id, data={"family": family, "prompt": prompt, "function": func,
-                                      "reference": reference, "tests": tests[1:], "example": tests[0][0]})
+        return Task(
+            id=task_id,
+            data={
+                "family": family,
+                "prompt": prompt,
+                "function": func,
+                "reference": reference,
+                "tests": tests[1:],
+                "example": tests[0][0],
+            },
+        )
 
     def tasks(self, split: str = "train", seed: int = 0) -> Iterator[Task]:
         if split not in ("train", "test"):
@@ -191,8 +239,7 @@ class CodeEnv(SandboxedEnv):
     # --------------------------------------------------------------- episode
 
     def initial_messages(self, task: Task) -> list[Message]:
-        return [{"role": "system", "content": self.system_prompt},
-                {"role": "user", "content": task.data["prompt"]}]
+        return [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": task.data["prompt"]}]
 
     def tools(self) -> list[Tool]:
         return [self.python_tool()]
@@ -231,4 +278,3 @@ class CodeEnv(SandboxedEnv):
             {"role": "tool", "name": "python", "content": shown},
             {"role": "assistant", "content": f"```python\n{task.data['reference']}\n```"},
         ]
-

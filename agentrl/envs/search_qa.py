@@ -33,9 +33,10 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from agentrl.envs.base import Env, Message, Task
 from agentrl.envs.rewards import exact_match, final_assistant_text
@@ -47,14 +48,84 @@ SYSTEM_PROMPT = "Use the search tool to look up facts, then give a short answer.
 KINDS = ("writer", "birthplace", "author_country")
 CORPUS_FILE = Path(__file__).parent / "data" / "search_qa_corpus.jsonl"
 
-_SYLLABLES = ["ka", "lo", "mi", "ra", "ven", "tor", "sel", "dri", "mar", "no", "bel", "quin",
-              "sa", "tu", "fen", "gal", "ori", "pel", "zan", "du", "her", "vo", "li", "ast"]
-_ADJECTIVES = ["Silver", "Hidden", "Broken", "Quiet", "Crimson", "Endless", "Golden", "Last", "Frozen",
-               "Wandering", "Distant", "Burning", "Secret", "Painted", "Sleeping", "Iron", "Glass",
-               "Hollow", "Northern", "Lonely", "Bitter", "Bright", "Shifting", "Velvet"]
-_NOUNS = ["Lamp", "Garden", "River", "Tower", "Harbor", "Mirror", "Orchard", "Voyage", "Lantern",
-          "Bridge", "Forest", "Clock", "Island", "Letter", "Crown", "Road", "Winter", "Feather",
-          "Compass", "Shadow", "Meadow", "Citadel", "Archive", "Kingdom"]
+_SYLLABLES = [
+    "ka",
+    "lo",
+    "mi",
+    "ra",
+    "ven",
+    "tor",
+    "sel",
+    "dri",
+    "mar",
+    "no",
+    "bel",
+    "quin",
+    "sa",
+    "tu",
+    "fen",
+    "gal",
+    "ori",
+    "pel",
+    "zan",
+    "du",
+    "her",
+    "vo",
+    "li",
+    "ast",
+]
+_ADJECTIVES = [
+    "Silver",
+    "Hidden",
+    "Broken",
+    "Quiet",
+    "Crimson",
+    "Endless",
+    "Golden",
+    "Last",
+    "Frozen",
+    "Wandering",
+    "Distant",
+    "Burning",
+    "Secret",
+    "Painted",
+    "Sleeping",
+    "Iron",
+    "Glass",
+    "Hollow",
+    "Northern",
+    "Lonely",
+    "Bitter",
+    "Bright",
+    "Shifting",
+    "Velvet",
+]
+_NOUNS = [
+    "Lamp",
+    "Garden",
+    "River",
+    "Tower",
+    "Harbor",
+    "Mirror",
+    "Orchard",
+    "Voyage",
+    "Lantern",
+    "Bridge",
+    "Forest",
+    "Clock",
+    "Island",
+    "Letter",
+    "Crown",
+    "Road",
+    "Winter",
+    "Feather",
+    "Compass",
+    "Shadow",
+    "Meadow",
+    "Citadel",
+    "Archive",
+    "Kingdom",
+]
 _COUNTRIES = ["Norvania", "Estraly", "Quorland", "Belmaria", "Tessaly", "Orvenia", "Dalmora", "Ketheria"]
 
 
@@ -79,8 +150,10 @@ def build_world(num_authors: int = 150, num_books: int = 300, cities_per_country
 
     cities = {fresh(lambda: _name(rng, 2)): country for country in _COUNTRIES for _ in range(cities_per_country)}
     city_names = list(cities)
-    authors = {fresh(lambda: f"{_name(rng, 2)} {_name(rng, rng.choice([2, 3]))}"): rng.choice(city_names)
-               for _ in range(num_authors)}
+    authors = {
+        fresh(lambda: f"{_name(rng, 2)} {_name(rng, rng.choice([2, 3]))}"): rng.choice(city_names)
+        for _ in range(num_authors)
+    }
     author_names = list(authors)
     titles = [f"The {a} {n}" for a in _ADJECTIVES for n in _NOUNS]
     rng.shuffle(titles)
@@ -89,8 +162,9 @@ def build_world(num_authors: int = 150, num_books: int = 300, cities_per_country
     for title, author in books.items():
         passages.append({"id": f"book-{len(passages)}", "text": f"{title} is a novel written by {author}."})
     for author, city in authors.items():
-        passages.append({"id": f"person-{len(passages)}",
-                         "text": f"{author} was born in {city}, a city in {cities[city]}."})
+        passages.append(
+            {"id": f"person-{len(passages)}", "text": f"{author} was born in {city}, a city in {cities[city]}."}
+        )
     for city, country in cities.items():
         passages.append({"id": f"city-{len(passages)}", "text": f"{city} is a city in {country}."})
     return {"cities": cities, "authors": authors, "books": books, "passages": passages}
@@ -159,8 +233,14 @@ class SearchQAEnv(Env):
                 out.append(self._task("writer", f"Who wrote {title}?", author, [title]))
             if "author_country" in self.kinds:
                 country = w["cities"][w["authors"][author]]
-                out.append(self._task("author_country", f"In which country was the author of {title} born?",
-                                      country, [title, f"{author} born"]))
+                out.append(
+                    self._task(
+                        "author_country",
+                        f"In which country was the author of {title} born?",
+                        country,
+                        [title, f"{author} born"],
+                    )
+                )
         if "birthplace" in self.kinds:
             for author, city in w["authors"].items():
                 out.append(self._task("birthplace", f"In which city was {author} born?", city, [f"{author} born"]))
@@ -169,8 +249,10 @@ class SearchQAEnv(Env):
     @staticmethod
     def _task(kind: str, question: str, answer: str, queries: list[str]) -> Task:
         task_id = "sqa-" + hashlib.sha1(question.encode()).hexdigest()[:12]
-        return Task(id=task_id, data={"kind": kind, "question": question, "answer": answer,
-                                      "hops": len(queries), "queries": queries})
+        return Task(
+            id=task_id,
+            data={"kind": kind, "question": question, "answer": answer, "hops": len(queries), "queries": queries},
+        )
 
     def tasks(self, split: str = "train", seed: int = 0) -> Iterator[Task]:
         if split not in ("train", "test"):
@@ -187,8 +269,7 @@ class SearchQAEnv(Env):
             yield from list(train)
 
     def initial_messages(self, task: Task) -> list[Message]:
-        return [{"role": "system", "content": self.system_prompt},
-                {"role": "user", "content": task.data["question"]}]
+        return [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": task.data["question"]}]
 
     def tools(self) -> list[Tool]:
         if self.search_url:

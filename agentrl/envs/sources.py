@@ -23,8 +23,9 @@ Records are loaded once per split and cached.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from agentrl.envs.base import Task
 from agentrl.jsonl import read_json, read_jsonl
@@ -137,8 +138,8 @@ def _load_hf_dataset(p: Path) -> list[Record]:
 def _pyarrow(what: str) -> Any:
     try:
         import pyarrow
-        import pyarrow.ipc  # noqa: F401
-        import pyarrow.parquet  # noqa: F401
+        import pyarrow.ipc
+        import pyarrow.parquet
     except ImportError:
         raise ValueError(f"reading {what} needs pyarrow: pip install pyarrow") from None
     return pyarrow

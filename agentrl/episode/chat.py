@@ -59,19 +59,32 @@ import json
 import weakref
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 Message = dict[str, Any]
 
 _SENTINEL = "\x00agentrl-sentinel\x00"
-_PROBE_TOOLS = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {
-    "type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}}}]
+_PROBE_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "description": "d",
+            "parameters": {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]},
+        },
+    }
+]
 _PROBE = [
-    {"role": "system", "content": "s"}, {"role": "user", "content": "u <b>&"},
+    {"role": "system", "content": "s"},
+    {"role": "user", "content": "u <b>&"},
     {"role": "assistant", "content": '<tool_call>\n{"name": "f", "arguments": {"x": "1"}}\n</tool_call>'},
-    {"role": "tool", "name": "f", "content": "r1"}, {"role": "tool", "content": "r2"},
-    {"role": "assistant", "content": "a"}, {"role": "user", "content": "again"}, {"role": "assistant", "content": ""},
+    {"role": "tool", "name": "f", "content": "r1"},
+    {"role": "tool", "content": "r2"},
+    {"role": "assistant", "content": "a"},
+    {"role": "user", "content": "again"},
+    {"role": "assistant", "content": ""},
 ]
 # the fixed conversation that new messages are rendered after (see the module docstring)
 _PROBE_USER: Message = {"role": "user", "content": "u"}
@@ -114,8 +127,9 @@ class ChatCodec:
 
     # ----------------------------------------------------------------- primitives
 
-    def render(self, messages: list[Message], tools: list[dict] | None, add_generation_prompt: bool,
-               plain: bool | None = None) -> str:
+    def render(
+        self, messages: list[Message], tools: list[dict] | None, add_generation_prompt: bool, plain: bool | None = None
+    ) -> str:
         """``apply_chat_template(messages, tools, tokenize=False)``, through the compiled template when
         the messages are plain string dicts (what the loop writes), which skips transformers' copying.
         ``plain=True`` vouches for that without checking every message."""
@@ -153,21 +167,26 @@ class ChatCodec:
         rendered = self.render(messages, tools, add_generation_prompt, plain=all(_plain(m) for m in new_messages))
         at = rendered.find(_SENTINEL)
         if at < 0:
-            raise TemplateMismatch("the chat template does not render an assistant message's content verbatim; "
-                                   "token-in/token-out cannot find where the model's text ends")
-        return rendered[at + len(_SENTINEL):]
+            raise TemplateMismatch(
+                "the chat template does not render an assistant message's content verbatim; "
+                "token-in/token-out cannot find where the model's text ends"
+            )
+        return rendered[at + len(_SENTINEL) :]
 
-    def context_after_turn(self, model_ended_turn: bool, new_messages: list[Message], tools: list[dict] | None,
-                           add_generation_prompt: bool) -> str:
+    def context_after_turn(
+        self, model_ended_turn: bool, new_messages: list[Message], tools: list[dict] | None, add_generation_prompt: bool
+    ) -> str:
         """The non-model text after a model turn: :meth:`suffix`, less the end-of-turn token when the model
         generated it (``model_ended_turn``)."""
         text = self.suffix(new_messages, tools, add_generation_prompt)
         if not model_ended_turn:
             return text
         if not text.startswith(self.end_of_turn_text):
-            raise TemplateMismatch(f"the chat template closes an assistant turn with {text[:40]!r} here, not with "
-                                   f"the end-of-turn token {self.end_of_turn_text!r} the model stopped on")
-        return text[len(self.end_of_turn_text):]
+            raise TemplateMismatch(
+                f"the chat template closes an assistant turn with {text[:40]!r} here, not with "
+                f"the end-of-turn token {self.end_of_turn_text!r} the model stopped on"
+            )
+        return text[len(self.end_of_turn_text) :]
 
     def assistant_text(self, message: Message, tools: list[dict] | None) -> str:
         """What a model generates for the assistant ``message``: the template's rendering of it as the latest
@@ -178,9 +197,11 @@ class ChatCodec:
         full = self.render([_PROBE_USER, message], tools, add_generation_prompt=False)
         suffix = self.suffix([], tools, add_generation_prompt=False)
         if not full.startswith(head) or not full.endswith(suffix):
-            raise TemplateMismatch("the chat template does not render an assistant message as its generation "
-                                   f"prompt + the message + {suffix!r} (got {full[len(head) - 40:]!r})")
-        return full[len(head):len(full) - len(suffix)] + self.end_of_turn_text
+            raise TemplateMismatch(
+                "the chat template does not render an assistant message as its generation "
+                f"prompt + the message + {suffix!r} (got {full[len(head) - 40 :]!r})"
+            )
+        return full[len(head) : len(full) - len(suffix)] + self.end_of_turn_text
 
     def _fast_renderer(self) -> Callable[[list[Message], list[dict] | None, bool], str] | None:
         """transformers' own compiled (sandboxed) template, called directly; used only when it renders
@@ -197,14 +218,16 @@ class ChatCodec:
         kwargs = dict(self.tokenizer.special_tokens_map)
 
         def fast(messages: list[Message], tools: list[dict] | None, add_generation_prompt: bool) -> str:
-            return compiled.render(messages=messages, tools=tools, documents=None,
-                                   add_generation_prompt=add_generation_prompt, **kwargs)
+            return compiled.render(
+                messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **kwargs
+            )
 
         for tools in (None, _PROBE_TOOLS):
             for gen in (False, True):
                 try:
                     same = fast(_PROBE, tools, gen) == self.tokenizer.apply_chat_template(
-                        _PROBE, tools=tools, add_generation_prompt=gen, tokenize=False)
+                        _PROBE, tools=tools, add_generation_prompt=gen, tokenize=False
+                    )
                 except Exception:
                     same = False
                 if not same:
@@ -222,7 +245,7 @@ class ChatCodec:
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
-_CODECS: "weakref.WeakKeyDictionary[Any, ChatCodec]" = weakref.WeakKeyDictionary()
+_CODECS: weakref.WeakKeyDictionary[Any, ChatCodec] = weakref.WeakKeyDictionary()
 
 
 def codec_for(tokenizer: Any) -> ChatCodec:
@@ -253,7 +276,7 @@ class TokenChat:
     _turn_cache: tuple = ((-1, -1), "", "")
 
     @classmethod
-    def start(cls, codec: ChatCodec, messages: list[Message], tools: list[dict] | None) -> "TokenChat":
+    def start(cls, codec: ChatCodec, messages: list[Message], tools: list[dict] | None) -> TokenChat:
         chat = cls(codec=codec, tools=tools or None, messages=[dict(m) for m in messages])
         ids, text = codec.prompt(chat.messages, chat.tools)
         chat._append_context(ids, text)
@@ -274,7 +297,7 @@ class TokenChat:
         self.versions.extend(array("i", versions))
 
     def turn_ids(self) -> list[int]:
-        return self.tokens[self.turn_start:]
+        return self.tokens[self.turn_start :]
 
     def turn_content(self) -> str:
         """The current model turn's text without the end-of-turn token it stopped on."""

@@ -55,9 +55,9 @@ from typing import Any, Protocol
 
 import trio
 
-from agentrl.episode.chat import ChatCodec, Message, TokenChat, codec_for
 from agentrl.envs.base import Env, Task, run_cleanup, score_episode
 from agentrl.envs.rewards import without_reasoning
+from agentrl.episode.chat import ChatCodec, Message, TokenChat, codec_for
 from agentrl.protocol import Trajectory, TrajectoryGroup
 from agentrl.tools.base import ToolBox, ToolCall, ToolResult
 from agentrl.tools.parsing import HermesToolCallParser, ParsedTurn, ToolCallParser
@@ -80,8 +80,15 @@ class GenerateResultLike(Protocol):
 class EngineClientLike(Protocol):
     """What the loop needs of :class:`agentrl.engine.client.EngineClient`."""
 
-    async def generate(self, input_ids: list[int], sampling_params: dict, *, affinity_key: str | None = None,
-                       rid: str | None = None, return_logprob: bool = True) -> GenerateResultLike: ...
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: dict,
+        *,
+        affinity_key: str | None = None,
+        rid: str | None = None,
+        return_logprob: bool = True,
+    ) -> GenerateResultLike: ...
 
 
 class EpisodeFailed(Exception):
@@ -109,9 +116,11 @@ def parse_weight_version(version: Any, url: str) -> int:
         pass
     if version == UNSET_VERSION:
         raise VersionNotSet(url)
-    raise EpisodeFailed(f"engine {url or '(unknown url)'} reports weight_version {version!r}, which is not a "
-                        "policy version (an integer): start it with --weight-version 0, or without --weight-version "
-                        "and let the learner set the version when it connects")
+    raise EpisodeFailed(
+        f"engine {url or '(unknown url)'} reports weight_version {version!r}, which is not a "
+        "policy version (an integer): start it with --weight-version 0, or without --weight-version "
+        "and let the learner set the version when it connects"
+    )
 
 
 async def _adapter_not_loaded_yet(client: Any, error: Exception) -> str:
@@ -124,7 +133,7 @@ async def _adapter_not_loaded_yet(client: Any, error: Exception) -> str:
         return ""
     try:
         versions = dict(zip([s.url for s in client.engines], await client.weight_versions()))
-    except Exception:  # noqa: BLE001 - no answer: the refusal stands
+    except Exception:
         return ""
     mine = [v for u, v in versions.items() if url.startswith(u + "/")]  # the url is engine + path
     unset = UNSET_VERSION in (mine or list(versions.values()))  # behind a router: any engine
@@ -141,7 +150,7 @@ class EpisodeLimits:
     max_abs_reward: float = math.inf  # a larger reward is an env bug: scored 0 with reward_error
 
     @classmethod
-    def from_config(cls, cfg: Any, env: Env | None = None, section: Any = None) -> "EpisodeLimits":
+    def from_config(cls, cfg: Any, env: Env | None = None, section: Any = None) -> EpisodeLimits:
         """The env section's limits (default: the run's only env), overridden by an env's own
         ``max_turns``/``max_total_tokens`` attributes when it sets them (not None; 0 is a value),
         and never above ``engine.max_context_tokens``."""
@@ -151,9 +160,12 @@ class EpisodeLimits:
         section = env_section(cfg, section)
         turns = env.max_turns if env.max_turns is not None else section.max_turns
         tokens = env.max_total_tokens if env.max_total_tokens is not None else section.max_total_tokens
-        return cls(max_turns=turns, max_total_tokens=min(tokens, cfg.engine.max_context_tokens),
-                   max_new_tokens_per_turn=cfg.actors.max_new_tokens_per_turn,
-                   max_abs_reward=cfg.learner.max_abs_reward)
+        return cls(
+            max_turns=turns,
+            max_total_tokens=min(tokens, cfg.engine.max_context_tokens),
+            max_new_tokens_per_turn=cfg.actors.max_new_tokens_per_turn,
+            max_abs_reward=cfg.learner.max_abs_reward,
+        )
 
 
 def sampling_from_config(cfg: Any, greedy: bool = False) -> dict[str, Any]:
@@ -192,8 +204,18 @@ class _Counters:
 class _Episode:
     """The mutable state of one running episode."""
 
-    def __init__(self, client: EngineClientLike, codec: ChatCodec, env: Env, toolbox: ToolBox, task: Task,
-                 sampling: dict[str, Any], limits: EpisodeLimits, episode_id: str, versioned: bool = True):
+    def __init__(
+        self,
+        client: EngineClientLike,
+        codec: ChatCodec,
+        env: Env,
+        toolbox: ToolBox,
+        task: Task,
+        sampling: dict[str, Any],
+        limits: EpisodeLimits,
+        episode_id: str,
+        versioned: bool = True,
+    ):
         self.client, self.codec, self.env, self.toolbox, self.task = client, codec, env, toolbox, task
         self.versioned = versioned  # False (evaluation): any reported version is taken
         self.sampling = {k: v for k, v in sampling.items() if k != "max_new_tokens"}
@@ -214,8 +236,10 @@ class _Episode:
         # After an observation, leave room for one model token and the template's closing text.
         obs_limit = limits.max_total_tokens - self.codec.reserve_tokens - 1
         if len(chat) > obs_limit:
-            raise EpisodeFailed(f"the prompt has {len(chat)} tokens and leaves no room for the model in "
-                                f"env.max_total_tokens={limits.max_total_tokens}")
+            raise EpisodeFailed(
+                f"the prompt has {len(chat)} tokens and leaves no room for the model in "
+                f"env.max_total_tokens={limits.max_total_tokens}"
+            )
         while True:
             room = limits.max_total_tokens - len(chat) - self.codec.reserve_tokens
             budget = min(limits.max_new_tokens_per_turn, room)
@@ -308,14 +332,20 @@ class _Episode:
 
     async def _wait_for_version(self, url: str, waited_s: float) -> None:
         if waited_s >= self.limits.max_version_wait_s:
-            raise EpisodeFailed(f"engine {url} still reports weight_version {UNSET_VERSION!r} after {waited_s:.0f} s: no "
-                                "learner has set a policy version. Start the learner (it sets the version when it "
-                                "connects), or start the engine with --weight-version 0")
+            raise EpisodeFailed(
+                f"engine {url} still reports weight_version {UNSET_VERSION!r} after {waited_s:.0f} s: no "
+                "learner has set a policy version. Start the learner (it sets the version when it "
+                "connects), or start the engine with --weight-version 0"
+            )
         if url not in _waiting_logged:
             _waiting_logged.add(url)
-            log.warning("engine %s reports weight_version %r (no policy version yet): episodes wait for the learner "
-                        "to set it (it does when it connects); without a learner, start the engine with "
-                        "--weight-version 0", url, UNSET_VERSION)
+            log.warning(
+                "engine %s reports weight_version %r (no policy version yet): episodes wait for the learner "
+                "to set it (it does when it connects); without a learner, start the engine with "
+                "--weight-version 0",
+                url,
+                UNSET_VERSION,
+            )
         await trio.sleep(min(2.0, 0.1 + 0.25 * waited_s))
 
     async def _run_tools(self, parsed: ParsedTurn) -> list[Message]:
@@ -385,14 +415,23 @@ def _unpack(result: GenerateResultLike, versioned: bool = True) -> tuple[list[in
     return ids, logprobs, versions, kind
 
 
-async def run_episode(client: EngineClientLike, tokenizer: Any, env: Env, toolbox: ToolBox, task: Task,
-                      sampling: dict[str, Any], limits: EpisodeLimits, *, episode_id: str | None = None,
-                      extra_metadata: dict[str, Any] | None = None, versioned: bool = True) -> Trajectory:
+async def run_episode(
+    client: EngineClientLike,
+    tokenizer: Any,
+    env: Env,
+    toolbox: ToolBox,
+    task: Task,
+    sampling: dict[str, Any],
+    limits: EpisodeLimits,
+    *,
+    episode_id: str | None = None,
+    extra_metadata: dict[str, Any] | None = None,
+    versioned: bool = True,
+) -> Trajectory:
     """Play one episode of ``task`` and score it; raises :class:`EpisodeFailed` when it cannot.
     ``versioned=False`` (evaluation) takes any weight_version (``"default"`` included)."""
     codec = codec_for(tokenizer)
-    ep = _Episode(client, codec, env, toolbox, task, sampling, limits, episode_id or uuid.uuid4().hex[:12],
-                  versioned)
+    ep = _Episode(client, codec, env, toolbox, task, sampling, limits, episode_id or uuid.uuid4().hex[:12], versioned)
     start = time.monotonic()
     try:
         ep.state = await env.setup(task)
@@ -407,20 +446,30 @@ async def run_episode(client: EngineClientLike, tokenizer: Any, env: Env, toolbo
         except Exception as e:  # an env or template bug ends this episode, not the actor
             log.warning("episode %s crashed", ep.id, exc_info=True)
             raise EpisodeFailed(f"episode crashed: {type(e).__name__}: {e}") from e
-        reward, components, reward_error = await score_episode(env, task, ep.state, ep.chat.messages,
-                                                               max_abs_reward=limits.max_abs_reward)
+        reward, components, reward_error = await score_episode(
+            env, task, ep.state, ep.chat.messages, max_abs_reward=limits.max_abs_reward
+        )
     finally:
         cleanup_error = await run_cleanup(env, task, ep.state, CLEANUP_TIMEOUT_S) or ""
         if cleanup_error:  # a leaking env is logged, the episode still counts
             log.warning("%s", cleanup_error)
     chat, c = ep.chat, ep.counters
     metadata: dict[str, Any] = {
-        "env": env.name, "task_id": task.id, "episode_id": ep.id, "finish_reason": finish,
-        "num_turns": c.num_turns, "num_tool_calls": c.num_tool_calls, "num_tool_errors": c.num_tool_errors,
-        "num_aborts": c.num_aborts, "num_generate_calls": c.num_generate_calls,
-        "tool_latency_s": c.tool_latency_s, "tool_wall_s": c.tool_wall_s,
-        "generation_latency_s": c.generation_latency_s, "episode_wall_s": time.monotonic() - start,
-        "num_model_tokens": chat.loss_mask.count(1), "messages": chat.messages,
+        "env": env.name,
+        "task_id": task.id,
+        "episode_id": ep.id,
+        "finish_reason": finish,
+        "num_turns": c.num_turns,
+        "num_tool_calls": c.num_tool_calls,
+        "num_tool_errors": c.num_tool_errors,
+        "num_aborts": c.num_aborts,
+        "num_generate_calls": c.num_generate_calls,
+        "tool_latency_s": c.tool_latency_s,
+        "tool_wall_s": c.tool_wall_s,
+        "generation_latency_s": c.generation_latency_s,
+        "episode_wall_s": time.monotonic() - start,
+        "num_model_tokens": chat.loss_mask.count(1),
+        "messages": chat.messages,
     }
     if reward_error:
         metadata["reward_error"] = reward_error
@@ -432,17 +481,35 @@ async def run_episode(client: EngineClientLike, tokenizer: Any, env: Env, toolbo
     if cleanup_error:
         metadata["cleanup_error"] = cleanup_error
     metadata.update(extra_metadata or {})
-    return Trajectory(tokens=chat.tokens, loss_mask=chat.loss_mask, behavior_logprobs=chat.logprobs,
-                      weight_versions=chat.versions, reward=reward, reward_components=components, metadata=metadata)
+    return Trajectory(
+        tokens=chat.tokens,
+        loss_mask=chat.loss_mask,
+        behavior_logprobs=chat.logprobs,
+        weight_versions=chat.versions,
+        reward=reward,
+        reward_components=components,
+        metadata=metadata,
+    )
 
 
 class GroupLost(Exception):
     """A group could not be completed; ``reason`` says why (the first failed episode's error)."""
 
 
-async def run_group(client: EngineClientLike, tokenizer: Any, env: Env, toolbox: ToolBox, task: Task,
-                    sampling: dict[str, Any], limits: EpisodeLimits, n: int, *, group_id: str | None = None,
-                    actor_id: str = "", extra_metadata: dict[str, Any] | None = None) -> TrajectoryGroup:
+async def run_group(
+    client: EngineClientLike,
+    tokenizer: Any,
+    env: Env,
+    toolbox: ToolBox,
+    task: Task,
+    sampling: dict[str, Any],
+    limits: EpisodeLimits,
+    n: int,
+    *,
+    group_id: str | None = None,
+    actor_id: str = "",
+    extra_metadata: dict[str, Any] | None = None,
+) -> TrajectoryGroup:
     """Run the ``n`` samples of ``task`` concurrently and return them as one group.
 
     If any episode fails, the others are cancelled (their work is useless to GRPO) and
@@ -454,8 +521,17 @@ async def run_group(client: EngineClientLike, tokenizer: Any, env: Env, toolbox:
 
     async def one(i: int, cancel: trio.CancelScope) -> None:
         try:
-            trajectories[i] = await run_episode(client, tokenizer, env, toolbox, task, sampling, limits,
-                                                episode_id=f"{gid}-{i}", extra_metadata=extra_metadata)
+            trajectories[i] = await run_episode(
+                client,
+                tokenizer,
+                env,
+                toolbox,
+                task,
+                sampling,
+                limits,
+                episode_id=f"{gid}-{i}",
+                extra_metadata=extra_metadata,
+            )
         except EpisodeFailed as e:
             failure.append(str(e))
             cancel.cancel()
@@ -465,14 +541,29 @@ async def run_group(client: EngineClientLike, tokenizer: Any, env: Env, toolbox:
             nursery.start_soon(one, i, nursery.cancel_scope)
     if failure:
         raise GroupLost(failure[0])
-    return TrajectoryGroup(group_id=gid, task_id=task.id, env=env.name,
-                           trajectories=[t for t in trajectories if t is not None],
-                           actor_id=actor_id, created_at=time.time())
+    return TrajectoryGroup(
+        group_id=gid,
+        task_id=task.id,
+        env=env.name,
+        trajectories=[t for t in trajectories if t is not None],
+        actor_id=actor_id,
+        created_at=time.time(),
+    )
 
 
-async def evaluate(client: EngineClientLike, tokenizer: Any, env: Env, tasks: list[Task], greedy: bool = True,
-                   concurrency: int = 64, *, toolbox: ToolBox | None = None, limits: EpisodeLimits | None = None,
-                   sampling: dict[str, Any] | None = None, agents: Any = None) -> dict[str, Any]:
+async def evaluate(
+    client: EngineClientLike,
+    tokenizer: Any,
+    env: Env,
+    tasks: list[Task],
+    greedy: bool = True,
+    concurrency: int = 64,
+    *,
+    toolbox: ToolBox | None = None,
+    limits: EpisodeLimits | None = None,
+    sampling: dict[str, Any] | None = None,
+    agents: Any = None,
+) -> dict[str, Any]:
     """Play one episode per task and report ``success_rate`` and ``reward_mean`` over the episodes
     that completed (``n``); episodes that failed (engine unreachable...) are counted in ``n_failed``
     and left out of the rates, so an outage does not read as a bad policy. An
@@ -529,15 +620,19 @@ async def evaluate(client: EngineClientLike, tokenizer: Any, env: Env, tasks: li
             problems["reward_errors"].add(meta["reward_error"])
         for message in meta.get("tool_fault_messages", []):
             problems["tool_faults"].add(message)
-        problems["tool_faults"].count += max(0, meta.get("num_tool_faults", 0) - len(meta.get("tool_fault_messages", [])))
+        problems["tool_faults"].count += max(
+            0, meta.get("num_tool_faults", 0) - len(meta.get("tool_fault_messages", []))
+        )
 
     async with trio.open_nursery() as nursery:
         for task in tasks:
             nursery.start_soon(one, task)
     n = len(rewards)
     return {
-        "n": n, "n_failed": problems["failed"].count,
-        "n_aborted": problems["aborted"].count, "n_reward_errors": problems["reward_errors"].count,
+        "n": n,
+        "n_failed": problems["failed"].count,
+        "n_aborted": problems["aborted"].count,
+        "n_reward_errors": problems["reward_errors"].count,
         "n_tool_faults": problems["tool_faults"].count,
         "success_rate": sum(successes) / n if n else 0.0,
         "reward_mean": sum(rewards) / n if n else 0.0,
@@ -553,13 +648,16 @@ def combine_evaluations(by_env: dict[str, dict[str, Any]]) -> dict[str, Any]:
     result under ``by_env``). ``success_by_group`` keeps one env's labels as they are and prefixes
     them with the env's name when there are several."""
     n = sum(r["n"] for r in by_env.values())
-    out: dict[str, Any] = {key: sum(r[key] for r in by_env.values())
-                           for key in ("n", "n_failed", "n_aborted", "n_reward_errors", "n_tool_faults")}
+    out: dict[str, Any] = {
+        key: sum(r[key] for r in by_env.values())
+        for key in ("n", "n_failed", "n_aborted", "n_reward_errors", "n_tool_faults")
+    }
     out["success_rate"] = sum(r["success_rate"] * r["n"] for r in by_env.values()) / n if n else 0.0
     out["reward_mean"] = sum(r["reward_mean"] * r["n"] for r in by_env.values()) / n if n else 0.0
     several = len(by_env) > 1
-    out["success_by_group"] = {(f"{env}/{g}" if several else g): rate for env, r in by_env.items()
-                               for g, rate in r["success_by_group"].items()}
+    out["success_by_group"] = {
+        (f"{env}/{g}" if several else g): rate for env, r in by_env.items() for g, rate in r["success_by_group"].items()
+    }
     finish: dict[str, int] = {}
     problems: dict[str, _Problem] = {}
     for r in by_env.values():
@@ -568,7 +666,7 @@ def combine_evaluations(by_env: dict[str, dict[str, Any]]) -> dict[str, Any]:
         for kind, p in r["problems"].items():
             merged = problems.setdefault(kind, _Problem())
             merged.count += p["count"]
-            merged.first += [m for m in p["first"] if m not in merged.first][:3 - len(merged.first)]
+            merged.first += [m for m in p["first"] if m not in merged.first][: 3 - len(merged.first)]
     out["finish_reasons"] = finish
     out["errors"] = problems["failed"].first if "failed" in problems else []
     out["problems"] = {kind: p.as_dict() for kind, p in problems.items()}

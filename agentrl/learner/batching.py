@@ -54,8 +54,8 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 import numpy as np
 
@@ -328,26 +328,26 @@ def plan_microbatches(lengths: list[int], max_tokens: int, world_size: int = 1) 
 class MicroBatch:
     """One packed row of sequences, as torch tensors (see the module docstring)."""
 
-    input_ids: "torch.Tensor"  # [1, N] long
-    position_ids: "torch.Tensor"  # [1, N] long, restarting at 0 per sequence
-    cu_seqlens: "torch.Tensor"  # [S + 1] int32 on CPU: sequence boundaries
-    seq_ids: "torch.Tensor"  # [N] long: sequence index of each position
-    targets: "torch.Tensor"  # [N] long: token scored at each position
-    loss_mask: "torch.Tensor"  # [N] bool
-    behavior_logprobs: "torch.Tensor"  # [N] float32
-    advantages: "torch.Tensor"  # [N] float32
-    rewards: "torch.Tensor"  # [S] float32
-    seq_weights: "torch.Tensor"  # [S] float32: each sequence's episode_weight (sequence-mean loss)
+    input_ids: torch.Tensor  # [1, N] long
+    position_ids: torch.Tensor  # [1, N] long, restarting at 0 per sequence
+    cu_seqlens: torch.Tensor  # [S + 1] int32 on CPU: sequence boundaries
+    seq_ids: torch.Tensor  # [N] long: sequence index of each position
+    targets: torch.Tensor  # [N] long: token scored at each position
+    loss_mask: torch.Tensor  # [N] bool
+    behavior_logprobs: torch.Tensor  # [N] float32
+    advantages: torch.Tensor  # [N] float32
+    rewards: torch.Tensor  # [S] float32
+    seq_weights: torch.Tensor  # [S] float32: each sequence's episode_weight (sequence-mean loss)
     num_seqs: int
     num_loss_tokens: int
     # Filled by the trainer before the update (no gradient):
-    extras: dict[str, "torch.Tensor"] = field(default_factory=dict)
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[1])
 
-    def to(self, device: "torch.device | str") -> "MicroBatch":
+    def to(self, device: torch.device | str) -> MicroBatch:
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         return MicroBatch(
             input_ids=move(self.input_ids),

@@ -82,8 +82,11 @@ def fallback_root(run_dir: str | Path, kind: str) -> Path:
 
 def latest_run_checkpoint(run_dir: str | Path, kind: str) -> Path | None:
     """The newest complete checkpoint of a run folder, in :func:`checkpoint_root` or :func:`fallback_root`."""
-    found = [p for root in (checkpoint_root(run_dir, kind), fallback_root(run_dir, kind))
-             if (p := latest_checkpoint(root)) is not None]
+    found = [
+        p
+        for root in (checkpoint_root(run_dir, kind), fallback_root(run_dir, kind))
+        if (p := latest_checkpoint(root)) is not None
+    ]
     return max(found, key=lambda p: ((checkpoint_meta(p) or {}).get("saved_at", 0.0), p.name), default=None)
 
 
@@ -124,8 +127,11 @@ def latest_checkpoint(root: str | Path) -> Path | None:
         reason = f"{pointer} names {path.name!r}, which is missing or incomplete"
     else:
         reason = f"{pointer} does not exist"
-    found = [(meta.get("saved_at", 0.0), meta["step"], p) for p in root.glob("step_*")
-             if (meta := checkpoint_meta(p)) is not None]
+    found = [
+        (meta.get("saved_at", 0.0), meta["step"], p)
+        for p in root.glob("step_*")
+        if (meta := checkpoint_meta(p)) is not None
+    ]
     if not found:
         return None
     newest = max(found, key=lambda x: (x[0], x[1]))[2]
@@ -135,8 +141,11 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 def kept_checkpoints(root: str | Path, lineage: str) -> list[Path]:
     """The complete checkpoints of ``lineage`` under ``root``, lowest step first."""
-    found = [(meta["step"], p) for p in Path(root).glob("step_*")
-             if (meta := checkpoint_meta(p)) is not None and meta.get("lineage") == lineage]
+    found = [
+        (meta["step"], p)
+        for p in Path(root).glob("step_*")
+        if (meta := checkpoint_meta(p)) is not None and meta.get("lineage") == lineage
+    ]
     return [p for _, p in sorted(found)]
 
 
@@ -331,8 +340,10 @@ def _check_lora(path: Path, trainer: Trainer) -> None:
     saved = meta.get("lora")
     wanted = trainer.spec.lora.as_dict() if trainer.spec.lora is not None else None
     if "lora" in meta and saved != wanted:
-        raise ValueError(f"{path} was trained with learner.lora = {saved or 'off'}, but this run has "
-                         f"learner.lora = {wanted or 'off'}: set [learner.lora] as it was, or start a new run folder")
+        raise ValueError(
+            f"{path} was trained with learner.lora = {saved or 'off'}, but this run has "
+            f"learner.lora = {wanted or 'off'}: set [learner.lora] as it was, or start a new run folder"
+        )
 
 
 def load_checkpoint(path: str | Path, trainer: Trainer) -> dict[str, Any]:
@@ -348,8 +359,13 @@ def load_checkpoint(path: str | Path, trainer: Trainer) -> dict[str, Any]:
     _check_lora(path, trainer)
     state = _model_state(trainer)
     dcp.load(state, storage_reader=dcp_reader(path))
-    set_state_dict(trainer.policy, trainer.optimizer, model_state_dict=state["policy"],
-                   optim_state_dict=state["policy_optim"], options=_policy_options(trainer))
+    set_state_dict(
+        trainer.policy,
+        trainer.optimizer,
+        model_state_dict=state["policy"],
+        optim_state_dict=state["policy_optim"],
+        options=_policy_options(trainer),
+    )
     if trainer.critic is not None:
         set_state_dict(
             trainer.critic,

@@ -37,11 +37,19 @@ def resolve_checkpoint(path: str | Path) -> Path:
         found = latest_checkpoint(root)
         if found is not None:
             return found
-    raise ValueError(f"no checkpoint at {p}: expected a step_* folder, a checkpoint root with 'latest', or a run folder")
+    raise ValueError(
+        f"no checkpoint at {p}: expected a step_* folder, a checkpoint root with 'latest', or a run folder"
+    )
 
 
-def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: str = "float32", adapter: bool = False,
-                      base_model: str | Path | None = None) -> Path:
+def export_checkpoint(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    *,
+    dtype: str = "float32",
+    adapter: bool = False,
+    base_model: str | Path | None = None,
+) -> Path:
     """Write the checkpoint's policy to ``out_dir`` as a Hugging Face folder (a LoRA checkpoint:
     merged, or with ``adapter`` as a PEFT adapter folder); returns it."""
     import torch
@@ -84,12 +92,14 @@ def _merged_or_adapter(ckpt: Path, meta: dict, out: Path, *, adapter: bool, base
     import torch
     from transformers import AutoModelForCausalLM
 
-    from agentrl.learner.lora import LoraSpec, MergedWeight, add_adapters, adapter_parameters, push_items, write_adapter
+    from agentrl.learner.lora import LoraSpec, MergedWeight, adapter_parameters, add_adapters, push_items, write_adapter
 
     base = Path(base_model or meta.get("model_path", ""))
     if not (base / "config.json").exists():
-        raise ValueError(f"{ckpt} holds LoRA adapters; their base model {str(base)!r} (meta.json model_path) has no "
-                         "config.json here: pass the base model's folder (--base-model)")
+        raise ValueError(
+            f"{ckpt} holds LoRA adapters; their base model {str(base)!r} (meta.json model_path) has no "
+            "config.json here: pass the base model's folder (--base-model)"
+        )
     spec = LoraSpec(**{**meta["lora"], "target_modules": tuple(meta["lora"]["target_modules"])})
     model = add_adapters(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), spec)
     state = {"policy": {n: p.detach() for n, p in adapter_parameters(model)}}

@@ -24,8 +24,9 @@ import logging
 import os
 import struct
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +105,11 @@ class Journal:
             yield body
             pos += _HEADER.size + length
         if pos < len(data):
-            log.warning("journal %s: the last %d bytes are a torn or corrupt record (a crash while writing); "
-                        "ignored", path, len(data) - pos)
+            log.warning(
+                "journal %s: the last %d bytes are a torn or corrupt record (a crash while writing); ignored",
+                path,
+                len(data) - pos,
+            )
 
     def prune(self, first_needed: int) -> None:
         """Delete the segments before ``first_needed`` (no kept checkpoint replays them)."""

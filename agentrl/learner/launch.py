@@ -64,8 +64,16 @@ class Nodes:
             return ["--standalone"]
         if not self.rdzv_endpoint:
             raise ValueError(f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT (the same on every node)")
-        flags = ["--nnodes", str(self.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", self.rdzv_endpoint,
-                 "--rdzv-id", self.rdzv_id]
+        flags = [
+            "--nnodes",
+            str(self.nnodes),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            self.rdzv_endpoint,
+            "--rdzv-id",
+            self.rdzv_id,
+        ]
         return flags + (["--local-addr", self.local_addr] if self.local_addr else [])
 
 
@@ -87,8 +95,11 @@ def _is_local_address(host: str) -> bool:
 
 def check_rank0_addresses(cfg: AgentRLConfig) -> None:
     """Rank 0 serves actors and engines: the addresses they are given must be this machine's."""
-    named = [(f"actors.{key}", getattr(cfg.actors, key).removeprefix("tcp://").rsplit(":", 1)[0])
-             for key in ("trajectory_endpoint", "progress_endpoint") if getattr(cfg.actors, key).startswith("tcp://")]
+    named = [
+        (f"actors.{key}", getattr(cfg.actors, key).removeprefix("tcp://").rsplit(":", 1)[0])
+        for key in ("trajectory_endpoint", "progress_endpoint")
+        if getattr(cfg.actors, key).startswith("tcp://")
+    ]
     if cfg.engine.urls:
         named.append(("learner.weight_sync_address", cfg.learner.weight_sync_address))
     for key, host in named:
@@ -97,7 +108,8 @@ def check_rank0_addresses(cfg: AgentRLConfig) -> None:
         raise ValueError(
             f"learner rank 0 runs on {socket.gethostname()}, but {key} points at {host!r}, which is not this "
             "machine: actors and engines would look for the learner there. With several learner nodes, torchrun's "
-            "c10d rendezvous makes rank 0 the node whose --local-addr sorts first: point the config at that node")
+            "c10d rendezvous makes rank 0 the node whose --local-addr sorts first: point the config at that node"
+        )
 
 
 def run_here(command: str, cfg: AgentRLConfig) -> int:
@@ -107,9 +119,14 @@ def run_here(command: str, cfg: AgentRLConfig) -> int:
     _setup_logging()
     env = os.environ
     logging.getLogger("agentrl.learner").info(
-        "%s: rank %s of %s on %s (local rank %s, CUDA_VISIBLE_DEVICES=%s)", command, env.get("RANK", "0"),
-        env.get("WORLD_SIZE", "1"), socket.gethostname(), env.get("LOCAL_RANK", "0"),
-        env.get("CUDA_VISIBLE_DEVICES", "unset"))
+        "%s: rank %s of %s on %s (local rank %s, CUDA_VISIBLE_DEVICES=%s)",
+        command,
+        env.get("RANK", "0"),
+        env.get("WORLD_SIZE", "1"),
+        socket.gethostname(),
+        env.get("LOCAL_RANK", "0"),
+        env.get("CUDA_VISIBLE_DEVICES", "unset"),
+    )
     try:
         if command == "learn":
             from agentrl.learner.loop import learn
@@ -131,8 +148,9 @@ def run_here(command: str, cfg: AgentRLConfig) -> int:
     return code
 
 
-def torchrun_command(command: str, config: Path | None, overrides: list[str], nproc: int,
-                     nodes: Nodes = Nodes()) -> list[str]:
+def torchrun_command(
+    command: str, config: Path | None, overrides: list[str], nproc: int, nodes: Nodes = Nodes()
+) -> list[str]:
     """The torchrun argv that runs ``command`` on ``nproc`` ranks here (one node of ``nodes``)."""
     argv = [sys.executable, "-m", "torch.distributed.run", *nodes.torchrun_flags(), f"--nproc-per-node={nproc}"]
     argv += ["-m", "agentrl.learner.launch", command]
@@ -150,8 +168,10 @@ def launch(command: str, config: Path | None, overrides: list[str], nproc: int, 
     cfg = load_config(config, overrides)
     if not cfg.run.run_dir:
         if nodes.nnodes > 1:
-            raise ValueError(f"{nodes.nnodes} learner nodes must share one run folder: set run.run_dir "
-                             "(on a file system every node sees)")
+            raise ValueError(
+                f"{nodes.nnodes} learner nodes must share one run folder: set run.run_dir "
+                "(on a file system every node sees)"
+            )
         overrides = [*overrides, f'run.run_dir="{resolve_run_dir(cfg)}"']
         cfg = load_config(config, overrides)
     if nproc <= 1 and nodes.nnodes == 1:

@@ -78,8 +78,7 @@ from typing import Any
 
 import numpy as np
 
-from agentrl.config import resolve_run_dir
-from agentrl.config import AgentRLConfig, dump_toml
+from agentrl.config import AgentRLConfig, dump_toml, resolve_run_dir
 from agentrl.learner.journal import Journal
 from agentrl.learner.rollout_stats import RolloutStats, sample_episodes
 from agentrl.protocol import Progress, ProtocolError, TrajectoryGroup, decode, encode
@@ -126,8 +125,9 @@ def open_io(cfg: AgentRLConfig, run_dir: Path) -> LearnerIO:
 
     lc = cfg.learner
     security = security_from_config(cfg.actors)
-    source = GroupReceiver(cfg.actors.trajectory_endpoint, bind=True, max_queued_groups=max(64, 2 * lc.groups_per_step),
-                           security=security)
+    source = GroupReceiver(
+        cfg.actors.trajectory_endpoint, bind=True, max_queued_groups=max(64, 2 * lc.groups_per_step), security=security
+    )
     try:
         progress = ProgressPublisher(cfg.actors.progress_endpoint, bind=True, security=security)
     except BaseException:
@@ -137,8 +137,9 @@ def open_io(cfg: AgentRLConfig, run_dir: Path) -> LearnerIO:
     if cfg.engine.urls:
         from agentrl.learner.weight_push import WeightUpdater
 
-        weights = WeightUpdater.from_config(cfg.engine, master_address=lc.weight_sync_address,
-                                            master_port=lc.weight_sync_port)
+        weights = WeightUpdater.from_config(
+            cfg.engine, master_address=lc.weight_sync_address, master_port=lc.weight_sync_port
+        )
         weights.connect()
     else:
         log.warning("engine.urls is empty: weights are not pushed to any engine (the version still advances)")
@@ -337,9 +338,11 @@ class Learner:
             since = max(started, self._data_since) if self._data_since is not None else None
             if self.lc.max_wait_for_data_s and since is not None and now - since >= self.lc.max_wait_for_data_s:
                 self._data_warning = self._starved_by_zero_variance(now - started) or self._data_warning
-                self._stop_message = (f"no batch after {now - since:.0f} s with data arriving (learner.max_wait_for_"
-                                      f"data_s = {self.lc.max_wait_for_data_s:g}); stopped with a checkpoint"
-                                      + (f". {self._data_warning}" if self._data_warning else ""))
+                self._stop_message = (
+                    f"no batch after {now - since:.0f} s with data arriving (learner.max_wait_for_"
+                    f"data_s = {self.lc.max_wait_for_data_s:g}); stopped with a checkpoint"
+                    + (f". {self._data_warning}" if self._data_warning else "")
+                )
                 log.error("%s", self._stop_message)
                 return ("stop", "data_timeout")
             if now >= deadline:
@@ -388,10 +391,12 @@ class Learner:
         received, flat = since.get("received", 0), since.get("dropped_zero_variance", 0)
         if waited_s < self.lc.wait_log_interval_s or received < self.lc.groups_per_step or flat < 0.9 * received:
             return ""
-        return (f"{flat} of the {received} groups received in the last {waited_s:.0f} s had rewards that do not vary "
-                "(every sample right, or every sample wrong), and GRPO learns nothing from those: dynamic sampling "
-                "drops them, so no batch fills. Make the warm start stronger (more SFT), the tasks easier, "
-                "actors.group_size larger, or set learner.dynamic_sampling = false.")
+        return (
+            f"{flat} of the {received} groups received in the last {waited_s:.0f} s had rewards that do not vary "
+            "(every sample right, or every sample wrong), and GRPO learns nothing from those: dynamic sampling "
+            "drops them, so no batch fills. Make the warm start stronger (more SFT), the tasks easier, "
+            "actors.group_size larger, or set learner.dynamic_sampling = false."
+        )
 
     def _log_wait(self, waited_s: float) -> None:
         assert self.buffer is not None and self.io is not None
@@ -451,15 +456,20 @@ class Learner:
         counters = dict(self.buffer.counters)
         waiting = self._wait_started
         status = {
-            "time": time.time(), "step": self.trainer.step, "policy_version": self.version,
-            "buffered": len(self.buffer), "groups_per_step": self.lc.groups_per_step,
+            "time": time.time(),
+            "step": self.trainer.step,
+            "policy_version": self.version,
+            "buffered": len(self.buffer),
+            "groups_per_step": self.lc.groups_per_step,
             "waiting_s": round(time.monotonic() - waiting, 1) if waiting is not None else 0.0,
-            "received": counters.get("received", 0), "consumed": counters.get("consumed", 0),
+            "received": counters.get("received", 0),
+            "consumed": counters.get("consumed", 0),
             "duplicate": counters.get("duplicate", 0),
-            "dropped": {k[len("dropped_"):]: v for k, v in sorted(counters.items()) if k.startswith("dropped_")},
+            "dropped": {k[len("dropped_") :]: v for k, v in sorted(counters.items()) if k.startswith("dropped_")},
             "warning": self._data_warning,
             "exit_reason": self.exit_reason if self._finished else None,
-            "stop_message": self._stop_message, "checkpoint_step": self._saved_step,
+            "stop_message": self._stop_message,
+            "checkpoint_step": self._saved_step,
             "checkpoint_errors": self._checkpoint_errors[-10:],
         }
         tmp = self.run_dir / "learner_status.json.tmp"
@@ -524,8 +534,12 @@ class Learner:
                 self._adapter_loaded = True
                 return seconds
             reason = error
-        log.error("the engines could not all be brought to policy version %d (%s); trying again within %.0f s",
-                  self.version, reason, ENGINE_CHECK_S)
+        log.error(
+            "the engines could not all be brought to policy version %d (%s); trying again within %.0f s",
+            self.version,
+            reason,
+            ENGINE_CHECK_S,
+        )
         return seconds
 
     def _push(self) -> str:
@@ -541,12 +555,22 @@ class Learner:
         updater = self.io.weights if self.io is not None else None
         try:
             if self.cfg.learner.lora.served_adapter:  # LoRA, adapter only: a PEFT folder through /load_lora_adapter
-                push_adapter(self.trainer.policy, updater, self.version, folder_root=self.run_dir / "lora_adapters",
-                             spec=self.trainer.spec.lora, base_model_path=self.trainer.spec.model_path)
+                push_adapter(
+                    self.trainer.policy,
+                    updater,
+                    self.version,
+                    folder_root=self.run_dir / "lora_adapters",
+                    spec=self.trainer.spec.lora,
+                    base_model_path=self.trainer.spec.model_path,
+                )
             else:  # full weights, LoRA merged into them
-                push_weights(self.trainer.policy, updater, self.version,
-                             bucket_bytes=int(self.cfg.engine.weight_bucket_mb * (1 << 20)),
-                             dtype=getattr(torch, self.cfg.model.dtype))
+                push_weights(
+                    self.trainer.policy,
+                    updater,
+                    self.version,
+                    bucket_bytes=int(self.cfg.engine.weight_bucket_mb * (1 << 20)),
+                    dtype=getattr(torch, self.cfg.model.dtype),
+                )
         except EngineLost as e:  # rank 0 only; the gathers of the other ranks ran to the end
             error = str(e)
         error = str(broadcast_object(error) or "")
@@ -566,8 +590,11 @@ class Learner:
 
         started = time.perf_counter()
         pending = b""
-        state: dict[str, Any] = {"policy_version": self.version, "steps_since_sync": self.steps_since_sync,
-                                 "lineage": self.lineage}
+        state: dict[str, Any] = {
+            "policy_version": self.version,
+            "steps_since_sync": self.steps_since_sync,
+            "lineage": self.lineage,
+        }
         if self.buffer is not None and self.journal is not None:
             self._drain()  # groups already received are saved too, not lost on a restart
             pending = msgpack.packb([encode(g) for g in self.buffer.groups], use_bin_type=True)
@@ -605,25 +632,41 @@ class Learner:
                 problem = str(broadcast_object(write_problem(root) if self.dist.is_main else None) or "")
                 if not problem:
                     try:
-                        path = save_checkpoint(root, self.trainer, state=state, pending_groups=pending,
-                                               keep=self.lc.keep_checkpoints, lineage=self.lineage)
+                        path = save_checkpoint(
+                            root,
+                            self.trainer,
+                            state=state,
+                            pending_groups=pending,
+                            keep=self.lc.keep_checkpoints,
+                            lineage=self.lineage,
+                        )
                     except OSError as e:
                         if self.dist.world_size > 1:
                             raise
                         problem = f"{type(e).__name__}: {e}"
                     else:
                         if errors and self.dist.is_main:
-                            self._report_checkpoint_error(f"checkpoint of step {self.trainer.step} written to "
-                                                          f"{path} after {len(errors)} failed writes: {errors[-1]}")
+                            self._report_checkpoint_error(
+                                f"checkpoint of step {self.trainer.step} written to "
+                                f"{path} after {len(errors)} failed writes: {errors[-1]}"
+                            )
                         return path
                 errors.append(problem)
                 if self.dist.is_main:
-                    log.warning("checkpoint of step %d under %s failed (attempt %d/%d): %s", self.trainer.step, root,
-                                attempt + 1, CHECKPOINT_ATTEMPTS, problem)
+                    log.warning(
+                        "checkpoint of step %d under %s failed (attempt %d/%d): %s",
+                        self.trainer.step,
+                        root,
+                        attempt + 1,
+                        CHECKPOINT_ATTEMPTS,
+                        problem,
+                    )
         if self.dist.is_main:
-            self._report_checkpoint_error(f"checkpoint of step {self.trainer.step} failed {len(errors)} times, also "
-                                          f"in the fallback folder: {errors[-1]}; training goes on (the engines hold "
-                                          "the policy; the next checkpoint tries again)")
+            self._report_checkpoint_error(
+                f"checkpoint of step {self.trainer.step} failed {len(errors)} times, also "
+                f"in the fallback folder: {errors[-1]}; training goes on (the engines hold "
+                "the policy; the next checkpoint tries again)"
+            )
         return None
 
     def _report_checkpoint_error(self, message: str) -> None:
@@ -678,7 +721,10 @@ class Learner:
                 log.info(
                     "resumed from %s: next step %d, policy version %d, %d pending groups, %d groups from the "
                     "journal since the checkpoint",
-                    path or "the initial weights (no checkpoint)", self.trainer.step + 1, self.version, pending,
+                    path or "the initial weights (no checkpoint)",
+                    self.trainer.step + 1,
+                    self.version,
+                    pending,
                     replayed,
                 )
 
@@ -692,8 +738,9 @@ class Learner:
         if not lineages:
             return {}
         newest = max(lineages, key=lambda d: max(p.stat().st_mtime for p in d.glob("*.log")))
-        log.warning("no checkpoint, but the journal of an earlier learner of this run (%s): replaying it from the "
-                    "start", newest)
+        log.warning(
+            "no checkpoint, but the journal of an earlier learner of this run (%s): replaying it from the start", newest
+        )
         return {"lineage": newest.name, "journal_segment": 0}
 
     @staticmethod
@@ -752,9 +799,14 @@ class Learner:
         if not every or step % every or not self._batch_groups:
             return
         try:
-            doc = sample_episodes(self._batch_groups, step=step, policy_version=self.version,
-                                  groups_to_show=self.cfg.tracking.sample_episodes_groups, decode=self._decode)
-        except Exception as e:  # noqa: BLE001 - a sample is worth less than the run
+            doc = sample_episodes(
+                self._batch_groups,
+                step=step,
+                policy_version=self.version,
+                groups_to_show=self.cfg.tracking.sample_episodes_groups,
+                decode=self._decode,
+            )
+        except Exception as e:
             log.warning("sample episodes of step %d not logged: %s: %s", step, type(e).__name__, e)
             return
         self.io.tracker.log_json(doc, f"samples/step_{step:06d}.json")

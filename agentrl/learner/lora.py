@@ -28,10 +28,11 @@ engines' dtype, so rank 0 holds one bucket of merged weights at a time, as for a
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 from agentrl.peft_format import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
 
@@ -53,7 +54,7 @@ class LoraSpec:
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
     @classmethod
-    def from_config(cls, lora: Any) -> "LoraSpec | None":
+    def from_config(cls, lora: Any) -> LoraSpec | None:
         """From a ``[learner.lora]`` section; None when ``rank`` is 0 (LoRA off)."""
         if lora.rank == 0:
             return None
@@ -69,12 +70,18 @@ class LoraSpec:
     def peft_config(self, base_model_path: str = "") -> Any:
         from peft import LoraConfig
 
-        return LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,
-                          target_modules=list(self.target_modules), bias="none", task_type="CAUSAL_LM",
-                          base_model_name_or_path=base_model_path or None)
+        return LoraConfig(
+            r=self.rank,
+            lora_alpha=self.alpha,
+            lora_dropout=self.dropout,
+            target_modules=list(self.target_modules),
+            bias="none",
+            task_type="CAUSAL_LM",
+            base_model_name_or_path=base_model_path or None,
+        )
 
 
-def add_adapters(model: "nn.Module", spec: LoraSpec) -> "nn.Module":
+def add_adapters(model: nn.Module, spec: LoraSpec) -> nn.Module:
     """Inject LoRA adapters (peft) into ``model`` in place and freeze everything else; returns it.
 
     The adapters start as peft initialises them (A random, B = 0): the adapted model computes
@@ -92,34 +99,41 @@ def add_adapters(model: "nn.Module", spec: LoraSpec) -> "nn.Module":
     except ValueError as e:  # peft: "Target modules {...} not found in the base model"
         raise ValueError(f"learner.lora.target_modules {list(spec.target_modules)}: {e}") from None
     for name, module in lora_layers(model):
-        if type(module).__name__ != "Linear" or getattr(module, "fan_in_fan_out", False) or \
-                getattr(module, "use_dora", {}).get(ADAPTER, False):
-            raise ValueError(f"learner.lora.target_modules selects {name} ({type(module).__module__}."
-                             f"{type(module).__name__}): only plain nn.Linear layers can get adapters here")
+        if (
+            type(module).__name__ != "Linear"
+            or getattr(module, "fan_in_fan_out", False)
+            or getattr(module, "use_dora", {}).get(ADAPTER, False)
+        ):
+            raise ValueError(
+                f"learner.lora.target_modules selects {name} ({type(module).__module__}."
+                f"{type(module).__name__}): only plain nn.Linear layers can get adapters here"
+            )
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     if tied and any(m is head for _, m in lora_layers(model)):
-        raise ValueError("learner.lora.target_modules adapts the LM head, which is tied to the input embeddings: "
-                         "the engines tie it again and would drop the adapter; leave it out")
+        raise ValueError(
+            "learner.lora.target_modules adapts the LM head, which is tied to the input embeddings: "
+            "the engines tie it again and would drop the adapter; leave it out"
+        )
     for name, param in model.named_parameters():
         param.requires_grad_(".lora_A." in name or ".lora_B." in name)
     return model
 
 
-def lora_layers(model: "nn.Module") -> list[tuple[str, "nn.Module"]]:
+def lora_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(module name, peft LoRA layer)`` of every adapted layer, in module order."""
     from peft.tuners.lora import LoraLayer
 
     return [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLayer)]
 
 
-def has_adapters(model: "nn.Module") -> bool:
+def has_adapters(model: nn.Module) -> bool:
     """Whether ``model`` carries LoRA factors (by name: no peft import for models without them)."""
     return any(".lora_A." in name for name, _ in model.named_parameters())
 
 
 @contextmanager
-def adapters_disabled(model: "nn.Module") -> Iterator[None]:
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
     """The base model: every adapter switched off inside the block (peft's own switch, as
     ``PeftModel.disable_adapter`` uses it), then on again with the same trainable parameters."""
     layers = [m for _, m in lora_layers(model)]
@@ -149,7 +163,7 @@ def peft_name(name: str) -> str:
     return PEFT_PREFIX + name.replace(f".{ADAPTER}.", ".")
 
 
-def adapter_parameters(model: "nn.Module") -> list[tuple[str, "nn.Parameter"]]:
+def adapter_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """The adapters' factors under their learner names, in a fixed order (the same on every rank)."""
     return [(n, p) for n, p in model.named_parameters() if ".lora_A." in n or ".lora_B." in n]
 
@@ -168,17 +182,17 @@ class MergedWeight:
     scaling: float
 
     @property
-    def shape(self) -> "torch.Size":
+    def shape(self) -> torch.Size:
         return self.base.shape
 
     @property
-    def dtype(self) -> "torch.dtype":
+    def dtype(self) -> torch.dtype:
         return self.base.dtype
 
     def numel(self) -> int:
         return self.base.numel()
 
-    def merged(self) -> "torch.Tensor":
+    def merged(self) -> torch.Tensor:
         """The full merged tensor in the base weight's dtype (gathers: every rank must call it)."""
         import torch
 
@@ -188,7 +202,7 @@ class MergedWeight:
             return (base.float() + delta).to(base.dtype)
 
 
-def _full(t: Any) -> "torch.Tensor":
+def _full(t: Any) -> torch.Tensor:
     import torch
     from torch.distributed.tensor import DTensor
 
@@ -196,15 +210,18 @@ def _full(t: Any) -> "torch.Tensor":
     return (data.full_tensor() if isinstance(data, DTensor) else data).detach()
 
 
-def push_items(model: "nn.Module") -> list[tuple[str, Any]]:
+def push_items(model: nn.Module) -> list[tuple[str, Any]]:
     """What the engines get from an adapted model, under the base model's names, in
     ``named_parameters()`` order: an adapted layer's weight as a :class:`MergedWeight`, every
     other base parameter as it is; the adapters' factors are folded in, never sent."""
     merged: dict[str, MergedWeight] = {}
     for name, layer in lora_layers(model):
         merged[f"{name}.base_layer.weight"] = MergedWeight(
-            layer.base_layer.weight, layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight,
-            float(layer.scaling[ADAPTER]))
+            layer.base_layer.weight,
+            layer.lora_A[ADAPTER].weight,
+            layer.lora_B[ADAPTER].weight,
+            float(layer.scaling[ADAPTER]),
+        )
     out: list[tuple[str, Any]] = []
     for name, param in model.named_parameters():
         if ".lora_A." in name or ".lora_B." in name:
@@ -216,8 +233,9 @@ def push_items(model: "nn.Module") -> list[tuple[str, Any]]:
 # ------------------------------------------------------------------------------ PEFT folders
 
 
-def write_adapter(folder: str | Path, tensors: dict[str, "torch.Tensor"], spec: LoraSpec,
-                  base_model_path: str = "") -> Path:
+def write_adapter(
+    folder: str | Path, tensors: dict[str, torch.Tensor], spec: LoraSpec, base_model_path: str = ""
+) -> Path:
     """A PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``) from the
     full factors under their learner names; what ``PeftModel.from_pretrained`` and SGLang's
     ``/load_lora_adapter`` read. The weights file is written first and renamed into place, the

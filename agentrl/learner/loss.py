@@ -98,7 +98,7 @@ class PolicyLossConfig:
         return self.decoupled or self.tis != "none"
 
     @classmethod
-    def from_learner(cls, learner: Any) -> "PolicyLossConfig":
+    def from_learner(cls, learner: Any) -> PolicyLossConfig:
         """Build from a ``LearnerSection``."""
         return cls(
             clip_eps_low=learner.clip_eps_low,
@@ -331,8 +331,13 @@ def policy_loss(
         pg = torch.where(dual, bound, pg)
         metrics["dual_clip_frac"] = _mean(dual.float(), mask_b)
     per_token = weights * pg
-    reduce_kw = dict(normalization=cfg.normalization, seq_ids=seq_ids, num_seqs=num_seqs, normalizer=normalizer,
-                     seq_weights=seq_weights)
+    reduce_kw = dict(
+        normalization=cfg.normalization,
+        seq_ids=seq_ids,
+        num_seqs=num_seqs,
+        normalizer=normalizer,
+        seq_weights=seq_weights,
+    )
     pg_loss = masked_reduce(per_token, keep, count_mask=mask_b, **reduce_kw)
     loss = pg_loss
     if ref_logprobs is not None:

@@ -78,9 +78,7 @@ def load_causal_lm(path: str, *, device: torch.device | str = "cpu") -> nn.Modul
     from transformers import AutoModelForCausalLM
 
     register_varlen_attention()
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation=VARLEN_ATTENTION
-    )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=VARLEN_ATTENTION)
     model.config.use_cache = False
     return model.to(device)
 
@@ -131,9 +129,9 @@ def shard_model(
     trainable: bool = True,
 ) -> nn.Module:
     """Apply the FSDP2 layout (module docstring) in place and return the model."""
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    import torch.distributed as dist
 
     if activation_checkpointing and trainable:
         for module in model.modules():

@@ -60,8 +60,15 @@ TRUNCATIONS = frozenset({"max_turns", "context_full", "truncated_tool_call", "le
 MAX_NAMES = 16  # distinct finish reasons (and env names) per step; later ones count as "other"
 MAX_TEXT_CHARS = 4000  # of one message in a sample; the rest is cut, saying how much
 
-_SUMMED = ("num_turns", "num_tool_calls", "num_tool_errors", "num_aborts", "num_generate_calls",
-           "generation_latency_s", "tool_latency_s")
+_SUMMED = (
+    "num_turns",
+    "num_tool_calls",
+    "num_tool_errors",
+    "num_aborts",
+    "num_generate_calls",
+    "generation_latency_s",
+    "tool_latency_s",
+)
 
 
 def _number(md: dict[str, Any], key: str) -> float:
@@ -101,15 +108,20 @@ def episodes(group: TrajectoryGroup) -> list[Episode]:
         finish = limit or str(last.get("finish_reason") or "unknown")
         success = first.get("success")
         versions = np.unique(np.concatenate([t.weight_versions[t.loss_mask.astype(bool)] for t in trajs]))
-        out.append(Episode(
-            trajectories=trajs, reward=reward,
-            sums={k: sum(_number(t.metadata, k) for t in trajs) for k in _SUMMED},
-            finish_reason=finish, truncated=bool(limit) or finish in TRUNCATIONS,
-            success=success if isinstance(success, bool) else None,
-            wall_s=_number(first, "episode_wall_s"), reward_error="reward_error" in first,
-            model_tokens=int(sum(int(t.loss_mask.sum()) for t in trajs)),
-            versions=[int(v) for v in versions if v >= 0],
-        ))
+        out.append(
+            Episode(
+                trajectories=trajs,
+                reward=reward,
+                sums={k: sum(_number(t.metadata, k) for t in trajs) for k in _SUMMED},
+                finish_reason=finish,
+                truncated=bool(limit) or finish in TRUNCATIONS,
+                success=success if isinstance(success, bool) else None,
+                wall_s=_number(first, "episode_wall_s"),
+                reward_error="reward_error" in first,
+                model_tokens=int(sum(int(t.loss_mask.sum()) for t in trajs)),
+                versions=[int(v) for v in versions if v >= 0],
+            )
+        )
     return out
 
 
@@ -129,12 +141,19 @@ class _Totals:
         self.episodes += 1
         self.sequences += len(ep.trajectories)
         self.sums.update(ep.sums)
-        self.sums.update({
-            "model_tokens": ep.model_tokens, "wall_s": ep.wall_s, "truncated": ep.truncated,
-            "reward_error": ep.reward_error, "reward": ep.reward, "success": ep.success is True, "lag": lag,
-            "multi_version": len(ep.versions) > 1,
-            "tokens_per_sequence": float(np.mean([t.num_tokens for t in ep.trajectories])),
-        })
+        self.sums.update(
+            {
+                "model_tokens": ep.model_tokens,
+                "wall_s": ep.wall_s,
+                "truncated": ep.truncated,
+                "reward_error": ep.reward_error,
+                "reward": ep.reward,
+                "success": ep.success is True,
+                "lag": lag,
+                "multi_version": len(ep.versions) > 1,
+                "tokens_per_sequence": float(np.mean([t.num_tokens for t in ep.trajectories])),
+            }
+        )
         self.model_tokens_max = max(self.model_tokens_max, ep.model_tokens)
         self.lag_max = max(self.lag_max, lag)
         self.judged += ep.success is not None
@@ -216,8 +235,14 @@ class RolloutStats:
 # --------------------------------------------------------------------------- sample episodes
 
 
-def sample_episodes(groups: list[TrajectoryGroup], *, step: int, policy_version: int, groups_to_show: int,
-                    decode: Callable[[list[int]], str] | None = None) -> dict[str, Any]:
+def sample_episodes(
+    groups: list[TrajectoryGroup],
+    *,
+    step: int,
+    policy_version: int,
+    groups_to_show: int,
+    decode: Callable[[list[int]], str] | None = None,
+) -> dict[str, Any]:
     """The best and the worst episode (by reward; one when they are the same) of the first
     ``groups_to_show`` groups, as a JSON-able document. ``decode`` turns token ids into text for
     trajectories that carry no ``metadata["messages"]``."""
@@ -234,19 +259,30 @@ def sample_episodes(groups: list[TrajectoryGroup], *, step: int, policy_version:
     return {"step": step, "policy_version": policy_version, "episodes": shown}
 
 
-def _episode_doc(group: TrajectoryGroup, ep: Episode, label: str, index: int,
-                 decode: Callable[[list[int]], str] | None) -> dict[str, Any]:
+def _episode_doc(
+    group: TrajectoryGroup, ep: Episode, label: str, index: int, decode: Callable[[list[int]], str] | None
+) -> dict[str, Any]:
     md = ep.trajectories[0].metadata
     last = ep.trajectories[-1]
     return {
-        "pick": label, "env": group.env, "task_id": group.task_id, "group_id": group.group_id,
-        "actor_id": group.actor_id, "episode": str(md.get("episode_id", index)),
-        "reward": ep.reward, "reward_components": dict(ep.trajectories[0].reward_components),
+        "pick": label,
+        "env": group.env,
+        "task_id": group.task_id,
+        "group_id": group.group_id,
+        "actor_id": group.actor_id,
+        "episode": str(md.get("episode_id", index)),
+        "reward": ep.reward,
+        "reward_components": dict(ep.trajectories[0].reward_components),
         "group_rewards": [float(r) for r in episode_index(group.trajectories)[0]],
-        "success": ep.success, "finish_reason": ep.finish_reason, "truncated": ep.truncated,
-        "policy_versions": ep.versions, "num_turns": ep.sums["num_turns"],
-        "num_tool_calls": ep.sums["num_tool_calls"], "num_tool_errors": ep.sums["num_tool_errors"],
-        "response_tokens": ep.model_tokens, "num_sequences": len(ep.trajectories),
+        "success": ep.success,
+        "finish_reason": ep.finish_reason,
+        "truncated": ep.truncated,
+        "policy_versions": ep.versions,
+        "num_turns": ep.sums["num_turns"],
+        "num_tool_calls": ep.sums["num_tool_calls"],
+        "num_tool_errors": ep.sums["num_tool_errors"],
+        "response_tokens": ep.model_tokens,
+        "num_sequences": len(ep.trajectories),
         "reward_error": md.get("reward_error"),
         # the last sequence: for an agent episode, its final conversation
         "messages": _messages(last, decode),

@@ -37,8 +37,9 @@ import json
 import logging
 import math
 import random
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -72,8 +73,12 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], tools: list[dict
     for n, i in enumerate(turns):
         pieces.append((codec.encode(codec.assistant_text(messages[i], tools)), 1))
         following = turns[n + 1] if n + 1 < len(turns) else len(messages)
-        context = codec.context_after_turn(codec.end_of_turn_id is not None, messages[i + 1 : following], tools,
-                                           add_generation_prompt=following < len(messages))
+        context = codec.context_after_turn(
+            codec.end_of_turn_id is not None,
+            messages[i + 1 : following],
+            tools,
+            add_generation_prompt=following < len(messages),
+        )
         pieces.append((codec.encode(context), 0))
     ids = np.asarray([t for piece, _ in pieces for t in piece], dtype=np.int32)
     mask = np.asarray([m for piece, m in pieces for _ in piece], dtype=np.uint8)
@@ -108,16 +113,21 @@ def _conversation(row: Any, where: str) -> Conversation:
         if not isinstance(content, str) and not (content is None and m["role"] == "assistant"):
             raise ValueError(f"{where}: messages[{i}].content must be a string")
         calls = m.get("tool_calls")
-        if calls is not None and (m["role"] != "assistant" or not isinstance(calls, list)
-                                  or not all(_is_tool_call(c) for c in calls)):
-            raise ValueError(f"{where}: messages[{i}].tool_calls must be a list of {{\"function\": {{\"name\": ..., "
-                             f"\"arguments\": {{...}}}}}} on an assistant message")
+        if calls is not None and (
+            m["role"] != "assistant" or not isinstance(calls, list) or not all(_is_tool_call(c) for c in calls)
+        ):
+            raise ValueError(
+                f'{where}: messages[{i}].tool_calls must be a list of {{"function": {{"name": ..., '
+                f'"arguments": {{...}}}}}} on an assistant message'
+            )
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError(f"{where}: the conversation has no assistant message to learn from")
     tools = row.get("tools")
     if tools is not None and (not isinstance(tools, list) or not all(_is_tool_schema(t) for t in tools)):
-        raise ValueError(f"{where}: 'tools' must be a list of tool schemas ({{\"type\": \"function\", \"function\": "
-                         f"{{\"name\": ..., \"parameters\": {{...}}}}}})")
+        raise ValueError(
+            f'{where}: \'tools\' must be a list of tool schemas ({{"type": "function", "function": '
+            f'{{"name": ..., "parameters": {{...}}}}}})'
+        )
     return messages, tools
 
 
@@ -129,8 +139,12 @@ def _is_tool_call(call: Any) -> bool:
 def _is_tool_schema(tool: Any) -> bool:
     fn = tool.get("function", tool) if isinstance(tool, dict) else None
     params = fn.get("parameters", {}) if isinstance(fn, dict) else None
-    return isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(params, dict) and \
-        isinstance(params.get("properties", {}), dict)
+    return (
+        isinstance(fn, dict)
+        and isinstance(fn.get("name"), str)
+        and isinstance(params, dict)
+        and isinstance(params.get("properties", {}), dict)
+    )
 
 
 def tool_schema(tool: Any) -> dict[str, Any]:
@@ -169,7 +183,9 @@ def env_demonstrations(cfg: AgentRLConfig) -> list[Conversation]:
         for _, env in envs:
             close_quietly(env)
     if not out:
-        raise ValueError(f"{', '.join(s.cls for s, _ in envs)} gave no demonstrations (Env.demonstration returned None)")
+        raise ValueError(
+            f"{', '.join(s.cls for s, _ in envs)} gave no demonstrations (Env.demonstration returned None)"
+        )
     return out
 
 
@@ -254,10 +270,10 @@ def sft(cfg: AgentRLConfig) -> Path:
     """Run supervised warm-start; returns the exported Hugging Face folder (on every rank)."""
     from transformers import AutoTokenizer
 
+    from agentrl.config import resolve_run_dir
     from agentrl.learner.checkpoint import checkpoint_root, latest_checkpoint, load_checkpoint, save_checkpoint
     from agentrl.learner.distributed import broadcast_object, init_distributed
     from agentrl.learner.export import export_checkpoint
-    from agentrl.config import resolve_run_dir
     from agentrl.learner.loop import open_tracker, seed_everything
     from agentrl.learner.trainer import Trainer, TrainerSpec
     from agentrl.models.builder import ensure_model
@@ -297,7 +313,13 @@ def sft(cfg: AgentRLConfig) -> Path:
     tracker = open_tracker(cfg, run_dir) if dist_info.is_main else None
     metrics_file = run_dir / "sft_metrics.jsonl"
     if tracker is not None:
-        tracker.log_params({"sft.examples": len(samples), "sft.steps": steps, **{f"sft.{k}": v for k, v in cfg.sft.model_dump().items()}})
+        tracker.log_params(
+            {
+                "sft.examples": len(samples),
+                "sft.steps": steps,
+                **{f"sft.{k}": v for k, v in cfg.sft.model_dump().items()},
+            }
+        )
     try:
         last_saved = trainer.step
         batches = batches_from(samples, cfg, trainer.step)

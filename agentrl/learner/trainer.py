@@ -33,10 +33,11 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -80,7 +81,7 @@ class TrainerSpec:
     lora: LoraSpec | None = None  # train adapters on the frozen policy (None: every parameter)
 
     @classmethod
-    def for_learn(cls, cfg: Any, model_path: str | None = None) -> "TrainerSpec":
+    def for_learn(cls, cfg: Any, model_path: str | None = None) -> TrainerSpec:
         lc = cfg.learner
         temperature = cfg.actors.temperature if cfg.actors.temperature > 0 else 1.0
         return cls(
@@ -159,11 +160,15 @@ class MetricAccumulator:
         out: dict[str, float] = {}
         mean_keys = sorted(self.weighted)
         sum_keys = sorted(self.sums)
-        packed = torch.stack(
-            [torch.as_tensor(self.weighted[k], dtype=torch.float32, device=device) for k in mean_keys]
-            + [torch.tensor(self.weights[k], dtype=torch.float32, device=device) for k in mean_keys]
-            + [self.sums[k].to(device) for k in sum_keys]
-        ) if (mean_keys or sum_keys) else torch.zeros(0, device=device)
+        packed = (
+            torch.stack(
+                [torch.as_tensor(self.weighted[k], dtype=torch.float32, device=device) for k in mean_keys]
+                + [torch.tensor(self.weights[k], dtype=torch.float32, device=device) for k in mean_keys]
+                + [self.sums[k].to(device) for k in sum_keys]
+            )
+            if (mean_keys or sum_keys)
+            else torch.zeros(0, device=device)
+        )
         mins = torch.stack([self.mins[k].to(device) for k in sorted(self.mins)]) if self.mins else None
         maxs = torch.stack([self.maxs[k].to(device) for k in sorted(self.maxs)]) if self.maxs else None
         if dist.is_initialized() and dist.get_world_size() > 1:

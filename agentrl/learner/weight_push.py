@@ -108,9 +108,10 @@ import concurrent.futures
 import logging
 import threading
 import time
-from pathlib import Path
 import uuid
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence, TypeVar
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from agentrl.config import LORA_ADAPTER_NAME
 from agentrl.secrets import bearer
@@ -148,9 +149,8 @@ def without_tied_head(named: Iterable[tuple[str, T]], tied: bool = False) -> lis
 
 
 def _identity(t: Any) -> set[tuple]:
-    from torch.distributed.tensor import DTensor
-
     import torch
+    from torch.distributed.tensor import DTensor
 
     keys = {("object", id(t))}
     if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):  # a DTensor's memory is its local shard
@@ -158,7 +158,7 @@ def _identity(t: Any) -> set[tuple]:
     return keys
 
 
-def tensors_to_push(model: "nn.Module") -> list[tuple[str, Any]]:
+def tensors_to_push(model: nn.Module) -> list[tuple[str, Any]]:
     """The model's parameters to send, in a fixed order (the same on every learner rank); with
     LoRA adapters the base model's, adapted weights as ``MergedWeight`` s (merged when gathered)."""
     from agentrl.learner.lora import has_adapters, push_items
@@ -168,8 +168,9 @@ def tensors_to_push(model: "nn.Module") -> list[tuple[str, Any]]:
     return without_tied_head(named, tied)
 
 
-def plan_buckets(named: Sequence[tuple[str, T]], bucket_bytes: int,
-                 dtype: "torch.dtype | None" = None) -> list[list[tuple[str, T]]]:
+def plan_buckets(
+    named: Sequence[tuple[str, T]], bucket_bytes: int, dtype: torch.dtype | None = None
+) -> list[list[tuple[str, T]]]:
     """The one bucketing pass: consecutive tensors up to ``bucket_bytes`` per bucket, counted in
     the dtype they are sent in (``dtype``, else their own); a bucket holds one dtype (so that a
     flattened bucket's views start at multiples of the item size). Metadata only: a DTensor's
@@ -191,8 +192,9 @@ def plan_buckets(named: Sequence[tuple[str, T]], bucket_bytes: int,
     return buckets
 
 
-def full_tensors(bucket: Sequence[tuple[str, Any]], dtype: "torch.dtype | None" = None,
-                 device: "torch.device | None" = None) -> list[tuple[str, "torch.Tensor"]]:
+def full_tensors(
+    bucket: Sequence[tuple[str, Any]], dtype: torch.dtype | None = None, device: torch.device | None = None
+) -> list[tuple[str, torch.Tensor]]:
     """The bucket's full tensors: DTensor shards are all-gathered (a collective: every learner
     rank must call this for the same bucket), LoRA-adapted weights merged, then cast to ``dtype``
     and moved to ``device``."""
@@ -218,8 +220,9 @@ def full_tensors(bucket: Sequence[tuple[str, Any]], dtype: "torch.dtype | None" 
     return out
 
 
-def iter_full_tensors(model: "nn.Module", *, bucket_bytes: int = 64 << 20,
-                      dtype: "torch.dtype | None" = None) -> Iterator[tuple[str, "torch.Tensor"]]:
+def iter_full_tensors(
+    model: nn.Module, *, bucket_bytes: int = 64 << 20, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, full tensor)`` of everything :func:`push_weights` sends, yielded on rank 0 (other
     ranks yield nothing), gathering one bucket at a time. Must be iterated to the end on every rank."""
     import torch.distributed as dist
@@ -234,8 +237,9 @@ def iter_full_tensors(model: "nn.Module", *, bucket_bytes: int = 64 << 20,
             del item
 
 
-def push_weights(model: "nn.Module", updater: "WeightUpdater | None", version: int, *, bucket_bytes: int,
-                 dtype: "torch.dtype | None") -> dict:
+def push_weights(
+    model: nn.Module, updater: WeightUpdater | None, version: int, *, bucket_bytes: int, dtype: torch.dtype | None
+) -> dict:
     """Push the model's weights to the engines: call on every learner rank (they take part in
     the gathers); rank 0 sends through ``updater``. Returns rank 0's timings (``{}`` elsewhere)."""
     import torch.distributed as dist
@@ -249,8 +253,16 @@ def push_weights(model: "nn.Module", updater: "WeightUpdater | None", version: i
     return {}
 
 
-def push_adapter(model: "nn.Module", updater: "WeightUpdater | None", version: int, *, folder_root: str | Path,
-                 spec: Any, base_model_path: str, keep: int = 2) -> dict:
+def push_adapter(
+    model: nn.Module,
+    updater: WeightUpdater | None,
+    version: int,
+    *,
+    folder_root: str | Path,
+    spec: Any,
+    base_model_path: str,
+    keep: int = 2,
+) -> dict:
     """LoRA, adapter only: call on every learner rank (they take part in the gathers); rank 0 writes
     ``folder_root/v<version>`` as a PEFT folder and loads it into the engines through ``updater``."""
     import shutil
@@ -270,11 +282,15 @@ def push_adapter(model: "nn.Module", updater: "WeightUpdater | None", version: i
     stats = updater.push_adapter(folder, version)
     for old in sorted(p for p in root.glob("v*") if p.is_dir())[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
-    return {**stats, "write_s": write_s, "total_s": time.perf_counter() - t0,
-            "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+    return {
+        **stats,
+        "write_s": write_s,
+        "total_s": time.perf_counter() - t0,
+        "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+    }
 
 
-def _settle(device: "torch.device | str") -> bool:
+def _settle(device: torch.device | str) -> bool:
     """Block the host until the work queued on ``device`` has run; True when it had to (CUDA).
 
     On NCCL, a broadcast's ``work.wait()`` only makes the current CUDA stream wait for it: the host
@@ -323,11 +339,23 @@ class WeightUpdater:
     ANSWER_FIELDS_READ = ("success", "message", "error_message", "error")
     SERVER_INFO_FIELDS_READ = ("tp_size", "dp_size")
 
-    def __init__(self, engine_urls: list[str], *, master_address: str = "127.0.0.1", master_port: int = 0,
-                 backend: str = "gloo", group_name: str = "agentrl_weights", bucket_bytes: int = 64 << 20,
-                 pause_mode: str = "abort", timeout_s: float = 600.0, load_format: str | None = None,
-                 api_key: str = "", admin_api_key: str = "", key_hint: str = "pass api_key / admin_api_key",
-                 probe_timeout_s: float = 5.0):
+    def __init__(
+        self,
+        engine_urls: list[str],
+        *,
+        master_address: str = "127.0.0.1",
+        master_port: int = 0,
+        backend: str = "gloo",
+        group_name: str = "agentrl_weights",
+        bucket_bytes: int = 64 << 20,
+        pause_mode: str = "abort",
+        timeout_s: float = 600.0,
+        load_format: str | None = None,
+        api_key: str = "",
+        admin_api_key: str = "",
+        key_hint: str = "pass api_key / admin_api_key",
+        probe_timeout_s: float = 5.0,
+    ):
         import httpx
 
         if not engine_urls:
@@ -335,7 +363,9 @@ class WeightUpdater:
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be abort, retract or in_place; got {pause_mode!r}")
         if load_format not in (None, "flattened_bucket"):
-            raise ValueError(f"load_format must be None (one broadcast per tensor) or 'flattened_bucket'; got {load_format!r}")
+            raise ValueError(
+                f"load_format must be None (one broadcast per tensor) or 'flattened_bucket'; got {load_format!r}"
+            )
         self.engine_urls = [u.rstrip("/") for u in engine_urls]
         self.master_address, self.master_port = master_address, master_port
         self.backend, self.group_name, self.bucket_bytes = backend, group_name, bucket_bytes
@@ -343,8 +373,10 @@ class WeightUpdater:
         # in_place keeps running requests (and their K/V) across the update: SGLang cannot flush then
         self.flush_cache = pause_mode != "in_place"
         if not self.flush_cache:
-            log.warning("pause_mode in_place: running requests keep K/V computed under the old weights, and the "
-                        "engines' prefix caches are not flushed (SGLang refuses to flush while requests run)")
+            log.warning(
+                "pause_mode in_place: running requests keep K/V computed under the old weights, and the "
+                "engines' prefix caches are not flushed (SGLang refuses to flush while requests run)"
+            )
         self._api_headers = bearer(api_key)
         self._admin_headers = bearer(admin_api_key or api_key)
         self._key_hint = key_hint
@@ -359,11 +391,12 @@ class WeightUpdater:
         self._no_begin_end: set[str] = set()  # engines that answered 404 (SGLang before 0.5.23)
         self._adapter_loaded: set[str] = set()  # engines this updater has loaded the LoRA adapter into
         self._http = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0))
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(4, 2 * len(self.engine_urls)),
-                                                           thread_name_prefix="weight-http")
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max(4, 2 * len(self.engine_urls)), thread_name_prefix="weight-http"
+        )
 
     @classmethod
-    def from_config(cls, engine: Any, urls: list[str] | None = None, **kwargs: Any) -> "WeightUpdater":
+    def from_config(cls, engine: Any, urls: list[str] | None = None, **kwargs: Any) -> WeightUpdater:
         """From an ``[engine]`` section: backend ``auto`` is nccl when this process sees a GPU, else
         gloo; keys from the variables ``engine.api_key_env`` / ``engine.admin_api_key_env`` name."""
         import torch
@@ -373,30 +406,52 @@ class WeightUpdater:
         backend = engine.weight_group_backend
         if backend == "auto":
             backend = "nccl" if torch.cuda.is_available() else "gloo"
-        hint = (f"set {engine.admin_api_key_env} (engine.admin_api_key_env) to the engines' --admin-api-key, "
-                f"or {engine.api_key_env} (engine.api_key_env) to their --api-key")
-        return cls(list(urls if urls is not None else engine.urls), backend=backend,
-                   bucket_bytes=int(engine.weight_bucket_mb * 2**20), api_key=read_secret(engine.api_key_env),
-                   admin_api_key=read_secret(engine.admin_api_key_env), key_hint=hint, **kwargs)
+        hint = (
+            f"set {engine.admin_api_key_env} (engine.admin_api_key_env) to the engines' --admin-api-key, "
+            f"or {engine.api_key_env} (engine.api_key_env) to their --api-key"
+        )
+        return cls(
+            list(urls if urls is not None else engine.urls),
+            backend=backend,
+            bucket_bytes=int(engine.weight_bucket_mb * 2**20),
+            api_key=read_secret(engine.api_key_env),
+            admin_api_key=read_secret(engine.admin_api_key_env),
+            key_hint=hint,
+            **kwargs,
+        )
 
     @property
-    def device(self) -> "torch.device":
+    def device(self) -> torch.device:
         """Where broadcast tensors must live: the current GPU for nccl, else the CPU."""
         import torch
 
         return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
 
     # -- HTTP ---------------------------------------------------------------------------------
-    def _request(self, method: str, url: str, path: str, body: dict | None = None, *, admin: bool = True,
-                 missing_ok: bool = False, timeout_s: float | None = None) -> dict | None:
+    def _request(
+        self,
+        method: str,
+        url: str,
+        path: str,
+        body: dict | None = None,
+        *,
+        admin: bool = True,
+        missing_ok: bool = False,
+        timeout_s: float | None = None,
+    ) -> dict | None:
         """One call; a refusal raises :class:`WeightUpdateError` naming the engine (None: a 404
         with ``missing_ok``)."""
         import httpx
 
         headers = self._admin_headers if admin else self._api_headers
         try:
-            resp = self._http.request(method, f"{url}{path}", json=body if method == "POST" else None,
-                                      headers=headers, **({} if timeout_s is None else {"timeout": timeout_s}))
+            resp = self._http.request(
+                method,
+                f"{url}{path}",
+                json=body if method == "POST" else None,
+                headers=headers,
+                **({} if timeout_s is None else {"timeout": timeout_s}),
+            )
         except httpx.HTTPError as e:
             raise EngineLost(f"{url}{path}: {type(e).__name__}: {e}") from None
         if resp.status_code == 404 and missing_ok:
@@ -408,12 +463,20 @@ class WeightUpdater:
         if not isinstance(data, dict):
             data = {"message": str(data)}
         if resp.status_code in (401, 403):
-            raise WeightUpdateError(f"{url}{path} answered {resp.status_code}: the engine wants an API key "
-                                    f"({self._key_hint})", resp.status_code)
+            raise WeightUpdateError(
+                f"{url}{path} answered {resp.status_code}: the engine wants an API key ({self._key_hint})",
+                resp.status_code,
+            )
         if resp.status_code != 200 or data.get("success") is False:
             err = data.get("error")
-            msg = data.get("message") or data.get("error_message") or (  # error_message: LoRA routes
-                err.get("message") if isinstance(err, dict) else err) or resp.text
+            msg = (
+                data.get("message")
+                or data.get("error_message")
+                or (  # error_message: LoRA routes
+                    err.get("message") if isinstance(err, dict) else err
+                )
+                or resp.text
+            )
             raise WeightUpdateError(f"{url}{path} answered {resp.status_code}: {msg}", resp.status_code)
         return data
 
@@ -428,7 +491,9 @@ class WeightUpdater:
                 return data
         raise AssertionError("unreachable")
 
-    def _fire(self, urls: list[str], path: str, body_for: Callable[[int], dict | None]) -> list[concurrent.futures.Future]:
+    def _fire(
+        self, urls: list[str], path: str, body_for: Callable[[int], dict | None]
+    ) -> list[concurrent.futures.Future]:
         """POST to the engines concurrently; ``body_for(i)`` gives the i-th engine's body."""
         return [self._pool.submit(self._post, url, path, body_for(i)) for i, url in enumerate(urls)]
 
@@ -462,14 +527,21 @@ class WeightUpdater:
 
         A begin refused because a session is open (a learner killed mid-push left it; nothing
         else opens one) ends that session and begins again, once."""
+
         def call(url: str) -> None:
             try:
                 missing = self._request("POST", url, path, {}, missing_ok=True) is None
             except WeightUpdateError as refused:
-                if (path == "/begin_weight_update" and refused.status not in (401, 403)
-                        and not isinstance(refused, EngineLost)):
-                    log.warning("%s refused to begin an update (%s): ending the session left open, beginning again",
-                                url, refused)
+                if (
+                    path == "/begin_weight_update"
+                    and refused.status not in (401, 403)
+                    and not isinstance(refused, EngineLost)
+                ):
+                    log.warning(
+                        "%s refused to begin an update (%s): ending the session left open, beginning again",
+                        url,
+                        refused,
+                    )
                     self._request("POST", url, "/end_weight_update", {})
                     self._request("POST", url, path, {})
                     return
@@ -493,6 +565,7 @@ class WeightUpdater:
         """The ``weight_version`` every configured engine reports (``/model_info``), ``None`` for an
         engine that does not answer (a connection error, a timeout, a 5xx) within
         ``probe_timeout_s``. A refusal (401/403) raises: that is a key to fix, not a dead engine."""
+
         def one(url: str) -> str | None:
             try:
                 info = self._get(url, ("/model_info", "/get_model_info"), timeout_s=self.probe_timeout_s)
@@ -516,8 +589,11 @@ class WeightUpdater:
         answering = [u for u in self.engine_urls if reported[u] is not None]
         reasons = [f"{u} does not answer" for u in self.members if reported[u] is None]
         reasons += [f"{u} answers and is not in the group" for u in answering if u not in self.members]
-        reasons += [f"{u} reports weight_version {reported[u]!r}, not {self.labels.get(u)!r} (restarted?)"
-                    for u in self.members if reported[u] is not None and reported[u] != self.labels.get(u)]
+        reasons += [
+            f"{u} reports weight_version {reported[u]!r}, not {self.labels.get(u)!r} (restarted?)"
+            for u in self.members
+            if reported[u] is not None and reported[u] != self.labels.get(u)
+        ]
         if not reasons and self.group is None and answering:
             reasons.append("no weight group (the last push or formation failed)")
         return "; ".join(reasons)
@@ -537,7 +613,8 @@ class WeightUpdater:
                 raise WeightUpdateError(
                     f"{url} runs dp_size={dp}: SGLang cannot take distributed weight updates with data-parallel "
                     "replicas (init_weights_update_group asserts dp_size == 1). Run each replica as its own engine "
-                    "(behind sglang-router, engine.router_url) and list every one in engine.urls.")
+                    "(behind sglang-router, engine.router_url) and list every one in engine.urls."
+                )
             if tp < 1:
                 raise WeightUpdateError(f"{url} reports tp_size={tp}")
             tp_sizes.append(tp)
@@ -558,8 +635,7 @@ class WeightUpdater:
         reported = self.probe()
         left_out = [u for u in self.engine_urls if reported[u] is None]
         if left_out:
-            log.warning("weight group without %s: not answering (it joins when it answers again)",
-                        ", ".join(left_out))
+            log.warning("weight group without %s: not answering (it joins when it answers again)", ", ".join(left_out))
         old_members, old_name, old_labels = self.members, self.group_id, self.labels
         self.members = [u for u in self.engine_urls if reported[u] is not None]
         self.labels = {u: reported[u] for u in self.members}  # type: ignore[misc]
@@ -567,8 +643,9 @@ class WeightUpdater:
         # it holds no adapter (its first adapter load is then the first, see _unload_adapter)
         self._adapter_loaded = {u for u in self._adapter_loaded if old_labels.get(u) == self.labels.get(u)}
         if old_name:  # this updater's previous group, on the engines that were in it and still answer
-            self._best_effort([u for u in old_members if u in self.members], "/destroy_weights_update_group",
-                              {"group_name": old_name})
+            self._best_effort(
+                [u for u in old_members if u in self.members], "/destroy_weights_update_group", {"group_name": old_name}
+            )
         self._all("/continue_generation")  # a learner killed mid-push leaves its engines paused
         self.group_id = f"{self.group_name}-{uuid.uuid4().hex[:8]}"
         if not self.members:
@@ -577,16 +654,34 @@ class WeightUpdater:
         self.rank_offsets, self.world_size = rank_layout(self.engine_layout(self.members))
         sock = self._bind_store_socket()
         port = sock.getsockname()[1]
-        futures = self._fire(self.members, "/init_weights_update_group", lambda i: {
-            "master_address": self.master_address, "master_port": port, "rank_offset": self.rank_offsets[i],
-            "world_size": self.world_size, "group_name": self.group_id, "backend": self.backend,
-        })
+        futures = self._fire(
+            self.members,
+            "/init_weights_update_group",
+            lambda i: {
+                "master_address": self.master_address,
+                "master_port": port,
+                "rank_offset": self.rank_offsets[i],
+                "world_size": self.world_size,
+                "group_name": self.group_id,
+                "backend": self.backend,
+            },
+        )
         joined: concurrent.futures.Future = concurrent.futures.Future()
 
         def join() -> None:  # a daemon thread: an engine that never joins must not keep the process alive
             try:
-                joined.set_result(init_weight_group(self.backend, self.master_address, port, self.world_size, 0,
-                                                    self.group_id, self.timeout_s, listen_socket=sock))
+                joined.set_result(
+                    init_weight_group(
+                        self.backend,
+                        self.master_address,
+                        port,
+                        self.world_size,
+                        0,
+                        self.group_id,
+                        self.timeout_s,
+                        listen_socket=sock,
+                    )
+                )
             except BaseException as e:
                 joined.set_exception(e)
 
@@ -599,8 +694,16 @@ class WeightUpdater:
         self.group = joined.result()
         self._collect(futures)
         self.group_port = port
-        log.info("weight group %r: %d engine(s), world size %d, rank offsets %s, %s:%d (%s)", self.group_id,
-                 len(self.members), self.world_size, self.rank_offsets, self.master_address, port, self.backend)
+        log.info(
+            "weight group %r: %d engine(s), world size %d, rank offsets %s, %s:%d (%s)",
+            self.group_id,
+            len(self.members),
+            self.world_size,
+            self.rank_offsets,
+            self.master_address,
+            port,
+            self.backend,
+        )
 
     def _bind_store_socket(self):
         """The store's socket on ``master_port`` (0: a free one). A fixed port (clusters) is the
@@ -636,10 +739,12 @@ class WeightUpdater:
 
     def engine_versions(self) -> list[str]:
         """The ``weight_version`` each configured engine reports (``/model_info``)."""
-        return [str(self._get(url, ("/model_info", "/get_model_info")).get("weight_version")) for url in self.engine_urls]
+        return [
+            str(self._get(url, ("/model_info", "/get_model_info")).get("weight_version")) for url in self.engine_urls
+        ]
 
     # -- updates ------------------------------------------------------------------------------
-    def push(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]], version: int) -> dict:
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:
         """Send full tensors (not DTensors: use :func:`push_weights` on every learner rank)."""
         from torch.distributed.tensor import DTensor
 
@@ -647,8 +752,9 @@ class WeightUpdater:
         for name, t in named:
             if isinstance(t, DTensor):
                 raise TypeError(f"{name} is a DTensor: call push_weights(model, updater, ...) on every learner rank")
-        return self.push_plan(plan_buckets(named, self.bucket_bytes), version,
-                              lambda b: full_tensors(b, device=self.device))
+        return self.push_plan(
+            plan_buckets(named, self.bucket_bytes), version, lambda b: full_tensors(b, device=self.device)
+        )
 
     def push_plan(self, plan: Sequence[Bucket], version: int, materialize: Callable[[Bucket], Bucket]) -> dict:
         """One update (module docstring) to every member. ``materialize`` turns a planned bucket into
@@ -674,8 +780,9 @@ class WeightUpdater:
             if self.group is None:
                 self.connect()
             if not self.members:
-                log.warning("no engine answers: policy version %d reaches no engine (they get it when they answer)",
-                            version)
+                log.warning(
+                    "no engine answers: policy version %d reaches no engine (they get it when they answer)", version
+                )
                 return {"total_s": 0.0, **stats}
             try:
                 self._all("/pause_generation", {"mode": self.pause_mode})
@@ -707,8 +814,13 @@ class WeightUpdater:
             for bucket in plan[done:]:  # the other learner ranks are in these gathers
                 materialize(bucket)
         t1 = time.perf_counter()
-        return {"pause_s": t_paused - t0, "update_s": t_updated - t_paused, "continue_s": t1 - t_updated,
-                "total_s": t1 - t0, **stats}
+        return {
+            "pause_s": t_paused - t0,
+            "update_s": t_updated - t_paused,
+            "continue_s": t1 - t_updated,
+            "total_s": t1 - t0,
+            **stats,
+        }
 
     def _label(self, version: str) -> None:
         """Every member reports ``version`` from now on (``/update_weight_version``; nothing aborted)."""
@@ -762,8 +874,10 @@ class WeightUpdater:
         fails half-way never answers under a policy's number. No broadcast: no group is needed,
         but the members are the engines that answer (:meth:`connect`)."""
         if self.pause_mode != "abort":
-            raise ValueError(f"adapter updates need pause_mode 'abort', got {self.pause_mode!r}: SGLang's unload waits "
-                             "for every request that uses the adapter, and paused requests keep it")
+            raise ValueError(
+                f"adapter updates need pause_mode 'abort', got {self.pause_mode!r}: SGLang's unload waits "
+                "for every request that uses the adapter, and paused requests keep it"
+            )
         if self.group is None:
             self.connect()
         t0 = t_paused = time.perf_counter()
@@ -779,8 +893,12 @@ class WeightUpdater:
             t_updated = time.perf_counter()
             self._finish("/continue_generation")
         t1 = time.perf_counter()
-        return {"pause_s": t_paused - t0, "update_s": t_updated - t_paused, "continue_s": t1 - t_updated,
-                "total_s": t1 - t0}
+        return {
+            "pause_s": t_paused - t0,
+            "update_s": t_updated - t_paused,
+            "continue_s": t1 - t_updated,
+            "total_s": t1 - t0,
+        }
 
     def _unload_adapter(self, url: str, name: str) -> None:
         """``/unload_lora_adapter``; before this updater's first load the engine may not hold it
@@ -823,8 +941,11 @@ class WeightUpdater:
         urls = self.engine_urls
         try:
             self._all("/pause_generation", {"mode": self.pause_mode}, urls)
-            self._all("/update_weights_from_disk", {"model_path": str(model_path), "weight_version": str(version),
-                                                    "flush_cache": self.flush_cache}, urls)
+            self._all(
+                "/update_weights_from_disk",
+                {"model_path": str(model_path), "weight_version": str(version), "flush_cache": self.flush_cache},
+                urls,
+            )
             self.labels.update({u: str(version) for u in self.members})
         finally:
             self._finish("/continue_generation", urls)
@@ -836,8 +957,7 @@ class WeightUpdater:
 
     def close(self) -> None:
         if self.group is not None:
-            for f in self._fire(self.members, "/destroy_weights_update_group",
-                                lambda i: {"group_name": self.group_id}):
+            for f in self._fire(self.members, "/destroy_weights_update_group", lambda i: {"group_name": self.group_id}):
                 try:
                     f.result(timeout=10)
                 except Exception as e:  # the engine may be gone already
@@ -846,7 +966,7 @@ class WeightUpdater:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._http.close()
 
-    def __enter__(self) -> "WeightUpdater":
+    def __enter__(self) -> WeightUpdater:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -49,7 +49,7 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{{- ')' }}{%- if f.description %}{{- ': ' + f.description }}{%- endif %}"
     "{%- endfor %}"
-    "{{- '\\nCall a tool with <tool_call>\\n{\"name\": ..., \"arguments\": {...}}\\n</tool_call><|im_end|>\\n' }}"
+    '{{- \'\\nCall a tool with <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call><|im_end|>\\n\' }}'
     "{%- elif messages[0].role == 'system' %}"
     "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
     "{%- endif %}"
@@ -63,7 +63,7 @@ CHAT_TEMPLATE = (
     "{%- for tool_call in message.tool_calls %}"
     "{%- if (loop.first and message.content) or (not loop.first) %}{{- '\\n' }}{%- endif %}"
     "{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}"
-    "{{- '<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
+    '{{- \'<tool_call>\\n{"name": "\' + tool_call.name + \'", "arguments": \' }}'
     "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}"
     "{{- '}\\n</tool_call>' }}"
     "{%- endfor %}"
@@ -82,12 +82,35 @@ SIZES: dict[str, dict[str, float]] = {
     # initializer_range: the transformers default (0.02) is sized for wide models; at hidden 128
     # it left the quickstart's SFT on a plateau for ~400 steps, 0.06 (about 0.7/sqrt(hidden))
     # learned to copy numbers by step 200 (measured; see docs/performance.md, "The quickstart")
-    "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=32, vocab_target=1024, initializer_range=0.06),
-    "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-                  num_key_value_heads=4, head_dim=64, vocab_target=2048),
-    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, head_dim=64, vocab_target=2048, vocab_size=151936),
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_target=1024,
+        initializer_range=0.06,
+    ),
+    "small": dict(
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        vocab_target=2048,
+    ),
+    "0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_target=2048,
+        vocab_size=151936,
+    ),
 }
 
 _WORDS = (
@@ -108,8 +131,7 @@ def _synthetic_corpus(rng: random.Random, num_docs: int = 1500) -> list[str]:
         a, b, c = (rng.randint(0, 999) for _ in range(3))
         expr = f"{a} {rng.choice(ops)} {b} {rng.choice(ops)} {c}"
         words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 14)))
-        call = json.dumps({"name": rng.choice(["calculator", "search", "python"]),
-                           "arguments": {"expression": expr}})
+        call = json.dumps({"name": rng.choice(["calculator", "search", "python"]), "arguments": {"expression": expr}})
         docs.append(
             f"<|im_start|>user\n{words.capitalize()}? {expr}<|im_end|>\n"
             f"<|im_start|>assistant\n<tool_call>\n{call}\n</tool_call><|im_end|>\n"
@@ -136,11 +158,20 @@ def _tool_preamble(rng: random.Random) -> str:
         tools = []
         for _ in range(rng.randint(1, 2)):
             param = rng.choice(_PARAM_NAMES)
-            tools.append({"type": "function", "function": {
-                "name": rng.choice(_TOOL_NAMES),
-                "description": " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 8))).capitalize() + ".",
-                "parameters": {"type": "object", "properties": {
-                    param: {"type": "integer" if param == "top_k" else "string"}}}}})
+            tools.append(
+                {
+                    "type": "function",
+                    "function": {
+                        "name": rng.choice(_TOOL_NAMES),
+                        "description": " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 8))).capitalize()
+                        + ".",
+                        "parameters": {
+                            "type": "object",
+                            "properties": {param: {"type": "integer" if param == "top_k" else "string"}},
+                        },
+                    },
+                }
+            )
     system = {"role": "system", "content": " ".join(rng.choice(_WORDS) for _ in range(6)).capitalize() + "."}
     return Template(CHAT_TEMPLATE).render(messages=[system], tools=tools, add_generation_prompt=False)
 
@@ -162,10 +193,12 @@ def build_tokenizer(vocab_target: int, seed: int = 0):
     tok = Tokenizer(models.BPE())
     # one token per digit (as Qwen and Llama do): a number reads the same in the question, the
     # tool call and the answer, so copying it is the same lesson everywhere
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_target,

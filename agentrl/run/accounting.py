@@ -68,8 +68,9 @@ def produced_keys(run_dir: Path) -> list[Key] | None:
 
 
 def _ledger_keys(ledger: dict[str, Any]) -> set[Key]:
-    return {(a, s, seq) for a, s, ranges in ledger.get("sessions", []) for lo, hi in ranges
-            for seq in range(lo, hi + 1)}
+    return {
+        (a, s, seq) for a, s, ranges in ledger.get("sessions", []) for lo, hi in ranges for seq in range(lo, hi + 1)
+    }
 
 
 def trained_keys(run_dir: Path, up_to_step: int | None = None) -> Counter:
@@ -125,23 +126,40 @@ def learner_view(run_dir: Path) -> dict[str, Any]:
     if ckpt is None:
         journal = newest_journal(run_dir)
         keys = set(journal_keys(journal, 0)) if journal is not None else set()
-        return {"checkpoint": None, "step": 0, "counters": {"received": len(keys)}, "ledger": set(), "received": keys,
-                "held": len(keys), "source": f"journal {journal} (no checkpoint)" if journal else "nothing"}
+        return {
+            "checkpoint": None,
+            "step": 0,
+            "counters": {"received": len(keys)},
+            "ledger": set(),
+            "received": keys,
+            "held": len(keys),
+            "source": f"journal {journal} (no checkpoint)" if journal else "nothing",
+        }
     caller = torch.load(ckpt / "trainer_state.pt", weights_only=True)
     step, caller = int(caller.get("step", 0)), caller["caller"]
     ledger = _ledger_keys(caller.get("ledger", {}))
     pending_path = ckpt / "pending_groups.bin"
-    pending = len(msgpack.unpackb(pending_path.read_bytes())) if pending_path.exists() and pending_path.stat().st_size else 0
+    pending = (
+        len(msgpack.unpackb(pending_path.read_bytes())) if pending_path.exists() and pending_path.stat().st_size else 0
+    )
     after: set[Key] = set()
     if caller.get("lineage") and isinstance(caller.get("journal_segment"), int):
         after = set(journal_keys(run_dir / "journal" / str(caller["lineage"]), caller["journal_segment"])) - ledger
-    return {"checkpoint": ckpt, "step": step, "counters": caller.get("counters", {}), "ledger": ledger,
-            "received": ledger | after, "held": pending + len(after), "journal_after_checkpoint": len(after),
-            "source": f"checkpoint {ckpt}" + (f" + {len(after)} groups of its journal" if after else "")}
+    return {
+        "checkpoint": ckpt,
+        "step": step,
+        "counters": caller.get("counters", {}),
+        "ledger": ledger,
+        "received": ledger | after,
+        "held": pending + len(after),
+        "journal_after_checkpoint": len(after),
+        "source": f"checkpoint {ckpt}" + (f" + {len(after)} groups of its journal" if after else ""),
+    }
 
 
-def _sessions(received: set[Key], reports: list[dict[str, Any]], produced: list[Key] | None,
-              problems: list[str]) -> dict[tuple[str, str], dict[str, Any]]:
+def _sessions(
+    received: set[Key], reports: list[dict[str, Any]], produced: list[Key] | None, problems: list[str]
+) -> dict[tuple[str, str], dict[str, Any]]:
     """Per actor session: produced, received, abandoned, whether it was killed (module docstring)."""
     got: dict[tuple[str, str], list[int]] = defaultdict(list)
     for a, s, seq in received:
@@ -156,19 +174,30 @@ def _sessions(received: set[Key], reports: list[dict[str, Any]], produced: list[
         if report is not None:
             count, source = int(report["groups_produced"]), "its final report"
             if int(report.get("groups_acked", 0)) > len(seqs):
-                problems.append(f"actor session {key[1]} ({key[0]}) reports {report['groups_acked']} groups "
-                                f"acknowledged; the learner holds {len(seqs)} of its groups")
+                problems.append(
+                    f"actor session {key[1]} ({key[0]}) reports {report['groups_acked']} groups "
+                    f"acknowledged; the learner holds {len(seqs)} of its groups"
+                )
         elif produced is not None:
             count, source = len(dumped.get(key, ())), "its trajectory dump"
         else:
             count, source = max(seqs, default=-1) + 1, "its highest sequence number received"
-        beyond = [q for q in seqs if q >= count] if produced is None or report is not None else \
-            [q for q in seqs if q not in dumped.get(key, ())]
+        beyond = (
+            [q for q in seqs if q >= count]
+            if produced is None or report is not None
+            else [q for q in seqs if q not in dumped.get(key, ())]
+        )
         if beyond:
             problems.append(f"{len(beyond)} received groups that no actor produced (session {key[1]} of {key[0]})")
-        out[key] = {"actor_id": key[0], "session": key[1], "produced": count, "received": len(seqs),
-                    "abandoned": max(0, count - len(seqs) + len(beyond)), "killed": report is None,
-                    "produced_from": source}
+        out[key] = {
+            "actor_id": key[0],
+            "session": key[1],
+            "produced": count,
+            "received": len(seqs),
+            "abandoned": max(0, count - len(seqs) + len(beyond)),
+            "killed": report is None,
+            "produced_from": source,
+        }
     return out
 
 
@@ -178,7 +207,9 @@ def account(run_dir: str | Path) -> dict[str, Any]:
     view = learner_view(run_dir)
     counters, received, ckpt = view["counters"], view["received"], view["checkpoint"]
     held = view["held"]
-    dropped = {k[len("dropped_"):]: int(v) for k, v in counters.items() if k.startswith("dropped_") and v} if ckpt else {}
+    dropped = (
+        {k[len("dropped_") :]: int(v) for k, v in counters.items() if k.startswith("dropped_") and v} if ckpt else {}
+    )
     consumed = int(counters.get("consumed", 0)) if ckpt else 0
     trained = trained_keys(run_dir, view["step"]) if ckpt else Counter()
     reports = final_reports(run_dir)
@@ -186,11 +217,13 @@ def account(run_dir: str | Path) -> dict[str, Any]:
     if view["checkpoint"] is None and not received:
         problems.append("no learner checkpoint and no journal in the run folder")
     if ckpt and int(counters.get("received", 0)) != len(view["ledger"]):
-        problems.append(f"the learner counted {counters.get('received', 0)} groups received, its ledger holds "
-                        f"{len(view['ledger'])}")
+        problems.append(
+            f"the learner counted {counters.get('received', 0)} groups received, its ledger holds {len(view['ledger'])}"
+        )
     if len(received) != consumed + sum(dropped.values()) + held:
-        problems.append(f"received {len(received)} != consumed {consumed} + dropped {sum(dropped.values())} + "
-                        f"held {held}")
+        problems.append(
+            f"received {len(received)} != consumed {consumed} + dropped {sum(dropped.values())} + held {held}"
+        )
     twice = sum(1 for n in trained.values() if n > 1)
     if twice:
         problems.append(f"{twice} groups trained more than once")
@@ -204,12 +237,20 @@ def account(run_dir: str | Path) -> dict[str, Any]:
     sessions = _sessions(received, reports, produced, problems)
     killed = [s for s in sessions.values() if s["killed"]]
     out: dict[str, Any] = {
-        "checkpoint": str(ckpt) if ckpt else None, "checkpoint_step": view["step"], "learner_source": view["source"],
+        "checkpoint": str(ckpt) if ckpt else None,
+        "checkpoint_step": view["step"],
+        "learner_source": view["source"],
         "produced": sum(s["produced"] for s in sessions.values()),
         "produced_from": "trajectory dumps" if produced is not None else "sequence numbers and final reports",
-        "received": len(received), "consumed": consumed, "dropped": dropped, "held": held,
-        "duplicates_dropped": int(counters.get("duplicate", 0)), "trained": sum(trained.values()),
-        "trained_twice": twice, "actor_sessions": len(sessions), "actor_sessions_killed": len(killed),
+        "received": len(received),
+        "consumed": consumed,
+        "dropped": dropped,
+        "held": held,
+        "duplicates_dropped": int(counters.get("duplicate", 0)),
+        "trained": sum(trained.values()),
+        "trained_twice": twice,
+        "actor_sessions": len(sessions),
+        "actor_sessions_killed": len(killed),
         "actor_processes_ended": len(reports),
         "abandoned_by_killed_actors": sum(s["abandoned"] for s in killed),
         "unacked_at_end": sum(s["abandoned"] for s in sessions.values() if not s["killed"]),
@@ -217,8 +258,10 @@ def account(run_dir: str | Path) -> dict[str, Any]:
         "sessions": list(sessions.values()),
     }
     if out["produced"] != out["received"] + out["abandoned_by_killed_actors"] + out["unacked_at_end"]:
-        problems.append(f"produced {out['produced']} != received {out['received']} + abandoned "
-                        f"{out['abandoned_by_killed_actors'] + out['unacked_at_end']}")
+        problems.append(
+            f"produced {out['produced']} != received {out['received']} + abandoned "
+            f"{out['abandoned_by_killed_actors'] + out['unacked_at_end']}"
+        )
     out["problems"] = problems
     out["balanced"] = not problems
     return out
@@ -249,7 +292,9 @@ def balance_line(acc: dict[str, Any]) -> str:
         return f"accounting: NOT balanced: {'; '.join(acc.get('problems', []))}"
     abandoned = acc["abandoned_by_killed_actors"] + acc["unacked_at_end"]
     verdict = "balanced" if acc["balanced"] else f"NOT balanced: {'; '.join(acc['problems'])}"
-    return (f"accounting: produced {acc['produced']} ({acc['actor_sessions']} actor sessions, "
-            f"{acc['actor_sessions_killed']} killed) = received {acc['received']} + abandoned {abandoned}; received = "
-            f"consumed {acc['consumed']} + dropped {sum(acc['dropped'].values())} + held {acc['held']}; trained twice "
-            f"{acc['trained_twice']}: {verdict}")
+    return (
+        f"accounting: produced {acc['produced']} ({acc['actor_sessions']} actor sessions, "
+        f"{acc['actor_sessions_killed']} killed) = received {acc['received']} + abandoned {abandoned}; received = "
+        f"consumed {acc['consumed']} + dropped {sum(acc['dropped'].values())} + held {acc['held']}; trained twice "
+        f"{acc['trained_twice']}: {verdict}"
+    )

@@ -33,31 +33,47 @@ def engine_urls(cfg: Any) -> list[str]:
 
 def build_actor_envs(cfg: Any) -> list[Any]:
     """Every env of the config as an :class:`agentrl.actors.actor.ActorEnv` (tools, limits, weight)."""
-    from agentrl.episode.rollout import EpisodeLimits, toolbox_for
     from agentrl.actors.actor import ActorEnv
     from agentrl.envs import make_envs
+    from agentrl.episode.rollout import EpisodeLimits, toolbox_for
 
-    return [ActorEnv(env, toolbox_for(env, cfg, section), EpisodeLimits.from_config(cfg, env, section), section.weight)
-            for section, env in make_envs(cfg)]
+    return [
+        ActorEnv(env, toolbox_for(env, cfg, section), EpisodeLimits.from_config(cfg, env, section), section.weight)
+        for section, env in make_envs(cfg)
+    ]
 
 
-def agent_runner(cfg: Any, tokenizer: Any, client_factory: Any, *, evaluation: bool = False,
-                 greedy: bool = False) -> Any:
+def agent_runner(
+    cfg: Any, tokenizer: Any, client_factory: Any, *, evaluation: bool = False, greedy: bool = False
+) -> Any:
     """The process's :class:`agentrl.agents.agent_runner.AgentRunner` for ``cfg``: training (versions on, the
     run's sampling forced) or ``evaluation`` (any version; temperature 0 when ``greedy``)."""
-    from agentrl.episode.rollout import sampling_from_config
     from agentrl.agents.agent_runner import AgentRunner
+    from agentrl.episode.rollout import sampling_from_config
 
-    return AgentRunner(tokenizer, client_factory, versioned=not evaluation,
-                       forced_sampling=sampling_from_config(cfg, greedy=greedy),
-                       default_max_tokens=cfg.actors.max_new_tokens_per_turn,
-                       max_tokens_cap=cfg.actors.max_new_tokens_per_turn,
-                       max_model_len=cfg.engine.max_context_tokens)
+    return AgentRunner(
+        tokenizer,
+        client_factory,
+        versioned=not evaluation,
+        forced_sampling=sampling_from_config(cfg, greedy=greedy),
+        default_max_tokens=cfg.actors.max_new_tokens_per_turn,
+        max_tokens_cap=cfg.actors.max_new_tokens_per_turn,
+        max_model_len=cfg.engine.max_context_tokens,
+    )
 
 
-def serve_actors(cfg: Any, *, dump_path: Path | None = None, max_groups: int | None = None, index: int = 0,
-                 num_actors: int | None = None, send: bool = True, wait_for_learner: bool = False,
-                 split: str = "train", log_interval_s: float = 30.0) -> int:
+def serve_actors(
+    cfg: Any,
+    *,
+    dump_path: Path | None = None,
+    max_groups: int | None = None,
+    index: int = 0,
+    num_actors: int | None = None,
+    send: bool = True,
+    wait_for_learner: bool = False,
+    split: str = "train",
+    log_interval_s: float = 30.0,
+) -> int:
     """Run one actor process until it stops; print the report as JSON; return the exit code."""
     if not send and dump_path is None:
         raise ValueError("--no-send without --dump-trajectories would throw every group away")
@@ -69,20 +85,26 @@ def serve_actors(cfg: Any, *, dump_path: Path | None = None, max_groups: int | N
     import trio
     from transformers import AutoTokenizer
 
-    from agentrl.episode.rollout import sampling_from_config
     from agentrl.actors.actor import ActorService, ActorSettings
     from agentrl.envs.agent import AgentEnv
+    from agentrl.episode.rollout import sampling_from_config
 
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpx2", "httpcore"):  # one line per request otherwise
         logging.getLogger(noisy).setLevel(logging.WARNING)
     num_actors = num_actors or cfg.actors.num_processes
     settings = ActorSettings(
-        group_size=cfg.actors.group_size, num_concurrent_episodes=cfg.actors.num_concurrent_episodes,
-        actor_index=index, num_actors=num_actors, actor_id=f"actor{index}", max_groups=max_groups,
+        group_size=cfg.actors.group_size,
+        num_concurrent_episodes=cfg.actors.num_concurrent_episodes,
+        actor_index=index,
+        num_actors=num_actors,
+        actor_id=f"actor{index}",
+        max_groups=max_groups,
         max_unacked_groups=cfg.actors.max_unacked_groups,
-        wait_for_learner=wait_for_learner, split=split, seed=cfg.run.seed, max_staleness=cfg.actors.max_staleness,
+        wait_for_learner=wait_for_learner,
+        split=split,
+        seed=cfg.run.seed,
+        max_staleness=cfg.actors.max_staleness,
         log_interval_s=log_interval_s,
     )
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
@@ -100,20 +122,35 @@ def serve_actors(cfg: Any, *, dump_path: Path | None = None, max_groups: int | N
         try:
             if send:
                 security = security_from_config(cfg.actors)
-                sender = GroupSender(cfg.actors.trajectory_endpoint, max_queued_groups=cfg.actors.send_queue_groups,
-                                     security=security)
+                sender = GroupSender(
+                    cfg.actors.trajectory_endpoint, max_queued_groups=cfg.actors.send_queue_groups, security=security
+                )
                 progress = ProgressSubscriber(cfg.actors.progress_endpoint, security=security)
             async with AsyncExitStack() as stack:
                 client = await stack.enter_async_context(new_client())
                 agents = None
                 if any(isinstance(e.env, AgentEnv) for e in envs):  # its own engine client, in its own thread
                     agents = await stack.enter_async_context(agent_runner(cfg, tokenizer, new_client))
-                service = ActorService(client=client, tokenizer=tokenizer, envs=envs, agents=agents,
-                                       sampling=sampling_from_config(cfg), settings=settings, sender=sender,
-                                       progress=progress, dump_path=dump_path)
-                log.info("actor %s: %d engine(s), %d groups of %d open at most, env(s) %s, split %s",
-                         settings.actor_id, len(engine_urls(cfg)), settings.max_open_groups, settings.group_size,
-                         ", ".join(f"{e.name} (weight {e.weight:g})" for e in envs), split)
+                service = ActorService(
+                    client=client,
+                    tokenizer=tokenizer,
+                    envs=envs,
+                    agents=agents,
+                    sampling=sampling_from_config(cfg),
+                    settings=settings,
+                    sender=sender,
+                    progress=progress,
+                    dump_path=dump_path,
+                )
+                log.info(
+                    "actor %s: %d engine(s), %d groups of %d open at most, env(s) %s, split %s",
+                    settings.actor_id,
+                    len(engine_urls(cfg)),
+                    settings.max_open_groups,
+                    settings.group_size,
+                    ", ".join(f"{e.name} (weight {e.weight:g})" for e in envs),
+                    split,
+                )
                 return await service.run(handle_signals=True)
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(10):
@@ -124,8 +161,17 @@ def serve_actors(cfg: Any, *, dump_path: Path | None = None, max_groups: int | N
 
     report = trio.run(main)
     print(json.dumps(report), flush=True)
-    log.info("actor %s stopped (%s): delivered %d groups (%d acknowledged, %d resent), lost %d, abandoned %d groups "
-             "(%d episodes), unsent %d", settings.actor_id, report["stop_reason"], report["groups_delivered"],
-             report["groups_acked"], report["groups_resent"], report["groups_lost"],
-             report["groups_abandoned"], report["episodes_abandoned"], report["groups_unsent"])
+    log.info(
+        "actor %s stopped (%s): delivered %d groups (%d acknowledged, %d resent), lost %d, abandoned %d groups "
+        "(%d episodes), unsent %d",
+        settings.actor_id,
+        report["stop_reason"],
+        report["groups_delivered"],
+        report["groups_acked"],
+        report["groups_resent"],
+        report["groups_lost"],
+        report["groups_abandoned"],
+        report["episodes_abandoned"],
+        report["groups_unsent"],
+    )
     return 1 if report["failed"] else 0

@@ -94,30 +94,57 @@ def _endpoint_port(endpoint: str, default: int) -> int:
 
 
 def ports_for(cfg: AgentRLConfig, opts: ClusterOptions) -> Ports:
-    return Ports(engine=cfg.engine.base_port, router=opts.router_port, rdzv=opts.rdzv_port,
-                 weight_sync=cfg.learner.weight_sync_port or 29500,
-                 trajectory=_endpoint_port(cfg.actors.trajectory_endpoint, 5557),
-                 progress=_endpoint_port(cfg.actors.progress_endpoint, 5558))
+    return Ports(
+        engine=cfg.engine.base_port,
+        router=opts.router_port,
+        rdzv=opts.rdzv_port,
+        weight_sync=cfg.learner.weight_sync_port or 29500,
+        trajectory=_endpoint_port(cfg.actors.trajectory_endpoint, 5557),
+        progress=_endpoint_port(cfg.actors.progress_endpoint, 5558),
+    )
 
 
 def check_config(cfg: AgentRLConfig) -> None:
     if cfg.engine.backend != "sglang":
         raise PlacementError("agentrl launch starts SGLang servers: set engine.backend = 'sglang'")
     if any(s.kwargs.get("search_url") == "auto" for s in cfg.env_sections):
-        raise PlacementError("env.kwargs.search_url = 'auto' starts a retrieval server next to a one-machine run; "
-                             "on a cluster start `agentrl serve-search --host 0.0.0.0` where the actors can reach it "
-                             "and set env.kwargs.search_url to its URL")
+        raise PlacementError(
+            "env.kwargs.search_url = 'auto' starts a retrieval server next to a one-machine run; "
+            "on a cluster start `agentrl serve-search --host 0.0.0.0` where the actors can reach it "
+            "and set env.kwargs.search_url to its URL"
+        )
 
 
 def server_argv(cfg: AgentRLConfig, port: str) -> list[str]:
     """SGLang's command line for one engine, without keys (a shell adds them from the environment)."""
-    return ["python", "-m", "sglang.launch_server", "--model-path", cfg.model.path, "--host", "0.0.0.0",
-            "--port", port, *config_engine_args(cfg, secret=lambda var: "")]
+    return [
+        "python",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        cfg.model.path,
+        "--host",
+        "0.0.0.0",
+        "--port",
+        port,
+        *config_engine_args(cfg, secret=lambda var: ""),
+    ]
 
 
 def router_argv(urls: list[str], port: int | str, policy: str) -> list[str]:
-    return ["python", "-m", "sglang_router.launch_router", "--host", "0.0.0.0", "--port", port if isinstance(port, str) else str(port),
-            "--worker-urls", *urls, "--policy", policy]
+    return [
+        "python",
+        "-m",
+        "sglang_router.launch_router",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        port if isinstance(port, str) else str(port),
+        "--worker-urls",
+        *urls,
+        "--policy",
+        policy,
+    ]
 
 
 class Raw(str):
@@ -132,25 +159,26 @@ def _toml_list(items: list[str]) -> str:
     return "[" + ", ".join(json.dumps(i) for i in items) + "]"
 
 
-SECRET_SHELL = '''secret() {  # the value of $1, or the content of the file named by ${1}_FILE (agentrl/secrets.py)
+SECRET_SHELL = """secret() {  # the value of $1, or the content of the file named by ${1}_FILE (agentrl/secrets.py)
   local file_var="${1}_FILE"
   if [[ -n "${!1:-}" ]]; then printf '%s' "${!1}"
   elif [[ -n "${!file_var:-}" ]]; then printf '%s' "$(< "${!file_var}")"
   fi
-}'''
+}"""
 
 
 def _key_flags_shell(cfg: AgentRLConfig) -> str:
     e = cfg.engine
-    return (f'KEYS=()\n'
-            f'key=$(secret {e.api_key_env}); [[ -z "$key" ]] || KEYS+=(--api-key "$key")\n'
-            f'key=$(secret {e.admin_api_key_env}); [[ -z "$key" ]] || KEYS+=(--admin-api-key "$key")')
+    return (
+        f"KEYS=()\n"
+        f'key=$(secret {e.api_key_env}); [[ -z "$key" ]] || KEYS+=(--api-key "$key")\n'
+        f'key=$(secret {e.admin_api_key_env}); [[ -z "$key" ]] || KEYS+=(--admin-api-key "$key")'
+    )
 
 
 def _router_key_shell(cfg: AgentRLConfig) -> str:
     """``ROUTER_KEYS``: sglang-router's ``--api-key`` (the key it sends to the workers) when the engines have one."""
-    return (f'ROUTER_KEYS=()\n'
-            f'key=$(secret {cfg.engine.api_key_env}); [[ -z "$key" ]] || ROUTER_KEYS+=(--api-key "$key")')
+    return f'ROUTER_KEYS=()\nkey=$(secret {cfg.engine.api_key_env}); [[ -z "$key" ]] || ROUTER_KEYS+=(--api-key "$key")'
 
 
 ROUTER_KEY_ARGS = '${ROUTER_KEYS[@]+"${ROUTER_KEYS[@]}"}'
@@ -162,18 +190,20 @@ def _redact_shell(cfg: AgentRLConfig) -> str:
     output is a file in the run folder. The keys reach awk through its environment, never its argv;
     the longer first (one key may begin the other)."""
     e = cfg.engine
-    return (f'redact_keys() {{  # SGLang logs its keys at start (server_args=...): none in the log\n'
-            f'  REDACT_A="$(secret {e.api_key_env})" REDACT_B="$(secret {e.admin_api_key_env})" LC_ALL=C awk \'\n'
-            '    BEGIN { a = ENVIRON["REDACT_A"]; b = ENVIRON["REDACT_B"]\n'
-            '            if (length(a) < length(b)) { t = a; a = b; b = t }\n'
-            '            k[1] = a; k[2] = b }\n'
-            '    { for (i = 1; i <= 2; i++) if (k[i] != "") {\n'
-            '        out = ""; s = $0\n'
-            '        while ((p = index(s, k[i])) > 0) { out = out substr(s, 1, p - 1) "<redacted>"; s = substr(s, p + length(k[i])) }\n'
-            '        $0 = out s\n'
-            '      }\n'
-            '      print; fflush() }\'\n'
-            '}')
+    return (
+        f"redact_keys() {{  # SGLang logs its keys at start (server_args=...): none in the log\n"
+        f'  REDACT_A="$(secret {e.api_key_env})" REDACT_B="$(secret {e.admin_api_key_env})" LC_ALL=C awk \'\n'
+        '    BEGIN { a = ENVIRON["REDACT_A"]; b = ENVIRON["REDACT_B"]\n'
+        "            if (length(a) < length(b)) { t = a; a = b; b = t }\n"
+        "            k[1] = a; k[2] = b }\n"
+        '    { for (i = 1; i <= 2; i++) if (k[i] != "") {\n'
+        '        out = ""; s = $0\n'
+        '        while ((p = index(s, k[i])) > 0) { out = out substr(s, 1, p - 1) "<redacted>"; s = substr(s, p + length(k[i])) }\n'
+        "        $0 = out s\n"
+        "      }\n"
+        "      print; fflush() }'\n"
+        "}"
+    )
 
 
 # ------------------------------------------------------------------------------ SLURM
@@ -188,13 +218,23 @@ def slurm_files(cfg: AgentRLConfig, layout: ClusterLayout, opts: ClusterOptions,
     name = cfg.run.name
     learn = ["agentrl", "learn", "--config", Raw('"$CONFIG"'), "--nproc", str(layout.learner_ranks_per_node)]
     if layout.learner_nodes > 1:
-        learn += ["--nnodes", str(layout.learner_nodes), "--rdzv-endpoint", Raw('"$LEARNER_HEAD:$RDZV_PORT"'),
-                  "--rdzv-id", Raw('"agentrl-$SLURM_JOB_ID"')]
+        learn += [
+            "--nnodes",
+            str(layout.learner_nodes),
+            "--rdzv-endpoint",
+            Raw('"$LEARNER_HEAD:$RDZV_PORT"'),
+            "--rdzv-id",
+            Raw('"agentrl-$SLURM_JOB_ID"'),
+        ]
     partition = f"#SBATCH --partition={opts.partition}\n" if opts.partition else ""
-    router_block = ('''ROUTER_URL="http://${ENGINE_HOSTS[0]}:$ROUTER_PORT"
+    router_block = (
+        '''ROUTER_URL="http://${ENGINE_HOSTS[0]}:$ROUTER_PORT"
 srun --nodes=1 --ntasks=1 --nodelist="${ENGINE_HOSTS[0]}" --overlap --gres=none \\
     --output="$RUN_DIR/logs/router.log" bash "$LAUNCH_DIR/router.sh" "${ENGINE_URLS[@]}" &
-wait_healthy "$ROUTER_URL"''' if use_router else 'ROUTER_URL=""  # one engine: no router')
+wait_healthy "$ROUTER_URL"'''
+        if use_router
+        else 'ROUTER_URL=""  # one engine: no router'
+    )
     sbatch = f'''#!/bin/bash
 # Generated by `agentrl launch --target slurm` from the config of run "{name}". Submit with:
 #   sbatch {out_dir / "agentrl.sbatch"}
@@ -283,7 +323,7 @@ wait $! || status=$?
 echo "agentrl: the learner exited with status $status; stopping the engines, router and actors"
 exit "$status"
 '''
-    engines = f'''#!/bin/bash
+    engines = f"""#!/bin/bash
 # One engine node's SGLang servers, each on its own GPUs. Generated by `agentrl launch --target slurm`;
 # agentrl.sbatch runs it on every engine node:  bash engines.sh COUNT
 set -euo pipefail
@@ -308,10 +348,10 @@ for ((j = 0; j < COUNT; j++)); do
 done
 wait -n  # an engine that exits ends the step: engines are critical (a new one would miss the weight group)
 exit 1
-'''
+"""
     files = {"agentrl.sbatch": sbatch, "engines.sh": engines}
     if use_router:
-        files["router.sh"] = f'''#!/bin/bash
+        files["router.sh"] = f"""#!/bin/bash
 # sglang-router in front of the engines. Generated by `agentrl launch --target slurm`; agentrl.sbatch
 # runs it on the first engine node:  bash router.sh ENGINE_URL...
 set -euo pipefail
@@ -320,7 +360,7 @@ set -euo pipefail
 {_redact_shell(cfg)}
 
 {shell_join(router_argv([Raw('"$@"')], p.router, opts.router_policy))} {ROUTER_KEY_ARGS} 2>&1 | redact_keys
-'''
+"""
     return files
 
 
@@ -333,8 +373,10 @@ def _labels(component: str) -> dict[str, str]:
 
 def _key_env(cfg: AgentRLConfig) -> list[dict[str, Any]]:
     """The engine key variables, from the Secret when it exists (optional: no Secret, no keys)."""
-    return [{"name": var, "valueFrom": {"secretKeyRef": {"name": SECRET_NAME, "key": key, "optional": True}}}
-            for var, key in ((cfg.engine.api_key_env, "api-key"), (cfg.engine.admin_api_key_env, "admin-api-key"))]
+    return [
+        {"name": var, "valueFrom": {"secretKeyRef": {"name": SECRET_NAME, "key": key, "optional": True}}}
+        for var, key in ((cfg.engine.api_key_env, "api-key"), (cfg.engine.admin_api_key_env, "admin-api-key"))
+    ]
 
 
 PING_PROBE = """import os, sys, urllib.request
@@ -350,16 +392,22 @@ except Exception as e:
 def ping_probe(cfg: AgentRLConfig, port: int) -> dict[str, Any]:
     """An exec probe of the engine's ``/ping`` with the api key from the pod's environment, when set
     (a key cannot come from a Secret into an httpGet probe's headers)."""
-    return {"exec": {"command": ["python", "-c", PING_PROBE.format(var=cfg.engine.api_key_env, port=port)]},
-            "timeoutSeconds": 10}
+    return {
+        "exec": {"command": ["python", "-c", PING_PROBE.format(var=cfg.engine.api_key_env, port=port)]},
+        "timeoutSeconds": 10,
+    }
 
 
 def _volumes(cfg: AgentRLConfig, with_runs: bool) -> tuple[list[dict], list[dict]]:
     models_dir = str(Path(cfg.model.path).parent)
-    volumes = [{"name": "models", "persistentVolumeClaim": {"claimName": "agentrl-models", "readOnly": True}},
-               {"name": "config", "configMap": {"name": "agentrl-config"}}]
-    mounts = [{"name": "models", "mountPath": models_dir, "readOnly": True},
-              {"name": "config", "mountPath": "/etc/agentrl", "readOnly": True}]
+    volumes = [
+        {"name": "models", "persistentVolumeClaim": {"claimName": "agentrl-models", "readOnly": True}},
+        {"name": "config", "configMap": {"name": "agentrl-config"}},
+    ]
+    mounts = [
+        {"name": "models", "mountPath": models_dir, "readOnly": True},
+        {"name": "config", "mountPath": "/etc/agentrl", "readOnly": True},
+    ]
     if with_runs:
         volumes.append({"name": "runs", "persistentVolumeClaim": {"claimName": "agentrl-runs"}})
         mounts.append({"name": "runs", "mountPath": "/runs"})
@@ -374,11 +422,17 @@ def _sh(script: str) -> list[str]:
 
 def _headless_service(component: str, ports: dict[str, int], ns: str) -> dict:
     """``agentrl-<component>``: no cluster IP, one DNS name per pod (``<pod>.agentrl-<component>``)."""
-    return {"apiVersion": "v1", "kind": "Service",
-            "metadata": {"name": f"agentrl-{component}", "namespace": ns, "labels": _labels(component)},
-            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,  # names resolve before readiness
-                     "selector": _labels(component),
-                     "ports": [{"name": k, "port": v, "targetPort": v} for k, v in ports.items()]}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": f"agentrl-{component}", "namespace": ns, "labels": _labels(component)},
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,  # names resolve before readiness
+            "selector": _labels(component),
+            "ports": [{"name": k, "port": v, "targetPort": v} for k, v in ports.items()],
+        },
+    }
 
 
 K8S_HEAD = "agentrl-learner-0.agentrl-learner"  # the learner's index-0 pod: rank 0
@@ -388,11 +442,14 @@ def k8s_addresses(cfg: AgentRLConfig, layout: ClusterLayout, opts: ClusterOption
     """Every address the processes need, by Service DNS name (known before anything starts)."""
     p = ports_for(cfg, opts)
     use_router = wants_router(layout, opts)
-    return {"engine.urls": [f"http://agentrl-engine-{i}.agentrl-engine:{p.engine}" for i in range(layout.num_engines)],
-            "engine.router_url": f"http://agentrl-router:{p.router}" if use_router else "",
-            "learner.weight_sync_address": K8S_HEAD, "learner.weight_sync_port": p.weight_sync,
-            "actors.trajectory_endpoint": f"tcp://{K8S_HEAD}:{p.trajectory}",
-            "actors.progress_endpoint": f"tcp://{K8S_HEAD}:{p.progress}"}
+    return {
+        "engine.urls": [f"http://agentrl-engine-{i}.agentrl-engine:{p.engine}" for i in range(layout.num_engines)],
+        "engine.router_url": f"http://agentrl-router:{p.router}" if use_router else "",
+        "learner.weight_sync_address": K8S_HEAD,
+        "learner.weight_sync_port": p.weight_sync,
+        "actors.trajectory_endpoint": f"tcp://{K8S_HEAD}:{p.trajectory}",
+        "actors.progress_endpoint": f"tcp://{K8S_HEAD}:{p.progress}",
+    }
 
 
 def kubernetes_objects(cfg: AgentRLConfig, layout: ClusterLayout, opts: ClusterOptions) -> list[dict]:
@@ -403,88 +460,211 @@ def kubernetes_objects(cfg: AgentRLConfig, layout: ClusterLayout, opts: ClusterO
     use_router = bool(cfg.engine.router_url)
     head = K8S_HEAD
     config_file = "/etc/agentrl/config.toml"
-    objects: list[dict] = [{"apiVersion": "v1", "kind": "ConfigMap",
-                            "metadata": {"name": "agentrl-config", "namespace": ns, "labels": _labels("config")},
-                            "data": {"config.toml": dump_toml(cfg)}}]
+    objects: list[dict] = [
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "agentrl-config", "namespace": ns, "labels": _labels("config")},
+            "data": {"config.toml": dump_toml(cfg)},
+        }
+    ]
 
     # engines: a StatefulSet gives each one a stable name, which the weight push needs
     volumes, mounts = _volumes(cfg, with_runs=False)
-    engine_script = ("set -euo pipefail\n" + SECRET_SHELL + "\n" + _key_flags_shell(cfg) + "\n"
-                     f"exec {shell_join(server_argv(cfg, str(p.engine)))} " + '${KEYS[@]+"${KEYS[@]}"}')
+    engine_script = (
+        "set -euo pipefail\n" + SECRET_SHELL + "\n" + _key_flags_shell(cfg) + "\n"
+        f"exec {shell_join(server_argv(cfg, str(p.engine)))} " + '${KEYS[@]+"${KEYS[@]}"}'
+    )
     objects.append(_headless_service("engine", {"http": p.engine}, ns))
-    objects.append({
-        "apiVersion": "apps/v1", "kind": "StatefulSet",
-        "metadata": {"name": "agentrl-engine", "namespace": ns, "labels": _labels("engine")},
-        "spec": {"serviceName": "agentrl-engine", "replicas": layout.num_engines, "podManagementPolicy": "Parallel",
-                 "selector": {"matchLabels": _labels("engine")},
-                 "template": {"metadata": {"labels": _labels("engine")}, "spec": {
-                     "containers": [{
-                         "name": "sglang", "image": opts.image, "command": _sh(engine_script),
-                         "env": _key_env(cfg), "ports": [{"name": "http", "containerPort": p.engine}],
-                         "resources": {"limits": {"nvidia.com/gpu": layout.gpus_per_engine}},
-                         "readinessProbe": {**ping_probe(cfg, p.engine), "periodSeconds": 10, "failureThreshold": 3},
-                         "startupProbe": {**ping_probe(cfg, p.engine), "periodSeconds": 10, "failureThreshold": 180},
-                         "volumeMounts": mounts}],
-                     "volumes": volumes}}}})
+    objects.append(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "StatefulSet",
+            "metadata": {"name": "agentrl-engine", "namespace": ns, "labels": _labels("engine")},
+            "spec": {
+                "serviceName": "agentrl-engine",
+                "replicas": layout.num_engines,
+                "podManagementPolicy": "Parallel",
+                "selector": {"matchLabels": _labels("engine")},
+                "template": {
+                    "metadata": {"labels": _labels("engine")},
+                    "spec": {
+                        "containers": [
+                            {
+                                "name": "sglang",
+                                "image": opts.image,
+                                "command": _sh(engine_script),
+                                "env": _key_env(cfg),
+                                "ports": [{"name": "http", "containerPort": p.engine}],
+                                "resources": {"limits": {"nvidia.com/gpu": layout.gpus_per_engine}},
+                                "readinessProbe": {
+                                    **ping_probe(cfg, p.engine),
+                                    "periodSeconds": 10,
+                                    "failureThreshold": 3,
+                                },
+                                "startupProbe": {
+                                    **ping_probe(cfg, p.engine),
+                                    "periodSeconds": 10,
+                                    "failureThreshold": 180,
+                                },
+                                "volumeMounts": mounts,
+                            }
+                        ],
+                        "volumes": volumes,
+                    },
+                },
+            },
+        }
+    )
 
     if use_router:
-        router_script = ("set -euo pipefail\n" + SECRET_SHELL + "\n" + _router_key_shell(cfg) + "\n"
-                         f"exec {shell_join(router_argv(engine_urls, p.router, opts.router_policy))} {ROUTER_KEY_ARGS}")
-        objects.append({"apiVersion": "v1", "kind": "Service",
-                        "metadata": {"name": "agentrl-router", "namespace": ns, "labels": _labels("router")},
-                        "spec": {"selector": _labels("router"),
-                                 "ports": [{"name": "http", "port": p.router, "targetPort": p.router}]}})
-        objects.append({
-            "apiVersion": "apps/v1", "kind": "Deployment",
-            "metadata": {"name": "agentrl-router", "namespace": ns, "labels": _labels("router")},
-            "spec": {"replicas": 1, "selector": {"matchLabels": _labels("router")},
-                     "template": {"metadata": {"labels": _labels("router")}, "spec": {"containers": [{
-                         "name": "router", "image": opts.image, "command": _sh(router_script),
-                         "env": _key_env(cfg)[:1],  # the api key only: the one the router sends to the engines
-                         "ports": [{"name": "http", "containerPort": p.router}],
-                         "readinessProbe": {"httpGet": {"path": "/health", "port": p.router}, "periodSeconds": 10}}]}}}})
+        router_script = (
+            "set -euo pipefail\n" + SECRET_SHELL + "\n" + _router_key_shell(cfg) + "\n"
+            f"exec {shell_join(router_argv(engine_urls, p.router, opts.router_policy))} {ROUTER_KEY_ARGS}"
+        )
+        objects.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": {"name": "agentrl-router", "namespace": ns, "labels": _labels("router")},
+                "spec": {
+                    "selector": _labels("router"),
+                    "ports": [{"name": "http", "port": p.router, "targetPort": p.router}],
+                },
+            }
+        )
+        objects.append(
+            {
+                "apiVersion": "apps/v1",
+                "kind": "Deployment",
+                "metadata": {"name": "agentrl-router", "namespace": ns, "labels": _labels("router")},
+                "spec": {
+                    "replicas": 1,
+                    "selector": {"matchLabels": _labels("router")},
+                    "template": {
+                        "metadata": {"labels": _labels("router")},
+                        "spec": {
+                            "containers": [
+                                {
+                                    "name": "router",
+                                    "image": opts.image,
+                                    "command": _sh(router_script),
+                                    "env": _key_env(cfg)[
+                                        :1
+                                    ],  # the api key only: the one the router sends to the engines
+                                    "ports": [{"name": "http", "containerPort": p.router}],
+                                    "readinessProbe": {
+                                        "httpGet": {"path": "/health", "port": p.router},
+                                        "periodSeconds": 10,
+                                    },
+                                }
+                            ]
+                        },
+                    },
+                },
+            }
+        )
 
     # learner: an Indexed Job; pod i is agentrl-learner-i.agentrl-learner, index 0 sorts first: rank 0
     volumes, mounts = _volumes(cfg, with_runs=True)
     learn = ["agentrl", "learn", "--config", config_file, "--nproc", str(layout.learner_ranks_per_node)]
     if layout.learner_nodes > 1:
-        learn += ["--nnodes", str(layout.learner_nodes), "--rdzv-endpoint", f"{head}:{p.rdzv}",
-                  "--rdzv-id", f"agentrl-{cfg.run.name}"]
-    learn += ["-s", f"actors.trajectory_endpoint=tcp://0.0.0.0:{p.trajectory}",  # rank 0 binds every interface
-              "-s", f"actors.progress_endpoint=tcp://0.0.0.0:{p.progress}"]
+        learn += [
+            "--nnodes",
+            str(layout.learner_nodes),
+            "--rdzv-endpoint",
+            f"{head}:{p.rdzv}",
+            "--rdzv-id",
+            f"agentrl-{cfg.run.name}",
+        ]
+    learn += [
+        "-s",
+        f"actors.trajectory_endpoint=tcp://0.0.0.0:{p.trajectory}",  # rank 0 binds every interface
+        "-s",
+        f"actors.progress_endpoint=tcp://0.0.0.0:{p.progress}",
+    ]
     learn_script = f'exec {shell_join(learn)} --local-addr "$(hostname).agentrl-learner"'
-    objects.append(_headless_service("learner", {"rdzv": p.rdzv, "weight-sync": p.weight_sync,
-                                                         "trajectories": p.trajectory, "progress": p.progress}, ns))
-    objects.append({
-        "apiVersion": "batch/v1", "kind": "Job",
-        "metadata": {"name": "agentrl-learner", "namespace": ns, "labels": _labels("learner")},
-        "spec": {"completionMode": "Indexed", "completions": layout.learner_nodes,
-                 "parallelism": layout.learner_nodes, "backoffLimit": 3,
-                 "template": {"metadata": {"labels": _labels("learner")}, "spec": {
-                     "subdomain": "agentrl-learner", "restartPolicy": "OnFailure",
-                     "containers": [{
-                         "name": "learner", "image": opts.image, "command": _sh(learn_script), "env": _key_env(cfg),
-                         "ports": [{"name": n, "containerPort": v} for n, v in (
-                             ("rdzv", p.rdzv), ("weight-sync", p.weight_sync), ("trajectories", p.trajectory),
-                             ("progress", p.progress))],
-                         "resources": {"limits": {"nvidia.com/gpu": layout.learner_ranks_per_node}},
-                         "volumeMounts": mounts}],
-                     "volumes": volumes}}}})
+    objects.append(
+        _headless_service(
+            "learner",
+            {"rdzv": p.rdzv, "weight-sync": p.weight_sync, "trajectories": p.trajectory, "progress": p.progress},
+            ns,
+        )
+    )
+    objects.append(
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"name": "agentrl-learner", "namespace": ns, "labels": _labels("learner")},
+            "spec": {
+                "completionMode": "Indexed",
+                "completions": layout.learner_nodes,
+                "parallelism": layout.learner_nodes,
+                "backoffLimit": 3,
+                "template": {
+                    "metadata": {"labels": _labels("learner")},
+                    "spec": {
+                        "subdomain": "agentrl-learner",
+                        "restartPolicy": "OnFailure",
+                        "containers": [
+                            {
+                                "name": "learner",
+                                "image": opts.image,
+                                "command": _sh(learn_script),
+                                "env": _key_env(cfg),
+                                "ports": [
+                                    {"name": n, "containerPort": v}
+                                    for n, v in (
+                                        ("rdzv", p.rdzv),
+                                        ("weight-sync", p.weight_sync),
+                                        ("trajectories", p.trajectory),
+                                        ("progress", p.progress),
+                                    )
+                                ],
+                                "resources": {"limits": {"nvidia.com/gpu": layout.learner_ranks_per_node}},
+                                "volumeMounts": mounts,
+                            }
+                        ],
+                        "volumes": volumes,
+                    },
+                },
+            },
+        }
+    )
 
     # actors: CPU only; an Indexed Job, since each actor's index is its share of the budget
     volumes, mounts = _volumes(cfg, with_runs=False)
     n = cfg.actors.num_processes
     serve = ["agentrl", "serve-actors", "--config", config_file, "--num-actors", str(n), "--wait-for-learner"]
-    objects.append({
-        "apiVersion": "batch/v1", "kind": "Job",
-        "metadata": {"name": "agentrl-actors", "namespace": ns, "labels": _labels("actors")},
-        "spec": {"completionMode": "Indexed", "completions": n, "parallelism": n, "backoffLimit": 3 * n,
-                 "template": {"metadata": {"labels": _labels("actors")}, "spec": {
-                     "restartPolicy": "OnFailure",
-                     "containers": [{"name": "actor", "image": opts.image,
-                                     "command": _sh(f'exec {shell_join(serve)} --index "$JOB_COMPLETION_INDEX"'),
-                                     "env": _key_env(cfg), "volumeMounts": mounts}],
-                     "volumes": volumes}}}})
+    objects.append(
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"name": "agentrl-actors", "namespace": ns, "labels": _labels("actors")},
+            "spec": {
+                "completionMode": "Indexed",
+                "completions": n,
+                "parallelism": n,
+                "backoffLimit": 3 * n,
+                "template": {
+                    "metadata": {"labels": _labels("actors")},
+                    "spec": {
+                        "restartPolicy": "OnFailure",
+                        "containers": [
+                            {
+                                "name": "actor",
+                                "image": opts.image,
+                                "command": _sh(f'exec {shell_join(serve)} --index "$JOB_COMPLETION_INDEX"'),
+                                "env": _key_env(cfg),
+                                "volumeMounts": mounts,
+                            }
+                        ],
+                        "volumes": volumes,
+                    },
+                },
+            },
+        }
+    )
     return objects
 
 
@@ -499,14 +679,16 @@ def kubernetes_yaml(cfg: AgentRLConfig, layout: ClusterLayout, opts: ClusterOpti
 
     Dumper.add_representer(str, text)
 
-    header = (f"# Generated by `agentrl launch --target k8s` from the config of run \"{cfg.run.name}\".\n"
-              f"# Needs: PersistentVolumeClaims agentrl-models (the model at {cfg.model.path}) and agentrl-runs\n"
-              "# (ReadWriteMany when the learner has several nodes), an image with agentrl, sglang and\n"
-              f"# sglang-router ({opts.image}), and optionally the engine keys:\n"
-              f"#   kubectl -n {opts.namespace} create secret generic {SECRET_NAME} --from-literal=api-key=... "
-              "--from-literal=admin-api-key=...\n"
-              f"# Layout: {layout.describe()[0]}; {layout.describe()[1]}.\n"
-              f"# Apply: kubectl apply -f agentrl.yaml\n")
+    header = (
+        f'# Generated by `agentrl launch --target k8s` from the config of run "{cfg.run.name}".\n'
+        f"# Needs: PersistentVolumeClaims agentrl-models (the model at {cfg.model.path}) and agentrl-runs\n"
+        "# (ReadWriteMany when the learner has several nodes), an image with agentrl, sglang and\n"
+        f"# sglang-router ({opts.image}), and optionally the engine keys:\n"
+        f"#   kubectl -n {opts.namespace} create secret generic {SECRET_NAME} --from-literal=api-key=... "
+        "--from-literal=admin-api-key=...\n"
+        f"# Layout: {layout.describe()[0]}; {layout.describe()[1]}.\n"
+        f"# Apply: kubectl apply -f agentrl.yaml\n"
+    )
     return header + yaml.dump_all(kubernetes_objects(cfg, layout, opts), Dumper=Dumper, sort_keys=False, width=120)
 
 
@@ -521,8 +703,10 @@ def cluster_config(cfg: AgentRLConfig, target: str, layout: ClusterLayout, opts:
     stamp = f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     if target == "k8s":
         if not Path(cfg.model.path).is_absolute():
-            raise PlacementError(f"model.path must be an absolute path inside the pods (a volume mounts its folder); "
-                                 f"got {cfg.model.path!r}")
+            raise PlacementError(
+                f"model.path must be an absolute path inside the pods (a volume mounts its folder); "
+                f"got {cfg.model.path!r}"
+            )
         data["run"]["run_dir"] = f"/runs/{Path(cfg.run.run_dir).name or stamp}"
         for key, value in k8s_addresses(cfg, layout, opts).items():
             section, name = key.split(".")
@@ -534,7 +718,9 @@ def cluster_config(cfg: AgentRLConfig, target: str, layout: ClusterLayout, opts:
     return AgentRLConfig.model_validate(data)
 
 
-def write_launch(cfg: AgentRLConfig, target: str, out_dir: Path, opts: ClusterOptions) -> tuple[ClusterLayout, list[Path]]:
+def write_launch(
+    cfg: AgentRLConfig, target: str, out_dir: Path, opts: ClusterOptions
+) -> tuple[ClusterLayout, list[Path]]:
     """Write the files for ``target`` into ``out_dir``; returns the layout and the files."""
     if target not in TARGETS:
         raise PlacementError(f"unknown target {target!r}; choose {' or '.join(TARGETS)}")

@@ -32,11 +32,12 @@ import trio
 from agentrl.config import AgentRLConfig
 
 
-def evaluate_command(cfg: AgentRLConfig, *, checkpoint: Path | None = None, num_tasks: int | None = None,
-                     greedy: bool = True) -> dict[str, Any]:
+def evaluate_command(
+    cfg: AgentRLConfig, *, checkpoint: Path | None = None, num_tasks: int | None = None, greedy: bool = True
+) -> dict[str, Any]:
     from agentrl.engine.launch import EngineProcess, engine_args
-    from agentrl.net import free_port
     from agentrl.models.builder import ensure_model
+    from agentrl.net import free_port
 
     with tempfile.TemporaryDirectory(prefix="agentrl-eval-") as tmp:
         model_path = cfg.model.path
@@ -51,13 +52,23 @@ def evaluate_command(cfg: AgentRLConfig, *, checkpoint: Path | None = None, num_
         data["eval"]["greedy"] = greedy
         engine = None
         if not cfg.engine.urls:
-            extra = engine_args("embedded", device=cfg.engine.device, dtype=cfg.model.dtype,
-                                max_running_requests=cfg.engine.max_running_requests,
-                                max_context_tokens=cfg.engine.max_context_tokens,
-                                num_threads=cfg.run.torch_num_threads, api_key_env=cfg.engine.api_key_env,
-                                admin_api_key_env=cfg.engine.admin_api_key_env)
-            engine = EngineProcess(model_path, free_port(cfg.engine.host), host=cfg.engine.host, extra=extra,
-                                   log_path=Path(tmp) / "engine.log").start()
+            extra = engine_args(
+                "embedded",
+                device=cfg.engine.device,
+                dtype=cfg.model.dtype,
+                max_running_requests=cfg.engine.max_running_requests,
+                max_context_tokens=cfg.engine.max_context_tokens,
+                num_threads=cfg.run.torch_num_threads,
+                api_key_env=cfg.engine.api_key_env,
+                admin_api_key_env=cfg.engine.admin_api_key_env,
+            )
+            engine = EngineProcess(
+                model_path,
+                free_port(cfg.engine.host),
+                host=cfg.engine.host,
+                extra=extra,
+                log_path=Path(tmp) / "engine.log",
+            ).start()
             data["engine"]["urls"] = [engine.url]
         try:
             eval_cfg = AgentRLConfig.model_validate(data)
@@ -82,7 +93,7 @@ def load_policy_into_engines(cfg: AgentRLConfig, version: int = 0) -> None:
     adapter is unloaded first (the embedded engine merges it into the weights every request runs
     on; the learner loads its own). Raises ``WeightUpdateError`` naming the engine and the fix."""
     from agentrl.config import LORA_ADAPTER_NAME
-    from agentrl.learner.weight_push import WeightUpdater, WeightUpdateError
+    from agentrl.learner.weight_push import WeightUpdateError, WeightUpdater
 
     with WeightUpdater.from_config(cfg.engine) as updater:
         if cfg.learner.lora.served_adapter:
@@ -93,7 +104,9 @@ def load_policy_into_engines(cfg: AgentRLConfig, version: int = 0) -> None:
             raise WeightUpdateError(
                 f"the engines in engine.urls must hold this run's policy before the evaluation before RL, and "
                 f"loading {cfg.model.path} failed ({e}): the folder must be readable at that path by every engine "
-                "(the same machine, or a shared file system)", e.status) from None
+                "(the same machine, or a shared file system)",
+                e.status,
+            ) from None
 
 
 def _log(cfg: AgentRLConfig, result: dict[str, Any]) -> None:
@@ -102,8 +115,9 @@ def _log(cfg: AgentRLConfig, result: dict[str, Any]) -> None:
     from agentrl.tracking import open_tracker
 
     run_dir = Path(cfg.run.run_dir or "runs/eval")
-    tracker = open_tracker(cfg.tracking, run_dir, run_name=f"eval-{cfg.run.name}",
-                           resume_run_id=cfg.tracking.run_id or None)
+    tracker = open_tracker(
+        cfg.tracking, run_dir, run_name=f"eval-{cfg.run.name}", resume_run_id=cfg.tracking.run_id or None
+    )
     try:
         tracker.log_params({"eval.policy": result["policy"], "eval.greedy": result["greedy"]})
         tracker.log_metrics(eval_metrics(result, "eval"), step=0)
@@ -147,8 +161,9 @@ async def newest_policy_engines(cfg: AgentRLConfig) -> tuple[int | None, list[st
     return newest, [u for u, v in versions.items() if v == newest]
 
 
-async def evaluate_policy(cfg: AgentRLConfig, num_tasks: int | None = None, *, urls: list[str] | None = None,
-                          name_adapter: bool = True) -> dict[str, Any]:
+async def evaluate_policy(
+    cfg: AgentRLConfig, num_tasks: int | None = None, *, urls: list[str] | None = None, name_adapter: bool = True
+) -> dict[str, Any]:
     """Greedy (or sampled) episodes on held-out tasks of every env through ``urls`` (default:
     ``engine.urls``): ``eval.num_tasks`` tasks per env, each env's result under ``by_env`` and the
     rates over all of them at the top (:func:`agentrl.episode.rollout.combine_evaluations`). An
@@ -158,11 +173,11 @@ async def evaluate_policy(cfg: AgentRLConfig, num_tasks: int | None = None, *, u
     loaded the adapter: the base model is the policy at version 0, the adapters start at B = 0)."""
     from transformers import AutoTokenizer
 
-    from agentrl.episode.rollout import EpisodeLimits, combine_evaluations, evaluate, sampling_from_config, toolbox_for
-    from agentrl.run.actor_process import agent_runner
-    from agentrl.envs.agent import AgentEnv
     from agentrl.engine.client import EngineClient
     from agentrl.envs import make_envs
+    from agentrl.envs.agent import AgentEnv
+    from agentrl.episode.rollout import EpisodeLimits, combine_evaluations, evaluate, sampling_from_config, toolbox_for
+    from agentrl.run.actor_process import agent_runner
 
     envs = make_envs(cfg)
     tokenizer = await trio.to_thread.run_sync(AutoTokenizer.from_pretrained, cfg.model.path)
@@ -182,15 +197,25 @@ async def evaluate_policy(cfg: AgentRLConfig, num_tasks: int | None = None, *, u
             agents = None
             if any(isinstance(env, AgentEnv) for _, env in envs):
                 agents = await stack.enter_async_context(
-                    agent_runner(cfg, tokenizer, new_client, evaluation=True, greedy=cfg.eval.greedy))
+                    agent_runner(cfg, tokenizer, new_client, evaluation=True, greedy=cfg.eval.greedy)
+                )
             for section, env in envs:
-                tasks = list(itertools.islice(env.tasks(cfg.eval.split, seed=cfg.run.seed), num_tasks or cfg.eval.num_tasks))
+                tasks = list(
+                    itertools.islice(env.tasks(cfg.eval.split, seed=cfg.run.seed), num_tasks or cfg.eval.num_tasks)
+                )
                 env_started = time.monotonic()
-                result = await evaluate(client, tokenizer, env, tasks, greedy=cfg.eval.greedy,
-                                        concurrency=cfg.actors.num_concurrent_episodes,
-                                        toolbox=toolbox_for(env, cfg, section),
-                                        limits=EpisodeLimits.from_config(cfg, env, section), sampling=sampling,
-                                        agents=agents)
+                result = await evaluate(
+                    client,
+                    tokenizer,
+                    env,
+                    tasks,
+                    greedy=cfg.eval.greedy,
+                    concurrency=cfg.actors.num_concurrent_episodes,
+                    toolbox=toolbox_for(env, cfg, section),
+                    limits=EpisodeLimits.from_config(cfg, env, section),
+                    sampling=sampling,
+                    agents=agents,
+                )
                 result["seconds"] = round(time.monotonic() - env_started, 2)
                 by_env[env.name] = result
     finally:

@@ -35,8 +35,9 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 
 class PlacementError(ValueError):
@@ -93,10 +94,14 @@ class Placement:
 
     def _claim(self, owners: dict[str, str], device: str, owner: str) -> None:
         if device not in self.visible:
-            raise PlacementError(f"{owner} is placed on GPU {device}, which is not visible (visible: {_fmt(self.visible)})")
+            raise PlacementError(
+                f"{owner} is placed on GPU {device}, which is not visible (visible: {_fmt(self.visible)})"
+            )
         if device in owners:
-            raise PlacementError(f"GPU {device} is given to both {owners[device]} and {owner}; set "
-                                 "engine.colocate = true to share the learner's GPUs with the engines on purpose")
+            raise PlacementError(
+                f"GPU {device} is given to both {owners[device]} and {owner}; set "
+                "engine.colocate = true to share the learner's GPUs with the engines on purpose"
+            )
         owners[device] = owner
 
     def env_for(self, devices: tuple[str, ...]) -> dict[str, str]:
@@ -115,11 +120,16 @@ class Placement:
     def describe(self) -> list[str]:
         """One line per process, for ``agentrl run --dry-run`` and the run's log."""
         if not self.visible:
-            return ["GPUs visible: none (CUDA_VISIBLE_DEVICES empty, or unset and no GPU from nvidia-smi): every process on the CPU"]
+            return [
+                "GPUs visible: none (CUDA_VISIBLE_DEVICES empty, or unset and no GPU from nvidia-smi): every process on the CPU"
+            ]
         lines = [f"GPUs visible: {_fmt(self.visible)} ({len(self.visible)})"]
         ranks = len(self.learner)
-        lines.append(f"learner: {ranks} rank{'s' if ranks != 1 else ''} on GPU {_fmt(self.learner)}" if ranks
-                     else "learner: on the CPU")
+        lines.append(
+            f"learner: {ranks} rank{'s' if ranks != 1 else ''} on GPU {_fmt(self.learner)}"
+            if ranks
+            else "learner: on the CPU"
+        )
         for i, devices in enumerate(self.engines):
             where = f"GPU {_fmt(devices)}" if devices else "the CPU"
             shared = sorted(set(devices) & set(self.learner))
@@ -141,41 +151,54 @@ def _wants_gpu(preference: str, key: str, visible: tuple[str, ...]) -> bool:
         return bool(visible)
     if preference == "cuda":
         if not visible:
-            raise PlacementError(f"{key} = 'cuda' but no GPU is visible (CUDA_VISIBLE_DEVICES unset or empty, "
-                                 "and nvidia-smi lists none)")
+            raise PlacementError(
+                f"{key} = 'cuda' but no GPU is visible (CUDA_VISIBLE_DEVICES unset or empty, and nvidia-smi lists none)"
+            )
         return True
     if preference.startswith("cuda:"):
-        raise PlacementError(f"{key} = {preference!r}: agentrl run places every process itself (each sees only its "
-                             "own GPUs through CUDA_VISIBLE_DEVICES); use 'cuda' or 'auto'")
+        raise PlacementError(
+            f"{key} = {preference!r}: agentrl run places every process itself (each sees only its "
+            "own GPUs through CUDA_VISIBLE_DEVICES); use 'cuda' or 'auto'"
+        )
     raise PlacementError(f"{key} must be auto, cpu or cuda; got {preference!r}")
 
 
-def plan_placement(visible: tuple[str, ...], *, learner_gpus: int, num_engines: int, gpus_per_engine: int,
-                   colocate: bool = False) -> Placement:
+def plan_placement(
+    visible: tuple[str, ...], *, learner_gpus: int, num_engines: int, gpus_per_engine: int, colocate: bool = False
+) -> Placement:
     """Learner on the first ``learner_gpus`` GPUs, then ``num_engines`` × ``gpus_per_engine`` (0 learner
     GPUs: the learner on the CPU; 0 engines or 0 GPUs per engine: engines on the CPU)."""
     visible = tuple(visible)
     engine_total = num_engines * gpus_per_engine
     if colocate:
         if not learner_gpus or not engine_total:
-            raise PlacementError("engine.colocate lays the engines over the learner's GPUs, but "
-                                 f"{'the learner' if not learner_gpus else 'the engines'} run on the CPU")
+            raise PlacementError(
+                "engine.colocate lays the engines over the learner's GPUs, but "
+                f"{'the learner' if not learner_gpus else 'the engines'} run on the CPU"
+            )
         if engine_total > learner_gpus:
-            raise PlacementError(f"engine.colocate lays the engines over the learner's GPUs: {num_engines} engine(s) × "
-                                 f"{gpus_per_engine} GPU need {engine_total}, the learner has {learner_gpus}")
+            raise PlacementError(
+                f"engine.colocate lays the engines over the learner's GPUs: {num_engines} engine(s) × "
+                f"{gpus_per_engine} GPU need {engine_total}, the learner has {learner_gpus}"
+            )
         need = learner_gpus
     else:
         need = learner_gpus + engine_total
     if need > len(visible):
         parts = f"learner {learner_gpus} + engines {num_engines} × {gpus_per_engine}" if not colocate else "learner"
-        hint = ("; on fewer GPUs, set engine.colocate = true to share them between the learner and the engines"
-                if not colocate and learner_gpus and engine_total else "")
+        hint = (
+            "; on fewer GPUs, set engine.colocate = true to share them between the learner and the engines"
+            if not colocate and learner_gpus and engine_total
+            else ""
+        )
         seen = f"{len(visible)} {'is' if len(visible) == 1 else 'are'} visible"
         raise PlacementError(f"the plan needs {need} GPUs ({parts}) but {seen} ({_fmt(visible)}){hint}")
     learner = visible[:learner_gpus]
     start = 0 if colocate else learner_gpus
-    engines = tuple(visible[start + i * gpus_per_engine: start + (i + 1) * gpus_per_engine] if gpus_per_engine else ()
-                    for i in range(num_engines))
+    engines = tuple(
+        visible[start + i * gpus_per_engine : start + (i + 1) * gpus_per_engine] if gpus_per_engine else ()
+        for i in range(num_engines)
+    )
     return Placement(visible=visible, learner=learner, engines=engines, colocated=colocate)
 
 
@@ -194,11 +217,17 @@ def placement_for(cfg: Any, visible: tuple[str, ...]) -> Placement:
     own_engines = 0 if e.urls else e.num_engines
     engines_on_gpu = own_engines > 0 and _wants_gpu(e.device, "engine.device", visible)
     if e.colocate and e.backend == "sglang" and engines_on_gpu and not e.mem_fraction_static:
-        raise PlacementError("engine.colocate with SGLang needs engine.mem_fraction_static (e.g. 0.4): SGLang "
-                             "otherwise reserves most of the GPU's memory and the learner runs out")
-    plan = plan_placement(visible, learner_gpus=learner_ranks(cfg) if learner_on_gpu else 0,
-                          num_engines=own_engines, gpus_per_engine=e.gpus_per_engine if engines_on_gpu else 0,
-                          colocate=e.colocate and own_engines > 0)
+        raise PlacementError(
+            "engine.colocate with SGLang needs engine.mem_fraction_static (e.g. 0.4): SGLang "
+            "otherwise reserves most of the GPU's memory and the learner runs out"
+        )
+    plan = plan_placement(
+        visible,
+        learner_gpus=learner_ranks(cfg) if learner_on_gpu else 0,
+        num_engines=own_engines,
+        gpus_per_engine=e.gpus_per_engine if engines_on_gpu else 0,
+        colocate=e.colocate and own_engines > 0,
+    )
     weight_group_backend(e.weight_group_backend, plan)  # refused now rather than after the warm start
     return plan
 
@@ -208,8 +237,10 @@ def weight_group_backend(requested: str, placement: Placement) -> str:
     if not placement.colocated:
         return requested
     if requested == "nccl":
-        raise PlacementError("engine.colocate puts the learner and an engine on one GPU, where NCCL cannot join "
-                             "them (two ranks on one device): set engine.weight_group_backend = 'gloo' or 'auto'")
+        raise PlacementError(
+            "engine.colocate puts the learner and an engine on one GPU, where NCCL cannot join "
+            "them (two ranks on one device): set engine.weight_group_backend = 'gloo' or 'auto'"
+        )
     return "gloo"
 
 
@@ -246,16 +277,28 @@ def plan_cluster(cfg: Any, *, gpus_per_node: int, learner_nodes: int) -> Cluster
     if gpus_per_node < 1 or learner_nodes < 1:
         raise PlacementError(f"gpus per node ({gpus_per_node}) and learner nodes ({learner_nodes}) must be >= 1")
     if e.colocate:
-        raise PlacementError("engine.colocate shares one machine's GPUs; agentrl launch gives the engines and the "
-                             "learner their own nodes: set engine.colocate = false")
+        raise PlacementError(
+            "engine.colocate shares one machine's GPUs; agentrl launch gives the engines and the "
+            "learner their own nodes: set engine.colocate = false"
+        )
     if e.gpus_per_engine > gpus_per_node:
-        raise PlacementError(f"engine.gpus_per_engine ({e.gpus_per_engine}) exceeds the {gpus_per_node} GPUs of a "
-                             "node: one engine must fit on one node")
+        raise PlacementError(
+            f"engine.gpus_per_engine ({e.gpus_per_engine}) exceeds the {gpus_per_node} GPUs of a "
+            "node: one engine must fit on one node"
+        )
     ranks = lc.gpus or (lc.nproc if lc.nproc > 1 else gpus_per_node)
     if ranks > gpus_per_node:
-        raise PlacementError(f"the learner wants {ranks} ranks per node (learner.gpus / learner.nproc) but a node "
-                             f"has {gpus_per_node} GPUs")
+        raise PlacementError(
+            f"the learner wants {ranks} ranks per node (learner.gpus / learner.nproc) but a node "
+            f"has {gpus_per_node} GPUs"
+        )
     per_node = gpus_per_node // e.gpus_per_engine
-    return ClusterLayout(gpus_per_node=gpus_per_node, num_engines=e.num_engines, gpus_per_engine=e.gpus_per_engine,
-                         engines_per_node=per_node, engine_nodes=math.ceil(e.num_engines / per_node),
-                         learner_nodes=learner_nodes, learner_ranks_per_node=ranks)
+    return ClusterLayout(
+        gpus_per_node=gpus_per_node,
+        num_engines=e.num_engines,
+        gpus_per_engine=e.gpus_per_engine,
+        engines_per_node=per_node,
+        engine_nodes=math.ceil(e.num_engines / per_node),
+        learner_nodes=learner_nodes,
+        learner_ranks_per_node=ranks,
+    )

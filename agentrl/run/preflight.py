@@ -58,7 +58,7 @@ class EnvCheck:
         return not self.problems
 
 
-def check_env(cfg: "AgentRLConfig") -> EnvCheck:
+def check_env(cfg: AgentRLConfig) -> EnvCheck:
     """Build every env of ``cfg`` and exercise each once (see the module docstring)."""
     from agentrl.envs import check_env_names, close_quietly, make_env
 
@@ -92,7 +92,7 @@ def check_env(cfg: "AgentRLConfig") -> EnvCheck:
     return report
 
 
-async def _check_one(cfg: "AgentRLConfig", key: str, section: Any, env: "Env", report: EnvCheck) -> None:
+async def _check_one(cfg: AgentRLConfig, key: str, section: Any, env: Env, report: EnvCheck) -> None:
     """Every check of one env, then ``env.aclose()`` in the same event loop (a sandbox pool opened
     to score a reward is closed where it was opened)."""
     import trio
@@ -111,34 +111,42 @@ async def _check_one(cfg: "AgentRLConfig", key: str, section: Any, env: "Env", r
             messages = _check_messages(env, task, report)
             if messages is not None:
                 _check_prompt(cfg, key, section, env, messages, schemas, report)
-                also.append((f"task {task.id!r} answered {NON_ANSWER!r}", task,
-                             [*messages, {"role": "assistant", "content": NON_ANSWER}]))
+                also.append(
+                    (
+                        f"task {task.id!r} answered {NON_ANSWER!r}",
+                        task,
+                        [*messages, {"role": "assistant", "content": NON_ANSWER}],
+                    )
+                )
         if task is not None:
             await _check_demonstrations(cfg, env, report, also)
     finally:
         with trio.CancelScope(shield=True):
             try:
                 await env.aclose()
-            except Exception:  # noqa: BLE001 - closing must not hide what the check found
+            except Exception:
                 pass
 
 
-def _check_agent(env: "Env", report: EnvCheck) -> None:
+def _check_agent(env: Env, report: EnvCheck) -> None:
     """An AgentEnv: ``run`` is its own, and its client can be made."""
     from agentrl.envs.agent import AgentEnv
 
-    report.notes.append(f"agent env: its agent writes the prompts at run time ({type(env).__name__}.run); "
-                        "no first prompt to render")
+    report.notes.append(
+        f"agent env: its agent writes the prompts at run time ({type(env).__name__}.run); no first prompt to render"
+    )
     if type(env).run is AgentEnv.run:
-        report.problems.append(f"{type(env).__name__} is an AgentEnv without run(task, client): write the agent "
-                               "that plays a task with the client it is given")
+        report.problems.append(
+            f"{type(env).__name__} is an AgentEnv without run(task, client): write the agent "
+            "that plays a task with the client it is given"
+        )
     try:
         import openai  # noqa: F401 - the client every agent episode gets
     except ImportError:
         report.problems.append("AgentEnv episodes need the openai package: pip install 'agentrl[agents]'")
 
 
-def _check_tools(env: "Env", report: EnvCheck) -> list[dict[str, Any]] | None:
+def _check_tools(env: Env, report: EnvCheck) -> list[dict[str, Any]] | None:
     from agentrl.tools.base import ToolBox
 
     try:
@@ -152,7 +160,7 @@ def _check_tools(env: "Env", report: EnvCheck) -> list[dict[str, Any]] | None:
     return schemas
 
 
-def _first_task(env: "Env", split: str, seed: int, report: EnvCheck) -> "Task | None":
+def _first_task(env: Env, split: str, seed: int, report: EnvCheck) -> Task | None:
     from agentrl.envs.base import Task
 
     try:
@@ -168,23 +176,35 @@ def _first_task(env: "Env", split: str, seed: int, report: EnvCheck) -> "Task | 
     return task
 
 
-def _check_messages(env: "Env", task: "Task", report: EnvCheck) -> list[dict[str, Any]] | None:
+def _check_messages(env: Env, task: Task, report: EnvCheck) -> list[dict[str, Any]] | None:
     try:
         messages = env.initial_messages(task)
     except Exception as e:
         report.problems.append(f"initial_messages(task {task.id!r}): {type(e).__name__}: {e}")
         return None
-    bad = [m for m in messages if not (isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m)] \
-        if isinstance(messages, list) else [messages]
+    bad = (
+        [m for m in messages if not (isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m)]
+        if isinstance(messages, list)
+        else [messages]
+    )
     if bad or not messages:
-        report.problems.append(f"initial_messages(task {task.id!r}) must be a non-empty list of "
-                               f"{{'role', 'content'}} dicts, got {messages!r:.200}")
+        report.problems.append(
+            f"initial_messages(task {task.id!r}) must be a non-empty list of "
+            f"{{'role', 'content'}} dicts, got {messages!r:.200}"
+        )
         return None
     return messages
 
 
-def _check_prompt(cfg: "AgentRLConfig", key: str, section: Any, env: "Env", messages: list[dict[str, Any]],
-                  schemas: list[dict[str, Any]] | None, report: EnvCheck) -> None:
+def _check_prompt(
+    cfg: AgentRLConfig,
+    key: str,
+    section: Any,
+    env: Env,
+    messages: list[dict[str, Any]],
+    schemas: list[dict[str, Any]] | None,
+    report: EnvCheck,
+) -> None:
     """Render the first prompt with the model's chat template and check it leaves room to answer."""
     if not _model_ready(cfg, report):
         return
@@ -197,49 +217,58 @@ def _check_prompt(cfg: "AgentRLConfig", key: str, section: Any, env: "Env", mess
         codec = codec_for(AutoTokenizer.from_pretrained(cfg.model.path))
         ids, _ = codec.prompt(messages, schemas or None)
     except Exception as e:
-        report.problems.append(f"rendering the first prompt with {cfg.model.path}'s chat template: "
-                               f"{type(e).__name__}: {e}")
+        report.problems.append(
+            f"rendering the first prompt with {cfg.model.path}'s chat template: {type(e).__name__}: {e}"
+        )
         return
     max_total = EpisodeLimits.from_config(cfg, env, section).max_total_tokens
     room = max_total - len(ids) - codec.reserve_tokens
     report.notes.append(f"first prompt: {len(ids)} tokens of {key}.max_total_tokens = {max_total}")
     if room < 1:
-        report.problems.append(f"the first prompt has {len(ids)} tokens and leaves no room for the model "
-                               f"within {key}.max_total_tokens = {max_total}")
+        report.problems.append(
+            f"the first prompt has {len(ids)} tokens and leaves no room for the model "
+            f"within {key}.max_total_tokens = {max_total}"
+        )
     elif room < min(cfg.actors.max_new_tokens_per_turn, 32):
-        report.problems.append(f"the first prompt has {len(ids)} tokens and leaves only {room} for the "
-                               f"model within {key}.max_total_tokens = {max_total}")
+        report.problems.append(
+            f"the first prompt has {len(ids)} tokens and leaves only {room} for the "
+            f"model within {key}.max_total_tokens = {max_total}"
+        )
 
 
-def _model_ready(cfg: "AgentRLConfig", report: EnvCheck) -> bool:
+def _model_ready(cfg: AgentRLConfig, report: EnvCheck) -> bool:
     """Whether ``model.path`` holds a model, building the tiny one when ``model.init_size`` asks for it."""
     path, size = cfg.model.path, cfg.model.init_size
     if (Path(path) / "config.json").exists():
         return True
     command = f"agentrl init-model {path} --size {size or 'tiny'} --seed {cfg.run.seed}"
     if not size:
-        report.problems.append(f"no model at {path} (config.json missing) and model.init_size is empty, so a run "
-                               f"cannot start: build one with `{command}`, or set model.path to a Hugging Face "
-                               "model folder")
+        report.problems.append(
+            f"no model at {path} (config.json missing) and model.init_size is empty, so a run "
+            f"cannot start: build one with `{command}`, or set model.path to a Hugging Face "
+            "model folder"
+        )
         return False
     if size != "tiny":
-        report.unchecked.append(f"the first prompt: no model at {path} yet (`agentrl run` builds the {size} model "
-                                f"there first); to check it now: `{command}`")
+        report.unchecked.append(
+            f"the first prompt: no model at {path} yet (`agentrl run` builds the {size} model "
+            f"there first); to check it now: `{command}`"
+        )
         return False
     from agentrl.models.builder import ensure_model
 
     try:
         ensure_model(path, size, seed=cfg.run.seed)
     except Exception as e:  # a folder it cannot write...
-        report.problems.append(f"building the tiny model at {path} (model.init_size = 'tiny'): "
-                               f"{type(e).__name__}: {e}")
+        report.problems.append(f"building the tiny model at {path} (model.init_size = 'tiny'): {type(e).__name__}: {e}")
         return False
     report.notes.append(f"built the tiny model at {path} (model.init_size = 'tiny'), as `agentrl run` would")
     return True
 
 
-async def _score(env: "Env", task: "Task", messages: list[dict[str, Any]],
-                 max_abs_reward: float) -> tuple[float, str | None]:
+async def _score(
+    env: Env, task: Task, messages: list[dict[str, Any]], max_abs_reward: float
+) -> tuple[float, str | None]:
     """Score ``messages`` as the actor does (``setup``, ``reward``, ``cleanup``): (reward, error)."""
     from agentrl.envs.base import run_cleanup, score_episode
 
@@ -258,7 +287,7 @@ class DemoChecker:
     """Checks demonstrations as they are made: every tool call against the env's tools (``add``),
     then ``env.reward`` of the first ``scored`` (``finish``). Problems name the task and message."""
 
-    def __init__(self, env: "Env", max_abs_reward: float = math.inf, scored: int = DEMOS_SCORED):
+    def __init__(self, env: Env, max_abs_reward: float = math.inf, scored: int = DEMOS_SCORED):
         from agentrl.envs.agent import AgentEnv
         from agentrl.tools.base import ToolBox
 
@@ -267,14 +296,14 @@ class DemoChecker:
         self.env, self.max_abs_reward, self.scored = env, max_abs_reward, scored
         try:
             self.tools: dict[str, Any] | None = {t.name: t for t in ToolBox(env.tools()).tools}
-        except Exception:  # noqa: BLE001 - tools() is checked (and reported) on its own
+        except Exception:
             self.tools = None
         self.count = 0
         self.call_problems: list[str] = []
         self.calls = 0
         self._to_score: list[tuple[Task, list[dict[str, Any]]]] = []
 
-    def add(self, task: "Task", messages: list[dict[str, Any]]) -> None:
+    def add(self, task: Task, messages: list[dict[str, Any]]) -> None:
         self.count += 1
         if len(self._to_score) < self.scored:
             self._to_score.append((task, messages))
@@ -304,13 +333,14 @@ class DemoChecker:
                 return f"the arguments of {name} are not JSON ({e}): {arguments!r:.200}"
         return check_arguments(self.tools[name], arguments)
 
-    async def score(self, also: list[tuple[str, "Task", list[dict[str, Any]]]] = ()) -> tuple[list[str], list[str]]:
+    async def score(self, also: list[tuple[str, Task, list[dict[str, Any]]]] = ()) -> tuple[list[str], list[str]]:
         """(problems, notes): the bad tool calls, then the rewards of the first demonstrations and of
         ``also`` (``(label, task, messages)``: a wrong answer), each scored as the actor does."""
         problems = self.call_problems[:MAX_CALL_PROBLEMS]
         if len(self.call_problems) > MAX_CALL_PROBLEMS:
-            problems.append(f"... and {len(self.call_problems) - MAX_CALL_PROBLEMS} more bad tool calls in the "
-                            "demonstrations")
+            problems.append(
+                f"... and {len(self.call_problems) - MAX_CALL_PROBLEMS} more bad tool calls in the demonstrations"
+            )
         if self.call_problems:
             problems[-1] += " (SFT would teach the model these calls)"
         rewards, notes = [], []
@@ -320,8 +350,10 @@ class DemoChecker:
                 problems.append(f"the demonstration of task {task.id!r}: {error}")
             rewards.append(f"{reward:g}")
         if self.count:
-            notes.append(f"demonstrations: {self.count} checked ({self.calls} tool calls), rewards of the first "
-                         f"{len(rewards)}: {', '.join(rewards) or '-'}")
+            notes.append(
+                f"demonstrations: {self.count} checked ({self.calls} tool calls), rewards of the first "
+                f"{len(rewards)}: {', '.join(rewards) or '-'}"
+            )
         for label, task, messages in also:
             reward, error = await _score(self.env, task, messages, self.max_abs_reward)
             if error:
@@ -344,8 +376,9 @@ class DemoChecker:
         return trio.run(score_and_close)
 
 
-async def _check_demonstrations(cfg: "AgentRLConfig", env: "Env", report: EnvCheck,
-                                also: list[tuple[str, "Task", list[dict[str, Any]]]]) -> None:
+async def _check_demonstrations(
+    cfg: AgentRLConfig, env: Env, report: EnvCheck, also: list[tuple[str, Task, list[dict[str, Any]]]]
+) -> None:
     """The first demonstrations' tool calls and rewards (and ``also``'s rewards); no demonstration
     is a problem when SFT needs them."""
     from agentrl.envs import demonstrated
@@ -364,8 +397,10 @@ async def _check_demonstrations(cfg: "AgentRLConfig", env: "Env", report: EnvChe
             report.notes.append(f"{line} (unused: sft.enabled = false or sft.data is set)")
     else:
         if not checker.count and needed:
-            report.problems.append("sft.enabled = true but the env demonstrates no task (demonstration() returns "
-                                   "None): set sft.data to a JSONL of conversations, or sft.enabled = false")
+            report.problems.append(
+                "sft.enabled = true but the env demonstrates no task (demonstration() returns "
+                "None): set sft.data to a JSONL of conversations, or sft.enabled = false"
+            )
     problems, notes = await checker.score(also)
     report.problems += problems
     report.notes += notes

@@ -1,4 +1,4 @@
-"""What ``agentrl run`` starts: each child's command line and environment.
+r"""What ``agentrl run`` starts: each child's command line and environment.
 
 Pure functions over a planned config (no trio, no torch), so that ``agentrl run --dry-run``
 prints exactly what a run would start, and tests can check every child's argv and
@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import shlex
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from agentrl.config import AgentRLConfig, dump_toml
 from agentrl.net import free_port
@@ -50,9 +50,9 @@ class ChildSpec:
     redact: tuple[str, ...] = ()  # secrets in argv: replaced by <redacted> in what the child writes to its log
 
 
-
-
-def plan_config(cfg: AgentRLConfig, run_dir: Path, policy_path: str, placement: Placement | None = None) -> AgentRLConfig:
+def plan_config(
+    cfg: AgentRLConfig, run_dir: Path, policy_path: str, placement: Placement | None = None
+) -> AgentRLConfig:
     """The config every child gets: run_dir, policy, engine URLs and ZMQ endpoints filled in (and,
     when engines share the learner's GPUs, the gloo weight group NCCL cannot give them)."""
     data = cfg.model_dump()
@@ -88,8 +88,9 @@ def write_config(cfg: AgentRLConfig, path: Path) -> Path:
 # ------------------------------------------------------------------------------ children
 
 
-def engine_specs(cfg: AgentRLConfig, run_dir: Path, placement: Placement,
-                 secret: Callable[[str], str] | None = None) -> list[ChildSpec]:
+def engine_specs(
+    cfg: AgentRLConfig, run_dir: Path, placement: Placement, secret: Callable[[str], str] | None = None
+) -> list[ChildSpec]:
     """The engines this run starts (``engine.urls`` of a planned config), each on its own devices.
     First started at version 0 (they serve ``model.path``, the learner's version 0); restarted
     without a version, so that nothing they answer before the learner's push counts. With
@@ -105,20 +106,34 @@ def engine_specs(cfg: AgentRLConfig, run_dir: Path, placement: Placement,
     from agentrl.secrets import read_secret
 
     e, python, secret_of = cfg.engine, cfg.engine.sglang_python, secret or read_secret
-    keys = tuple(k for k in (secret_of(e.api_key_env), secret_of(e.admin_api_key_env)) if k) if e.backend == "sglang" else ()
+    keys = (
+        tuple(k for k in (secret_of(e.api_key_env), secret_of(e.admin_api_key_env)) if k)
+        if e.backend == "sglang"
+        else ()
+    )
     specs = []
     for i, url in enumerate(cfg.engine.urls):
         host, port = url.rsplit("//", 1)[1].rsplit(":", 1)
         on_cpu = i >= len(placement.engines) or not placement.engines[i]
         unversioned = config_engine_args(cfg, secret=secret, weight_version="default", on_cpu=on_cpu)
-        extra = unversioned if cfg.learner.lora.served_adapter else config_engine_args(cfg, secret=secret,
-                                                                                        on_cpu=on_cpu)
+        extra = (
+            unversioned if cfg.learner.lora.served_adapter else config_engine_args(cfg, secret=secret, on_cpu=on_cpu)
+        )
         argv = engine_command(cfg.model.path, int(port), backend=e.backend, host=host, extra=extra, python=python)
-        again = engine_command(cfg.model.path, int(port), backend=e.backend, host=host, extra=unversioned,
-                               python=python)
-        specs.append(ChildSpec(f"engine{i}", argv, run_dir / "logs" / f"engine{i}.log",
-                               env=engine_env(cfg, placement, i, on_cpu), max_restarts=MAX_RESTARTS,
-                               restart_argv=again, redact=keys))
+        again = engine_command(
+            cfg.model.path, int(port), backend=e.backend, host=host, extra=unversioned, python=python
+        )
+        specs.append(
+            ChildSpec(
+                f"engine{i}",
+                argv,
+                run_dir / "logs" / f"engine{i}.log",
+                env=engine_env(cfg, placement, i, on_cpu),
+                max_restarts=MAX_RESTARTS,
+                restart_argv=again,
+                redact=keys,
+            )
+        )
     return specs
 
 
@@ -140,8 +155,13 @@ def engine_env(cfg: AgentRLConfig, placement: Placement, index: int, on_cpu: boo
 def learner_spec(cfg: AgentRLConfig, run_dir: Path, placement: Placement) -> ChildSpec:
     """``agentrl learn`` on the learner's devices (torchrun starts one rank per device); restarted
     from its latest checkpoint (``learner.resume = "auto"``) and journal."""
-    return ChildSpec("learner", agentrl_argv("learn", "--config", str(run_dir / "config.toml")),
-                     run_dir / "logs" / "learner.log", env=placement.learner_env(), max_restarts=MAX_RESTARTS)
+    return ChildSpec(
+        "learner",
+        agentrl_argv("learn", "--config", str(run_dir / "config.toml")),
+        run_dir / "logs" / "learner.log",
+        env=placement.learner_env(),
+        max_restarts=MAX_RESTARTS,
+    )
 
 
 def actor_specs(cfg: AgentRLConfig, run_dir: Path, placement: Placement) -> list[ChildSpec]:
@@ -150,12 +170,29 @@ def actor_specs(cfg: AgentRLConfig, run_dir: Path, placement: Placement) -> list
     n = cfg.actors.num_processes
     specs = []
     for i in range(n):
-        args = ["serve-actors", "--config", str(run_dir / "config.toml"), "--index", str(i), "--num-actors", str(n),
-                "--wait-for-learner", "--log-interval-s", "10"]
+        args = [
+            "serve-actors",
+            "--config",
+            str(run_dir / "config.toml"),
+            "--index",
+            str(i),
+            "--num-actors",
+            str(n),
+            "--wait-for-learner",
+            "--log-interval-s",
+            "10",
+        ]
         if cfg.actors.dump_trajectories:
             args += ["--dump-trajectories", str(trajectories_path(run_dir, i))]
-        specs.append(ChildSpec(f"actor{i}", agentrl_argv(*args), run_dir / "logs" / f"actor{i}.log",
-                               env=placement.cpu_env(), max_restarts=MAX_RESTARTS))
+        specs.append(
+            ChildSpec(
+                f"actor{i}",
+                agentrl_argv(*args),
+                run_dir / "logs" / f"actor{i}.log",
+                env=placement.cpu_env(),
+                max_restarts=MAX_RESTARTS,
+            )
+        )
     return specs
 
 
@@ -164,8 +201,14 @@ def trajectories_path(run_dir: Path, index: int) -> Path:
     return run_dir / "trajectories" / f"actor{index}.jsonl"
 
 
-def child_specs(cfg: AgentRLConfig, run_dir: Path, placement: Placement, *, own_engines: bool,
-                secret: Callable[[str], str] | None = None) -> list[ChildSpec]:
+def child_specs(
+    cfg: AgentRLConfig,
+    run_dir: Path,
+    placement: Placement,
+    *,
+    own_engines: bool,
+    secret: Callable[[str], str] | None = None,
+) -> list[ChildSpec]:
     """Every long-running child of the RL stage, as ``agentrl run`` starts them (``cfg`` is planned)."""
     engines = engine_specs(cfg, run_dir, placement, secret) if own_engines else []
     return [*engines, learner_spec(cfg, run_dir, placement), *actor_specs(cfg, run_dir, placement)]

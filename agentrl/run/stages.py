@@ -58,11 +58,19 @@ from typing import Any
 
 import trio
 
-from agentrl.run.process_plan import (MAX_RESTARTS, ChildSpec, actor_specs, agentrl_argv, engine_specs, learner_spec,
-                              plan_config, write_config)
-from agentrl.run.evaluate import eval_metrics, evaluate_policy, load_policy_into_engines, newest_policy_engines
 from agentrl.config import AgentRLConfig, EnvSection
+from agentrl.run.evaluate import eval_metrics, evaluate_policy, load_policy_into_engines, newest_policy_engines
 from agentrl.run.placement import Placement, placement_for, visible_gpus
+from agentrl.run.process_plan import (
+    MAX_RESTARTS,
+    ChildSpec,
+    actor_specs,
+    agentrl_argv,
+    engine_specs,
+    learner_spec,
+    plan_config,
+    write_config,
+)
 from agentrl.run.supervisor import ChildFailed, Supervisor
 
 log = logging.getLogger("agentrl.run.stages")
@@ -87,9 +95,18 @@ class RunState:
     rl_started: float | None = None  # when the learner and actors were started
     rl_started_at: float | None = None  # the same, as wall-clock time (the learner's metrics rows carry "time")
     # the learner's counts as they happen (learner_status.json), and the last data warning said
-    data: dict[str, Any] = field(default_factory=lambda: {
-        "received": 0, "consumed": 0, "duplicate": 0, "dropped": {}, "buffered": 0, "groups_per_step": 0,
-        "waiting_s": 0.0, "warning": ""})
+    data: dict[str, Any] = field(
+        default_factory=lambda: {
+            "received": 0,
+            "consumed": 0,
+            "duplicate": 0,
+            "dropped": {},
+            "buffered": 0,
+            "groups_per_step": 0,
+            "waiting_s": 0.0,
+            "warning": "",
+        }
+    )
     warned: str = ""
     # reward errors the actors write in their logs (agentrl.actors.metrics.RewardErrors): the last
     # line of each actor process, by its id; where each log was read up to; the kinds already said
@@ -148,8 +165,12 @@ class RunState:
         for e in self.reward_errors:
             if (e["env"], e["error"]) not in self.reward_errors_said:
                 self.reward_errors_said.add((e["env"], e["error"]))
-                self.event("actors", f"reward error in env {e['env']}: {e['error']} (episodes scored 0; counted in "
-                           "summary.json reward_errors)", logging.WARNING)
+                self.event(
+                    "actors",
+                    f"reward error in env {e['env']}: {e['error']} (episodes scored 0; counted in "
+                    "summary.json reward_errors)",
+                    logging.WARNING,
+                )
 
     def _new_lines(self, path: Path) -> list[str]:
         """The complete lines appended to ``path`` since the last call."""
@@ -186,16 +207,20 @@ class RunState:
 # ------------------------------------------------------------------------------ stages
 
 
-async def warm_start(sup: Supervisor, nursery: trio.Nursery, cfg: AgentRLConfig, run_dir: Path,
-                     state: RunState, placement: Placement) -> str:
+async def warm_start(
+    sup: Supervisor, nursery: trio.Nursery, cfg: AgentRLConfig, run_dir: Path, state: RunState, placement: Placement
+) -> str:
     """Run ``agentrl sft`` unless its exported model exists; return the policy path."""
     out = run_dir / "sft" / "model"
     sections = cfg.env_sections
-    state.warm_start = {"enabled": cfg.sft.enabled,
-                        "data": cfg.sft.data or f"demonstrations of {', '.join(s.cls for s in sections)}",
-                        "env_kwargs": dict(sections[0].kwargs) if len(sections) == 1 else [s.kwargs for s in sections],
-                        "num_demonstrations": cfg.sft.num_demonstrations,
-                        "max_steps": cfg.sft.max_steps, "epochs": cfg.sft.epochs}
+    state.warm_start = {
+        "enabled": cfg.sft.enabled,
+        "data": cfg.sft.data or f"demonstrations of {', '.join(s.cls for s in sections)}",
+        "env_kwargs": dict(sections[0].kwargs) if len(sections) == 1 else [s.kwargs for s in sections],
+        "num_demonstrations": cfg.sft.num_demonstrations,
+        "max_steps": cfg.sft.max_steps,
+        "epochs": cfg.sft.epochs,
+    }
     if not cfg.sft.enabled:
         return cfg.model.path
     if (out / "config.json").exists():
@@ -206,8 +231,14 @@ async def warm_start(sup: Supervisor, nursery: trio.Nursery, cfg: AgentRLConfig,
     data["run"]["torch_num_threads"] = max(cfg.run.torch_num_threads, os.cpu_count() or 1)  # SFT runs alone
     data["sft"]["output_dir"] = str(out)
     sft_cfg = write_config(AgentRLConfig.model_validate(data), run_dir / "sft_config.toml")
-    spec = ChildSpec("sft", agentrl_argv("sft", "--config", str(sft_cfg)), run_dir / "logs" / "sft.log",
-                     env=placement.learner_env(), critical=True, max_restarts=0)
+    spec = ChildSpec(
+        "sft",
+        agentrl_argv("sft", "--config", str(sft_cfg)),
+        run_dir / "logs" / "sft.log",
+        env=placement.learner_env(),
+        critical=True,
+        max_restarts=0,
+    )
     await sup.start(nursery, spec)
     async with trio.open_nursery() as follow:
         follow.start_soon(_follow_sft, spec.log_path)
@@ -226,7 +257,7 @@ async def _follow_sft(log_path: Path) -> None:
         line = _last_line_with(log_path, "sft step ")
         if line and line != said:
             said = line
-            log.info("sft: %s", line[line.index("sft step ") + 4:])
+            log.info("sft: %s", line[line.index("sft step ") + 4 :])
 
 
 def _last_line_with(path: Path, text: str) -> str:
@@ -241,8 +272,9 @@ def _last_line_with(path: Path, text: str) -> str:
     return next((line for line in reversed(lines) if text in line), "")
 
 
-async def start_engines(sup: Supervisor, nursery: trio.Nursery, cfg: AgentRLConfig, run_dir: Path,
-                        own_engines: bool, placement: Placement) -> None:
+async def start_engines(
+    sup: Supervisor, nursery: trio.Nursery, cfg: AgentRLConfig, run_dir: Path, own_engines: bool, placement: Placement
+) -> None:
     from agentrl.engine.launch import wait_ready
 
     if own_engines:
@@ -260,28 +292,41 @@ def search_corpus(section: EnvSection) -> str:
 
     module = _import_module_or_file(section.cls.rsplit(":", 1)[0])
     if not hasattr(module, "corpus_path"):
-        raise ValueError("kwargs.search_url = 'auto' needs the env's search_corpus (a JSONL corpus) "
-                         f"or a corpus_path() in the env's module {section.cls!r}")
+        raise ValueError(
+            "kwargs.search_url = 'auto' needs the env's search_corpus (a JSONL corpus) "
+            f"or a corpus_path() in the env's module {section.cls!r}"
+        )
     return str(module.corpus_path())
 
 
-async def start_search(sup: Supervisor, nursery: trio.Nursery, section: EnvSection, name: str, run_dir: Path,
-                       placement: Placement) -> None:
+async def start_search(
+    sup: Supervisor, nursery: trio.Nursery, section: EnvSection, name: str, run_dir: Path, placement: Placement
+) -> None:
     """The retrieval server of a (planned) env section's ``kwargs.search_url``: stateless, so
     restarted on failure."""
     from agentrl.engine.launch import wait_ready
 
     url = section.kwargs["search_url"]
     host, port = url.rsplit("//", 1)[1].rsplit(":", 1)
-    argv = agentrl_argv("serve-search", "--corpus", search_corpus(section), "--host", host, "--port", port,
-                        "--token-env", section.search_token_env)
-    await sup.start(nursery, ChildSpec(name, argv, run_dir / "logs" / f"{name}.log", env=placement.cpu_env(),
-                                       max_restarts=MAX_RESTARTS))
+    argv = agentrl_argv(
+        "serve-search",
+        "--corpus",
+        search_corpus(section),
+        "--host",
+        host,
+        "--port",
+        port,
+        "--token-env",
+        section.search_token_env,
+    )
+    await sup.start(
+        nursery,
+        ChildSpec(name, argv, run_dir / "logs" / f"{name}.log", env=placement.cpu_env(), max_restarts=MAX_RESTARTS),
+    )
     await trio.to_thread.run_sync(lambda: wait_ready(url, 120.0), abandon_on_cancel=True)
 
 
-async def watch_progress(cfg: AgentRLConfig, state: RunState, run_dir: Path, live: Any,
-                         eval_lock: trio.Lock) -> None:
+async def watch_progress(cfg: AgentRLConfig, state: RunState, run_dir: Path, live: Any, eval_lock: trio.Lock) -> None:
     """Follow the learner's progress and metrics; evaluate every ``eval.every_steps`` versions."""
     from agentrl.transport import ProgressSubscriber, security_from_config
 
@@ -307,7 +352,9 @@ async def watch_progress(cfg: AgentRLConfig, state: RunState, run_dir: Path, liv
                 if result is None:
                     continue
                 result["policy_version"] = version
-                result["started_at"] = started_at  # with "seconds": bench/time_to_skill.py leaves evaluations out of RL time
+                result["started_at"] = (
+                    started_at  # with "seconds": bench/time_to_skill.py leaves evaluations out of RL time
+                )
                 state.evals.append(result)
                 state.eval_event(f"v{version}", result)
     finally:
@@ -326,8 +373,12 @@ async def evaluate_on_newest_policy(cfg: AgentRLConfig, state: RunState, when: s
             state.event("eval", f"{when}: skipped, no engine reports a policy version", logging.ERROR)
             return None
         if left_out:
-            state.event("eval", f"{when}: on the engines at policy version {version} only; left out "
-                        f"{', '.join(left_out)} (restarted, or not answering)", logging.WARNING)
+            state.event(
+                "eval",
+                f"{when}: on the engines at policy version {version} only; left out "
+                f"{', '.join(left_out)} (restarted, or not answering)",
+                logging.WARNING,
+            )
     return await evaluate_policy(cfg, urls=urls)
 
 
@@ -395,10 +446,12 @@ class _PlainLines:
 
 def progress_line(state: RunState, cfg: AgentRLConfig) -> str:
     m, d = state.last_metrics, state.data
-    line = (f"[{time.monotonic() - state.started:,.0f} s] step {int(m.get('step', 0))}/{cfg.learner.max_steps} "
-            f"| policy v{max(state.versions_seen, default=0)} | reward {m.get('reward/mean', float('nan')):.3f} "
-            f"| groups received {d['received']} consumed {d['consumed']} dropped {_fmt_dropped(d['dropped'])} "
-            f"| {_episodes_per_s(state, cfg):.1f} episodes/s | learner {_fmt_learner(d)}")
+    line = (
+        f"[{time.monotonic() - state.started:,.0f} s] step {int(m.get('step', 0))}/{cfg.learner.max_steps} "
+        f"| policy v{max(state.versions_seen, default=0)} | reward {m.get('reward/mean', float('nan')):.3f} "
+        f"| groups received {d['received']} consumed {d['consumed']} dropped {_fmt_dropped(d['dropped'])} "
+        f"| {_episodes_per_s(state, cfg):.1f} episodes/s | learner {_fmt_learner(d)}"
+    )
     errors = sum(e["count"] for e in state.reward_errors)
     line += f" | reward errors {errors}" if errors else ""
     return line + (f" | WARNING: {d['warning']}" if d["warning"] else "")
@@ -408,8 +461,10 @@ def _fmt_reward_errors(errors: list[dict[str, Any]]) -> str:
     """The count, and the most frequent message (each one is an event when first seen)."""
     top = errors[0]
     kinds = f"{len(errors)} kinds; " if len(errors) > 1 else ""
-    return (f"{sum(e['count'] for e in errors)} episodes scored 0 ({kinds}most: {top['count']} × env "
-            f"{top['env']}: {top['error'][:120]})")
+    return (
+        f"{sum(e['count'] for e in errors)} episodes scored 0 ({kinds}most: {top['count']} × env "
+        f"{top['env']}: {top['error'][:120]})"
+    )
 
 
 def _fmt_dropped(dropped: dict[str, int]) -> str:
@@ -423,9 +478,11 @@ def _fmt_rollout(m: dict[str, Any]) -> str:
     """The learner's ``rollout/*`` of its last step: what the episodes received looked like."""
     if not m.get("rollout/episodes"):
         return "-"
-    return (f"{int(m['rollout/episodes'])} received · turns {m['rollout/turns_mean']:.1f} · tool calls "
-            f"{m['rollout/tool_calls_mean']:.1f} (errors {m['rollout/tool_errors_per_episode']:.2f}) · truncated "
-            f"{m['rollout/truncated_frac']:.0%} · {m['rollout/response_tokens_mean']:.0f} tokens generated")
+    return (
+        f"{int(m['rollout/episodes'])} received · turns {m['rollout/turns_mean']:.1f} · tool calls "
+        f"{m['rollout/tool_calls_mean']:.1f} (errors {m['rollout/tool_errors_per_episode']:.2f}) · truncated "
+        f"{m['rollout/truncated_frac']:.0%} · {m['rollout/response_tokens_mean']:.0f} tokens generated"
+    )
 
 
 def _fmt_learner(data: dict[str, Any]) -> str:
@@ -452,7 +509,10 @@ def _env_rows(state: RunState) -> list[tuple[str, str]]:
         dropped = sum(v for k, v in m.items() if k.startswith(f"env/{key}/dropped_"))
         if f"env/{key}/received" in m:
             parts.append(f"groups {int(m.get(f'env/{key}/accepted', 0))} / dropped {int(dropped)}")
-        for label, result in (("eval before", state.eval_before), ("last eval", state.evals[-1] if state.evals else None)):
+        for label, result in (
+            ("eval before", state.eval_before),
+            ("last eval", state.evals[-1] if state.evals else None),
+        ):
             sub = (result or {}).get("by_env", {}).get(evals.get(key, key))
             if sub:
                 parts.append(f"{label} {sub['success_rate']:.1%}")
@@ -490,15 +550,22 @@ def summarize(state: RunState, cfg: AgentRLConfig, run_dir: Path) -> dict[str, A
         "warm_start": state.warm_start,
         "eval_before": state.eval_before,
         "eval_after": state.eval_after,
-        "success_rise": (state.eval_after["success_rate"] - state.eval_before["success_rate"]
-                         if state.eval_after and state.eval_before else None),
+        "success_rise": (
+            state.eval_after["success_rate"] - state.eval_before["success_rate"]
+            if state.eval_after and state.eval_before
+            else None
+        ),
         "success_rise_by_env": _rise_by_env(state.eval_before, state.eval_after),
         "evals_during_training": state.evals,
         "eval_recent_mean_success": statistics.fmean(recent) if recent else None,
-        "learner_steps": (accounting["checkpoint_step"] if accounting and accounting.get("checkpoint")
-                          else int(m.get("step", 0))),
-        "learner_stop": ({"reason": status.get("exit_reason"), "message": status.get("stop_message") or None}
-                         if status.get("exit_reason") else None),
+        "learner_steps": (
+            accounting["checkpoint_step"] if accounting and accounting.get("checkpoint") else int(m.get("step", 0))
+        ),
+        "learner_stop": (
+            {"reason": status.get("exit_reason"), "message": status.get("stop_message") or None}
+            if status.get("exit_reason")
+            else None
+        ),
         "checkpoint_errors": state.checkpoint_errors,
         "groups_consumed": state.data["consumed"],
         "groups_received": state.data["received"],
@@ -547,8 +614,14 @@ def _groups_produced(run_dir: Path, accounting: dict[str, Any] | None) -> dict[s
         return totals
     killed = [s for s in accounting["sessions"] if s["killed"]]
     totals["groups_delivered"] = totals.get("groups_delivered", 0) + sum(s["produced"] for s in killed)
-    totals.update({"total": accounting["produced"], "sessions": accounting["actor_sessions"],
-                   "sessions_killed": len(killed), "of_killed_sessions": sum(s["produced"] for s in killed)})
+    totals.update(
+        {
+            "total": accounting["produced"],
+            "sessions": accounting["actor_sessions"],
+            "sessions_killed": len(killed),
+            "of_killed_sessions": sum(s["produced"] for s in killed),
+        }
+    )
     return totals
 
 
@@ -670,12 +743,15 @@ def supersede_changed_run(cfg: AgentRLConfig, run_dir: Path) -> str:
     for entry in list(run_dir.iterdir()):
         if not entry.name.startswith("superseded-"):
             entry.rename(archive / entry.name)
-    return (f"{', '.join(changed)} changed since this folder's last run: its warm start, checkpoints, journal, "
-            f"logs and metrics moved to {archive}; this run starts afresh, with a new warm start")
+    return (
+        f"{', '.join(changed)} changed since this folder's last run: its warm start, checkpoints, journal, "
+        f"logs and metrics moved to {archive}; this run starts afresh, with a new warm start"
+    )
 
 
-async def run_async(cfg: AgentRLConfig, run_dir: Path, *, live_display: bool = True,
-                    placement: Placement | None = None) -> dict[str, Any]:
+async def run_async(
+    cfg: AgentRLConfig, run_dir: Path, *, live_display: bool = True, placement: Placement | None = None
+) -> dict[str, Any]:
     from agentrl.models.builder import ensure_model
 
     placement = placement or placement_for(cfg, visible_gpus())  # refused before anything starts
@@ -690,8 +766,11 @@ async def run_async(cfg: AgentRLConfig, run_dir: Path, *, live_display: bool = T
     # actors stop first: the learner still acknowledges what they deliver, and they print their reports
     sup = Supervisor(on_event=lambda name, what: _on_event(state, name, what), stop_first=("actor",))
     if cfg.tracking.enabled and not cfg.tracking.uri:
-        cfg = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(
-            update={"uri": f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"})})
+        cfg = cfg.model_copy(
+            update={
+                "tracking": cfg.tracking.model_copy(update={"uri": f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"})
+            }
+        )
     if cfg.tracking.enabled and not cfg.tracking.run_id:
         run_id = await trio.to_thread.run_sync(create_mlflow_run, cfg, run_dir)
         cfg = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"run_id": run_id})})
@@ -712,7 +791,6 @@ async def run_async(cfg: AgentRLConfig, run_dir: Path, *, live_display: bool = T
             await start_engines(sup, outer, cfg, run_dir, own_engines, placement)
             state.event("engines", f"ready at {', '.join(cfg.engine.urls)}")
             if not own_engines:  # weights unknown (another run's?): the evaluation before sees this run's policy
-
                 await trio.to_thread.run_sync(load_policy_into_engines, cfg)
                 state.event("engines", f"loaded this run's policy {cfg.model.path} as version 0")
             await _train(sup, outer, cfg, run_dir, state, live_display, eval_lock, placement)
@@ -753,8 +831,16 @@ async def _stop_on_signal(state: RunState) -> None:
             raise StopSignal(signum)
 
 
-async def _train(sup: Supervisor, outer: trio.Nursery, cfg: AgentRLConfig, run_dir: Path, state: RunState,
-                 live_display: bool, eval_lock: trio.Lock, placement: Placement) -> None:
+async def _train(
+    sup: Supervisor,
+    outer: trio.Nursery,
+    cfg: AgentRLConfig,
+    run_dir: Path,
+    state: RunState,
+    live_display: bool,
+    eval_lock: trio.Lock,
+    placement: Placement,
+) -> None:
     """The evaluation before, then RL (learner and actors) until the learner finishes."""
     from contextlib import nullcontext
 
@@ -762,8 +848,11 @@ async def _train(sup: Supervisor, outer: trio.Nursery, cfg: AgentRLConfig, run_d
 
     # a terminal gets the live table; a log file or a pipe gets a plain line every PLAIN_LINE_S
     # (--no-live too: the table is a terminal's view, the plain line is the same progress)
-    live = Live(_table(state, cfg), refresh_per_second=2, transient=False) if live_display and sys.stdout.isatty() \
+    live = (
+        Live(_table(state, cfg), refresh_per_second=2, transient=False)
+        if live_display and sys.stdout.isatty()
         else _PlainLines(state, cfg)
+    )
     async with trio.open_nursery() as inner:
         # A learner that has never stepped in this folder holds the warm start (version 0) and pushes
         # nothing before it has data, which only the actors bring: it starts now, and its start-up
@@ -800,9 +889,9 @@ def learner_restart_note(run_dir: Path) -> str:
     """What a restarted learner will really do, from the run folder: resume from its newest
     checkpoint (which step) or start from the initial weights, how many journal groups it
     replays, and why it died (the last error line of its log)."""
-    from agentrl.run.accounting import newest_journal
     from agentrl.learner.checkpoint import checkpoint_meta, latest_run_checkpoint
     from agentrl.learner.journal import count_records
+    from agentrl.run.accounting import newest_journal
 
     ckpt = latest_run_checkpoint(run_dir, "learn")
     meta = (checkpoint_meta(ckpt) or {}) if ckpt is not None else {}
@@ -810,13 +899,17 @@ def learner_restart_note(run_dir: Path) -> str:
     if ckpt is not None:
         lineage, segment = str(caller.get("lineage", "")), caller.get("journal_segment")
         replayed = count_records(run_dir / "journal" / lineage, segment) if lineage and isinstance(segment, int) else 0
-        what = (f"resumes from its checkpoint at step {meta['step']} ({ckpt}), replays {replayed} journal groups "
-                f"received after it and redoes the steps after {meta['step']}")
+        what = (
+            f"resumes from its checkpoint at step {meta['step']} ({ckpt}), replays {replayed} journal groups "
+            f"received after it and redoes the steps after {meta['step']}"
+        )
     else:
         journal = newest_journal(run_dir)
         replayed = count_records(journal) if journal is not None else 0
-        what = (f"no checkpoint: starts again from the initial weights, redoing every step, and replays "
-                f"{replayed} journal groups")
+        what = (
+            f"no checkpoint: starts again from the initial weights, redoing every step, and replays "
+            f"{replayed} journal groups"
+        )
     why = last_error_line(run_dir / "logs" / "learner.log")
     return f"{what}; live actors resend what it had not acknowledged{f'; its last error: {why}' if why else ''}"
 
@@ -849,8 +942,9 @@ def _on_event(state: RunState, name: str, what: str) -> None:
     state.event(name, what)
 
 
-def run(cfg: AgentRLConfig, run_dir: Path, *, live_display: bool = True,
-        placement: Placement | None = None) -> dict[str, Any]:
+def run(
+    cfg: AgentRLConfig, run_dir: Path, *, live_display: bool = True, placement: Placement | None = None
+) -> dict[str, Any]:
     """Run synchronously; raises :class:`ChildFailed` (unwrapped) when a critical child fails, and
     :class:`PlacementError` before anything starts when the GPUs do not fit the config."""
     try:

@@ -28,9 +28,9 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import trio
 
@@ -42,7 +42,9 @@ class ChildFailed(RuntimeError):
 
     def __init__(self, name: str, returncode: int | None, log_path: Path, log_tail: str):
         self.name, self.returncode, self.log_path, self.log_tail = name, returncode, log_path, log_tail
-        super().__init__(f"{name} exited with status {returncode} (log: {log_path})\n--- end of its log ---\n{log_tail}")
+        super().__init__(
+            f"{name} exited with status {returncode} (log: {log_path})\n--- end of its log ---\n{log_tail}"
+        )
 
 
 @dataclass
@@ -86,8 +88,9 @@ def _safe_cut(data: bytes, secrets: list[bytes]) -> int:
     return cut
 
 
-async def copy_redacted(stream: trio.abc.ReceiveStream, log_path: Path, secrets: tuple[str, ...],
-                        done: trio.Event) -> None:
+async def copy_redacted(
+    stream: trio.abc.ReceiveStream, log_path: Path, secrets: tuple[str, ...], done: trio.Event
+) -> None:
     """Append ``stream`` to ``log_path`` with every secret replaced, also across chunk boundaries;
     the end of a chunk that may be the start of a secret waits for the next chunk (or the end)."""
     keys = sorted({s.encode() for s in secrets if s}, key=len, reverse=True)
@@ -117,8 +120,12 @@ def log_tail(path: Path, num_lines: int = 20) -> str:
 class Supervisor:
     """Owns the children of one run. Use :meth:`start` inside a nursery, then :meth:`wait`."""
 
-    def __init__(self, stop_grace_s: float = STOP_GRACE_S, on_event: Callable[[str, str], None] | None = None,
-                 stop_first: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        stop_grace_s: float = STOP_GRACE_S,
+        on_event: Callable[[str, str], None] | None = None,
+        stop_first: tuple[str, ...] = (),
+    ):
         self.children: dict[str, ChildState] = {}
         self.stop_grace_s = stop_grace_s
         self.stop_first = tuple(stop_first)
@@ -140,16 +147,26 @@ class Supervisor:
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         if spec.redact:
             state.process = await trio.lowlevel.open_process(
-                argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                env={**os.environ, **spec.env}, cwd=spec.cwd, start_new_session=True,
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **spec.env},
+                cwd=spec.cwd,
+                start_new_session=True,
             )
             state.logged = trio.Event()
             pumps.start_soon(copy_redacted, state.process.stdout, spec.log_path, spec.redact, state.logged)
         else:
             with open(spec.log_path, "ab", buffering=0) as log:
                 state.process = await trio.lowlevel.open_process(
-                    argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    env={**os.environ, **spec.env}, cwd=spec.cwd, start_new_session=True,
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env={**os.environ, **spec.env},
+                    cwd=spec.cwd,
+                    start_new_session=True,
                 )
         self.on_event(spec.name, f"started (pid {state.process.pid})")
 
@@ -174,8 +191,10 @@ class Supervisor:
                         self._fail(state)
                         return
                     state.restarts += 1
-                    self.on_event(state.spec.name, f"exited with status {code}; restart {state.restarts}/"
-                                  f"{state.spec.max_restarts}")
+                    self.on_event(
+                        state.spec.name,
+                        f"exited with status {code}; restart {state.restarts}/{state.spec.max_restarts}",
+                    )
                     await trio.sleep(min(0.5 * 2 ** (state.restarts - 1), 5.0))
                     await self._spawn(state, pumps)
             finally:
@@ -209,8 +228,10 @@ class Supervisor:
 
     async def _first_ones_stopped(self) -> None:
         """Until no child named with a ``stop_first`` prefix runs (they are being stopped too)."""
-        while any(c.spec.name.startswith(self.stop_first) and c.process is not None and c.process.poll() is None
-                  for c in self.children.values()):
+        while any(
+            c.spec.name.startswith(self.stop_first) and c.process is not None and c.process.poll() is None
+            for c in self.children.values()
+        ):
             await trio.sleep(0.05)
 
     async def wait_for_failure(self) -> None:

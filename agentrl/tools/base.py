@@ -35,13 +35,20 @@ import re
 import time
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import trio
 
-_JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean",
-                               list: "array", dict: "object"}
+_JSON_TYPES: dict[Any, str] = {
+    str: "string",
+    int: "integer",
+    float: "number",
+    bool: "boolean",
+    list: "array",
+    dict: "object",
+}
 
 
 @dataclass
@@ -124,8 +131,10 @@ class Tool:
         return None
 
     def schema(self) -> dict[str, Any]:
-        return {"type": "function",
-                "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
 
 
 class FunctionTool(Tool):
@@ -156,8 +165,7 @@ class FunctionTool(Tool):
         return out if isinstance(out, str) else str(out)
 
 
-def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None,
-         timeout_s: float | None = None) -> Any:
+def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None, timeout_s: float | None = None) -> Any:
     """Decorator: turn a function into a :class:`Tool` (``@tool`` or ``@tool(name=...)``)."""
     if fn is None:
         return lambda f: FunctionTool(f, name=name, timeout_s=timeout_s)
@@ -258,13 +266,13 @@ def _schema_from_signature(fn: Callable[..., Any], arg_docs: dict[str, str]) -> 
         if pname in ("self", "state") or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             continue
         if pname not in hints:
-            raise ToolSchemaError(f"tool {_tool_name(fn)}: parameter {pname!r} has no type hint; "
-                                  f"annotate it with {SUPPORTED_HINTS}")
+            raise ToolSchemaError(
+                f"tool {_tool_name(fn)}: parameter {pname!r} has no type hint; annotate it with {SUPPORTED_HINTS}"
+            )
         try:
             prop = _json_type(hints[pname])
         except TypeError as e:
-            raise ToolSchemaError(f"tool {_tool_name(fn)}: parameter {pname!r}: {e}; "
-                                  f"use {SUPPORTED_HINTS}") from None
+            raise ToolSchemaError(f"tool {_tool_name(fn)}: parameter {pname!r}: {e}; use {SUPPORTED_HINTS}") from None
         if pname in arg_docs:
             prop["description"] = arg_docs[pname]
         props[pname] = prop
@@ -286,7 +294,9 @@ def check_arguments(tool_: Tool, arguments: Any) -> str | None:
         return f"{tool_.name} is missing required argument(s): {', '.join(missing)}"
     unknown = [a for a in arguments if props and a not in props]
     if unknown:
-        names = ", ".join(_short(a) for a in unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+        names = ", ".join(_short(a) for a in unknown[:5]) + (
+            f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        )
         return f"{tool_.name} got unknown argument(s): {names}; it takes {', '.join(props)}"
     for key, value in arguments.items():
         schema = props.get(key, {})
@@ -390,8 +400,11 @@ class ToolBox:
         tool_ = self._by_name.get(call.name)
         if tool_ is None:
             known = ", ".join(self._by_name) or "none"
-            return ToolResult(f"Error: unknown tool {_short(call.name)!r}; available tools: {known}", is_error=True,
-                              error_kind="unknown_tool")
+            return ToolResult(
+                f"Error: unknown tool {_short(call.name)!r}; available tools: {known}",
+                is_error=True,
+                error_kind="unknown_tool",
+            )
         problem = check_arguments(tool_, call.arguments)
         if not problem:
             kwargs = {k: tool_.converters[k](v) if k in tool_.converters else v for k, v in call.arguments.items()}

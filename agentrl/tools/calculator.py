@@ -126,7 +126,9 @@ class _Parser:
             value = self.expr()
             self.depth -= 1
             if self.peek() != ")":
-                raise CalculatorError("missing ')'" if self.peek() is None else f"expected ')' but found {self.peek()!r}")
+                raise CalculatorError(
+                    "missing ')'" if self.peek() is None else f"expected ')' but found {self.peek()!r}"
+                )
             self.take()
             return value
         if tok[0].isdigit() or tok[0] == ".":

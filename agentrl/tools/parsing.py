@@ -198,10 +198,10 @@ def _parse_call(body: str) -> tuple[ToolCall | None, str]:
 def _call_from(obj: Any) -> tuple[ToolCall | None, str]:
     """The call a decoded JSON value holds (``arguments`` may be an object or JSON text), or why not."""
     if not isinstance(obj, dict):
-        return None, "Error: a tool call must be a JSON object with \"name\" and \"arguments\""
+        return None, 'Error: a tool call must be a JSON object with "name" and "arguments"'
     name = obj.get("name")
     if not isinstance(name, str) or not name:
-        return None, "Error: the tool call has no \"name\""
+        return None, 'Error: the tool call has no "name"'
     args = obj.get("arguments", {})
     if isinstance(args, str):
         args, problem = _loads(args) if args.strip() else ({}, "")
@@ -212,8 +212,11 @@ def _call_from(obj: Any) -> tuple[ToolCall | None, str]:
     return ToolCall(name=name, arguments=args), ""
 
 
-PARSERS: dict[str, type] = {"hermes": HermesToolCallParser, "qwen": HermesToolCallParser,
-                            "llama3": Llama3JsonToolCallParser}
+PARSERS: dict[str, type] = {
+    "hermes": HermesToolCallParser,
+    "qwen": HermesToolCallParser,
+    "llama3": Llama3JsonToolCallParser,
+}
 
 
 def get_parser(name: str = "hermes") -> ToolCallParser:

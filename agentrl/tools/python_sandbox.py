@@ -34,6 +34,8 @@ class PythonTool(Tool):
     async def run(self, code: str, state: dict[str, Any]) -> str:
         sandbox = state.get(self.state_key)
         if sandbox is None:
-            raise RuntimeError(f"this episode has no sandbox (the env's setup must put one in state[{self.state_key!r}])")
+            raise RuntimeError(
+                f"this episode has no sandbox (the env's setup must put one in state[{self.state_key!r}])"
+            )
         result = await sandbox.run(code)
         return result.render(self.settings)

@@ -33,8 +33,15 @@ class SearchTool(Tool):
 
     name = "search"
 
-    def __init__(self, url: str = "", *, index: Any = None, top_k: int = 3, request_timeout_s: float = 10.0,
-                 token_env: str = SEARCH_TOKEN_ENV):
+    def __init__(
+        self,
+        url: str = "",
+        *,
+        index: Any = None,
+        top_k: int = 3,
+        request_timeout_s: float = 10.0,
+        token_env: str = SEARCH_TOKEN_ENV,
+    ):
         if bool(url) == (index is not None):
             raise ValueError("SearchTool needs exactly one of url (a search server) or index (a BM25Index)")
         self.url = url.rstrip("/")

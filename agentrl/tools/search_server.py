@@ -54,7 +54,7 @@ class BM25Index:
         self._lock = threading.Lock()  # the tokenizer's vocabulary lookups are not documented as thread-safe
 
     @classmethod
-    def from_jsonl(cls, path: str | Path) -> "BM25Index":
+    def from_jsonl(cls, path: str | Path) -> BM25Index:
         return cls(load_corpus(path))
 
     def __len__(self) -> int:
@@ -69,8 +69,9 @@ class BM25Index:
             docs, scores = self._bm25.retrieve(ids, k=k, show_progress=False, n_threads=1)
         results = []
         for row_docs, row_scores in zip(docs.tolist(), scores.tolist()):
-            results.append([{**self.passages[d], "score": round(float(s), 4)}
-                            for d, s in zip(row_docs, row_scores) if s > 0])
+            results.append(
+                [{**self.passages[d], "score": round(float(s), 4)} for d, s in zip(row_docs, row_scores) if s > 0]
+            )
         return results
 
 
@@ -132,8 +133,13 @@ def create_app(index: BM25Index, token: str = ""):
     return Starlette(routes=routes, middleware=[Middleware(BearerAuthMiddleware, routes=routes, api_key=token)])
 
 
-def serve(corpus: str | Path, host: str = "127.0.0.1", port: int = 8001, log_level: str = "warning",
-          token_env: str = SEARCH_TOKEN_ENV) -> None:
+def serve(
+    corpus: str | Path,
+    host: str = "127.0.0.1",
+    port: int = 8001,
+    log_level: str = "warning",
+    token_env: str = SEARCH_TOKEN_ENV,
+) -> None:
     """Index ``corpus`` and serve it until interrupted (guarded by the token in ``token_env``, if set)."""
     import uvicorn
 

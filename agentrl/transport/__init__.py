@@ -18,8 +18,14 @@ from agentrl.transport.base import GroupSink, GroupSource, ProgressSink, Progres
 from agentrl.transport.delivery import Ledger, Outbox
 from agentrl.transport.memory import InMemoryGroupChannel, InMemoryProgressChannel
 from agentrl.transport.security import ChannelSecurity, CurveKey, security_from_config
-from agentrl.transport.zmq_channels import (GroupReceiver, GroupSender, ProgressPublisher, ProgressSubscriber,
-                                            PullSocket, PushSocket)
+from agentrl.transport.zmq_channels import (
+    GroupReceiver,
+    GroupSender,
+    ProgressPublisher,
+    ProgressSubscriber,
+    PullSocket,
+    PushSocket,
+)
 
 __all__ = [
     "ChannelSecurity",

@@ -143,8 +143,15 @@ class Ledger:
         out = []
         for actor_id, record in sorted(self.actors.items()):
             seqs = self.sessions[(actor_id, record.latest)]
-            out.append(ActorAck(actor_id=actor_id, groups=record.groups, session=record.latest,
-                                session_groups=seqs.count, acked=seqs.ranges()[-MAX_ACK_RANGES:]))
+            out.append(
+                ActorAck(
+                    actor_id=actor_id,
+                    groups=record.groups,
+                    session=record.latest,
+                    session_groups=seqs.count,
+                    acked=seqs.ranges()[-MAX_ACK_RANGES:],
+                )
+            )
         return out
 
     # -- checkpoint state: plain lists, strings and ints (torch.load(weights_only=True) reads them)
@@ -232,23 +239,29 @@ class Outbox:
                 log.warning(
                     "actor %s: %d groups sent and not acknowledged by the learner (actors.max_unacked_groups = %d); "
                     "forgetting the oldest (seq %d; %d so far): it cannot be resent if the learner restarts now",
-                    self.actor_id, len(self._held) + 1, self.max_unacked, seq, self.forgotten,
+                    self.actor_id,
+                    len(self._held) + 1,
+                    self.max_unacked,
+                    seq,
+                    self.forgotten,
                 )
 
     def on_progress(self, progress: Progress) -> list[TrajectoryGroup]:
         """Release what the learner acknowledged; return what to send again, oldest first."""
         restarted = progress.learner_session != self.learner_session
         if restarted and self.learner_session is not None:
-            log.info("actor %s: the learner restarted (session %s); resending the groups it has not acknowledged",
-                     self.actor_id, progress.learner_session)
+            log.info(
+                "actor %s: the learner restarted (session %s); resending the groups it has not acknowledged",
+                self.actor_id,
+                progress.learner_session,
+            )
         self.learner_session = progress.learner_session
         ack = next((a for a in progress.actors if a.actor_id == self.actor_id), None)
         self.learner_holds = 0 if ack is None else ack.groups
         if ack is not None and ack.session == self.session:
             self._release(ack.acked)
         # everything after a learner restart; otherwise what was sent before something acknowledged
-        resend = [h for h in self._held.values()
-                  if not h.resending and (restarted or h.stamp < self._max_acked_stamp)]
+        resend = [h for h in self._held.values() if not h.resending and (restarted or h.stamp < self._max_acked_stamp)]
         for h in resend:
             h.resending = True
         self.resent += len(resend)
@@ -267,7 +280,11 @@ class Outbox:
 
     def stats(self) -> dict[str, Any]:
         return {
-            "actor_id": self.actor_id, "session": self.session, "groups_produced": self.produced,
-            "groups_acked": self.acked, "groups_unacked": len(self._held), "groups_resent": self.resent,
+            "actor_id": self.actor_id,
+            "session": self.session,
+            "groups_produced": self.produced,
+            "groups_acked": self.acked,
+            "groups_unacked": len(self._held),
+            "groups_resent": self.resent,
             "groups_forgotten_unacked": self.forgotten,
         }

@@ -12,7 +12,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Callable, Generic, Iterable, TypeVar
+from collections.abc import Callable, Iterable
+from typing import Generic, TypeVar
 
 import trio
 
@@ -158,4 +159,3 @@ class Mailbox(Generic[T]):
                     raise trio.ClosedResourceError("the channel is closed")
         await trio.lowlevel.cancel_shielded_checkpoint()
         return item
-

@@ -82,4 +82,3 @@ class InMemoryProgressChannel(ProgressSink, ProgressSource):
     async def aclose(self) -> None:
         self.close()
         await trio.lowlevel.checkpoint()
-

@@ -75,7 +75,7 @@ class CurveKey:
         except (ValueError, zmq.ZMQError) as e:
             raise ValueError(
                 f"{source} is not a CURVE secret key (40 characters of Z85, e.g. from "
-                f"python -c \"import zmq; print(zmq.curve_keypair()[1].decode())\"): {e}"
+                f'python -c "import zmq; print(zmq.curve_keypair()[1].decode())"): {e}'
             ) from None
         return cls(secret=raw, public=public)
 

@@ -52,7 +52,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import trio
 import zmq
@@ -182,7 +183,12 @@ class _SocketThread:
     def _main(self) -> None:
         try:
             sock, self.endpoint = _open_socket(
-                self._ctx.ctx, self._name, self._socket_type, self.requested_endpoint, self._bind, self._options,
+                self._ctx.ctx,
+                self._name,
+                self._socket_type,
+                self.requested_endpoint,
+                self._bind,
+                self._options,
                 self._security,
             )
         except Exception as e:  # never leave the constructor waiting
@@ -465,7 +471,8 @@ class PushSocket:
                         log.warning(
                             "sending to %s has waited %.0f s: the receiver is not taking messages (busy, not "
                             "running, or refusing this side's CURVE key: see actors.curve_secret_key_env)",
-                            self.endpoint, warned - started,
+                            self.endpoint,
+                            warned - started,
                         )
         self._last_yield = time.monotonic()
 
@@ -549,8 +556,15 @@ class ProgressPublisher(ProgressSink):
         self._published = 0
         self._closed = False
         self._thread = _SocketThread(
-            "progress-publisher", zmq.PUB, endpoint, bind, {zmq.SNDHWM: 64}, self._loop,
-            on_exit=self._box.close, security=security, linger_ms=int(1000 * close_linger_s),
+            "progress-publisher",
+            zmq.PUB,
+            endpoint,
+            bind,
+            {zmq.SNDHWM: 64},
+            self._loop,
+            on_exit=self._box.close,
+            security=security,
+            linger_ms=int(1000 * close_linger_s),
         )
         self.endpoint = self._thread.endpoint
 
@@ -637,7 +651,9 @@ class ProgressSubscriber(ProgressSource):
             return await self._box.aget()
         except trio.ClosedResourceError:
             if self._thread.error is not None:
-                raise TransportError(f"ProgressSubscriber({self.endpoint}) thread failed: {self._thread.error}") from None
+                raise TransportError(
+                    f"ProgressSubscriber({self.endpoint}) thread failed: {self._thread.error}"
+                ) from None
             raise
 
     @property
@@ -662,4 +678,3 @@ class ProgressSubscriber(ProgressSource):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
-

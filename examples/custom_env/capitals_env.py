@@ -32,8 +32,10 @@ class CapitalsEnv(Env):
         return self.source.tasks(split, seed)  # "train" cycles forever, reshuffled per pass
 
     def initial_messages(self, task):
-        return [{"role": "system", "content": "Answer with 'Answer: <city>'."},
-                {"role": "user", "content": f"What is the capital of {task.data['country']}?"}]
+        return [
+            {"role": "system", "content": "Answer with 'Answer: <city>'."},
+            {"role": "user", "content": f"What is the capital of {task.data['country']}?"},
+        ]
 
     def tools(self):
         return self._tools
@@ -54,7 +56,9 @@ class CapitalsEnv(Env):
     def demonstration(self, task):
         country, capital = task.data["country"], task.data["capital"]
         call = {"type": "function", "function": {"name": "atlas", "arguments": {"country": country}}}
-        return [*self.initial_messages(task),
-                {"role": "assistant", "content": "", "tool_calls": [call]},
-                {"role": "tool", "name": "atlas", "content": f"The capital of {country} is {capital}."},
-                {"role": "assistant", "content": f"Answer: {capital}"}]
+        return [
+            *self.initial_messages(task),
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "atlas", "content": f"The capital of {country} is {capital}."},
+            {"role": "assistant", "content": f"Answer: {capital}"},
+        ]

@@ -20,7 +20,8 @@ agent's last call, exactly as the quickstart scores its episodes.
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from agentrl.agents import AgentEnv
 from agentrl.envs.base import Message, Task
@@ -50,11 +51,16 @@ def calculator_tool() -> Any:
             return f"Error: {problem}"
         try:
             return format_number(evaluate(args["expression"]))
-        except Exception as e:  # noqa: BLE001 - as the ToolBox reports a failed tool
+        except Exception as e:
             return f"Error: {CALCULATOR.name} failed: {type(e).__name__}: {e}"
 
-    return FunctionTool(name=spec["name"], description=spec["description"], params_json_schema=spec["parameters"],
-                        on_invoke_tool=invoke, strict_json_schema=False)
+    return FunctionTool(
+        name=spec["name"],
+        description=spec["description"],
+        params_json_schema=spec["parameters"],
+        on_invoke_tool=invoke,
+        strict_json_schema=False,
+    )
 
 
 class CalculatorAgentEnv(AgentEnv):
@@ -69,8 +75,12 @@ class CalculatorAgentEnv(AgentEnv):
     async def run(self, task: Task, client: Any) -> None:
         from agents import Agent, MaxTurnsExceeded, ModelBehaviorError, OpenAIChatCompletionsModel, RunConfig, Runner
 
-        agent = Agent(name="calculator", instructions=self.calculator.system_prompt, tools=[calculator_tool()],
-                      model=OpenAIChatCompletionsModel(model="policy", openai_client=client))
+        agent = Agent(
+            name="calculator",
+            instructions=self.calculator.system_prompt,
+            tools=[calculator_tool()],
+            model=OpenAIChatCompletionsModel(model="policy", openai_client=client),
+        )
         try:
             await Runner.run(agent, task.data["question"], max_turns=10, run_config=RunConfig(tracing_disabled=True))
         except (MaxTurnsExceeded, ModelBehaviorError):

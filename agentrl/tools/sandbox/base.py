@@ -54,7 +54,7 @@ class SandboxSettings:
     max_live: int = 0  # most sandboxes alive at once (0: unbounded); acquire waits beyond it
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any] | None) -> "SandboxSettings":
+    def from_dict(cls, values: dict[str, Any] | None) -> SandboxSettings:
         values = dict(values or {})
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
@@ -65,16 +65,33 @@ class SandboxSettings:
             raise ValueError(f"sandbox backend must be local, docker or e2b, got {settings.backend!r}")
         return settings
 
-    def payload(self, action: str = "run", code: str = "", files: dict[str, str] | None = None,
-                stdin: str = "", workdir: str = "/work", sweep_uid: bool = False, function: str = "",
-                calls: list[list[Any]] | None = None) -> dict[str, Any]:
+    def payload(
+        self,
+        action: str = "run",
+        code: str = "",
+        files: dict[str, str] | None = None,
+        stdin: str = "",
+        workdir: str = "/work",
+        sweep_uid: bool = False,
+        function: str = "",
+        calls: list[list[Any]] | None = None,
+    ) -> dict[str, Any]:
         """The runner's input for one invocation."""
         return {
-            "action": action, "code": code, "files": files or {}, "stdin": stdin, "workdir": workdir,
-            "cpu_time_s": self.cpu_time_s, "wall_time_s": self.wall_time_s, "memory_mb": self.memory_mb,
+            "action": action,
+            "code": code,
+            "files": files or {},
+            "stdin": stdin,
+            "workdir": workdir,
+            "cpu_time_s": self.cpu_time_s,
+            "wall_time_s": self.wall_time_s,
+            "memory_mb": self.memory_mb,
             "max_processes": self.max_processes,
-            "max_output_bytes": 4 * self.max_output_chars, "max_file_bytes": self.max_file_mb << 20,
-            "sweep_uid": sweep_uid, "function": function, "calls": calls or [],
+            "max_output_bytes": 4 * self.max_output_chars,
+            "max_file_bytes": self.max_file_mb << 20,
+            "sweep_uid": sweep_uid,
+            "function": function,
+            "calls": calls or [],
         }
 
     @property
@@ -132,8 +149,9 @@ class ExecResult:
         if self.error:
             notes.append(f"sandbox error: {self.error}")
         if self.limit:
-            notes.append(_LIMIT_TEXT.get(self.limit, self.limit).format(
-                wall=s.wall_time_s, cpu=s.cpu_time_s, mem=s.memory_mb))
+            notes.append(
+                _LIMIT_TEXT.get(self.limit, self.limit).format(wall=s.wall_time_s, cpu=s.cpu_time_s, mem=s.memory_mb)
+            )
         elif self.exit_code is not None and self.exit_code < 0:
             notes.append(f"killed by signal {-self.exit_code}")
         elif self.exit_code:
@@ -164,8 +182,12 @@ def parse_calls(result: ExecResult, count: int) -> list[CallResult]:
     for item in reported:
         value = item.get("value") if isinstance(item, dict) else None
         error = item.get("error") if isinstance(item, dict) else None
-        calls.append(CallResult(value=value if isinstance(value, str) else None,
-                                error=str(error)[:300] if error else ("" if isinstance(value, str) else "no result")))
+        calls.append(
+            CallResult(
+                value=value if isinstance(value, str) else None,
+                error=str(error)[:300] if error else ("" if isinstance(value, str) else "no result"),
+            )
+        )
     return calls
 
 
@@ -176,20 +198,31 @@ def parse_report(stdout: str, stderr: str = "") -> ExecResult:
         detail = (stderr or stdout).strip()[-500:] or "no output"
         return ExecResult(exit_code=None, error=f"the sandbox runner did not report ({detail})")
     try:
-        report = json.loads(stdout[idx + len(MARKER):].strip().splitlines()[0])
+        report = json.loads(stdout[idx + len(MARKER) :].strip().splitlines()[0])
     except (ValueError, IndexError, RecursionError) as e:
         return ExecResult(exit_code=None, error=f"unreadable sandbox report: {e}")
-    wrong = [k for k, kinds in _REPORT_FIELDS.items() if k in report and not isinstance(report[k], kinds)] \
-        if isinstance(report, dict) else ["(not an object)"]
+    wrong = (
+        [k for k, kinds in _REPORT_FIELDS.items() if k in report and not isinstance(report[k], kinds)]
+        if isinstance(report, dict)
+        else ["(not an object)"]
+    )
     if wrong:
         return ExecResult(exit_code=None, error=f"unreadable sandbox report: bad {', '.join(wrong)}")
-    return ExecResult(**{k: v for k, v in report.items() if k in _REPORT_FIELDS},
-                      extra={k: v for k, v in report.items() if k not in _REPORT_FIELDS})
+    return ExecResult(
+        **{k: v for k, v in report.items() if k in _REPORT_FIELDS},
+        extra={k: v for k, v in report.items() if k not in _REPORT_FIELDS},
+    )
 
 
 _REPORT_FIELDS: dict[str, tuple[type, ...]] = {
-    "stdout": (str,), "stderr": (str,), "exit_code": (int, type(None)), "limit": (str,), "truncated": (bool,),
-    "duration_s": (int, float), "error": (str,)}
+    "stdout": (str,),
+    "stderr": (str,),
+    "exit_code": (int, type(None)),
+    "limit": (str,),
+    "truncated": (bool,),
+    "duration_s": (int, float),
+    "error": (str,),
+}
 
 
 def runner_source() -> str:
@@ -214,8 +247,14 @@ class Sandbox(abc.ABC):
     async def call_function(self, source: str, function: str, arg_lists: list[list[Any]]) -> list[CallResult]:
         """Call ``function`` (defined by ``source``) on each argument list, each call in a fresh
         process in this sandbox, all within one ``wall_time_s``; one :class:`CallResult` per call."""
-        payload = self.settings.payload("calls", source, workdir=self.work_path, sweep_uid=True, function=function,
-                                        calls=[list(args) for args in arg_lists])
+        payload = self.settings.payload(
+            "calls",
+            source,
+            workdir=self.work_path,
+            sweep_uid=True,
+            function=function,
+            calls=[list(args) for args in arg_lists],
+        )
         return parse_calls(await self.execute(payload), len(arg_lists))
 
     @abc.abstractmethod

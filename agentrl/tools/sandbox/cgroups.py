@@ -109,7 +109,9 @@ def find_cgroups() -> CgroupLayout | str:
             reasons.append(f"{mount}: {e}")
             continue
         if not {"memory", "pids"} <= controllers:
-            reasons.append(f"cgroup v2 at {mount} has no memory/pids controllers ({' '.join(sorted(controllers)) or 'none'})")
+            reasons.append(
+                f"cgroup v2 at {mount} has no memory/pids controllers ({' '.join(sorted(controllers)) or 'none'})"
+            )
             continue
         try:
             base = _enable_v2(mount)
@@ -120,8 +122,10 @@ def find_cgroups() -> CgroupLayout | str:
             reasons.append(f"cgroup v2 at {mount}: {e}")
     v1 = {c: mount for mount, kind, options in mounts if kind == "cgroup" for c in ("memory", "pids") if c in options}
     if {"memory", "pids"} <= set(v1):
-        for candidates in ([v1[c] / own.get(c, "") / BASE_NAME for c in ("memory", "pids")],
-                           [v1[c] / BASE_NAME for c in ("memory", "pids")]):
+        for candidates in (
+            [v1[c] / own.get(c, "") / BASE_NAME for c in ("memory", "pids")],
+            [v1[c] / BASE_NAME for c in ("memory", "pids")],
+        ):
             try:
                 for base in candidates:
                     base.mkdir(exist_ok=True)

@@ -82,7 +82,7 @@ class DockerSandbox(Sandbox):
         self._finalizer = weakref.finalize(self, _remove_quietly, container)
 
     @classmethod
-    async def create(cls, settings: SandboxSettings, slot: int = 0) -> "DockerSandbox":
+    async def create(cls, settings: SandboxSettings, slot: int = 0) -> DockerSandbox:
         from docker.types import Ulimit
 
         client = await trio.to_thread.run_sync(docker_client, settings)
@@ -91,19 +91,34 @@ class DockerSandbox(Sandbox):
         # The main process reaps orphans (SIGCHLD ignored: no zombies eating the pids limit)
         # and ends the container after lifetime_s.
         keepalive = f"import signal, time; signal.signal(signal.SIGCHLD, signal.SIG_IGN); time.sleep({float(settings.lifetime_s)})"
-        container = await trio.to_thread.run_sync(lambda: client.containers.run(
-            settings.image, ["python3", "-c", keepalive], detach=True, auto_remove=True,
-            network_mode="none", read_only=True,
-            tmpfs={"/work": f"size={settings.work_mb}m,nr_inodes={WORK_INODES},mode=0700,uid={uid},gid={uid}",
-                   "/tmp": f"size={settings.tmpfs_mb}m,nr_inodes={WORK_INODES},mode=1777"},
-            shm_size=f"{settings.tmpfs_mb}m",
-            mem_limit=f"{settings.total_memory_mb}m", memswap_limit=f"{settings.total_memory_mb}m",
-            pids_limit=nproc, nano_cpus=int(settings.cpus * 1e9),
-            ulimits=[Ulimit(name="nofile", soft=settings.max_open_files, hard=settings.max_open_files),
-                     Ulimit(name="nproc", soft=nproc, hard=nproc)],
-            cap_drop=["ALL"], security_opt=["no-new-privileges"],
-            labels={"agentrl.sandbox": "1"}, working_dir="/work", environment=_ENV,
-        ))
+        container = await trio.to_thread.run_sync(
+            lambda: client.containers.run(
+                settings.image,
+                ["python3", "-c", keepalive],
+                detach=True,
+                auto_remove=True,
+                network_mode="none",
+                read_only=True,
+                tmpfs={
+                    "/work": f"size={settings.work_mb}m,nr_inodes={WORK_INODES},mode=0700,uid={uid},gid={uid}",
+                    "/tmp": f"size={settings.tmpfs_mb}m,nr_inodes={WORK_INODES},mode=1777",
+                },
+                shm_size=f"{settings.tmpfs_mb}m",
+                mem_limit=f"{settings.total_memory_mb}m",
+                memswap_limit=f"{settings.total_memory_mb}m",
+                pids_limit=nproc,
+                nano_cpus=int(settings.cpus * 1e9),
+                ulimits=[
+                    Ulimit(name="nofile", soft=settings.max_open_files, hard=settings.max_open_files),
+                    Ulimit(name="nproc", soft=nproc, hard=nproc),
+                ],
+                cap_drop=["ALL"],
+                security_opt=["no-new-privileges"],
+                labels={"agentrl.sandbox": "1"},
+                working_dir="/work",
+                environment=_ENV,
+            )
+        )
         return cls(settings, client, container, uid)
 
     async def execute(self, payload: dict[str, Any]) -> ExecResult:
@@ -115,9 +130,14 @@ class DockerSandbox(Sandbox):
             from docker.utils.socket import frames_iter
 
             api = self.client.api
-            exec_id = api.exec_create(self.container.id, ["python3", "-I", "-c", runner_source(), "-"],
-                                      stdin=True, user=f"{self.uid}:{self.uid}", workdir="/work",
-                                      environment=_ENV)["Id"]
+            exec_id = api.exec_create(
+                self.container.id,
+                ["python3", "-I", "-c", runner_source(), "-"],
+                stdin=True,
+                user=f"{self.uid}:{self.uid}",
+                workdir="/work",
+                environment=_ENV,
+            )["Id"]
             sock = api.exec_start(exec_id, socket=True)
             try:
                 sock._sock.sendall(data)

@@ -39,8 +39,14 @@ def _sdk_sandbox_class() -> Any:
 
 
 class E2BSandbox(Sandbox):
-    def __init__(self, settings: SandboxSettings, sdk: Any, *, control_dir: str = "/opt/agentrl",
-                 workdir: str = "/home/user/work"):
+    def __init__(
+        self,
+        settings: SandboxSettings,
+        sdk: Any,
+        *,
+        control_dir: str = "/opt/agentrl",
+        workdir: str = "/home/user/work",
+    ):
         self.settings = settings
         self.sdk = sdk
         self.control_dir = control_dir.rstrip("/")
@@ -49,17 +55,29 @@ class E2BSandbox(Sandbox):
         self._counter = 0
 
     @classmethod
-    async def create(cls, settings: SandboxSettings, slot: int = 0, *, sandbox_cls: Any = None,
-                     control_dir: str = "/opt/agentrl", workdir: str = "/home/user/work") -> "E2BSandbox":
+    async def create(
+        cls,
+        settings: SandboxSettings,
+        slot: int = 0,
+        *,
+        sandbox_cls: Any = None,
+        control_dir: str = "/opt/agentrl",
+        workdir: str = "/home/user/work",
+    ) -> E2BSandbox:
         sdk_cls = sandbox_cls or _sdk_sandbox_class()
-        sdk = await trio.to_thread.run_sync(lambda: sdk_cls.create(
-            template=settings.e2b_template or None, timeout=int(settings.lifetime_s),
-            allow_internet_access=False, metadata={"agentrl": "sandbox"},
-        ))
+        sdk = await trio.to_thread.run_sync(
+            lambda: sdk_cls.create(
+                template=settings.e2b_template or None,
+                timeout=int(settings.lifetime_s),
+                allow_internet_access=False,
+                metadata={"agentrl": "sandbox"},
+            )
+        )
         sandbox = cls(settings, sdk, control_dir=control_dir, workdir=workdir)
         try:
             await trio.to_thread.run_sync(
-                lambda: sdk.files.write(f"{sandbox.control_dir}/runner.py", runner_source(), user="root"))
+                lambda: sdk.files.write(f"{sandbox.control_dir}/runner.py", runner_source(), user="root")
+            )
         except BaseException:
             await trio.to_thread.run_sync(sdk.kill)
             raise

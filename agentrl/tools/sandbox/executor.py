@@ -184,8 +184,13 @@ def run(payload):
     try:
         proc = subprocess.Popen(
             [sys.executable, "-E", "-s", "main.py"],
-            stdin=subprocess.PIPE, stdout=out, stderr=err, cwd=workdir,
-            preexec_fn=_limits(payload), start_new_session=True, close_fds=True,
+            stdin=subprocess.PIPE,
+            stdout=out,
+            stderr=err,
+            cwd=workdir,
+            preexec_fn=_limits(payload),
+            start_new_session=True,
+            close_fds=True,
         )
         try:
             proc.communicate(input=(payload.get("stdin") or "").encode(), timeout=wall)
@@ -253,7 +258,7 @@ def _call_child(payload, args, result_fd, err_fd, _exit=os._exit):
         exec(compile(payload.get("code", ""), "solution.py", "exec"), namespace)
         data = json.dumps(namespace[payload.get("function", "")](*args), allow_nan=False).encode()
         while data:
-            data = data[os.write(result_fd, data):]
+            data = data[os.write(result_fd, data) :]
         code = 0
     except BaseException:
         try:
@@ -352,8 +357,15 @@ def calls(payload):
         results.append(_call_once(payload, args, deadline))
     if payload.get("sweep_uid"):
         _sweep_uid()
-    return {"exit_code": 0, "stdout": "", "stderr": "", "truncated": False, "limit": "",
-            "duration_s": round(time.monotonic() - start, 4), "calls": results}
+    return {
+        "exit_code": 0,
+        "stdout": "",
+        "stderr": "",
+        "truncated": False,
+        "limit": "",
+        "duration_s": round(time.monotonic() - start, 4),
+        "calls": results,
+    }
 
 
 def _cpu_spent(proc):
@@ -401,8 +413,15 @@ def reset(payload):
                     os.unlink(path)
                 except OSError:
                     pass
-    return {"exit_code": 0, "stdout": "", "stderr": "", "truncated": False, "limit": "",
-            "duration_s": 0.0, "killed": killed}
+    return {
+        "exit_code": 0,
+        "stdout": "",
+        "stderr": "",
+        "truncated": False,
+        "limit": "",
+        "duration_s": 0.0,
+        "killed": killed,
+    }
 
 
 ACTIONS = {"run": run, "calls": calls, "reset": reset}
@@ -418,8 +437,15 @@ def main():
     try:
         report = ACTIONS[payload.get("action", "run")](payload)
     except Exception as e:  # report runner failures instead of a bare traceback
-        report = {"exit_code": None, "stdout": "", "stderr": "", "truncated": False,
-                  "limit": "", "duration_s": 0.0, "error": "%s: %s" % (type(e).__name__, e)}
+        report = {
+            "exit_code": None,
+            "stdout": "",
+            "stderr": "",
+            "truncated": False,
+            "limit": "",
+            "duration_s": 0.0,
+            "error": "%s: %s" % (type(e).__name__, e),
+        }
     sys.stdout.write("\n" + MARKER + json.dumps(report) + "\n")
     sys.stdout.flush()
 

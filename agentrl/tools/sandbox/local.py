@@ -103,8 +103,9 @@ def _python_inside(settings: SandboxSettings) -> tuple[str, list[str]]:
 def _mount_work(path: Path, size_mb: int, uid: int) -> bool:
     """A tmpfs of ``size_mb`` owned by ``uid`` on ``path``; False where mounting is not allowed."""
     options = f"size={size_mb}m,nr_inodes={WORK_INODES},mode=0700,uid={uid},gid={uid}"
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "agentrl-work", str(path)],
-                          capture_output=True, check=False)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "agentrl-work", str(path)], capture_output=True, check=False
+    )
     return done.returncode == 0
 
 
@@ -118,7 +119,7 @@ def _remove_stale_roots() -> None:
         if len(fields) > 1 and fields[0] == "agentrl-work" and fields[1].startswith(prefix):
             root = os.path.dirname(fields[1])
             try:
-                os.kill(int(root[len(prefix):].split("-")[0]), 0)
+                os.kill(int(root[len(prefix) :].split("-")[0]), 0)
             except ProcessLookupError:
                 _remove_root(root, True)
             except (OSError, ValueError):
@@ -191,10 +192,22 @@ class LocalSandbox(Sandbox):
         outer_nproc = s.max_processes + 8  # bwrap, its init and the runner count too
         outer_as = (s.memory_mb + 256) << 20
         argv = [
-            "prlimit", f"--nproc={outer_nproc}", f"--as={outer_as}", f"--cpu={int(s.cpu_time_s) + 5}",
-            f"--fsize={s.max_file_mb << 20}", f"--nofile={s.max_open_files}", "--core=0", "--",
-            "bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--as-pid-1",
-            "--ro-bind", "/usr", "/usr",
+            "prlimit",
+            f"--nproc={outer_nproc}",
+            f"--as={outer_as}",
+            f"--cpu={int(s.cpu_time_s) + 5}",
+            f"--fsize={s.max_file_mb << 20}",
+            f"--nofile={s.max_open_files}",
+            "--core=0",
+            "--",
+            "bwrap",
+            "--unshare-all",
+            "--die-with-parent",
+            "--new-session",
+            "--as-pid-1",
+            "--ro-bind",
+            "/usr",
+            "/usr",
         ]
         for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
             p = Path(top)
@@ -205,10 +218,21 @@ class LocalSandbox(Sandbox):
         for extra in self.extra_binds:
             argv += ["--ro-bind", extra, extra]
         argv += [
-            "--proc", "/proc", "--dev", "/dev",
-            "--size", str(s.tmpfs_mb << 20), "--tmpfs", "/dev/shm",
-            "--size", str(s.tmpfs_mb << 20), "--tmpfs", "/tmp",
-            "--ro-bind", str(self.ctl), "/.agentrl",
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--size",
+            str(s.tmpfs_mb << 20),
+            "--tmpfs",
+            "/dev/shm",
+            "--size",
+            str(s.tmpfs_mb << 20),
+            "--tmpfs",
+            "/tmp",
+            "--ro-bind",
+            str(self.ctl),
+            "/.agentrl",
         ]
         if self.work_mounted:
             argv += ["--bind", str(self.workdir), "/work"]
@@ -216,12 +240,30 @@ class LocalSandbox(Sandbox):
             argv += ["--size", str(s.work_mb << 20), "--tmpfs", "/work"]
         argv += [
             # bwrap's root and /dev are tmpfs of unbounded size: read-only once all is mounted
-            "--remount-ro", "/dev", "--remount-ro", "/",
-            "--chdir", "/work", "--clearenv",
-            "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin",
-            "--setenv", "HOME", "/work", "--setenv", "LANG", "C.UTF-8",
-            "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
-            "--", self.python, "-I", "/.agentrl/runner.py", f"/.agentrl/{payload_name}",
+            "--remount-ro",
+            "/dev",
+            "--remount-ro",
+            "/",
+            "--chdir",
+            "/work",
+            "--clearenv",
+            "--setenv",
+            "PATH",
+            "/usr/local/bin:/usr/bin:/bin",
+            "--setenv",
+            "HOME",
+            "/work",
+            "--setenv",
+            "LANG",
+            "C.UTF-8",
+            "--setenv",
+            "PYTHONDONTWRITEBYTECODE",
+            "1",
+            "--",
+            self.python,
+            "-I",
+            "/.agentrl/runner.py",
+            f"/.agentrl/{payload_name}",
         ]
         return argv
 
@@ -236,8 +278,9 @@ class LocalSandbox(Sandbox):
             os.chmod(path, 0o644)
             if not isinstance(self.cgroups, str):  # cgroupfs writes block for ms: not on the event loop
                 s = self.settings
-                group = await trio.to_thread.run_sync(RunCgroup, self.cgroups, s.total_memory_mb << 20,
-                                                      s.max_processes + 8)
+                group = await trio.to_thread.run_sync(
+                    RunCgroup, self.cgroups, s.total_memory_mb << 20, s.max_processes + 8
+                )
             returncode, out, err = await self._run_bwrap(name, group)
         finally:
             path.unlink(missing_ok=True)
@@ -265,8 +308,14 @@ class LocalSandbox(Sandbox):
             options = {"user": self.uid, "group": self.uid, "extra_groups": []}
         out, err = bytearray(), bytearray()
         proc = await trio.lowlevel.open_process(
-            argv, stdin=subprocess.PIPE if group else subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, start_new_session=True, env=_HOST_ENV, **options)
+            argv,
+            stdin=subprocess.PIPE if group else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            env=_HOST_ENV,
+            **options,
+        )
         try:
             if group:
                 await trio.to_thread.run_sync(group.add, proc.pid)  # ~5 ms a hierarchy on cgroup v1

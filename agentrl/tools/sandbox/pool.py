@@ -13,8 +13,8 @@ objects across runs except while waiting in ``acquire``.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Awaitable, Callable
 
 import trio
 
