@@ -27,7 +27,7 @@ from agentrl.engine.client import EngineClient
 from agentrl.envs.agent import AgentEnv
 from agentrl.envs.base import Task
 from agentrl.episode.chat import ChatCodec
-from agentrl.episode.rollout import EpisodeFailed, GroupLost
+from agentrl.episode.turn import EpisodeFailed, GroupLost
 from agentrl.tools.parsing import HermesToolCallParser
 from tests._actors_helpers import ScriptedEngine, TurnScript, fake_logprob, load_tokenizer
 from tests.conftest_engine import max_abs_diff, start_engines
@@ -803,7 +803,7 @@ def test_cancelling_an_episode_cancels_the_agent_and_the_engine_request(tokenize
                         await trio.to_thread.run_sync(engine.arrived.wait, 30)
                         nursery.cancel_scope.cancel()
                 assert not scope.cancelled_caught
-                return await trio.to_thread.run_sync(engine.disconnected.wait, 30), runner.endpoint.num_open
+                return await trio.to_thread.run_sync(engine.disconnected.wait, 30), len(runner.endpoint._episodes)
 
         disconnected, still_open = trio.run(main)
     assert state == {"cancelled": True, "cleaned": True}
@@ -867,7 +867,7 @@ def test_a_failed_episode_loses_its_group_and_cancels_the_others(tokenizer):
 def test_an_episode_ends_at_the_envs_limits_and_is_scored_as_played(tokenizer, codec):
     """max_turns bounds the calls of an episode, max_total_tokens each sequence: the call past a limit is a
     400, and an agent that raises on it has not failed -- its episode is scored by env.reward."""
-    from agentrl.episode.rollout import EpisodeLimits
+    from agentrl.episode.turn import EpisodeLimits
 
     async def loop_forever(task, client):  # an agent that never stops calling the tool
         messages = list(USER)
@@ -913,7 +913,7 @@ def test_an_episode_ends_at_the_envs_limits_and_is_scored_as_played(tokenizer, c
 
 
 def test_a_reward_beyond_max_abs_reward_scores_zero_with_the_error(tokenizer):
-    from agentrl.episode.rollout import EpisodeLimits
+    from agentrl.episode.turn import EpisodeLimits
 
     async def agent(task, client):
         await client.chat.completions.create(model="m", messages=USER)

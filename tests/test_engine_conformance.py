@@ -39,7 +39,7 @@ from agentrl.engine.client import EngineClient, GenerateResult
 from agentrl.engine.launch import EngineProcess, wait_ready
 from agentrl.engine.native_api import GENERATE_FIELDS
 from agentrl.engine.server import CONTROL_BODIES, REQUIRED, build_app
-from agentrl.episode import rollout
+from agentrl.episode import turn
 from agentrl.http_auth import level_of
 from agentrl.learner.weight_push import WeightUpdater
 from agentrl.net import free_port
@@ -68,9 +68,9 @@ def response_fields_read() -> dict[str, tuple[str, ...]]:
     """Where (``sglang_spec.Spec.written``) agentrl reads which keys of SGLang's answers."""
     return {
         "/generate": GenerateResult.FIELDS_READ,
-        "/generate meta_info": GenerateResult.META_INFO_FIELDS_READ + rollout.META_INFO_FIELDS_READ,
-        "/generate meta_info.weight_versions[]": rollout.SPAN_FIELDS_READ,
-        "/generate meta_info.finish_reason (abort)": rollout.ABORT_FIELDS_READ,
+        "/generate meta_info": GenerateResult.META_INFO_FIELDS_READ + turn.META_INFO_FIELDS_READ,
+        "/generate meta_info.weight_versions[]": turn.SPAN_FIELDS_READ,
+        "/generate meta_info.finish_reason (abort)": turn.ABORT_FIELDS_READ,
         "/model_info": EngineClient.MODEL_INFO_FIELDS_READ,
         "/server_info": WeightUpdater.SERVER_INFO_FIELDS_READ,
     }
@@ -123,7 +123,8 @@ async def drive_client(urls: list[str], model_path: Path) -> None:
 
     from agentrl.config import AgentRLConfig
     from agentrl.envs.calculator import CalculatorEnv
-    from agentrl.episode.rollout import EpisodeLimits, run_episode, sampling_from_config, toolbox_for
+    from agentrl.episode.rollout import run_episode, sampling_from_config, toolbox_for
+    from agentrl.episode.turn import EpisodeLimits
 
     cfg = AgentRLConfig()
     tokenizer = AutoTokenizer.from_pretrained(model_path)

@@ -1,37 +1,29 @@
 """Playing :class:`agentrl.envs.agent.AgentEnv` episodes from trio: one asyncio thread per actor process.
 
 The actors run on trio; agent code written for the OpenAI SDK, the OpenAI Agents SDK or LangChain is
-asyncio code. :class:`AgentRunner` owns **one asyncio event loop in a worker thread**, and in that
-loop: the agent endpoint (:mod:`agentrl.agents.endpoint`) served by uvicorn on a loopback socket, an
-engine client (:class:`agentrl.engine.client.EngineClient`, anyio, so it runs there as well) and
-every episode's agent code. Why this shape:
-
-* the agent and the endpoint it calls share one loop, so an agent's call crosses no thread until it
-  reaches the engines over HTTP, and all recording state (episodes, sequences) is owned by that loop:
-  no locks;
-* trio sees only whole episodes: :meth:`AgentRunner.play` submits one coroutine to the loop and waits
-  for its result (a done-callback wakes trio through ``TrioToken.run_sync_soon``; no thread is held
-  per episode, so a thousand concurrent episodes cost a thousand asyncio tasks);
-* the endpoint is real HTTP: any client works, including one in a subprocess the agent starts, or a
-  non-Python agent.
+asyncio code. :class:`AgentRunner` owns **one asyncio event loop in a worker thread**, and in that loop:
+the agent endpoint (:mod:`agentrl.agents.endpoint`) served by uvicorn on a loopback socket, an engine
+client (:class:`agentrl.engine.client.EngineClient`) and every episode's agent code. So an agent's call
+crosses no thread until it reaches the engines, all recording state is owned by that loop (no locks),
+and the endpoint is real HTTP (any client works, in a subprocess or not in Python). Trio sees only
+whole episodes: :meth:`AgentRunner.play` submits one coroutine to the loop and a done-callback wakes
+trio (no thread held per episode). See docs/agents.md.
 
 **Cancellation.** When trio cancels :meth:`AgentRunner.play`, the episode's asyncio task is cancelled
-(``CancelledError`` in the agent's code, whose pending calls are dropped; generations still running
-are aborted at the engine) and trio waits, shielded, up to ``cancel_grace_s`` for it to finish its
-cleanup. An agent that swallows the cancellation is left behind (logged); its key is closed, so it
-cannot write into any episode.
+(generations still running are aborted at the engine) and trio waits, shielded, up to
+``cancel_grace_s`` for its cleanup. An agent that swallows the cancellation is left behind (logged);
+its key is closed, so it cannot write into any episode.
 
 **Failures.** An agent (or ``setup``) that raises -- ``SystemExit`` included -- fails its episode with
-:class:`agentrl.episode.rollout.EpisodeFailed` naming the error; so does an agent that returns without
-having called the model.
+:class:`agentrl.episode.turn.EpisodeFailed` naming the error; so does an agent that returns without
+having called the model. A group is lost as a whole (:func:`agentrl.episode.group.play_episodes`).
 
-**Limits.** ``play`` takes the env's :class:`agentrl.episode.rollout.EpisodeLimits`: the endpoint
-refuses a call past ``max_turns`` calls, or one whose prompt leaves no room in ``max_total_tokens``
-(:mod:`agentrl.agents.recording`, "Limits"). An agent that raises after such a refusal (most
-frameworks turn the 400 into an exception) has not failed: the episode ended at its limit, as
-agentrl's own loop ends one, and is scored as played -- by ``env.reward`` of the last call's
-conversation when the env has a ``reward``, else 0 -- with ``metadata["episode_limit"]``. A reward that raises or is not finite scores 0 with ``reward_error`` in the
-metadata, as for other envs. ``cleanup`` always runs, bounded by ``cleanup_timeout_s``.
+**Limits.** ``play`` takes the env's :class:`agentrl.episode.turn.EpisodeLimits`: the endpoint refuses
+a call past ``max_turns`` calls, or one whose prompt leaves no room in ``max_total_tokens``
+(:mod:`agentrl.agents.recording`). An agent that raises after such a refusal has not failed: the
+episode ended at its limit and is scored as played -- by ``env.reward`` of the last call's conversation
+when the env has one, else 0 -- with ``metadata["episode_limit"]``. A reward that raises or is not
+finite scores 0 with ``reward_error``. ``cleanup`` always runs, bounded by ``cleanup_timeout_s``.
 """
 
 from __future__ import annotations
@@ -55,7 +47,8 @@ from agentrl.agents.endpoint import AgentEndpoint
 from agentrl.envs.agent import AgentEnv
 from agentrl.envs.base import Env, Task, score_episode, total_reward
 from agentrl.episode.chat import ChatCodec
-from agentrl.episode.rollout import EpisodeFailed, EpisodeLimits, GroupLost
+from agentrl.episode.group import play_episodes
+from agentrl.episode.turn import EpisodeFailed, EpisodeLimits
 from agentrl.protocol import Trajectory, TrajectoryGroup
 
 log = logging.getLogger(__name__)
@@ -97,14 +90,14 @@ class AgentRunner:
         self.codec = ChatCodec(tokenizer)  # its own: the endpoint's thread renders with it
         self._engine_factory = engine
         self._host, self._port = host, port
-        self._service_kwargs = dict(
-            model_name=model_name,
-            max_model_len=max_model_len,
-            versioned=versioned,
-            forced_sampling=forced_sampling,
-            default_max_tokens=default_max_tokens,
-            max_tokens_cap=max_tokens_cap,
-        )
+        self._service_kwargs: dict[str, Any] = {
+            "model_name": model_name,
+            "max_model_len": max_model_len,
+            "versioned": versioned,
+            "forced_sampling": forced_sampling,
+            "default_max_tokens": default_max_tokens,
+            "max_tokens_cap": max_tokens_cap,
+        }
         self.client_timeout_s, self.client_max_retries = client_timeout_s, client_max_retries
         self.cancel_grace_s, self.cleanup_timeout_s = cancel_grace_s, cleanup_timeout_s
         self.url = ""
@@ -231,26 +224,14 @@ class AgentRunner:
     ) -> TrajectoryGroup:
         """The ``n`` episodes of ``task``, concurrently (episode ids ``<group_id>-<i>``), as one group: every
         sequence of every episode, in episode order. When one episode fails the others are cancelled and
-        :class:`agentrl.episode.rollout.GroupLost` says why, as :func:`agentrl.episode.rollout.run_group` does.
+        :class:`agentrl.episode.turn.GroupLost` says why (:func:`agentrl.episode.group.play_episodes`).
         The learner's advantages are per episode (:func:`agentrl.learner.batching.episode_index`)."""
         gid = group_id or uuid.uuid4().hex[:12]
-        episodes: list[list[Trajectory]] = [[] for _ in range(n)]
-        failures: list[str] = []
 
-        async def one(i: int, cancel: trio.CancelScope) -> None:
-            try:
-                episodes[i] = await self.play(
-                    env, task, episode_id=f"{gid}-{i}", extra_metadata=extra_metadata, limits=limits
-                )
-            except EpisodeFailed as e:
-                failures.append(str(e))
-                cancel.cancel()
+        async def one(i: int) -> list[Trajectory]:
+            return await self.play(env, task, episode_id=f"{gid}-{i}", extra_metadata=extra_metadata, limits=limits)
 
-        async with trio.open_nursery() as nursery:
-            for i in range(n):
-                nursery.start_soon(one, i, nursery.cancel_scope)
-        if failures:
-            raise GroupLost(failures[0])
+        episodes = await play_episodes(n, one)
         return TrajectoryGroup(
             group_id=gid,
             task_id=task.id,
@@ -262,6 +243,9 @@ class AgentRunner:
 
     async def _run_in_loop(self, coro: Any) -> Any:
         loop = self._loop
+        if loop is None or loop.is_closed():
+            coro.close()
+            raise EpisodeFailed("the agent runner is not running")
         token = trio.lowlevel.current_trio_token()
         done = trio.Event()
         holder: dict[str, asyncio.Task] = {}
@@ -276,9 +260,6 @@ class AgentRunner:
             task.add_done_callback(self._episodes.discard)
             task.add_done_callback(wake)
 
-        if loop is None or loop.is_closed():
-            coro.close()
-            raise EpisodeFailed("the agent runner is not running")
         try:
             loop.call_soon_threadsafe(start)
         except RuntimeError as e:  # closed between the check and the call

@@ -1,47 +1,31 @@
 """``/v1/chat/completions`` and ``/v1/models`` over any token-in/token-out engine: one implementation,
-two hosts.
+two hosts (docs/agents.md).
 
 * The **agent endpoint** (:mod:`agentrl.agents.endpoint`) serves it over an
   :class:`agentrl.engine.client.EngineClient`, with an :class:`agentrl.agents.recording.Episode` as the
   session: prompts are stitched onto the episode's earlier calls and every call is recorded.
 * The **embedded engine** (:mod:`agentrl.engine.server`) serves it over its own scheduler, with
-  :class:`FreshPrompts` as the session (each request rendered on its own, nothing recorded), as
-  SGLang's server does.
+  :class:`FreshPrompts` as the session (each request rendered on its own, nothing recorded).
 
-A call: validate (:func:`agentrl.agents.openai_api.parse_chat_request`), ask the session for the
-``n`` prompts (:class:`agentrl.episode.chat.TokenChat` at the generation prompt), generate the ``n``
-completions concurrently with ``/generate`` on token ids, parse tool calls from each completion's
-text, let the session commit the call, answer with JSON or server-sent events.
-
-**Interrupted turns.** When the engine returns ``finish_reason.type == "abort"`` with partial output
-(a weight update paused it with mode ``abort``), the service keeps the tokens (with their logprobs
-and the old policy version) and asks again with the prompt extended by them, for the tokens still
-allowed, as the actors' loop does (:mod:`agentrl.episode.rollout`): the client sees one completion and
-the per-token versions show where the policy changed. Only a run of ``max_empty_aborts`` aborts
-that return nothing finishes the choice with ``abort``. The engine host returns ``abort`` at once
-instead (``continue_aborts=False``), as SGLang does.
-
-**Versions.** With ``versioned=True`` (training) every token carries the policy version its engine
-reported (:func:`agentrl.episode.rollout.parse_weight_version`); an engine still reporting SGLang's
-``"default"`` is waited for (up to ``max_version_wait_s``), as in the actors' loop.
+A call: validate (:func:`agentrl.agents.openai_api.parse_chat_request`), ask the session for the ``n``
+prompts (:class:`agentrl.episode.chat.TokenChat` at the generation prompt), generate the ``n`` completions
+concurrently, each one model turn of :func:`agentrl.episode.turn.generate_turn` (the actors' own: aborted
+parts continued, ``"default"`` versions waited for when ``versioned``), parse tool calls from each
+completion's text, let the session commit the call, answer with JSON or server-sent events. The engine
+host returns an abort at once instead (``continue_aborts=False``), as SGLang does.
 
 **Sampling.** ``forced_sampling`` (training) replaces the client's ``temperature``/``top_p``/``top_k``
-with the run's: the learner recomputes logprobs at ``actors.temperature``, so a completion sampled
-at the agent's own temperature would carry behaviour logprobs of another distribution. Clients
-that set other values are logged once. ``max_tokens_cap`` bounds every choice (the client's
-``max_tokens``, when smaller, wins); ``default_max_tokens`` applies when the client gives none.
+with the run's: the learner recomputes logprobs at ``actors.temperature``. ``max_tokens_cap`` bounds
+every choice (the client's ``max_tokens``, when smaller, wins); ``default_max_tokens`` applies when the
+client gives none; ``max_model_len`` keeps a completion inside the context (it ends with ``length``).
 
-**Reasoning** (``reasoning=True``, SGLang's ``--reasoning-parser``): ``<think>...</think>`` comes back
-as ``reasoning_content``, and tool calls are parsed from the text after it only.
+**Reasoning** (``reasoning=True``) returns ``<think>...</think>`` as ``reasoning_content`` and parses tool
+calls from the text after it only. ``tool_parser`` and ``reasoning`` are defaults a session's
+:class:`CallPlan` may override. **Streaming** sends the finished completion as chunks.
 
-**Per session.** ``tool_parser`` and ``reasoning`` are the service's defaults; a session may set its own
-in each :class:`CallPlan` (an agent episode takes its env's ``tool_parser`` and ``reasoning``).
-
-**Streaming** sends the finished completion as chunks (role, content, one per tool call, finish,
-usage when asked, ``[DONE]``): clients that stream work unchanged, but the text arrives at once.
-
-**Disconnects.** A client that goes away while its call generates cancels the generation (the
-engine request is aborted with it) and nothing is committed.
+Invariants: an engine refusal is the client's 400, any other engine failure a 503; one failed choice
+ends the call (the others stop generating); a client that goes away cancels the generation and
+nothing is committed.
 """
 
 from __future__ import annotations
@@ -50,7 +34,6 @@ import asyncio
 import copy
 import json
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -77,7 +60,7 @@ from agentrl.agents.openai_api import (
 from agentrl.engine.client import EngineRequestError
 from agentrl.engine.native_api import RequestError
 from agentrl.episode.chat import ChatCodec, TokenChat
-from agentrl.episode.rollout import EngineClientLike, EpisodeFailed, VersionNotSet, _unpack
+from agentrl.episode.turn import EngineClientLike, EpisodeFailed, TurnOptions, generate_turn
 from agentrl.tools.parsing import ToolCallParser, get_parser
 
 log = logging.getLogger(__name__)
@@ -163,10 +146,15 @@ class ChatService:
         self.codec, self.engine, self.model_name = codec, engine, model_name
         self.max_model_len = max_model_len
         self.parser = get_parser(tool_parser) if isinstance(tool_parser, str) else tool_parser
-        self.continue_aborts, self.versioned = continue_aborts, versioned
         self.forced_sampling = {k: v for k, v in (forced_sampling or {}).items() if k in SAMPLING_FORCED_KEYS}
         self.default_max_tokens, self.max_tokens_cap = default_max_tokens, max_tokens_cap
-        self.max_empty_aborts, self.max_version_wait_s = max_empty_aborts, max_version_wait_s
+        self.turn_options = TurnOptions(
+            versioned=versioned,
+            continue_aborts=continue_aborts,
+            max_empty_aborts=max_empty_aborts,
+            max_version_wait_s=max_version_wait_s,
+            wrap_engine_errors=False,  # generate() answers the engine's refusals and failures itself
+        )
         self.reasoning = reasoning  # <think>...</think> returned as reasoning_content (SGLang's --reasoning-parser)
         self._override_logged = False
 
@@ -277,50 +265,19 @@ class ChatService:
         if plan.max_len is not None:  # the session's own limit (the session refused a prompt without room)
             room = max(1, plan.max_len - len(chat) - 1 - self.codec.reserve_tokens)
             remaining = room if remaining is None else min(remaining, room)
-        empty_aborts, version_wait = 0, None
-        while True:
-            start = time.monotonic()
-            reply = await self.engine.generate(
-                chat.tokens,
-                {**params, "max_new_tokens": remaining},
-                affinity_key=plan.affinity_key,
-                rid=f"{plan.rid}-{index}-{result.num_generate_calls}",
-            )
-            result.generation_latency_s += time.monotonic() - start
-            result.num_generate_calls += 1
-            try:
-                ids, logprobs, versions, kind = _unpack(reply, self.versioned)
-            except VersionNotSet as e:  # no policy version produced it: wait for the learner to set one
-                version_wait = version_wait or time.monotonic()
-                if time.monotonic() - version_wait > self.max_version_wait_s:
-                    raise EpisodeFailed(
-                        f"engine {e.url} still reports weight_version 'default' after "
-                        f"{self.max_version_wait_s:.0f} s: no learner has set a policy version"
-                    ) from e
-                await asyncio.sleep(min(2.0, 0.1 + 0.25 * (time.monotonic() - version_wait)))
-                continue
-            version_wait = None
-            if remaining is not None and len(ids) > remaining:
-                raise EpisodeFailed(f"engine returned {len(ids)} tokens, {remaining} were asked for")
-            chat.append_model(ids, logprobs, versions)
-            result.finish = dict(reply.finish_reason or {})
-            result.weight_version = str(reply.weight_version)
-            if remaining is not None:
-                remaining -= len(ids)
-            if kind != "abort" or not self.continue_aborts:
-                return
-            result.num_aborts += 1
-            if ids and ids[-1] == self.codec.end_of_turn_id:
-                result.finish = {"type": "stop", "matched": ids[-1]}
-                return
-            if remaining is not None and remaining <= 0:
-                result.finish = {"type": "length", "length": len(chat) - result.prompt_len}
-                return
-            empty_aborts = 0 if ids else empty_aborts + 1
-            if empty_aborts > self.max_empty_aborts:
-                return  # finishes with the engine's abort
-            if empty_aborts:
-                await asyncio.sleep(min(1.0, 0.05 * empty_aborts))
+        turn = await generate_turn(
+            self.engine,
+            chat,
+            params,
+            remaining,
+            affinity_key=plan.affinity_key,
+            rid_prefix=f"{plan.rid}-{index}",
+            options=self.turn_options,
+        )
+        result.finish, result.weight_version = turn.finish, turn.weight_version
+        result.num_generate_calls += turn.num_generate_calls
+        result.num_aborts += turn.num_aborts
+        result.generation_latency_s += turn.generation_latency_s
 
     def _choice_out(self, r: ChoiceResult, req: ChatRequest, parser: ToolCallParser, reasoning: bool) -> ChoiceOut:
         text = r.chat.turn_content()
@@ -346,7 +303,10 @@ class ChatService:
     # -- responses ----------------------------------------------------------------------------
     def respond(self, plan: CallPlan) -> Response:
         req = plan.request
-        choices = [r.out for r in plan.results]
+        choices: list[ChoiceOut] = []
+        for r in plan.results:
+            assert r.out is not None, "respond() follows generate()"
+            choices.append(r.out)
         use = usage(plan.results[0].prompt_len, sum(len(r.chat) - r.prompt_len for r in plan.results))
         cid = completion_id()
         if req.stream:

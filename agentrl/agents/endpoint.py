@@ -1,23 +1,16 @@
 """The agent endpoint: OpenAI's chat-completions API in front of the engines, recording every call of
 every episode.
 
-Routes (a starlette app; :mod:`agentrl.agents.agent_runner` serves it with uvicorn):
+Routes (starlette, served by :mod:`agentrl.agents.agent_runner`): ``POST /v1/chat/completions`` and
+``GET /v1/models[/{model}]`` with ``Authorization: Bearer <episode key>``; the same under
+``/episodes/<episode key>/v1/...`` for clients that take a base URL (the key in the path wins); and
+an open ``GET /health``.
 
-* ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /v1/models/{model}`` with
-  ``Authorization: Bearer <episode key>`` -- for clients that take an API key;
-* the same under ``/episodes/<episode key>/v1/...`` -- for clients that take a base URL (the key in
-  the path wins; whatever API key such a client sends is then ignored, so code that reads
-  ``OPENAI_API_KEY`` from its environment needs no change);
-* ``GET /health`` (open).
-
-**Keys are the border.** Recorded calls become training data, so only a call that carries the key
-of an open episode is served: anything else (no key, a wrong one, the key of an episode that has
-ended) is a 401 in OpenAI's shape (``code: invalid_api_key``), and nothing is recorded. Keys are 32
-random bytes (``secrets.token_urlsafe``), made by :meth:`AgentEndpoint.open_episode` and looked up
-by their SHA-256 digest (so the lookup's timing says nothing about a key); an episode's key stops
-working when it is closed, which also drops a call that was still generating (a background task
-the agent left behind cannot write into a finished episode). The endpoint listens on loopback by
-default; keys never appear in logs or trajectories (trajectories carry the episode id).
+Invariant, keys are the border: recorded calls become training data, so only a call carrying the key
+of an open episode is served; anything else is a 401 (``invalid_api_key``) and nothing is recorded.
+Keys are 32 random bytes looked up by their SHA-256 digest; closing an episode stops its key and
+drops a call still generating. The endpoint listens on loopback by default; keys never appear in
+logs or trajectories. See docs/agents.md.
 """
 
 from __future__ import annotations
@@ -87,10 +80,6 @@ class AgentEndpoint:
         if episode is not None:
             episode.closed = True
         return episode
-
-    @property
-    def num_open(self) -> int:
-        return len(self._episodes)
 
     def _episode(self, request: Request) -> Episode | str:
         key = request.path_params.get("key")

@@ -1,8 +1,9 @@
 """The embedded engine's OpenAI-compatible routes: ``/v1/chat/completions`` and ``/v1/models``.
 
-The agent endpoint's :class:`~agentrl.agents.chat_service.ChatService` over the engine's own scheduler,
-each request rendered fresh with the model's chat template and nothing recorded. The engine does not
-import this: the process that starts the engine mounts these routes (:mod:`agentrl.run.engine_process`).
+The agent endpoint's :class:`~agentrl.agents.chat_service.ChatService` over the engine's own
+scheduler, each request rendered fresh with the model's chat template and nothing recorded. The
+engine does not import this: the engine process mounts these routes
+(:mod:`agentrl.run.engine_process`). See docs/agents.md.
 """
 
 from __future__ import annotations

@@ -1,51 +1,27 @@
 """OpenAI's chat-completions wire format: request validation, messages for the chat template,
 tool calls out, responses and stream chunks. No I/O, no torch, no engine.
 
-Shared by both hosts of ``/v1/chat/completions``: the agent endpoint (:mod:`agentrl.agents.endpoint`,
-which records calls for training) and the embedded engine (:mod:`agentrl.engine.server`, which
-does not). Field names and shapes follow OpenAI's API reference and SGLang 0.5.23's own module
-(``sglang/srt/entrypoints/openai/protocol.py``, ``serving_chat.py``); ``tests/test_agents_conformance.py``
-checks every response key against SGLang's pydantic models.
+Shared by both hosts of ``/v1/chat/completions``: the agent endpoint (which records calls) and the
+embedded engine (which does not). Shapes follow OpenAI's API reference and SGLang 0.5.23
+(``sglang/srt/entrypoints/openai/protocol.py``); ``tests/test_agents_conformance.py`` checks every
+response key against SGLang's models.
 
-**Requests.** Every field of OpenAI's ``chat.completions.create`` falls into one class:
+Requests: every field of ``chat.completions.create`` is used, accepted and ignored (labels such as
+``user``, ``metadata``), accepted at its default only (penalties, ``logit_bias``, ``response_format``
+other than text, ``tool_choice`` ``required`` ...; a 400 naming the field otherwise), or refused as
+``Unrecognized request argument supplied: <name>``. Any ``model`` name is accepted. ``seed`` gives
+choice *i* the seed ``seed + i``. Errors use OpenAI's shape, which the SDK raises as
+``BadRequestError`` and friends.
 
-* *used*: ``messages``, ``model`` (any name is accepted, as SGLang does, so agent code written for
-  another model runs unchanged), ``n``, ``temperature``, ``top_p``, ``max_tokens`` /
-  ``max_completion_tokens``, ``stop``, ``seed`` (choice *i* samples with ``seed + i``, so the ``n``
-  choices differ and each is reproducible; SGLang's ``sampling_seed``, which SGLang honours only
-  under ``--enable-deterministic-inference``), ``stream``, ``stream_options.include_usage``, ``tools``,
-  ``tool_choice`` (``auto`` / ``none``), ``logprobs``; SGLang's ``top_k`` and ``min_p``;
-* *accepted and ignored* (labels, no effect on the tokens): ``user``, ``metadata``, ``store``,
-  ``prompt_cache_key``, ``prompt_cache_retention``, ``safety_identifier``, ``service_tier``;
-* *accepted at their default only*, a 400 naming the field otherwise: penalties, ``logit_bias``,
-  ``top_logprobs`` > 0, ``parallel_tool_calls: false``, ``response_format`` other than text,
-  ``tool_choice`` ``required`` or a named function (both need constrained decoding), reasoning
-  effort, audio, modalities, predictions, web search, the legacy ``functions``;
-* anything else: a 400 ``Unrecognized request argument supplied: <name>`` (OpenAI's words).
+Messages are normalised as SGLang does (text parts joined, ``developer`` as ``system``, tool-call
+arguments parsed). Each message has a *view*, a canonical JSON string of what it says (without
+``reasoning_content`` or server-made tool-call ids), used to recognise a conversation that extends
+an earlier call's (:mod:`agentrl.agents.recording`).
 
-Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``, which the official
-SDK turns into ``BadRequestError`` and friends.
-
-**Messages** become what chat templates expect (SGLang's normalisation): text parts joined with a
-space, ``None`` content as ``""``, assistant tool-call arguments parsed from their JSON string
-into an object (a 400 when they are not JSON), ``developer`` rendered as ``system`` (templates
-written before that role would drop it), ``None`` fields left out. Images, audio and files are a
-400. Each message also has a *view*: a canonical JSON string of what it says (role, text, tool
-calls as name + parsed arguments, ids of tool results), used to recognise a conversation that
-extends an earlier call's conversation (see :mod:`agentrl.agents.recording`). Tool-call ids the
-server made up are left out of the view, so a framework that renumbers them still stitches.
-
-**Reasoning** (``<think>...</think>``, when the host enables it, as SGLang's ``--reasoning-parser``
-does): the text inside the tags is returned as ``reasoning_content`` and only the text after them is
-the content and is parsed for tool calls. The view leaves ``reasoning_content`` out (agent frameworks
-often drop it; the model's reasoning is in the recorded tokens either way).
-
-**Tool calls** are parsed from the completion's text with agentrl's parsers
-(:mod:`agentrl.tools.parsing`, Hermes ``<tool_call>`` blocks by default). As in SGLang: the
-message content is the text before the first call (stripped), calls naming a tool that the
-request did not declare are dropped, and a completion that stopped with calls finishes with
-``tool_calls``. With ``tool_choice: "none"`` or no tools, nothing is parsed and the tools are not
-shown to the template.
+Completions, as in SGLang: a ``<think>`` block becomes ``reasoning_content`` when the host enables
+it; tool calls are parsed from the text after it (:mod:`agentrl.tools.parsing`), the content is the
+text before the first call, calls to undeclared tools are dropped, and ``tool_choice: "none"`` or
+no tools parses nothing. See docs/agents.md.
 """
 
 from __future__ import annotations

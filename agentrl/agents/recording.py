@@ -1,49 +1,23 @@
 """Episodes from calls: an agent's chat-completion calls grouped, stitched and turned into trajectories.
 
-An agent written for OpenAI's API sends its whole conversation with every call. The endpoint groups
-the calls of one episode by the episode's key (:mod:`agentrl.agents.endpoint`) and keeps them as
-**sequences**: token lists that the model saw, from a first prompt to the last completion, each
-trained on as one :class:`agentrl.protocol.Trajectory`.
+The endpoint groups the calls of one episode by its key (:mod:`agentrl.agents.endpoint`) and keeps them as
+**sequences**: token lists the model saw, from a first prompt to the last completion, each trained on as one
+:class:`agentrl.protocol.Trajectory`.
 
-**The stitching rule.** A call *extends* a sequence when its messages are the sequence's
-conversation so far -- the messages of its last call plus the assistant reply that call returned,
-compared by :func:`agentrl.agents.openai_api.message_view` -- followed by at least one new message,
-with the same tools. Its prompt is then the sequence's tokens (the previous prompt and the tokens
-the model generated, never re-tokenized) plus the chat template's rendering of the new messages,
-built by :meth:`agentrl.episode.chat.TokenChat.close_turn_and_add` exactly as the actors' own loop
-builds a turn; the completion is appended and the sequence grows. So the tokens the model saw are
-the tokens trained on, with no re-tokenization drift at turn boundaries.
+* **Stitching.** A call *extends* a sequence when its messages are the sequence's conversation so far (the
+  last call's messages plus the reply it got, compared by :func:`agentrl.agents.openai_api.message_view`)
+  followed by new messages, with the same tools, and the template renders the stitched text exactly. Its
+  prompt is then the sequence's tokens plus the rendering of the new messages
+  (:meth:`agentrl.episode.chat.TokenChat.close_turn_and_add`): no re-tokenization drift.
+* Any other call starts a **new sequence**; the reason is kept in ``new_sequence_reason``.
+* **Branches.** Choices 1..n-1 of a call, and the second of two concurrent extensions, start sequences
+  that hold the shared prompt as context (``loss_mask`` 0).
+* **Limits.** At most ``max_calls`` calls and ``max_len`` tokens per sequence; a refusal sets
+  :attr:`Episode.limit` and the episode is scored as played.
+* Every sequence carries the episode's reward and ``episode_id``; the learner's group is the ``n``
+  episodes of a task (:func:`agentrl.learner.batching.episode_index`).
 
-Any other call starts a **new sequence** of the same episode, its prompt rendered from its messages
-by the template (:meth:`TokenChat.start`): the first call; an agent that edited the reply it got
-(its own formatting of the tool calls, a changed text); history rewritten by the agent (context
-compaction, a sub-agent with its own system prompt, a summary); other tools; a template that is not
-prefix-stable for these messages (Qwen3's drops the ``<think>`` of turns before the last user
-query). That last one is checked on every call that would extend a sequence: the stitched text must
-equal the template's full rendering of the sequence's messages (the model's turns as it generated
-them, the new messages, the generation prompt), so a sequence's tokens are always what the template
-renders for its messages -- the prompt a deployed server would build for that conversation. The reason is kept in each
-sequence's metadata (``new_sequence_reason``) so an agent that never stitches can be found.
-
-**Branches.** A call with ``n`` > 1 extends its sequence with choice 0; choices 1..n-1 start new
-sequences that hold the shared prompt as context (``loss_mask`` 0: those tokens are trained once, in
-the sequence that generated them). Likewise when two calls extend the same sequence concurrently,
-the one committed second becomes a branch. A later call that extends any branch's reply extends
-that branch.
-
-**Limits** (the env's ``max_turns`` and ``max_total_tokens``). An episode serves at most
-``max_calls`` calls to the model (a call once that many have completed is a 400 with code
-``max_turns_exceeded``), and no sequence grows beyond ``max_len`` tokens (a completion ends
-with ``length`` at the limit; a call whose prompt leaves no room is a 400 with OpenAI's
-``context_length_exceeded``). Either refusal sets :attr:`Episode.limit` (``max_turns`` or
-``context_full``): the runner then scores the episode as played, whatever the agent does
-with the error, as agentrl's own loop scores an episode that reached a limit.
-
-**Reward and advantages.** Every sequence of an episode carries the episode's reward and
-``episode_id``. The learner's group is the ``n`` *episodes* of a task, not their sequences: it
-normalises one reward per episode and gives each sequence its episode's advantage
-(:func:`agentrl.learner.batching.episode_index`, and "Episodes and sequences" there, which also
-says how the loss weighs an episode of several sequences).
+See docs/agents.md ("The stitching rule").
 """
 
 from __future__ import annotations
@@ -52,6 +26,8 @@ from array import array
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from agentrl.agents.chat_service import CallPlan, clone_chats
 from agentrl.agents.openai_api import ChatRequest, OpenAIRequestError, message_view
@@ -179,6 +155,7 @@ class Episode:
         req = plan.request
         self.num_calls += 1
         for i, r in enumerate(plan.results):
+            assert r.out is not None, "commit() runs after every choice has its response"
             views = req.views + [message_view(r.out.message())]
             target = None
             if i == 0 and extends is not None and extends.sequence.num_calls == extends.calls_at_plan:
@@ -265,10 +242,10 @@ class Episode:
             meta.update(metadata or {})
             out.append(
                 Trajectory(
-                    tokens=chat.tokens,
-                    loss_mask=mask,
-                    behavior_logprobs=logprobs,
-                    weight_versions=versions,
+                    tokens=np.asarray(chat.tokens, dtype=np.int32),
+                    loss_mask=np.asarray(mask, dtype=np.uint8),
+                    behavior_logprobs=np.asarray(logprobs, dtype=np.float32),
+                    weight_versions=np.asarray(versions, dtype=np.int32),
                     reward=reward,
                     reward_components=dict(reward_components or {}),
                     metadata=meta,

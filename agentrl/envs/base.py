@@ -1,26 +1,20 @@
 """The environment API: what a user subclasses to define a task for an agent.
 
-An environment answers five questions, each a method:
+An environment answers five questions, each a method: where tasks come from (:meth:`Env.tasks`),
+how an episode opens (:meth:`Env.initial_messages`), which tools the agent can call
+(:meth:`Env.tools`), what follows a turn with no tool call (:meth:`Env.on_text_turn`: ``None``
+ends the episode, a string is the simulated user's reply), and what the episode is worth
+(:meth:`Env.reward`, a float or named components).
 
-1. Where do tasks come from?            :meth:`Env.tasks` (a generator of :class:`Task`)
-2. How does an episode open?            :meth:`Env.initial_messages`
-3. Which tools can the agent call?      :meth:`Env.tools`
-4. What happens after a turn with no tool call?  :meth:`Env.on_text_turn`
-   (return ``None`` to finish the episode, or a string: the simulated user's reply)
-5. What is the episode worth?           :meth:`Env.reward` (a float or named components)
-
-Per-episode resources (a sandbox, a scratch directory) live in the ``state`` dict
-returned by :meth:`Env.setup`; :meth:`Env.cleanup` always runs, on cancellation and
-errors too. Process-wide resources (a pool of sandboxes) are released by :meth:`Env.aclose`
-when the actor stops. Limits (turns, total tokens) come from the ``[env]`` config section,
-which the actor loop enforces.
-
-Environments are loaded by import path, ``env.cls = "my_pkg.my_env:MyEnv"`` with
-``[env.kwargs]`` passed to the constructor, so users never edit agentrl.
+Per-episode resources live in the ``state`` dict from :meth:`Env.setup`; :meth:`Env.cleanup` always
+runs, on cancellation and errors too; :meth:`Env.aclose` releases process-wide resources when the
+actor stops. Envs are loaded by import path (``env.cls = "my_pkg.my_env:MyEnv"``, ``[env.kwargs]``
+to the constructor), so users never edit agentrl. See docs/envs.md.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import math
 import sys
@@ -47,7 +41,7 @@ class Env:
 
     name: str = "env"
     # Episode limits; None means the [env] config section's max_turns / max_total_tokens.
-    # An env that needs tighter (or looser) limits sets them here (see agentrl.episode.rollout.EpisodeLimits.from_config).
+    # An env that needs tighter (or looser) limits sets them here (see agentrl.episode.turn.EpisodeLimits.from_config).
     max_turns: int | None = None
     max_total_tokens: int | None = None
 
@@ -109,6 +103,8 @@ def _import_module_or_file(name: str) -> Any:
         if str(path.parent) not in sys.path:  # its sibling modules import as they would for `python file.py`
             sys.path.append(str(path.parent))  # appended: an installed module of the same name wins
         spec = spec_from_file_location(f"agentrl_user_env_{path.stem}", path)
+        if spec is None or spec.loader is None:
+            raise ValueError(f"env file {name!r} cannot be loaded as a Python module")
         module = module_from_spec(spec)
         sys.modules[spec.name] = module
         try:
@@ -138,6 +134,11 @@ def load_env(import_path: str, kwargs: dict[str, Any] | None = None) -> Env:
         return cls(**(kwargs or {}))
     except TypeError as e:
         raise ValueError(f"cannot construct {import_path} with kwargs {sorted(kwargs or {})}: {e}") from e
+
+
+def split_bucket(text: str) -> float:
+    """A stable number in [0, 1) from ``text``: an env's train/test split assignment (same on every machine)."""
+    return int(hashlib.sha1(text.encode()).hexdigest()[:8], 16) / 16**8
 
 
 def total_reward(value: float | dict[str, float]) -> tuple[float, dict[str, float]]:

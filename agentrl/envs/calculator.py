@@ -1,32 +1,16 @@
 """The quickstart environment: arithmetic questions answered with a ``calculator`` tool.
 
-Designed so that a ~1M-parameter model learns it from scratch in minutes on a CPU:
+Made so that a ~1M-parameter model learns it from scratch in minutes on a CPU: short prompts
+(about 120 tokens per correct episode) and one obvious policy (copy the expression into the tool,
+answer "The answer is N."). Knobs: ``min_ops``/``max_ops``, ``max_operand``, ``ops`` (division off
+by default; with ``/`` only whole-number values), ``word_problem_rate``. Demonstrations cover up to
+``demo_max_ops`` operators and take a shortcut on a ``demo_shortcut_rate`` fraction, so RL has
+something left to learn that imitation cannot give.
 
-* Short prompts: system "Use the calculator, then answer with the number." and user
-  "What is 37 + 48 * 2?". The whole correct episode is about 120 tokens with the tiny model.
-* One obvious policy: copy the expression into ``calculator(expression=...)``, read the
-  result, answer "The answer is 133.". Nothing needs to be computed by the model.
-* Difficulty knobs: ``min_ops``/``max_ops`` operators per question, operands in
-  ``0..max_operand``. Demonstrations (for the supervised warm start) cover questions with at
-  most ``demo_max_ops`` operators, and come from a sloppy demonstrator on a fixed
-  ``demo_shortcut_rate`` fraction of the multi-operator ones (it sends only the first
-  operation), so RL has something left to learn that imitation cannot give. (Leaving the
-  hard questions out of the demonstrations does not work for a tiny model: it then never
-  samples a longer expression, and a binary reward has nothing to reinforce.)
-* Division is off by default (``ops="+-*"``); with ``"/"`` in ``ops`` only questions whose
-  value is a whole number are generated.
-* ``word_problem_rate``: the fraction of questions wrapped in a one-sentence story with a
-  single operation ("Ann has 12 coins and gets 7 more. How many coins now?"), where the model
-  has to write the expression itself.
-
-Splits: ``tasks("train", seed)`` is an infinite stream; ``tasks("test")`` is a fixed
-held-out set of ``num_test_tasks`` questions (independent of ``seed``). A question belongs
-to the test split when the SHA-1 of its text falls in the lowest ``test_fraction`` of the
-hash range, and the train stream skips those, so the splits never share a question.
-
-Reward: ``{"correct": 1.0}`` when the last number in the final answer equals the true value,
-else 0, plus an optional ``format`` component (``format_weight``) for answers of the exact
-form "The answer is N.".
+Splits: ``train`` is an infinite stream; ``test`` is a fixed set of ``num_test_tasks`` questions
+chosen by the SHA-1 of their text, which the train stream skips, so the splits never share a
+question. Reward ``{"correct": ...}`` on the last number of the final answer, plus an optional
+``format`` component (``format_weight``). See docs/envs.md.
 """
 
 from __future__ import annotations
@@ -36,7 +20,7 @@ import random
 from collections.abc import Iterator
 from typing import Any
 
-from agentrl.envs.base import Env, Message, Task
+from agentrl.envs.base import Env, Message, Task, split_bucket
 from agentrl.envs.rewards import final_assistant_text, last_number
 from agentrl.tools.base import Tool
 from agentrl.tools.calculator import CalculatorTool, evaluate, format_number
@@ -45,11 +29,6 @@ SYSTEM_PROMPT = "Use the calculator, then answer with the number."
 
 _NAMES = ["Ann", "Ben", "Cal", "Dee", "Eli", "Fay", "Gus", "Ivy", "Jon", "Kim"]
 _ITEMS = ["apples", "books", "coins", "cards", "pens", "shells", "stamps", "toys"]
-
-
-def _bucket(text: str) -> float:
-    """A stable number in [0, 1) from the text (the split assignment)."""
-    return int(hashlib.sha1(text.encode()).hexdigest()[:8], 16) / 16**8
 
 
 class CalculatorEnv(Env):
@@ -115,7 +94,7 @@ class CalculatorEnv(Env):
         misses = 0
         while True:
             task = self.sample_task(rng)
-            if (_bucket(task.data["question"]) < self.test_fraction) == test:
+            if (split_bucket(task.data["question"]) < self.test_fraction) == test:
                 misses = 0
                 yield task
             else:
@@ -208,7 +187,7 @@ class CalculatorEnv(Env):
         if task.data["num_ops"] > self.demo_max_ops:
             return None
         expression = task.data["expression"]
-        if task.data["num_ops"] > 1 and _bucket("shortcut " + task.id) < self.demo_shortcut_rate:
+        if task.data["num_ops"] > 1 and split_bucket("shortcut " + task.id) < self.demo_shortcut_rate:
             expression = " ".join(expression.split()[:3])
         result = format_number(evaluate(expression))
         call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}

@@ -1,29 +1,17 @@
 """Write a small Python function that passes hidden unit tests, run in a sandbox.
 
-Tasks come from ten parametrised families ("Write a function clip(x) that returns x
-limited to the range -7 to 12."), each with a reference solution; the hidden tests are
-``num_tests`` random inputs whose expected outputs are computed from the reference (our own
-code, run in this process, never the model's). The agent has the ``python`` tool to try code
-in its sandbox and ends with the function in a fenced ```python block.
+Tasks come from ten parametrised families, each with a reference solution; the hidden tests are
+``num_tests`` random inputs whose expected outputs come from the reference, run in this process.
+The agent tries code with the ``python`` tool and ends with the function in a fenced block.
 
-Grading keeps the grader out of the policy's reach: the answer and the judgement never share
-an interpreter, a file or a channel. In the episode's sandbox, after :meth:`Sandbox.reset`,
-:meth:`Sandbox.call_function` runs the answer once per hidden test, each time in a fresh
-process that gets only that test's arguments and writes ``json.dumps`` of the return value
-to a pipe of its own (every other process of the sandbox is killed between tests, so no call
-can write into another's pipe). The expected values never enter the sandbox: this process
-parses each returned JSON text and compares it with the expected value as canonical JSON
-(:func:`same_value`), so ``1`` does not pass for ``True`` nor ``1.0`` for ``1`` (a tuple does
-pass for a list: JSON has one array), and an object that claims to equal everything cannot
-even be serialised. ``passed`` counts this env's own
-tests, so it never exceeds ``total``. What the answer prints, how it exits, what it patches
-(builtins, ``json``, ``sys``) or forges (report lines, other files, the runner's output) only
-changes what that one call returns; a call that raises, runs out of time or memory, or
-returns nothing fails.
+Invariant: the answer and the judgement never share an interpreter, a file or a channel.
+:meth:`Sandbox.call_function` runs the answer once per test in a fresh process that returns JSON
+text; the expected values never enter the sandbox, and this process compares as canonical JSON
+(:func:`same_value`: ``1`` does not pass for ``True``). Whatever the answer prints, patches or
+forges changes only what its own call returns.
 
-Reward: ``{"tests_passed": passed / total}``; success means all passed. Splits by the SHA-1
-of the prompt, as in the calculator env. Demonstrations: one ``python`` call that defines
-the reference and prints it on an example, the printed value, then the final code block.
+Reward ``{"tests_passed": passed / total}``; success means all passed. Splits by the SHA-1 of the
+prompt, as in the calculator env. See docs/envs.md.
 """
 
 from __future__ import annotations
@@ -35,7 +23,7 @@ import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from agentrl.envs.base import Message, Task
+from agentrl.envs.base import Message, Task, split_bucket
 from agentrl.envs.rewards import final_assistant_text
 from agentrl.envs.sandboxed import SandboxedEnv
 from agentrl.tools.base import Tool
@@ -164,10 +152,6 @@ def same_value(returned: str | None, expected: Any) -> bool:
         return False
 
 
-def _bucket(text: str) -> float:
-    return int(hashlib.sha1(text.encode()).hexdigest()[:8], 16) / 16**8
-
-
 class CodeEnv(SandboxedEnv):
     name = "code"
 
@@ -227,7 +211,7 @@ class CodeEnv(SandboxedEnv):
         misses = 0
         while not test or len(seen) < self.num_test_tasks:
             task = self.sample_task(rng)
-            if (_bucket(task.data["prompt"]) < self.test_fraction) != test or (test and task.id in seen):
+            if (split_bucket(task.data["prompt"]) < self.test_fraction) != test or (test and task.id in seen):
                 misses += 1
                 if misses > 100_000:
                     return  # the families have fewer distinct test prompts than asked for

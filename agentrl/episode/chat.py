@@ -1,56 +1,21 @@
 """Token-in/token-out bookkeeping: one episode as token ids that always decode to its chat.
 
-The engine speaks token ids; environments and tools speak chat messages. :class:`TokenChat`
-keeps both views of one episode in lock-step: its ``tokens`` are exactly what the model was
-given and what it generated, ``decode(tokens) == text`` after every step, and ``text`` is the
-chat as the model saw it: the prompt, then each model turn followed by the template's text for
-the messages that came after it.
+:class:`TokenChat` keeps the engine's view (token ids) and the env's view (chat messages) of one episode in
+lock-step: ``tokens`` are exactly what the model was given and generated, and ``decode(tokens) == text`` after
+every step.
 
-How each kind of text enters the token list:
+* The prompt is ``apply_chat_template(messages, tools, add_generation_prompt=True)``, non-model tokens.
+* Model tokens are appended exactly as the engine returned them, with their logprobs and weight versions,
+  and are never re-tokenized; the assistant message's content is their raw decoded text.
+* Everything else (the template's closing text, tool results, user replies, the next generation prompt) is
+  rendered after a fixed *probe* conversation (:meth:`ChatCodec.suffix`), tokenized on its own and
+  appended with ``loss_mask`` 0, logprob 0, version -1. The probe makes templates that rewrite history
+  (Qwen3, Llama 3) safe: the tokens keep the text the model really saw.
+* A turn that stopped by length gets the template's whole closing text; the loop reserves room for it, so
+  an episode never exceeds ``max_total_tokens``.
 
-* **Prompt**: ``apply_chat_template(initial_messages, tools, add_generation_prompt=True,
-  tokenize=True)``, appended as non-model tokens.
-* **Model tokens** are appended exactly as the engine returned them (``output_ids``, which
-  include the stop token when generation stopped on it), with their logprobs and weight
-  versions. They are never re-tokenized. The assistant message's ``content`` is the model's
-  text decoded from its own ids (without the template's end-of-turn token), raw: a
-  ``<tool_call>`` block or a ``<think>...</think>`` block stays text, exactly as generated.
-* **Everything else** (the template's text after the end-of-turn token, tool responses, user
-  replies, the next ``<|im_start|>assistant\\n``) is rendered after a fixed *probe*
-  conversation, never after the episode's own history (:meth:`ChatCodec.suffix`): render
-  ``[user "u", assistant SENTINEL] + new_messages`` and take the text after the sentinel; the
-  part the model generated itself (its end-of-turn token) is dropped. That text is tokenized on
-  its own (``add_special_tokens=False``) and appended with ``loss_mask`` 0, logprob 0, version -1.
-
-Why a probe: the non-model text of a turn depends only on the messages that follow the
-assistant message (Qwen wraps consecutive tool results in one ``user`` block; Llama 3.1 writes
-them as ``ipython`` turns), so rendering them after any assistant message gives the same text
-as rendering them after the episode's, whatever the template does to earlier turns. Templates
-that rewrite history (Qwen3's drops earlier ``<think>`` blocks, Llama 3 trims every message) are
-thus supported: the tokens keep the text the model really saw and generated. For a
-*prefix-stable* template and chat (rendering more messages only appends text: the tiny model's
-template, Qwen2.5, Llama 3.1 with untrimmed content, Qwen3 within one user query), ``text``
-equals ``apply_chat_template(messages, tools)`` with the generation prompt when the chat waits
-for the model; tests assert it for all of them. The system/tools preamble is part of the
-probe's rendering before the sentinel, so it is never repeated.
-
-Why the new text is tokenized on its own: the model's ids are what the engine generated and
-what the behaviour logprobs belong to; encoding text that spans the boundary again could merge
-the model's last characters with the template's and change ids the model produced. The next
-request is the episode's ids plus the new ids, so the learner trains on exactly the sequence the
-engine saw.
-
-If the model stopped by length (or on a stop token other than the template's end-of-turn), the
-template's whole closing text (``<|im_end|>\\n``) is appended as non-model tokens; the loop
-reserves room for it, so an episode never exceeds ``max_total_tokens``.
-
-Speed: a turn renders only the probe and its new messages (its cost does not grow with the
-episode). Rendering calls transformers' own compiled (sandboxed) Jinja template directly when
-the messages are plain string dicts, skipping ``apply_chat_template``'s defensive copies; the
-codec first checks that this renders probe chats exactly as ``apply_chat_template`` does, else
-it uses the latter. A prompt is rendered and tokenized once per group (LRU cache), encoding and
-decoding call the Rust tokenizer directly, and per-token arrays grow as ``array.array``s. Tests
-compare every shortcut with the plain transformers calls.
+Rendering shortcuts (the compiled Jinja template, the Rust tokenizer, a per-group prompt cache) are
+checked against the plain transformers calls. See docs/episode.md.
 """
 
 from __future__ import annotations
@@ -123,7 +88,7 @@ class ChatCodec:
         added = set(tokenizer.get_added_vocab().values()) | set(tokenizer.all_special_ids)
         first = suffix_ids[0] if suffix_ids else None
         self.end_of_turn_id: int | None = first if first in added else None
-        self.end_of_turn_text = self.decode([first]) if self.end_of_turn_id is not None else ""
+        self.end_of_turn_text = self.decode([self.end_of_turn_id]) if self.end_of_turn_id is not None else ""
 
     # ----------------------------------------------------------------- primitives
 

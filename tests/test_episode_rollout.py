@@ -12,7 +12,9 @@ import trio
 import agentrl.envs
 from agentrl.envs.base import Env, Task, load_env
 from agentrl.episode.chat import codec_for
-from agentrl.episode.rollout import EpisodeLimits, GroupLost, evaluate, run_episode, run_group, toolbox_for
+from agentrl.episode.evaluation import evaluate
+from agentrl.episode.rollout import run_episode, run_group, toolbox_for
+from agentrl.episode.turn import EpisodeLimits, GroupLost
 from agentrl.protocol import decode, encode
 from agentrl.tools.base import ToolBox
 from tests._actors_helpers import (
