@@ -1,7 +1,7 @@
 """The ``agentrl`` command.
 
-Every command imports its heavy dependencies (torch, transformers, mlflow) inside its own
-body, so ``agentrl --help`` stays fast. Commands register here and nowhere else.
+Every command imports its heavy dependencies (torch, transformers, mlflow) inside its own body, so
+``agentrl --help`` stays fast. Commands register here and nowhere else. See docs/run.md.
 """
 
 from __future__ import annotations
@@ -494,7 +494,7 @@ def eval_cmd(
         typer.secho(f"eval error: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
     typer.echo(json.dumps(result, indent=2))
-    from agentrl.episode.rollout import describe_problems
+    from agentrl.episode.evaluation import describe_problems
 
     for line in describe_problems(result):
         typer.secho(f"warning: {line}", fg=typer.colors.YELLOW, err=True)

@@ -67,7 +67,7 @@ def test_the_evaluation_before_rl_sees_the_run_s_policy_on_an_engine_left_at_ver
     left out: ``_train`` is cut to that evaluation, which is where it starts)."""
     import trio
 
-    from agentrl import run as run_module
+    from agentrl.run import stages as run_module
 
     policy, other = models
     fresh, external = engines

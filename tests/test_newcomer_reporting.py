@@ -106,7 +106,7 @@ def test_one_message_per_task_does_not_grow_without_bound(actor_log) -> None:
 
 
 def test_the_run_reads_every_actor_process_and_says_each_error_once(actor_log, tmp_path: Path, caplog) -> None:
-    from agentrl.run.stages import RunState, _table, progress_line
+    from agentrl.run.report import RunState, progress_line, progress_table
 
     cfg = load_config(EXAMPLE)
     state = RunState(tmp_path)
@@ -117,7 +117,7 @@ def test_the_run_reads_every_actor_process_and_says_each_error_once(actor_log, t
     first.write(force=True)
     with path.open("a") as f:  # a killed process's last line, cut short: not read; the next process appends to it
         f.write(f"x INFO agentrl.actors: {REWARD_ERRORS_MARKER}" + '{"id": "dead", "errors": [{"env": "calc", "er')
-    with caplog.at_level(logging.WARNING, logger="agentrl.run.stages"):
+    with caplog.at_level(logging.WARNING, logger="agentrl.run"):
         state.read_reward_errors()
         assert state.reward_errors == [{"env": "calc", "error": "KeyError: 'dozen'", "count": 2}]
         restarted.add("calc", "KeyError: 'dozen'")  # the same log: a restarted actor, its own id
@@ -131,7 +131,7 @@ def test_the_run_reads_every_actor_process_and_says_each_error_once(actor_log, t
         {"env": "calc", "error": "KeyError: 'dozen'", "count": 3},
         {"env": "search", "error": "ValueError: [no] answer", "count": 2},
     ]
-    said = [r.getMessage() for r in caplog.records if r.name == "agentrl.run.stages"]
+    said = [r.getMessage() for r in caplog.records if r.name == "agentrl.run"]
     assert said == [
         "actors: reward error in env calc: KeyError: 'dozen' (episodes scored 0; counted in summary.json "
         "reward_errors)",
@@ -143,7 +143,7 @@ def test_the_run_reads_every_actor_process_and_says_each_error_once(actor_log, t
     from rich.console import Console
 
     console = Console(width=250, record=True)
-    console.print(_table(state, cfg))  # the message's [brackets] are text, not markup
+    console.print(progress_table(state, cfg))  # the message's [brackets] are text, not markup
     assert re.search(
         r"reward errors +│ 5 episodes scored 0 \(2 kinds; most: 3 × env calc: KeyError: 'dozen'\)",
         console.export_text(),
@@ -151,7 +151,7 @@ def test_the_run_reads_every_actor_process_and_says_each_error_once(actor_log, t
 
 
 def test_summary_holds_the_reward_errors(actor_log, tmp_path: Path) -> None:
-    from agentrl.run.stages import RunState, summarize
+    from agentrl.run.report import RunState, summarize
 
     actor_log(0)
     errors = RewardErrors()
@@ -162,7 +162,7 @@ def test_summary_holds_the_reward_errors(actor_log, tmp_path: Path) -> None:
 
 
 def test_evaluations_are_logged_at_the_step_they_describe() -> None:
-    from agentrl.run.stages import summary_metrics
+    from agentrl.run.report import summary_metrics
 
     def result(rate: float, **extra) -> dict:
         return {"n": 4, "success_rate": rate, "reward_mean": rate, "success_by_group": {}, **extra}
@@ -236,7 +236,7 @@ def test_every_commands_help_keeps_its_bracketed_text() -> None:
 
 
 def test_a_changed_env_or_sft_sets_the_old_folder_aside(tmp_path: Path) -> None:
-    from agentrl.run.stages import FINGERPRINT_FILE, run_fingerprint, supersede_changed_run
+    from agentrl.run.fingerprint import FINGERPRINT_FILE, run_fingerprint, supersede_changed_run
 
     env_file = tmp_path / "units_env.py"
     env_file.write_text("from agentrl.envs.calculator import CalculatorEnv as Units\n")
@@ -282,7 +282,7 @@ def test_an_env_file_imports_its_sibling_module(tmp_path: Path) -> None:
 def test_mlflow_holds_each_evaluation_at_its_step(tmp_path: Path) -> None:
     from mlflow import MlflowClient
 
-    from agentrl.run.stages import create_mlflow_run, log_to_mlflow
+    from agentrl.run.report import create_mlflow_run, log_to_mlflow
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     run_id = create_mlflow_run(load_config(EXAMPLE, [f"tracking.uri={uri}"]), tmp_path)
@@ -322,7 +322,8 @@ def test_the_warm_starts_progress_is_logged_while_it_runs(tmp_path: Path, caplog
     import trio
     import trio.testing
 
-    from agentrl.run.stages import PLAIN_LINE_S, _follow_sft
+    from agentrl.run.report import PLAIN_LINE_S
+    from agentrl.run.stages import _follow_sft
 
     log = tmp_path / "sft.log"
     log.write_text("12:00:01 [learner rank 0] INFO sft step 1/10 | nll 3.2000\n")
@@ -337,9 +338,9 @@ def test_the_warm_starts_progress_is_logged_while_it_runs(tmp_path: Path, caplog
             await trio.sleep(PLAIN_LINE_S)
             nursery.cancel_scope.cancel()
 
-    with caplog.at_level(logging.INFO, logger="agentrl.run.stages"):
+    with caplog.at_level(logging.INFO, logger="agentrl.run"):
         trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
-    assert [r.getMessage() for r in caplog.records if r.name == "agentrl.run.stages"] == [
+    assert [r.getMessage() for r in caplog.records if r.name == "agentrl.run"] == [
         "sft: step 1/10 | nll 3.2000",
         "sft: step 4/10 | nll 2.1000",
     ]

@@ -226,7 +226,7 @@ def test_summary_tells_steps_versions_and_every_session(tmp_path: Path) -> None:
     """learner_steps is the checkpoint's step (not the last metrics row), policy_versions_seen shows a
     version going backwards, groups_produced counts the killed session, the learner's stop and its
     failed checkpoint writes are there."""
-    from agentrl.run.stages import RunState, summarize
+    from agentrl.run.report import RunState, summarize
 
     a_killed_and_a_clean_session(tmp_path)
     (tmp_path / "learner_metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3)))
@@ -287,7 +287,8 @@ def test_the_learner_restart_note_says_what_really_happens(tmp_path: Path) -> No
 
 
 def test_restarts_are_printed_on_the_console_as_they_happen(tmp_path: Path, capsys) -> None:
-    from agentrl.run.stages import RunState, _on_event
+    from agentrl.run.report import RunState
+    from agentrl.run.stages import _on_event
 
     state = RunState(tmp_path)
     _on_event(state, "actor0", "exited with status -9; restart 1/3")

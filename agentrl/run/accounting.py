@@ -24,7 +24,7 @@ stamped after its last group that arrived died with it, unseen).
 
 **Without a checkpoint** (a run whose learner failed before its first one) the learner's
 journal alone says what was received; no weights survived, so nothing counts as consumed and
-every received group is held (a restart replays them).
+every received group is held (a restart replays them). See docs/run.md.
 """
 
 from __future__ import annotations
@@ -33,6 +33,11 @@ import json
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
+
+import msgpack
+
+from agentrl.learner.journal import Journal
+from agentrl.protocol import ProtocolError, TrajectoryGroup, decode
 
 Key = tuple[str, str, int]  # (actor_id, session, seq)
 
@@ -90,9 +95,6 @@ def trained_keys(run_dir: Path, up_to_step: int | None = None) -> Counter:
 
 def journal_keys(journal_dir: Path, first_segment: int) -> list[Key]:
     """The keys of the groups in a journal lineage's segments from ``first_segment`` on."""
-    from agentrl.learner.journal import Journal
-    from agentrl.protocol import ProtocolError, TrajectoryGroup, decode
-
     keys: list[Key] = []
     for path in sorted(journal_dir.glob("*.log")):
         if not path.stem.isdigit() or int(path.stem) < first_segment:
@@ -117,7 +119,6 @@ def newest_journal(run_dir: Path) -> Path | None:
 def learner_view(run_dir: Path) -> dict[str, Any]:
     """What the learner holds, as a restarted learner would find it: its last checkpoint (counters,
     ledger, pending groups) plus the groups its journal received after it; or the journal alone."""
-    import msgpack
     import torch
 
     from agentrl.learner.checkpoint import latest_run_checkpoint

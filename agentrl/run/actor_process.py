@@ -10,7 +10,7 @@ tools and limits. When one is an :class:`agentrl.agents.AgentEnv`, the process a
 its agent episodes, with the run's sampling forced (the learner trains on
 ``actors.temperature``), ``actors.max_new_tokens_per_turn`` as every call's default and cap,
 and its own client of the same engines. Each episode's completions are read as its env says
-(``env.tool_parser``, ``env.reasoning``).
+(``env.tool_parser``, ``env.reasoning``). See docs/run.md.
 """
 
 from __future__ import annotations
@@ -18,25 +18,34 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
+
+import trio
+
+from agentrl.actors.actor import ActorEnv, ActorService, ActorSettings
+from agentrl.agents.agent_runner import AgentRunner
+from agentrl.config import AgentRLConfig
+from agentrl.engine.client import EngineClient
+from agentrl.envs import make_envs
+from agentrl.envs.agent import AgentEnv
+from agentrl.episode.rollout import sampling_from_config, toolbox_for
+from agentrl.episode.turn import EpisodeLimits
+from agentrl.transport import GroupSender, ProgressSubscriber, security_from_config
 
 log = logging.getLogger("agentrl.actors")
 
 
-def engine_urls(cfg: Any) -> list[str]:
+def engine_urls(cfg: AgentRLConfig) -> list[str]:
     """``engine.urls``, or the URLs ``agentrl run`` gives the engines it starts itself."""
     if cfg.engine.urls:
         return list(cfg.engine.urls)
     return [f"http://{cfg.engine.host}:{cfg.engine.base_port + i}" for i in range(cfg.engine.num_engines)]
 
 
-def build_actor_envs(cfg: Any) -> list[Any]:
+def build_actor_envs(cfg: AgentRLConfig) -> list[Any]:
     """Every env of the config as an :class:`agentrl.actors.actor.ActorEnv` (tools, limits, weight)."""
-    from agentrl.actors.actor import ActorEnv
-    from agentrl.envs import make_envs
-    from agentrl.episode.rollout import EpisodeLimits, toolbox_for
-
     return [
         ActorEnv(env, toolbox_for(env, cfg, section), EpisodeLimits.from_config(cfg, env, section), section.weight)
         for section, env in make_envs(cfg)
@@ -44,13 +53,10 @@ def build_actor_envs(cfg: Any) -> list[Any]:
 
 
 def agent_runner(
-    cfg: Any, tokenizer: Any, client_factory: Any, *, evaluation: bool = False, greedy: bool = False
-) -> Any:
+    cfg: AgentRLConfig, tokenizer: Any, client_factory: Any, *, evaluation: bool = False, greedy: bool = False
+) -> AgentRunner:
     """The process's :class:`agentrl.agents.agent_runner.AgentRunner` for ``cfg``: training (versions on, the
     run's sampling forced) or ``evaluation`` (any version; temperature 0 when ``greedy``)."""
-    from agentrl.agents.agent_runner import AgentRunner
-    from agentrl.episode.rollout import sampling_from_config
-
     return AgentRunner(
         tokenizer,
         client_factory,
@@ -63,7 +69,7 @@ def agent_runner(
 
 
 def serve_actors(
-    cfg: Any,
+    cfg: AgentRLConfig,
     *,
     dump_path: Path | None = None,
     max_groups: int | None = None,
@@ -82,12 +88,7 @@ def serve_actors(
     if dump_path is not None:
         Path(dump_path).parent.mkdir(parents=True, exist_ok=True)
 
-    import trio
     from transformers import AutoTokenizer
-
-    from agentrl.actors.actor import ActorService, ActorSettings
-    from agentrl.envs.agent import AgentEnv
-    from agentrl.episode.rollout import sampling_from_config
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpx2", "httpcore"):  # one line per request otherwise
@@ -109,15 +110,11 @@ def serve_actors(
     )
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     envs = build_actor_envs(cfg)
-    from agentrl.engine.client import EngineClient
-    from agentrl.transport import GroupSender, ProgressSubscriber, security_from_config
 
     def new_client() -> Any:
         return EngineClient.from_config(cfg.engine, urls=engine_urls(cfg), lora_path=cfg.learner.lora.served_adapter)
 
     async def main() -> dict[str, Any]:
-        from contextlib import AsyncExitStack
-
         sender = progress = None
         try:
             if send:

@@ -1,49 +1,31 @@
 """``agentrl launch``: what a user submits to a cluster, generated from a run config.
 
-The layout is the one ``agentrl run`` has on one machine, spread over nodes
-(:func:`agentrl.run.placement.plan_cluster`): SGLang servers fill the first nodes, each on its
-own GPUs (``--tp-size`` = ``engine.gpus_per_engine``, ``--base-gpu-id 0`` inside its
-``CUDA_VISIBLE_DEVICES``), behind sglang-router when there is more than one; the learner has
-its own nodes, one torchrun per node joined by c10d rendezvous (``agentrl learn --nnodes``);
-actors run on CPUs next to the engines. Every process gets the same config file; what only
-exists at submit time (node names, the router's and the learner's addresses) is passed as
-``--set`` overrides, and the learner binds its sockets on ``0.0.0.0`` while actors connect to
-its head node.
+The layout is ``agentrl run``'s, spread over nodes (:func:`agentrl.run.placement.plan_cluster`):
+SGLang servers fill the first nodes, each on its own GPUs (``--tp-size`` = ``engine.gpus_per_engine``,
+``--base-gpu-id 0`` inside its ``CUDA_VISIBLE_DEVICES``), behind sglang-router when there is more than
+one; the learner has its own nodes, one torchrun per node joined by c10d rendezvous (``agentrl learn
+--nnodes``); actors run on CPUs next to the engines. Every process gets the same config file; what
+only exists at submit time (node names, the router's and the learner's addresses) is passed as
+``--set`` overrides, and the learner binds on ``0.0.0.0`` while actors connect to its head node.
 
-Two targets:
+* **slurm**: ``agentrl.sbatch`` (one batch job) and ``engines.sh`` (one engine node's servers), next
+  to ``config.toml``.
+* **k8s**: ``agentrl.yaml``: a ConfigMap with the config; engines as a StatefulSet behind a headless
+  Service (stable names for the weight push); the router as a Deployment + Service; the learner as an
+  Indexed Job behind a headless Service (index 0 is rank 0); actors as an Indexed Job (each actor's
+  ``--index`` is its completion index: its share of the budget is its own).
 
-* **slurm**: ``agentrl.sbatch`` (one batch job; ``sbatch`` it) and ``engines.sh`` (one engine
-  node's servers, each on its slice of the GPUs SLURM gives the step), next to ``config.toml``.
-* **k8s**: ``agentrl.yaml``: a ConfigMap with the config; engines as a StatefulSet behind a
-  headless Service (stable names for the weight push); the router as a Deployment + Service;
-  the learner as an Indexed Job behind a headless Service (pod *i* is
-  ``agentrl-learner-i.agentrl-learner``; index 0 sorts first, so it is rank 0); actors as an
-  Indexed Job (each actor's ``--index`` is its completion index: an actor's share of the
-  budget is its own, so actors cannot be interchangeable Deployment replicas).
-
-Only commands that exist are referenced: ``agentrl learn``, ``agentrl serve-actors``,
-``python -m sglang.launch_server`` (every flag checked in tests/test_cluster.py against those the pinned
-SGLang 0.5.23 wheel's ``server_args.py`` declares, via tests/sglang_spec.py) and
-``python -m sglang_router.launch_router`` (``--worker-urls``, ``--policy``, ``--host``,
-``--port``, ``--api-key``: checked against the sglang-router 0.3.2 wheel's ``router_args.py``). API keys never appear in the files: SGLang takes them as flags, so a shell
-expands them at start from the environment variables the config names
-(``engine.api_key_env``, ``engine.admin_api_key_env``, or their ``_FILE`` variants); in
-Kubernetes those variables come from a Secret. SGLang logs its keys at start, so ``engines.sh``
-writes them as ``<redacted>`` in the engine step's log (in the run folder). sglang-router gets the
-engines' api key (``--api-key``, which it sends to the workers) the same way, from ``router.sh``
-(SLURM, its log redacted too) or the router pod's shell.
-
-Probes: SGLang's ``/health`` generates a token and waits up to 20 s for it (longer than a probe's
-default 1 s); during a weight push (a pause) it parks that request and then marks the server
-unhealthy. The engine pods' startup and readiness probes therefore ask ``/ping`` (a flag, 200 while
-paused), by an exec probe that adds the api key when the Secret has one (``/ping`` is a normal route);
-they get no liveness probe: a restarted engine has left the weight group, so it could not rejoin the
-run anyway. The SLURM script waits for ``/health`` once at start (curl without a time limit).
+Invariants: only commands that exist are referenced (every SGLang and sglang-router flag is checked
+in tests/test_cluster.py against the pinned wheels, via tests/sglang_spec.py). API keys never appear
+in the files: a shell expands them at start from the environment variables the config names (in
+Kubernetes, from a Secret), and logs that would show them write ``<redacted>``. Engine probes ask
+``/ping`` (200 while a weight push pauses the server; ``/health`` generates a token and is marked
+unhealthy during a pause), and engines get no liveness probe: a restarted engine has left the weight
+group. See docs/run.md.
 """
 
 from __future__ import annotations
 
-import json
 import shlex
 import time
 from dataclasses import dataclass
@@ -153,10 +135,6 @@ class Raw(str):
 
 def shell_join(argv: list[str]) -> str:
     return " ".join(a if isinstance(a, Raw) else shlex.quote(a) for a in argv)
-
-
-def _toml_list(items: list[str]) -> str:
-    return "[" + ", ".join(json.dumps(i) for i in items) + "]"
 
 
 SECRET_SHELL = """secret() {  # the value of $1, or the content of the file named by ${1}_FILE (agentrl/secrets.py)

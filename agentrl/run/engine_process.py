@@ -2,6 +2,7 @@
 
 The engine's native API (:mod:`agentrl.engine.server`) with the OpenAI-compatible ``/v1`` routes of
 :mod:`agentrl.agents.engine_routes` mounted; ``agentrl serve-engine`` and every run start it this way.
+See docs/run.md.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ aborted, rewards that raised, tool calls that crashed or timed out -- with the f
 of each (``problems``; the counts also as ``eval/n_aborted``, ``eval/n_reward_errors`` and
 ``eval/n_tool_faults``), and the command says them in words on stderr: such failures lower
 the success rate exactly like a bad policy would, so they must never pass unseen.
+See docs/run.md.
 """
 
 from __future__ import annotations
@@ -27,18 +28,31 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import trio
 
-from agentrl.config import AgentRLConfig
+from agentrl.config import LORA_ADAPTER_NAME, AgentRLConfig
+from agentrl.engine.client import EngineClient
+from agentrl.engine.launch import EngineProcess, engine_args
+from agentrl.envs import make_envs
+from agentrl.envs.agent import AgentEnv
+from agentrl.episode.evaluation import combine_evaluations, evaluate
+from agentrl.episode.rollout import sampling_from_config, toolbox_for
+from agentrl.episode.turn import EpisodeLimits
+from agentrl.learner.batching import metric_name
+from agentrl.learner.weight_push import WeightUpdateError, WeightUpdater
+from agentrl.models.builder import ensure_model
+from agentrl.net import free_port
+from agentrl.run.actor_process import agent_runner
+from agentrl.secrets import bearer, read_secret
+from agentrl.tracking import open_tracker
 
 
 def evaluate_command(
     cfg: AgentRLConfig, *, checkpoint: Path | None = None, num_tasks: int | None = None, greedy: bool = True
 ) -> dict[str, Any]:
-    from agentrl.engine.launch import EngineProcess, engine_args
-    from agentrl.models.builder import ensure_model
-    from agentrl.net import free_port
-
+    """``agentrl eval``: the policy (``model.path`` or an exported checkpoint) evaluated on the engines of
+    ``engine.urls``, or on one embedded engine started for it; logged to MLflow when tracking is on."""
     with tempfile.TemporaryDirectory(prefix="agentrl-eval-") as tmp:
         model_path = cfg.model.path
         if checkpoint is not None:
@@ -92,9 +106,6 @@ def load_policy_into_engines(cfg: AgentRLConfig, version: int = 0) -> None:
     loads this run's policy, whatever it reports. With ``learner.lora.sync = "adapter"`` the
     adapter is unloaded first (the embedded engine merges it into the weights every request runs
     on; the learner loads its own). Raises ``WeightUpdateError`` naming the engine and the fix."""
-    from agentrl.config import LORA_ADAPTER_NAME
-    from agentrl.learner.weight_push import WeightUpdateError, WeightUpdater
-
     with WeightUpdater.from_config(cfg.engine) as updater:
         if cfg.learner.lora.served_adapter:
             updater.unload_adapter_everywhere(LORA_ADAPTER_NAME)
@@ -112,8 +123,6 @@ def load_policy_into_engines(cfg: AgentRLConfig, version: int = 0) -> None:
 def _log(cfg: AgentRLConfig, result: dict[str, Any]) -> None:
     if not cfg.tracking.enabled:
         return
-    from agentrl.tracking import open_tracker
-
     run_dir = Path(cfg.run.run_dir or "runs/eval")
     tracker = open_tracker(
         cfg.tracking, run_dir, run_name=f"eval-{cfg.run.name}", resume_run_id=cfg.tracking.run_id or None
@@ -129,8 +138,6 @@ def _log(cfg: AgentRLConfig, result: dict[str, Any]) -> None:
 def eval_metrics(result: dict[str, Any], prefix: str) -> dict[str, float]:
     """An evaluation's numbers as MLflow metrics under ``prefix/``: rates, counts of problems and
     success per eval group, and the same per env under ``prefix/env/<name>/``."""
-    from agentrl.learner.batching import metric_name
-
     metrics = {f"{prefix}/success_rate": result["success_rate"], f"{prefix}/reward_mean": result["reward_mean"]}
     for key in ("n", "n_failed", "n_aborted", "n_reward_errors", "n_tool_faults"):
         metrics[f"{prefix}/{key}"] = float(result.get(key, 0))
@@ -145,10 +152,6 @@ async def newest_policy_engines(cfg: AgentRLConfig) -> tuple[int | None, list[st
     """The highest policy version an engine in ``engine.urls`` reports, and the engines that report
     it. An engine that does not answer, or was restarted and holds no policy yet (``"default"``),
     is left out, so an evaluation never mixes in the warm start."""
-    import httpx
-
-    from agentrl.secrets import bearer, read_secret
-
     headers = bearer(read_secret(cfg.engine.api_key_env))
     versions: dict[str, int] = {}
     async with httpx.AsyncClient(timeout=10.0, headers=headers) as http:
@@ -166,18 +169,12 @@ async def evaluate_policy(
 ) -> dict[str, Any]:
     """Greedy (or sampled) episodes on held-out tasks of every env through ``urls`` (default:
     ``engine.urls``): ``eval.num_tasks`` tasks per env, each env's result under ``by_env`` and the
-    rates over all of them at the top (:func:`agentrl.episode.rollout.combine_evaluations`). An
+    rates over all of them at the top (:func:`agentrl.episode.evaluation.combine_evaluations`). An
     AgentEnv is played by its agent through an agent endpoint opened for the evaluation.
     ``name_adapter``: with ``learner.lora.sync = "adapter"``, every request names the learner's
     adapter; False when the engines serve the policy as their own weights (before the learner has
     loaded the adapter: the base model is the policy at version 0, the adapters start at B = 0)."""
     from transformers import AutoTokenizer
-
-    from agentrl.engine.client import EngineClient
-    from agentrl.envs import make_envs
-    from agentrl.envs.agent import AgentEnv
-    from agentrl.episode.rollout import EpisodeLimits, combine_evaluations, evaluate, sampling_from_config, toolbox_for
-    from agentrl.run.actor_process import agent_runner
 
     envs = make_envs(cfg)
     tokenizer = await trio.to_thread.run_sync(AutoTokenizer.from_pretrained, cfg.model.path)

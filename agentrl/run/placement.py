@@ -25,7 +25,7 @@ capped with ``engine.mem_fraction_static``) and cannot form an NCCL group (NCCL 
 ranks on one device), so the weight push uses gloo.
 
 :func:`plan_cluster` does the same sums for ``agentrl launch``: how many nodes the engines
-and the learner need for a given number of GPUs per node.
+and the learner need for a given number of GPUs per node. See docs/run.md.
 """
 
 from __future__ import annotations

@@ -24,22 +24,28 @@ and the env's name, and two envs with one name are a problem). An
 :class:`agentrl.agents.AgentEnv` writes its prompts in its agent at run time, so there is no
 first prompt to render: its check is its tasks, that it implements ``run``, that the
 ``openai`` package its client needs is installed, and its demonstrations when SFT uses them.
+See docs/run.md.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from agentrl.envs.base import Env
+import trio
 
-if TYPE_CHECKING:
-    from agentrl.config import AgentRLConfig
-    from agentrl.envs.base import Task
-
+from agentrl.config import AgentRLConfig
+from agentrl.envs import check_env_names, close_quietly, demonstrated, make_env
+from agentrl.envs.agent import AgentEnv
+from agentrl.envs.base import Env, Task, run_cleanup, score_episode
+from agentrl.episode.chat import codec_for
+from agentrl.episode.turn import EpisodeLimits
+from agentrl.models.builder import ensure_model
+from agentrl.tools.base import ToolBox, check_arguments
 
 DEMOS_CHECKED = 20  # demonstrations whose tool calls --dry-run checks
 DEMOS_SCORED = 3  # demonstrations scored by the env's reward
@@ -60,8 +66,6 @@ class EnvCheck:
 
 def check_env(cfg: AgentRLConfig) -> EnvCheck:
     """Build every env of ``cfg`` and exercise each once (see the module docstring)."""
-    from agentrl.envs import check_env_names, close_quietly, make_env
-
     report = EnvCheck()
     several = len(cfg.env_sections) > 1
     built: list[tuple[str, Any, Env]] = []
@@ -74,7 +78,6 @@ def check_env(cfg: AgentRLConfig) -> EnvCheck:
         check_env_names([(section.cls, env.name) for _, section, env in built])
     except ValueError as e:
         report.problems.append(str(e))
-    import trio
 
     checked = 0
     try:
@@ -95,10 +98,6 @@ def check_env(cfg: AgentRLConfig) -> EnvCheck:
 async def _check_one(cfg: AgentRLConfig, key: str, section: Any, env: Env, report: EnvCheck) -> None:
     """Every check of one env, then ``env.aclose()`` in the same event loop (a sandbox pool opened
     to score a reward is closed where it was opened)."""
-    import trio
-
-    from agentrl.envs.agent import AgentEnv
-
     try:
         report.notes.append(f"env {section.cls} built with kwargs {sorted(section.kwargs)}")
         schemas = _check_tools(env, report)
@@ -128,10 +127,8 @@ async def _check_one(cfg: AgentRLConfig, key: str, section: Any, env: Env, repor
                 pass
 
 
-def _check_agent(env: Env, report: EnvCheck) -> None:
+def _check_agent(env: AgentEnv, report: EnvCheck) -> None:
     """An AgentEnv: ``run`` is its own, and its client can be made."""
-    from agentrl.envs.agent import AgentEnv
-
     report.notes.append(
         f"agent env: its agent writes the prompts at run time ({type(env).__name__}.run); no first prompt to render"
     )
@@ -147,8 +144,6 @@ def _check_agent(env: Env, report: EnvCheck) -> None:
 
 
 def _check_tools(env: Env, report: EnvCheck) -> list[dict[str, Any]] | None:
-    from agentrl.tools.base import ToolBox
-
     try:
         box = ToolBox(env.tools())
         schemas = box.schemas()
@@ -161,8 +156,6 @@ def _check_tools(env: Env, report: EnvCheck) -> list[dict[str, Any]] | None:
 
 
 def _first_task(env: Env, split: str, seed: int, report: EnvCheck) -> Task | None:
-    from agentrl.envs.base import Task
-
     try:
         task = next(iter(env.tasks(split, seed)), None)
     except Exception as e:
@@ -210,9 +203,6 @@ def _check_prompt(
         return
     from transformers import AutoTokenizer
 
-    from agentrl.episode.chat import codec_for
-    from agentrl.episode.rollout import EpisodeLimits
-
     try:
         codec = codec_for(AutoTokenizer.from_pretrained(cfg.model.path))
         ids, _ = codec.prompt(messages, schemas or None)
@@ -255,7 +245,6 @@ def _model_ready(cfg: AgentRLConfig, report: EnvCheck) -> bool:
             f"there first); to check it now: `{command}`"
         )
         return False
-    from agentrl.models.builder import ensure_model
 
     try:
         ensure_model(path, size, seed=cfg.run.seed)
@@ -270,8 +259,6 @@ async def _score(
     env: Env, task: Task, messages: list[dict[str, Any]], max_abs_reward: float
 ) -> tuple[float, str | None]:
     """Score ``messages`` as the actor does (``setup``, ``reward``, ``cleanup``): (reward, error)."""
-    from agentrl.envs.base import run_cleanup, score_episode
-
     try:
         state = await env.setup(task)
     except Exception as e:
@@ -288,9 +275,6 @@ class DemoChecker:
     then ``env.reward`` of the first ``scored`` (``finish``). Problems name the task and message."""
 
     def __init__(self, env: Env, max_abs_reward: float = math.inf, scored: int = DEMOS_SCORED):
-        from agentrl.envs.agent import AgentEnv
-        from agentrl.tools.base import ToolBox
-
         if isinstance(env, AgentEnv) and type(env).reward is Env.reward:
             scored = 0  # its run() returns the reward: nothing to score a demonstration with
         self.env, self.max_abs_reward, self.scored = env, max_abs_reward, scored
@@ -316,8 +300,6 @@ class DemoChecker:
                     self.call_problems.append(f"the demonstration of task {task.id!r}, message {i}: {why}")
 
     def _call_problem(self, call: Any) -> str | None:
-        from agentrl.tools.base import check_arguments
-
         if self.tools is None:
             return None
         function = call.get("function") if isinstance(call, dict) else None
@@ -333,7 +315,7 @@ class DemoChecker:
                 return f"the arguments of {name} are not JSON ({e}): {arguments!r:.200}"
         return check_arguments(self.tools[name], arguments)
 
-    async def score(self, also: list[tuple[str, Task, list[dict[str, Any]]]] = ()) -> tuple[list[str], list[str]]:
+    async def score(self, also: Sequence[tuple[str, Task, list[dict[str, Any]]]] = ()) -> tuple[list[str], list[str]]:
         """(problems, notes): the bad tool calls, then the rewards of the first demonstrations and of
         ``also`` (``(label, task, messages)``: a wrong answer), each scored as the actor does."""
         problems = self.call_problems[:MAX_CALL_PROBLEMS]
@@ -364,7 +346,6 @@ class DemoChecker:
 
     def finish(self) -> tuple[list[str], list[str]]:
         """:meth:`score` in an event loop of its own, which then closes the env (``aclose``)."""
-        import trio
 
         async def score_and_close() -> tuple[list[str], list[str]]:
             try:
@@ -381,8 +362,6 @@ async def _check_demonstrations(
 ) -> None:
     """The first demonstrations' tool calls and rewards (and ``also``'s rewards); no demonstration
     is a problem when SFT needs them."""
-    from agentrl.envs import demonstrated
-
     needed = cfg.sft.enabled and not cfg.sft.data
     checker = DemoChecker(env, cfg.learner.max_abs_reward)
     try:

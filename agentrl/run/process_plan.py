@@ -18,6 +18,8 @@ environment without starting it. :mod:`agentrl.run.supervisor` runs the :class:`
   adapter (``learner.lora.sync = "adapter"``) also start without one, until the learner loads it.
   A learner comes back from its latest checkpoint and journal; an actor continues its budget
   under the same id.
+
+See docs/run.md.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agentrl.config import AgentRLConfig, dump_toml
+from agentrl.engine.launch import config_engine_args, engine_command, sglang_cpu_env
 from agentrl.net import free_port
 from agentrl.run.placement import Placement, learner_ranks, weight_group_backend
+from agentrl.secrets import read_secret
 
 MAX_RESTARTS = 3  # how often a child of the RL stage (engine, learner, actor, retrieval server) is restarted
 
@@ -102,9 +106,6 @@ def engine_specs(
     SGLang takes its keys only as flags and logs them at start (``server_args=...``, info level, from
     ``sglang/srt/entrypoints/engine.py:Engine._launch_subprocesses``; only watermark secrets are masked):
     an SGLang engine's keys are ``redact``ed from its log in the run folder."""
-    from agentrl.engine.launch import config_engine_args, engine_command
-    from agentrl.secrets import read_secret
-
     e, python, secret_of = cfg.engine, cfg.engine.sglang_python, secret or read_secret
     keys = (
         tuple(k for k in (secret_of(e.api_key_env), secret_of(e.admin_api_key_env)) if k)
@@ -143,8 +144,6 @@ def engine_env(cfg: AgentRLConfig, placement: Placement, index: int, on_cpu: boo
     env = placement.engine_env(index)
     if cfg.engine.backend != "sglang":
         return env
-    from agentrl.engine.launch import sglang_cpu_env
-
     user = dict(cfg.engine.sglang_env)
     if on_cpu:
         env.update(sglang_cpu_env(user) if "PYTHONPATH" in user else sglang_cpu_env())
@@ -225,7 +224,6 @@ def describe_children(specs: list[ChildSpec]) -> list[str]:
 
 def dry_run_lines(cfg: AgentRLConfig, run_dir: Path, placement: Placement) -> list[str]:
     """What ``agentrl run --dry-run`` prints after the config: the placement and every child's command."""
-    from agentrl.secrets import read_secret
 
     def shown(var: str) -> str:  # the variable's name where a key is set: never print a key
         return f"${var}" if read_secret(var) else ""

@@ -20,7 +20,7 @@ Each child is a :class:`ChildSpec`: an argv, a log file, a restart budget and wh
   learner's acknowledgements and prints its final report, and a clean stop kills no actor.
 
 A child that exits with status 0 is done: it is not restarted (``agentrl learn`` finishing
-its steps is how a run ends).
+its steps is how a run ends). See docs/run.md.
 """
 
 from __future__ import annotations
@@ -95,18 +95,20 @@ async def copy_redacted(
     the end of a chunk that may be the start of a secret waits for the next chunk (or the end)."""
     keys = sorted({s.encode() for s in secrets if s}, key=len, reverse=True)
     pending = b""
-    with open(log_path, "ab", buffering=0) as log:
-        try:
-            async for chunk in stream:
-                pending += chunk
-                cut = _safe_cut(pending, keys)
-                log.write(redact(pending[:cut], keys))
-                pending = pending[cut:]
-        finally:
-            log.write(redact(pending, keys))
+    with trio.CancelScope(shield=True):  # opened even when cancelled: ``done`` is always set
+        log = await trio.open_file(log_path, "ab", buffering=0)
+    try:
+        async for chunk in stream:
+            pending += chunk
+            cut = _safe_cut(pending, keys)
+            await log.write(redact(pending[:cut], keys))
+            pending = pending[cut:]
+    finally:
+        with trio.CancelScope(shield=True):
+            await log.write(redact(pending, keys))
+            await log.aclose()
             done.set()
-            with trio.CancelScope(shield=True):
-                await stream.aclose()
+            await stream.aclose()
 
 
 def log_tail(path: Path, num_lines: int = 20) -> str:
@@ -156,9 +158,12 @@ class Supervisor:
                 start_new_session=True,
             )
             state.logged = trio.Event()
-            pumps.start_soon(copy_redacted, state.process.stdout, spec.log_path, spec.redact, state.logged)
+            stdout = state.process.stdout
+            assert stdout is not None  # stdout=PIPE
+            pumps.start_soon(copy_redacted, stdout, spec.log_path, spec.redact, state.logged)
         else:
-            with open(spec.log_path, "ab", buffering=0) as log:
+            log = await trio.to_thread.run_sync(lambda: open(spec.log_path, "ab", buffering=0))
+            with log:
                 state.process = await trio.lowlevel.open_process(
                     argv,
                     stdin=subprocess.DEVNULL,
