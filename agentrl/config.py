@@ -1,21 +1,15 @@
 """Typed run configuration: one TOML file per run, one section per process.
 
-Rules (see docs/architecture.md):
+Rules: sections ``[run]``, ``[model]``, ``[engine]``, ``[actors]``, ``[env]`` or ``[[envs]]`` (never
+both; :attr:`AgentRLConfig.env_sections` gives the list either way), ``[sandbox]``, ``[learner]``,
+``[sft]``, ``[eval]``, ``[tracking]``, at most three levels deep. Unknown keys are an error naming
+the dotted key and the file; cross-field rules live in the schema (``model_validator``). CLI
+overrides are ``section.key=value``, parsed as TOML when they parse and as a string otherwise.
+Units are in names (``*_s``, ``*_tokens``, ``num_*``). The comment at the end of a field's line is
+its documentation (``agentrl.config_docs``).
 
-* Sections: ``[run]``, ``[model]``, ``[engine]``, ``[actors]``, ``[env]``, ``[sandbox]``,
-  ``[learner]``, ``[sft]``, ``[eval]``, ``[tracking]``. At most three levels deep
-  (``env.kwargs.x``).
-* Environments: ``[env]`` for a run of one env, or ``[[envs]]`` entries (the same keys each,
-  plus ``weight``) for a run of several; never both. :attr:`AgentRLConfig.env_sections` gives
-  the list either way.
-* Unknown keys are an error that names the dotted key and the file; nothing is silently
-  ignored. Cross-field rules live inside the schema (``model_validator``).
-* CLI overrides are ``section.key=value``; the value is parsed as a TOML value when it
-  parses (``3``, ``1e-4``, ``true``, ``["a"]``) and taken as a string otherwise.
-* Units are in names: ``*_s`` seconds, ``*_tokens`` token counts, ``num_*`` counts.
-
-This module imports neither torch nor transformers so that ``agentrl --help`` and
-``--dry-run`` stay fast.
+This module imports neither torch nor transformers, so ``agentrl --help`` stays fast.
+See docs/config.md.
 """
 
 from __future__ import annotations
@@ -114,7 +108,7 @@ class ActorsSection(Section):
     )  # actor processes `agentrl run` starts (each takes a share of the budget)
     num_concurrent_episodes: int = Field(default=64, ge=1)  # episodes one actor process runs at once
     group_size: int = Field(default=8, ge=1)  # samples per task, sent as one group (GRPO's n)
-    max_staleness: int = Field(default=1, ge=0)  # 0 = synchronous; see docs/architecture.md
+    max_staleness: int = Field(default=1, ge=0)  # 0 = synchronous; see docs/learner.md, "The budget"
     temperature: float = Field(
         default=1.0, ge=0
     )  # sampling temperature of training episodes (the learner's logprobs use it too)
@@ -167,7 +161,7 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 class LoraSection(Section):
-    """LoRA: low-rank adapters trained on a frozen base model (docs/architecture.md, Learner, "LoRA")."""
+    """LoRA: low-rank adapters trained on a frozen base model (docs/learner.md, "LoRA")."""
 
     rank: int = Field(default=0, ge=0)  # adapter rank r; 0: LoRA off, every parameter is trained
     alpha: float = Field(default=16.0, gt=0)  # the adapters' output is scaled by alpha / rank

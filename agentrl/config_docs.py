@@ -1,21 +1,19 @@
 """``docs/config.md``: every config key, generated from the schema in ``agentrl/config.py``.
 
-The schema is the truth: section classes give each key's type and default, and the comment
-at the end of a field's line is its one line of meaning. Keeping
-the meaning next to the field, as a comment, keeps ``config.py`` readable; this module reads
-those comments with :mod:`tokenize` and renders one table per section.
-
-``python -m agentrl.config_docs`` prints the reference; ``--write`` updates
-``docs/config.md``. A test fails when the file is out of date or a key has no meaning.
+The schema is the truth: section classes give each key's type and default, and the comment at the
+end of a field's line is its meaning (read with :mod:`tokenize`). ``python -m agentrl.config_docs``
+prints the reference; ``--write`` updates ``docs/config.md``. A test fails when the file is out of
+date or a key has no meaning.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import inspect
 import io
 import json
-import re
+import textwrap
 import tokenize
 import typing
 from pathlib import Path
@@ -38,14 +36,23 @@ keys ending in `_env` name the environment variable that holds one.
 
 
 def field_comments(cls: type) -> dict[str, str]:
-    """``{field: meaning}`` from the comment at the end of each field's line in ``cls``'s source
-    (a comment on a line of its own is a heading for the reader, not a meaning)."""
+    """``{field: meaning}`` from the comments at the ends of the lines of each field's statement in ``cls``'s
+    source (a comment on a line of its own is a heading for the reader, not a meaning)."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    trailing = {
+        tok.start[0]: tok.string.lstrip("#").strip()
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+        if tok.type == tokenize.COMMENT and not tok.line.strip().startswith("#")
+    }
     comments: dict[str, str] = {}
-    for tok in tokenize.generate_tokens(io.StringIO(inspect.getsource(cls)).readline):
-        if tok.type == tokenize.COMMENT and not tok.line.strip().startswith("#"):
-            m = re.match(r"^\s*(\w+)\s*:", tok.line)
-            if m:
-                comments[m.group(1)] = tok.string.lstrip("#").strip()
+    class_def = ast.parse(source).body[0]
+    assert isinstance(class_def, ast.ClassDef)
+    for node in class_def.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            end = node.end_lineno or node.lineno
+            lines = [trailing[i] for i in range(node.lineno, end + 1) if i in trailing]
+            if lines:
+                comments[node.target.id] = " ".join(lines)
     return comments
 
 
@@ -75,7 +82,7 @@ def section_rows(section: str, cls: type[BaseModel]) -> list[tuple[str, str, str
         if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):  # a sub-table
             rows += section_rows(f"{section}.{name}", info.annotation)
             continue
-        default = info.default if info.default_factory is None else info.default_factory()
+        default = info.get_default(call_default_factory=True)
         rows.append((f"{section}.{name}", _type_name(info.annotation), _default(default), meanings.get(name, "")))
     return rows
 
@@ -118,15 +125,8 @@ def reference() -> str:
     return "\n".join(out)
 
 
-def undocumented() -> list[str]:
-    """Keys with no meaning written next to them."""
-    return [
-        key for section, _, cls, _ in sections() for key, _, _, meaning in section_rows(section, cls) if not meaning
-    ]
-
-
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m agentrl.config_docs", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m agentrl.config_docs", description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--write", action="store_true", help=f"write {DOC_PATH} instead of printing")
     args = ap.parse_args(argv)
     text = reference()
