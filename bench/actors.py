@@ -1,17 +1,11 @@
 """Actor benchmark: framework overhead per turn, and concurrent episodes in one process.
 
-An engine that answers instantly (a raw asyncio HTTP server in its own process, no model)
-returns a scripted tool call, then an answer, so every episode is ``--turns`` model turns. The
-same HTTP calls (same input lengths, same client, same concurrency) are made twice, side by side:
-
-* **bare loop**: N trio tasks that only POST /generate and append the returned ids and a
-  precomputed observation: the cost of HTTP alone;
-* **framework**: one :class:`ActorService` running N concurrent episodes in groups (chat
-  template deltas, tool parsing and execution, env calls, trajectory assembly, stats).
-
-It prints turns/s for both and their ratio (target >= 0.8: the actor is never the bottleneck),
-the actor process's CPU time per turn for both (the difference is the framework's overhead
-per turn), and the framework's turns/s with an in-process engine (no HTTP) as its ceiling.
+An engine that answers instantly (a raw asyncio HTTP server in its own process, no model) returns
+a scripted tool call, then an answer. The same HTTP calls run twice, side by side: a **bare loop**
+of trio tasks that only POST /generate (the cost of HTTP alone), and the **framework**, one
+:class:`ActorService` running the same episodes in groups. Prints turns/s for both and their
+ratio (target >= 0.8: the actor is never the bottleneck), CPU time per turn for both, and the
+framework's turns/s with an in-process engine as its ceiling. See docs/performance.md.
 
     python bench/actors.py --concurrency 1000 --episodes 4000
 """
@@ -27,12 +21,14 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+SMOKE = {"concurrency": 8, "episodes": 16, "group_size": 4, "repeats": 1}
+SMOKE_HELP = "the same code path on the smallest sizes, in seconds: checks the path, not the numbers"
 
 
 # ----------------------------------------------------------------------------- the instant engine
@@ -99,19 +95,9 @@ def serve(port: int, script: dict[str, Any]) -> None:
 # ----------------------------------------------------------------------------- clients
 
 
-@dataclass
-class Result:
-    output_ids: list[int]
-    output_logprobs: list[float]
-    text: str
-    finish_reason: dict
-    weight_version: str
-    prompt_tokens: int
-    meta_info: dict
-
-
 class BareHttpClient:
-    """The EngineClient interface in a few lines of httpx (used when the real client is absent).
+    """The EngineClient interface in a few lines of httpx (``--client bare``), answering the engine
+    client's own :class:`~agentrl.engine.client.GenerateResult`.
 
     httpx's connection pool degrades badly with many waiting requests (at 1,000 concurrent requests
     on 64 connections it spent ~30 ms of CPU per request here and timed out), so requests are
@@ -146,21 +132,14 @@ class BareHttpClient:
                 },
             )
         r.raise_for_status()
-        d = r.json()
-        mi = d["meta_info"]
-        return Result(
-            d["output_ids"],
-            [e[0] for e in mi["output_token_logprobs"]],
-            d["text"],
-            mi["finish_reason"],
-            mi["weight_version"],
-            mi["prompt_tokens"],
-            mi,
-        )
+        from agentrl.engine.client import GenerateResult
+
+        return GenerateResult.from_response(r.json(), self.url)
 
 
 class InstantClient:
-    """An in-process engine (no HTTP): the framework's own ceiling."""
+    """An in-process engine (no HTTP): the framework's own ceiling. Its results are the engine client's
+    :class:`~agentrl.engine.client.GenerateResult`, so that they keep whatever the episode reads of them."""
 
     def __init__(self, script: dict[str, Any]):
         self.script = script
@@ -168,10 +147,12 @@ class InstantClient:
     async def generate(self, input_ids, sampling_params, *, affinity_key=None, rid=None, return_logprob=True):
         import trio
 
+        from agentrl.engine.client import GenerateResult
+
         await trio.lowlevel.checkpoint()
         s = self.script
         out = s["tool_ids"] if input_ids.count(s["marker"]) < s["turns"] - 1 else s["answer_ids"]
-        return Result(list(out), [-0.1] * len(out), "", {"type": "stop"}, "0", len(input_ids), {})
+        return GenerateResult(list(out), [-0.1] * len(out), "", {"type": "stop"}, "0", len(input_ids), {}, "in-process")
 
 
 def make_client(kind: str, url: str):
@@ -220,6 +201,16 @@ def bench_env(turns: int):
     return BenchEnv()
 
 
+def load_tokenizer(model: str):
+    if model:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model)
+    from agentrl.models.builder import build_tokenizer
+
+    return build_tokenizer(512, seed=0)
+
+
 def make_script(tokenizer, turns: int) -> dict[str, Any]:
     from agentrl.episode.chat import codec_for
 
@@ -262,7 +253,8 @@ async def bare_loop(client, script, prompt_ids, observation_ids, episodes: int, 
 
 async def framework_loop(client, tokenizer, env, episodes: int, concurrency: int, group_size: int) -> dict:
     from agentrl.actors.actor import ActorEnv, ActorService, ActorSettings
-    from agentrl.episode.rollout import EpisodeLimits, toolbox_for
+    from agentrl.episode.rollout import toolbox_for
+    from agentrl.episode.turn import EpisodeLimits
 
     class Discard:
         async def send(self, group):
@@ -273,6 +265,7 @@ async def framework_loop(client, tokenizer, env, episodes: int, concurrency: int
         num_concurrent_episodes=concurrency,
         max_groups=max(1, episodes // group_size),
         log_interval_s=0,
+        max_consecutive_lost=1,  # a lost group is a failed bench: stop at once (the report says why)
     )
     limits = EpisodeLimits(max_turns=8, max_total_tokens=2048, max_new_tokens_per_turn=64)
     service = ActorService(
@@ -324,29 +317,29 @@ def main() -> None:
     )
     ap.add_argument(
         "--client",
-        choices=["auto", "real", "bare"],
-        default="auto",
+        choices=["real", "bare"],
+        default="real",
         help="agentrl.engine.client.EngineClient (real) or a minimal httpx client (bare)",
     )
+    ap.add_argument("--model", default="", help="model folder whose tokenizer to use (default: build a small BPE)")
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     ap.add_argument("--serve", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--script", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.smoke:  # flags given explicitly still win
+        ap.set_defaults(**SMOKE)
+        args = ap.parse_args()
     if args.serve:
         serve(args.serve, json.loads(args.script))
         return
 
     from agentrl.episode.chat import TokenChat, codec_for
     from agentrl.episode.rollout import toolbox_for
-    from agentrl.models.builder import build_tokenizer
 
-    tokenizer = build_tokenizer(512, seed=0)
+    tokenizer = load_tokenizer(args.model)
     env = bench_env(args.turns)
     script = make_script(tokenizer, args.turns)
     kind = args.client
-    if kind == "auto":
-        import importlib.util
-
-        kind = "real" if importlib.util.find_spec("agentrl.engine.client") else "bare"
     # the exact token sequences the framework sends, for the bare loop
     chat = TokenChat.start(codec_for(tokenizer), env.initial_messages(None), toolbox_for(env).schemas())
     prompt_ids = list(chat.tokens)
@@ -386,8 +379,9 @@ def main() -> None:
             async with client:
                 return await framework_loop(client, tokenizer, env, n, args.concurrency, args.group_size)
 
-        measure(lambda: run_bare(min(args.episodes, 500)))  # warm up both paths
-        measure(lambda: run_framework(min(args.episodes, 500)))
+        if not args.smoke:
+            measure(lambda: run_bare(min(args.episodes, 500)))  # warm up both paths
+            measure(lambda: run_framework(min(args.episodes, 500)))
         pairs = []
         for _ in range(args.repeats):
             turns, wall, cpu = measure(run_bare)

@@ -1,19 +1,10 @@
 """Agent endpoint benchmark: what an existing agent's call costs on top of the engine call it makes.
 
-An engine that answers instantly (bench/actors.py's raw asyncio server, in its own process, no model)
-returns the same short answer to every /generate. Side by side, with the same number of engine calls,
-the same concurrency and the same growing prompts:
-
-* **bare**: trio tasks that call ``EngineClient.generate`` directly and append the answer and the next
-  user turn as token ids -- the cost of the engine calls alone;
-* **endpoint**: ``AgentRunner`` episodes whose agents POST the whole conversation with a plain httpx
-  client, one call per turn, through the agent endpoint (validation, the stitching rule, the chat
-  template's delta, recording, the response), ending in trajectories: the endpoint's own cost;
-* **endpoint+sdk**: the same with the official ``openai`` SDK as the agent's client (what existing
-  agents pay: the SDK's request transforms and response models come on top).
-
-It prints calls/s for each, their ratio to bare, and the CPU time per call of this process (which hosts
-the agents, the endpoint and the engine client in every case).
+An instant engine (bench/actors.py's server) answers every /generate. Side by side, with the same
+engine calls, concurrency and growing prompts: **bare** (``EngineClient.generate`` directly),
+**endpoint** (``AgentRunner`` episodes posting through the agent endpoint with httpx) and
+**endpoint+sdk** (the same with the official ``openai`` SDK). Prints calls/s, the ratio to bare,
+and CPU time per call of this process. See docs/performance.md.
 
     python bench/agents.py --episodes 64 --turns 4 --concurrency 16
 """
@@ -31,11 +22,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+SMOKE = {"episodes": 4, "turns": 2, "concurrency": 2, "repeats": 1}
+SMOKE_HELP = "the same code path on the smallest sizes, in seconds: checks the path, not the numbers"
+
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def load_tokenizer(model: str):
+    if model:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model)
+    from agentrl.models.builder import SIZES, build_tokenizer
+
+    return build_tokenizer(SIZES["tiny"]["vocab_target"], seed=0)
 
 
 def main() -> None:
@@ -44,7 +48,12 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--model", default="", help="model folder whose tokenizer to use (default: build the tiny one)")
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = ap.parse_args()
+    if args.smoke:  # flags given explicitly still win
+        ap.set_defaults(**SMOKE)
+        args = ap.parse_args()
 
     import httpx
     import trio
@@ -54,9 +63,8 @@ def main() -> None:
     from agentrl.envs.agent import AgentEnv
     from agentrl.envs.base import Task
     from agentrl.episode.chat import ChatCodec, TokenChat
-    from agentrl.models.builder import SIZES, build_tokenizer
 
-    tokenizer = build_tokenizer(SIZES["tiny"]["vocab_target"], seed=0)
+    tokenizer = load_tokenizer(args.model)
     codec = ChatCodec(tokenizer)
     answer = codec.encode("The answer is 5.") + [codec.end_of_turn_id]
     script = {"tool_ids": answer, "answer_ids": answer, "marker": -1, "turns": 1}

@@ -1,18 +1,10 @@
 """Asynchronous vs synchronous RL on the same workload, side by side in one run.
 
-Workload: ``bench/latency_env.py`` (heavy-tailed turns per episode, heavy-tailed latency per
-turn), the tiny model, one embedded engine, one learner, one actor process: exactly the
-processes ``agentrl run`` starts. Both runs do the same number of learner steps on the same
-number of groups per step; the only difference is ``max_staleness``:
-
-* sync  (``max_staleness = 0``): actors start one step's groups per policy version and the
-  learner waits for all of them -- the slowest episode of every batch holds everyone up;
-* async (``max_staleness = 4``): actors keep generating up to four versions ahead, the
-  learner takes the first full batch that is fresh enough.
-
-Printed per mode: wall time of the RL phase, trajectories/s consumed, learner idle
-fraction (time waiting for data / RL time), final reward (mean of the last 3 steps), and the
-speed ratio async/sync. Target: >= 2.5x with no worse final reward.
+Workload: ``bench/latency_env.py`` (heavy-tailed turns and latency), the tiny model and the
+processes ``agentrl run`` starts. Both runs do the same learner steps on the same groups per step;
+only ``max_staleness`` differs (0: sync, the slowest episode of every batch holds everyone up; 4:
+async). Prints per mode the RL wall time, trajectories/s, the learner's idle fraction and the final
+reward, and the speed ratio. Target: >= 2.5x with no worse final reward. See docs/performance.md.
 
     python bench/async_vs_sync.py [--steps 12] [--groups-per-step 8]
 """
@@ -29,6 +21,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+SMOKE = {
+    "steps": 2,
+    "groups_per_step": 1,
+    "group_size": 2,
+    "concurrency": 4,
+    "sets": [  # short episodes, short waits, a small evaluation
+        "env.kwargs.max_turns=2",
+        "env.kwargs.latency_median_s=0.05",
+        "env.kwargs.max_latency_s=0.2",
+        "eval.num_tasks=2",
+    ],
+}
+SMOKE_HELP = "the same code path on the smallest sizes (two short real runs): checks the path, not the numbers"
 
 
 def run_mode(name: str, staleness: int, args: argparse.Namespace, model: str, workdir: Path) -> dict:
@@ -56,6 +62,7 @@ def run_mode(name: str, staleness: int, args: argparse.Namespace, model: str, wo
         "learner.lr=3e-4",
         "eval.num_tasks=8",
         "tracking.enabled=false",
+        *args.sets,
     ]
     cfg = load_config(None, overrides)
     run_dir = workdir / name
@@ -87,7 +94,12 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=256)
     parser.add_argument("--model", default="", help="model folder (default: a fresh tiny model)")
+    parser.add_argument("-s", "--set", dest="sets", action="append", default=[], help="override for both modes")
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args()
+    if args.smoke:  # flags given explicitly still win
+        parser.set_defaults(**SMOKE)
+        args = parser.parse_args()
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "bench"), str(ROOT), os.environ.get("PYTHONPATH", "")])
     sys.path.insert(0, str(ROOT / "bench"))
     from agentrl.models.builder import ensure_model

@@ -1,15 +1,10 @@
 """Per-turn CPU cost of the token-in/token-out bookkeeping (:class:`agentrl.episode.chat.TokenChat`).
 
-Scripted episodes shaped like the calculator quickstart: a system prompt, a question and the
-tools; then ``--turns`` model turns, each a tool call answered by a tool result; then the answer,
-which closes the episode. CPU time per model turn (``time.process_time``): ``append_model`` +
-``close_turn_and_add`` (the prompt is rendered once per group and cached; its cost is shown apart).
-
-Side by side, on the same turns, a reference that computes the non-model text as the text delta
-between two renderings of the whole chat, ``render(messages + new)[len(text):]`` (what TokenChat
-did before it rendered new messages after a fixed probe conversation); it needs a prefix-stable
-template, so it runs for the tiny model's template, Qwen2.5 and Llama 3.1 only. Qwen3 runs with
-thinking turns.
+Scripted episodes shaped like the calculator quickstart (tool call and result per turn, then the
+answer); CPU time per model turn of ``append_model`` + ``close_turn_and_add``. Side by side, a
+reference that takes the non-model text as the delta between two renderings of the whole chat
+(prefix-stable templates only: the tiny model's, Qwen2.5, Llama 3.1); Qwen3 runs with thinking
+turns. See docs/performance.md.
 
     python bench/chat_turns.py --episodes 300 --turns 1 3 8
 """
@@ -24,6 +19,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+SMOKE = {"episodes": 4, "rounds": 1, "turns": [1], "families": ["tiny", "qwen3"]}
+SMOKE_HELP = "the same code path on the smallest sizes, in seconds: checks the path, not the numbers"
 
 TOOLS = [
     {
@@ -57,7 +55,11 @@ def turns(family: str, n: int) -> list[tuple[str, list[dict]]]:
     return out + [(think + "The answer is 42.", [])]
 
 
-def tokenizer_for(family: str):
+def tokenizer_for(family: str, model: str = ""):
+    if family == "tiny" and model:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model)
     if family == "tiny":
         from agentrl.models.builder import SIZES, build_tokenizer
 
@@ -112,14 +114,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="alternations of the two methods")
     parser.add_argument("--turns", type=int, nargs="+", default=[1, 3, 8], help="tool-call turns per episode")
     parser.add_argument("--families", nargs="+", default=["tiny", "qwen2_5", "qwen3", "llama3_1"])
+    parser.add_argument("--model", default="", help="a tiny model's folder: its tokenizer is the tiny family's")
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args()
+    if args.smoke:  # flags given explicitly still win
+        parser.set_defaults(**SMOKE)
+        args = parser.parse_args()
     from agentrl.episode.chat import codec_for
 
     print(f"{'template':10} {'turns':>5} {'TokenChat us/turn':>18} {'full render us/turn':>20} {'ratio':>6}")
     for family in args.families:
-        codec = codec_for(tokenizer_for(family))
+        codec = codec_for(tokenizer_for(family, args.model))
         t = time.process_time()
-        for i in range(200):
+        for _ in range(200):
             codec.render(START, TOOLS, True)
         prompt_us = (time.process_time() - t) / 200 * 1e6
         for n in args.turns:

@@ -1,34 +1,14 @@
 """Benchmark of the embedded engine, side by side in one run.
 
-1. Throughput: the embedded engine (a server process, driven over HTTP by an async client
-   at concurrency 1, 16 and 64) against plain transformers ``generate`` with static batches
-   of the same size, on the same model, the same ragged prompts and the same per-request
-   output lengths (``ignore_eos``). Static batches run until their longest member is done,
-   so only each request's own tokens count as useful output. Both sides use the same
-   number of torch threads; the HTTP client runs in this process, so the engine pays for
-   its serving overhead. The machine may be shared: levels 16 and 64 run ``--rounds`` times
-   (2), alternating generate and engine, and each side's best round counts. The engine's
-   ``/server_info`` step counter gives its wall time per scheduler step and rows per step.
-   ``--trees OLD,NEW`` serves the same model from two agentrl source trees (one engine
-   process each, ``PYTHONPATH`` = the tree) and alternates between them within each round,
-   so that an optimisation's ratio is measured under one machine load.
-2. Weight push: :class:`agentrl.learner.weight_push.WeightUpdater.push` (pause, begin, HTTP +
-   broadcast per bucket, end, continue) to an engine serving the ``small`` model, in both wire
-   formats (one broadcast per tensor, the default, and SGLang's flattened buckets), against a
-   raw torch.distributed broadcast of the same tensors, and of one flat buffer of the same
-   bytes, to a plain receiver process; raw and push rounds alternate. The cache flush is
-   measured both ways: ``flush_cache: true`` on the last bucket (the default) against
-   ``flush_cache: false`` everywhere plus one ``/flush_cache`` call per engine before ``end``;
-   the engine's prefix cache is filled before every push.
+1. Throughput: the embedded engine over HTTP at concurrency 1, 16 and 64 against transformers
+   ``generate`` with static batches, same model, prompts and output lengths, alternating rounds
+   (best round counts). ``--trees OLD,NEW`` compares two source trees under one machine load.
+2. Weight push: :meth:`agentrl.learner.weight_push.WeightUpdater.push` in both wire formats
+   against raw torch.distributed broadcasts of the same bytes, and the cache flush on the last
+   bucket against a separate ``/flush_cache``.
 
-Optional ``--breakdown``: each tree's engine core in process (scheduler and runner driven
-directly, no HTTP, one tree per subprocess, trees alternating ``--rounds`` times) on the same
-workloads, thread CPU time per scheduler step split into the decode forward, the prefill
-forward, sampling and the rest -- where a step's time goes, less sensitive to the machine's
-load than wall time. The fastest round of each tree counts.
-
-Optional ``--hf-cb``: transformers' own continuous batching (``ContinuousBatchingManager``)
-on the concurrency-64 workload, the measurement behind the choice of an own scheduler.
+``--breakdown`` splits each tree's CPU time per scheduler step (decode, prefill, sampling, rest);
+``--hf-cb`` runs transformers' continuous batching for comparison. See docs/performance.md.
 
     python bench/engine.py              # about 2 minutes on a (busy) 2-core CPU
     python bench/engine.py --size 0.5b --device cuda --skip-push   # on a GPU
@@ -43,6 +23,7 @@ import asyncio
 import multiprocessing as mp
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -52,7 +33,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-LEVELS = {1: 4, 16: 32, 64: 96}  # concurrency -> number of requests (two or more waves from 16 up)
+LEVELS = "1:4,16:32,64:96"  # concurrency:requests (two or more waves from 16 up)
+SMOKE = {"size": "tiny", "push_size": "", "levels": "1:2,4:4", "rounds": 1, "reps": 1}
+SMOKE_HELP = "the same code path on the smallest sizes, in seconds: checks the path, not the numbers"
+
+
+def parse_levels(text: str) -> dict[int, int]:
+    """``"1:4,16:32"`` -> {concurrency: number of requests}."""
+    pairs = (item.split(":") for item in text.split(",") if item)
+    return {int(conc): int(n) for conc, n in pairs}
 
 
 def workload(n: int, seed: int) -> list[tuple[list[int], int]]:
@@ -139,13 +128,13 @@ def tree_label(tree: str) -> str:
     return Path(tree).resolve().name or tree
 
 
-def bench_throughput(model, engines: dict, rounds: int) -> list[dict]:
+def bench_throughput(model, engines: dict, rounds: int, levels: dict[int, int]) -> list[dict]:
     """Every level: ``rounds`` rounds of generate, then each engine in turn (same load for all); best round counts."""
     for e in engines.values():
         bench_engine(e.url, workload(16, seed=99), 16)  # warm-up
     bench_generate(model, workload(4, seed=98), 4)
     rows = []
-    for conc, n in LEVELS.items():
+    for conc, n in levels.items():
         reqs = workload(n, seed=conc)
         gens, engs = [], {tree: [] for tree in engines}
         for _ in range(rounds if conc > 1 else 1):
@@ -175,15 +164,21 @@ TIMED = {
 }
 
 
-def breakdown_worker(tree: str, model_path: str, device: str, threads: int) -> dict:
+def breakdown_worker(tree: str, model_path: str, device: str, threads: int, levels: dict[int, int]) -> dict:
     """In a subprocess: the engine core of ``tree`` (scheduler + runner, no HTTP, no threads) on each
     level's workload; thread CPU time per scheduler step, split into the timed methods and the rest."""
     sys.path.insert(0, tree)
     import torch
 
-    from agentrl.engine import runner as runner_mod
     from agentrl.engine import scheduler as scheduler_mod
-    from agentrl.engine.native_api import parse_generate
+
+    try:
+        from agentrl.engine import model_runner as runner_mod
+        from agentrl.engine.native_api import parse_generate
+    except ImportError:  # a tree (--trees) whose modules are engine/runner.py and engine/api.py
+        from agentrl.engine.api import parse_generate  # type: ignore[no-redef]
+
+        from agentrl.engine import runner as runner_mod  # type: ignore[no-redef]
 
     if threads:
         torch.set_num_threads(threads)
@@ -200,38 +195,37 @@ def breakdown_worker(tree: str, model_path: str, device: str, threads: int) -> d
                 spent[_label] = spent.get(_label, 0) + time.thread_time_ns() - t0
 
         setattr(cls, name, timed)
+
+    def run(sched, reqs, done: list[int]) -> None:
+        for p, m in reqs:
+            call = parse_generate(
+                {
+                    "input_ids": p,
+                    "return_logprob": True,
+                    "sampling_params": {"max_new_tokens": m, "temperature": 1.0, "ignore_eos": True},
+                },
+                vocab_size=sched.runner.vocab_size,
+                context_len=sched.runner.max_context_tokens,
+            )
+            sched.submit(
+                scheduler_mod.Request(call.inputs[0], lambda r, c: c.finish_reason and done.append(len(c.output_ids)))
+            )
+        sched._drain_inbox()
+        while sched.waiting or sched.running:
+            sched._step()
+
     out = {}
-    for conc, n in LEVELS.items():
+    for conc, n in levels.items():
         runner = runner_mod.ModelRunner(model_path, device=device, max_running_requests=conc, max_context_tokens=256)
         sched = scheduler_mod.Scheduler(runner)
         done: list[int] = []
 
-        def run(reqs) -> None:
-            for p, m in reqs:
-                call = parse_generate(
-                    {
-                        "input_ids": p,
-                        "return_logprob": True,
-                        "sampling_params": {"max_new_tokens": m, "temperature": 1.0, "ignore_eos": True},
-                    },
-                    vocab_size=runner.vocab_size,
-                    context_len=runner.max_context_tokens,
-                )
-                sched.submit(
-                    scheduler_mod.Request(
-                        call.inputs[0], lambda r, c: c.finish_reason and done.append(len(c.output_ids))
-                    )
-                )
-            sched._drain_inbox()
-            while sched.waiting or sched.running:
-                sched._step()
-
         with torch.inference_mode():
-            run(workload(4, seed=98))  # warm-up
+            run(sched, workload(4, seed=98), done)  # warm-up
             spent.clear()
             done.clear()
             steps0, t0 = sched.num_steps, time.thread_time_ns()
-            run(workload(n, seed=conc))
+            run(sched, workload(n, seed=conc), done)
             total = time.thread_time_ns() - t0
         steps = sched.num_steps - steps0
         parts = {k: v / steps / 1e6 for k, v in spent.items()}
@@ -245,7 +239,9 @@ def breakdown_worker(tree: str, model_path: str, device: str, threads: int) -> d
     return out
 
 
-def bench_breakdown(model_path: Path, trees: list[str], device: str, threads: int, rounds: int) -> dict:
+def bench_breakdown(
+    model_path: Path, trees: list[str], device: str, threads: int, rounds: int, levels: str = LEVELS
+) -> dict:
     """Each tree's core in its own process, trees alternating, ``rounds`` times; the round with the
     least CPU per step counts."""
     import json
@@ -265,6 +261,8 @@ def bench_breakdown(model_path: Path, trees: list[str], device: str, threads: in
                     device,
                     "--threads",
                     str(threads),
+                    "--levels",
+                    levels,
                 ],
                 capture_output=True,
                 text=True,
@@ -466,7 +464,11 @@ def main() -> None:
     )
     ap.add_argument("--rounds", type=int, default=2, help="rounds per level from concurrency 16 up (best counts)")
     ap.add_argument("--hf-cb", action="store_true", help="also measure transformers' continuous batching")
-    ap.add_argument("--push-model", default="", help="model pushed in the weight-push part (default: build 'small')")
+    ap.add_argument(
+        "--push-model", default="", help="model pushed in the weight-push part (default: build --push-size)"
+    )
+    ap.add_argument("--push-size", default="small", help="size built for the weight push ('': push the served model)")
+    ap.add_argument("--levels", default=LEVELS, help="concurrency:requests of each throughput level")
     ap.add_argument(
         "--push-dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the pushed weights"
     )
@@ -477,11 +479,17 @@ def main() -> None:
     )
     ap.add_argument("--breakdown-worker", default="", help=argparse.SUPPRESS)
     ap.add_argument("--json", default="", help="also write the results to this file (bench/gpu_check.sh's table)")
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = ap.parse_args()
+    if args.smoke:  # flags given explicitly still win
+        ap.set_defaults(**SMOKE)
+        args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # unwind: the finally blocks stop what was started
+    levels = parse_levels(args.levels)
     if args.breakdown_worker:
         import json
 
-        print(json.dumps(breakdown_worker(args.breakdown_worker, args.model, args.device, args.threads)))
+        print(json.dumps(breakdown_worker(args.breakdown_worker, args.model, args.device, args.threads, levels)))
         return
 
     import torch
@@ -495,9 +503,11 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="agentrl-bench-"))
     model_path = Path(args.model) if args.model else init_model(tmp / args.size, args.size)
-    small_path = (
-        None if args.skip_push else (Path(args.push_model) if args.push_model else init_model(tmp / "small", "small"))
-    )
+    small_path = None
+    if not args.skip_push:
+        small_path = Path(args.push_model) if args.push_model else model_path
+        if not args.push_model and args.push_size:
+            small_path = init_model(tmp / f"push-{args.push_size}", args.push_size)
     print(f"model {model_path} on {args.device}, {args.threads} torch thread(s) on each side", flush=True)
     flags = ["--num-threads", str(args.threads), "--device", args.device]
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
@@ -518,28 +528,30 @@ def main() -> None:
             for i, tree in enumerate(trees)
         }
     )
-    push_engine = (
-        None
-        if args.skip_push
-        else EngineProcess(str(small_path), free_port(), extra=flags[:2], log_path=tmp / "push_engine.log").start(
-            wait_s=0
-        )
-    )
+    push_engine = None
+    if args.smoke and small_path == model_path and len(engines) == 1:  # one engine process fewer
+        push_engine = next(iter(engines.values()))
+    elif not args.skip_push:
+        push_engine = EngineProcess(str(small_path), free_port(), extra=flags[:2], log_path=tmp / "push_engine.log")
+        push_engine.start(wait_s=0)
     rows, breakdown = [], None
     try:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(args.device).eval()
-        for e in [*engines.values(), push_engine]:
-            if e is not None:
-                wait_ready(e.url, 300, process=e.process)
+        for e in {*engines.values(), push_engine} - {None}:
+            wait_ready(e.url, 300, process=e.process)
         if engines:
-            rows = bench_throughput(model, engines, args.rounds)
+            rows = bench_throughput(model, engines, args.rounds, levels)
             for e in engines.values():
-                e.stop()
+                if e is not push_engine:
+                    e.stop()
         breakdown = (
-            bench_breakdown(model_path, trees, args.device, args.threads, args.rounds) if args.breakdown else None
+            bench_breakdown(model_path, trees, args.device, args.threads, args.rounds, args.levels)
+            if args.breakdown
+            else None
         )
         if args.hf_cb and rows:
-            cb = bench_hf_cb(model, workload(LEVELS[64], seed=64))
+            top = max(levels)
+            cb = bench_hf_cb(model, workload(levels[top], seed=top))
         push = (
             None
             if push_engine is None
@@ -578,7 +590,7 @@ def main() -> None:
     if args.hf_cb and rows:
         eng64 = rows[-1]["engines"][trees[-1]]["tokens_per_s"]
         print(
-            f"\ntransformers continuous batching at concurrency 64: {cb:.0f} tok/s "
+            f"\ntransformers continuous batching at concurrency {rows[-1]['concurrency']}: {cb:.0f} tok/s "
             f"(embedded engine {eng64:.0f} tok/s, {eng64 / cb:.2f}x)"
         )
 

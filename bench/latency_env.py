@@ -1,11 +1,8 @@
 """A benchmark env with a heavy-tailed number of turns and heavy-tailed latency per turn.
 
-Each task fixes how many user turns its episode has (1 + a Pareto draw, capped) and each
-simulated user reply waits a log-normal time (a slow tool or a slow human). The model's
-words do not change the length of the episode, so the synchronous and the asynchronous runs
-face exactly the same latency, and only the system differs. The reward is learnable and
-smooth: answers shorter than ``target_chars`` score higher (1 - length / max_chars), so a
-few learner steps move it and "final reward no worse" can be checked.
+Each task fixes how many user turns its episode has (1 + a capped Pareto draw) and each simulated
+reply waits a log-normal time. The model's words do not change an episode's length, so sync and
+async runs face the same latency. The reward is smooth and learnable: shorter answers score higher.
 """
 
 from __future__ import annotations

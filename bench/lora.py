@@ -3,19 +3,10 @@
     python bench/lora.py                          # CPU, the small model, rank 16
     python bench/lora.py --size 0.5b --device cuda --ranks 16 64
 
-For each setting one ``Trainer`` (FSDP2, one rank) takes the same RL steps on the same
-synthetic batch, and the script counts, in bytes:
-
-* **gradients**: every ``.grad`` right before the optimiser step (``register_step_pre_hook``),
-  i.e. what the backward produced;
-* **optimiser state**: every tensor AdamW keeps after the step (``exp_avg``, ``exp_avg_sq``,
-  ``step``);
-* **parameters**: the model's, for scale (LoRA adds its factors to them).
-
-These are the tensors' own sizes (exact, the same on every machine); on a GPU the script also
-reports ``torch.cuda.max_memory_allocated`` per setting (activations included). Step time is the
-median of ``--steps`` steps after one warm-up, by wall clock and CPU time, one setting after the
-other (a rough guide on a shared machine; the byte counts are the measurement).
+For each setting one ``Trainer`` takes the same RL steps and the script counts the bytes of the
+gradients (right before the optimiser step), the optimiser state and the parameters: exact, the
+same on every machine. On a GPU it also reports ``torch.cuda.max_memory_allocated``; step times are
+a rough guide. See docs/performance.md.
 """
 
 from __future__ import annotations
@@ -31,6 +22,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.learner import synthetic_samples
+
+SMOKE = {"size": "tiny", "ranks": [4], "groups": 1, "group_size": 2, "steps": 1}
+SMOKE_HELP = "the same code path on the smallest sizes, in seconds: checks the path, not the numbers"
 
 
 def _bytes(tensors) -> int:
@@ -94,7 +88,11 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per setting")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args()
+    if args.smoke:  # flags given explicitly still win
+        parser.set_defaults(**SMOKE)
+        args = parser.parse_args()
 
     import torch
 

@@ -1,16 +1,10 @@
 """Sandbox start cost, two versions of agentrl side by side: a trivial run, and grading an answer.
 
-For each backend that can run here (``local`` when bubblewrap is installed, ``docker`` when
-a daemon answers and the image exists) and each source tree given (``--trees OLD,NEW``),
-it times
-
-* **run**: ``sandbox.run("print(1)")`` in a kept sandbox (what every ``python`` tool call pays);
-* **grade**: ``CodeEnv.reward`` of a correct answer in that sandbox (reset + six hidden tests).
-
-Each round starts one worker process per tree (``PYTHONPATH`` = that tree, the sandbox made
-and warmed up before timing), one after the other, so both versions see the same machine
-load; the medians over all rounds are printed with the ratio NEW / OLD. ``bare`` is a
-``python3 -I -c pass`` started in the same rounds, for scale.
+For each backend that runs here (``local`` with bubblewrap, ``docker`` with a daemon and the image)
+and each source tree (``--trees OLD,NEW``) it times **run** (``sandbox.run("print(1)")``) and
+**grade** (``CodeEnv.reward`` of a correct answer), one worker process per tree per round, and
+prints the medians with the ratio NEW / OLD; ``bare`` is ``python3 -I -c pass`` for scale.
+See docs/performance.md.
 
     python bench/sandbox.py --trees /work/main,. --rounds 8 --runs 5
 """
@@ -25,6 +19,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = {"rounds": 1, "runs": 1, "trees": f"{ROOT},{ROOT}"}  # this tree against itself: the ratio's path too
+SMOKE_HELP = "the same code path on the smallest sizes, in seconds: checks the path, not the numbers"
 
 
 async def worker(backend: str, runs: int) -> dict[str, list[float]]:
@@ -92,7 +90,11 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5, help="timed runs per worker and round")
     parser.add_argument("--backends", default="local,docker")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args()
+    if args.smoke:  # flags given explicitly still win
+        parser.set_defaults(**SMOKE)
+        args = parser.parse_args()
     if args.worker:
         import trio
 
@@ -111,15 +113,15 @@ def main() -> None:
         if reason:
             print(f"{backend:8} skipped: {reason}")
             continue
-        times = {tree: {"run": [], "grade": []} for tree in trees}
+        times = [{"run": [], "grade": []} for _ in trees]  # by position: a tree may be given twice
         bare = []
         for _ in range(args.rounds):
             bare.append(bare_start())
-            for tree in trees:
+            for i, tree in enumerate(trees):
                 for what, values in run_worker(tree, backend, args.runs).items():
-                    times[tree][what].extend(values)
+                    times[i][what].extend(values)
         for what in ("run", "grade"):
-            medians = [statistics.median(times[tree][what]) * 1000 for tree in trees]
+            medians = [statistics.median(t[what]) * 1000 for t in times]
             ratio = f"   {medians[1] / medians[0]:7.2f}" if len(trees) == 2 else ""
             print(f"{backend:8} {what:6} " + " ".join(f"{m:14.1f}" for m in medians) + ratio)
         print(f"{backend:8} {'bare':6} {statistics.median(bare) * 1000:14.1f}")

@@ -7,22 +7,12 @@ more variants side by side (alternating, ``--rounds`` times).
                                   [--eval-every 2] [--variant NAME=key=value,key=value ...]
                                   [-s key=value ...]
 
-* **Warm start.** Built once with ``agentrl sft`` on the config's demonstrations (both cores,
-  as ``agentrl run`` does) into ``runs/bench/time_to_skill/warm``, then copied into each run's
-  ``sft/model`` so every run starts from the same weights without redoing the SFT.
-* **The run** is a real ``agentrl run`` (engine, learner, actors) without evaluations during
-  RL: an evaluation shares the engine with the actors and RL goes on while it runs, so timing
-  around one flatters the run. Instead the learner writes a checkpoint every ``--eval-every``
-  steps (``learner.checkpoint_every_steps``, all kept), and after the run each one is exported
-  and evaluated on one embedded engine (``/update_weights_from_disk``), exactly at its weights.
-* **RL time** of a step: when the learner logged it (``time`` in ``learner_metrics.jsonl``)
-  since the actors were started (``rl_started_at`` in ``summary.json``: the end of the
-  evaluation before, during which a fresh learner starts up), less the checkpoints written so
-  far (``time/checkpoint_s``: the bench's cost, not the run's).
-* **Time to X%**: the RL time of the first evaluated step whose greedy success reached X%. One
-  evaluation of 200 tasks moves by a few points between neighbouring steps: repeat rounds.
-* Variants: ``--variant base=learner.groups_per_step=16`` runs the config with those overrides;
-  no ``--variant`` runs the config as it is (``default``). ``-s`` applies to every variant.
+The warm start is built once with ``agentrl sft`` and copied into every run. Each run is a real
+``agentrl run`` without evaluations during RL; the learner keeps a checkpoint every
+``--eval-every`` steps, and each is exported and evaluated afterwards on one engine. RL time of a
+step is when the learner logged it since the actors started, less the checkpoints' own time.
+``--variant base=learner.groups_per_step=16`` runs the config with those overrides; ``-s``
+applies to every variant. One evaluation moves by a few points between steps: repeat rounds.
 """
 
 from __future__ import annotations
@@ -31,14 +21,36 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LEVELS = (0.80, 0.85, 0.90)
+SMOKE = {
+    "eval_every": 2,
+    "sets": [  # a 2-step SFT, a 2-step run of one-group steps, evaluations of 2 tasks
+        "sft.num_demonstrations=32",
+        "sft.max_steps=2",
+        "sft.warmup_steps=0",
+        "learner.max_steps=2",
+        "learner.groups_per_step=1",
+        "learner.dynamic_sampling=false",
+        "actors.group_size=2",
+        "actors.num_concurrent_episodes=4",
+        "actors.max_new_tokens_per_turn=16",
+        "eval.num_tasks=2",
+        "tracking.enabled=false",
+    ],
+}
+SMOKE_HELP = (
+    "the same code path on the smallest sizes (a 2-step SFT and RL run, one checkpoint evaluated, in a temp "
+    "folder unless --bench-dir): checks the path, not the numbers"
+)
 
 
 @dataclass
@@ -62,13 +74,19 @@ class Result:
 
 def agentrl(*args: str, log: Path) -> None:
     with log.open("w") as out:
-        code = subprocess.call(
+        proc = subprocess.Popen(
             [sys.executable, "-m", "agentrl", *args],
             cwd=ROOT,
             stdout=out,
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONPATH": str(ROOT)},
         )
+        try:
+            code = proc.wait()
+        finally:
+            if proc.poll() is None:  # this bench was stopped: the run stops its children on SIGTERM
+                proc.terminate()
+                proc.wait(120)
     if code != 0:
         sys.exit(f"agentrl {args[0]} failed with status {code}; its log: {log}")
 
@@ -239,8 +257,17 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=2, help="checkpoint and evaluate every N learner steps")
     p.add_argument("--variant", action="append", type=parse_variant, default=[])
     p.add_argument("-s", "--set", dest="sets", action="append", default=[], help="override for every variant")
-    p.add_argument("--bench-dir", type=Path, default=ROOT / "runs/bench/time_to_skill")
+    p.add_argument("--bench-dir", type=Path, default=None, help="default: runs/bench/time_to_skill")
+    p.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = p.parse_args()
+    if args.smoke:  # flags given explicitly still win; -s adds to the smoke's overrides
+        p.set_defaults(**SMOKE)
+        args = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # unwind: the finally blocks stop what was started
+    if args.bench_dir is None:
+        args.bench_dir = (
+            Path(tempfile.mkdtemp(prefix="agentrl-tts-")) if args.smoke else ROOT / "runs/bench/time_to_skill"
+        )
     variants = args.variant or [Variant("default", [])]
     warm = warm_start(args.config.resolve(), args.bench_dir.resolve(), args.sets)
     results = []

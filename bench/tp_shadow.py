@@ -1,12 +1,9 @@
 """Cost of ``--tp-size 2`` (one shadow rank in the weight group) against ``--tp-size 1``, side by side.
 
-Two embedded engines serve the ``small`` model (~100 MiB fp32): one started as usual, one with
-``--tp-size 2``, which joins the weight group as two ranks (the second, a shadow, receives every
-tensor into scratch and drops it, as SGLang's second TP rank would receive its copy). A trainer
-process pushes the same weights to each in turn (begin, one HTTP update + async broadcasts of
-every tensor, end), alternating, and the best push of each counts. Then the same short
-generation workload runs on each, alternating, to show that an idle shadow costs generation
-nothing. With ``--tp-size 1`` there is no shadow and the receive path is the one it always was.
+Two embedded engines serve the ``small`` model, one with ``--tp-size 2`` (its shadow rank receives
+every tensor into scratch and drops it). A trainer pushes the same weights to each, alternating,
+and the best push of each counts; then the same short generation workload runs on each, to show
+that an idle shadow costs generation nothing.
 
     python bench/tp_shadow.py       # about a minute on a (busy) 2-core CPU
 """
@@ -15,12 +12,16 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SMOKE = {"size": "tiny", "reps": 1}
+SMOKE_HELP = "the same code path on the smallest sizes, in seconds: checks the path, not the numbers"
 
 
 def join(url: str, world: int, group: str):
@@ -95,7 +96,14 @@ def generate(url: str, n: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=4, help="pushes / generation rounds per engine (best counts)")
+    ap.add_argument("--model", default="", help="model folder (default: build one of --size in a temp dir)")
+    ap.add_argument("--size", default="small", help="size to build when --model is not given")
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = ap.parse_args()
+    if args.smoke:  # flags given explicitly still win
+        ap.set_defaults(**SMOKE)
+        args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # unwind: the finally blocks stop what was started
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -107,7 +115,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="agentrl-bench-"))
-    model_path = init_model(tmp / "small", "small")
+    model_path = Path(args.model) if args.model else init_model(tmp / args.size, args.size)
     flags = ["--num-threads", "1", "--weight-version", "0"]
     engines = {
         tp: EngineProcess(
@@ -140,7 +148,7 @@ def main() -> None:
 
     p1, p2 = min(pushes[1]), min(pushes[2])
     g1, g2 = max(gens[1]), max(gens[2])
-    print(f"small model, {mib:.0f} MiB in {len(named)} tensors, one bucket, gloo; best of {args.reps}")
+    print(f"{model_path.name} model, {mib:.0f} MiB in {len(named)} tensors, one bucket, gloo; best of {args.reps}")
     print(f"{'':<28} {'--tp-size 1':>12} {'--tp-size 2':>12} {'tp2 / tp1':>10}")
     print(f"{'weight push (ms)':<28} {p1 * 1e3:>12.1f} {p2 * 1e3:>12.1f} {p2 / p1:>9.2f}x")
     print(f"{'generation (tokens/s)':<28} {g1:>12.0f} {g2:>12.0f} {g2 / g1:>9.2f}x")

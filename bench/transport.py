@@ -1,30 +1,13 @@
 """Throughput of agentrl's trajectory transport against raw pyzmq, side by side in one run.
 
-For each endpoint kind (ipc, tcp) and message size (4 KB, 256 KB) a sender process pushes
-messages to a receiver in this process, three ways, interleaved ``--repeats`` times:
+For ipc and tcp and messages of 4 KB and 256 KB, a sender process pushes to a receiver here, in
+modes interleaved ``--repeats`` times: ``raw`` pyzmq; ``agentrl``, the same bytes through
+``PushSocket``/``PullSocket`` with raw's high-water mark (target >= 0.85 of raw); ``defaults``, with
+agentrl's queue bounds; ``+codec``, ``GroupSender``/``GroupReceiver`` encoding every group.
 
-* ``raw``: pyzmq PUSH/PULL moving pre-encoded bytes, ``send``/``recv`` in plain loops,
-  default options (the baseline);
-* ``agentrl``: the same pre-encoded bytes through agentrl's socket layer, ``PushSocket``
-  under trio and ``PullSocket.get``, with the same high-water mark as raw (ZMQ's default,
-  1000): what the transport itself costs. Target: >= 0.85 of raw;
-* ``defaults``: the same with agentrl's default queue bounds (16 groups at the sender, 64
-  at the learner): bounded memory, but a sender faster than its receiver then waits on
-  the socket every ~8 messages (ZMQ's low-water mark is half the high one);
-* ``+codec``: ``GroupSender``/``GroupReceiver`` with TrajectoryGroup objects and default
-  bounds, encoding and decoding every message: what an actor and the learner see.
-
-Two tables: throughput (messages/s and MB/s at the receiver), and the CPU time that the
-sender and receiver processes (all their threads) spent per message, ending with ``codec
-only`` (encode + decode of one group in this process). A last line, measured after the
-sockets, gives what the learner adds per new group for exactly-once delivery: the duplicate
-check and record in its ledger, and the group re-encoded and appended to its journal, with
-one fsync per 100 groups (CPU time; the fsync's wait for the disk is not CPU). On a shared machine
-throughput swings with other people's load, so each mode runs ``--repeats`` times,
-interleaved, and the table shows the best run of each plus the ratio of medians; CPU per
-message hardly depends on the load and is the steadier measure of what the transport
-costs. Each message is a group of one trajectory (13 bytes per token). The sender runs in a
-spawned process, as actors do.
+Prints throughput (best run and ratio of medians) and CPU time per message of both processes (the
+steadier measure on a shared machine), ``codec only``, and what the learner adds per new group for
+exactly-once delivery (ledger check and journal append). See docs/performance.md.
 
     python bench/transport.py [--seconds 1.0] [--repeats 5]
 """
@@ -53,6 +36,8 @@ SIZES = {"4KB": 4 << 10, "256KB": 256 << 10}
 WARMUP = 200
 MODES = ("raw", "agentrl", "defaults", "+codec")
 RAW_HWM = 1000  # ZMQ's default high-water mark, which the raw baseline runs with
+SMOKE = {"repeats": 1, "sizes": ["4KB"], "count": 100}
+SMOKE_HELP = "the same code path on the smallest sizes, in seconds: checks the path, not the numbers"
 
 
 def make_group(target_bytes: int) -> TrajectoryGroup:
@@ -175,20 +160,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=1.0, help="target length of one measurement")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES), help="message sizes")
+    parser.add_argument("--count", type=int, default=0, help="messages per measurement (0: about --seconds' worth)")
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args()
+    if args.smoke:  # flags given explicitly still win
+        parser.set_defaults(**SMOKE)
+        args = parser.parse_args()
+    sizes = {label: SIZES[label] for label in args.sizes}
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # run atexit: the sender processes go too
 
     tmp = tempfile.mkdtemp(prefix="agentrl-bench-")
     print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the start", flush=True)
     rows = []
     for scheme in ("ipc", "tcp"):
-        for label, size in SIZES.items():
+        for label, size in sizes.items():
             group = make_group(size)
             nbytes = len(encode(group))
-            codec = timeit.Timer(lambda: decode(encode(group)), timer=time.process_time)
+            codec = timeit.Timer(lambda g=group: decode(encode(g)), timer=time.process_time)
             codec_us = 1e6 * min(codec.repeat(number=200, repeat=3)) / 200  # CPU time, like the table
-            probe = 300  # size the run so that one raw measurement takes about --seconds
-            count = max(500, int(args.seconds * measure("raw", _endpoint(scheme, tmp, "probe"), size, probe)[0]))
+            count = args.count or _count_for(args.seconds, _endpoint(scheme, tmp, "probe"), size)
             rate: dict[str, list[float]] = {m: [] for m in MODES}
             cpu: dict[str, list[float]] = {m: [] for m in MODES}
             for i in range(args.repeats):
@@ -226,11 +217,11 @@ def main() -> None:
             f"{med['defaults']:8.1f} {med['raw'] / med['defaults']:6.2f} "
             f"{med['+codec']:8.1f} {med['raw'] / med['+codec']:6.2f} {codec_us:10.1f}"
         )
-    learner = ", ".join(f"{label} {_ledger_and_journal_us(make_group(size), tmp):.1f}" for label, size in SIZES.items())
+    learner = ", ".join(f"{label} {_ledger_and_journal_us(make_group(size), tmp):.1f}" for label, size in sizes.items())
     print(f"\nThe learner's ledger + journal per new group (CPU us): {learner}")
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
     print(
-        f"transport/raw, median of the four cases: throughput {statistics.median(best_ratios):.2f}, "
+        f"transport/raw, median of the {len(rows)} cases: throughput {statistics.median(best_ratios):.2f}, "
         f"CPU efficiency {statistics.median(cpu_ratios):.2f} (target >= 0.85)"
     )
 
@@ -255,6 +246,11 @@ def _ledger_and_journal_us(group: TrajectoryGroup, tmp: str) -> float:
         journal.close()
         shutil.rmtree(journal.dir)
     return 1e6 * best / 200
+
+
+def _count_for(seconds: float, endpoint: str, size: int) -> int:
+    """Messages for one raw measurement of about ``seconds`` (probed with 300)."""
+    return max(500, int(seconds * measure("raw", endpoint, size, 300)[0]))
 
 
 def _endpoint(scheme: str, tmp: str, name: str) -> str:
