@@ -1,19 +1,11 @@
 """Bearer-token auth of agentrl's HTTP servers, with SGLang's rules (``sglang/srt/utils/auth.py``).
 
-A route declares its level where its handler is defined (``@auth_level(AuthLevel.ADMIN_OPTIONAL)``,
-as SGLang marks its control endpoints); :class:`BearerAuthMiddleware` finds the route a request
-matches and asks :func:`decide_request_auth`:
-
-* ``/health*``, ``/ready*``, ``/metrics*`` and ``OPTIONS`` are always open (probes carry no secrets);
-* ``NORMAL`` routes need the api key when one is set (the admin key is not accepted there);
-* ``ADMIN_OPTIONAL`` routes need the admin key when one is set (then the api key is refused),
-  else the api key when one is set, else nothing;
-* ``ADMIN_FORCE`` routes need the admin key, and are refused (403) when the server has none.
-
-Refusals are SGLang's: 401 ``{"error": "Unauthorized"}``, 403 ``{"error": "Forbidden"}``. Keys
-are compared with :func:`secrets.compare_digest` (constant time). The keys themselves come from
-the environment (``agentrl.secrets.read_secret``), never from argv or config files, unless the
-operator passes them as flags on purpose.
+A route declares its level where its handler is defined (``@auth_level(...)``);
+:class:`BearerAuthMiddleware` asks :func:`decide_request_auth`: ``/health*``, ``/ready*``,
+``/metrics*`` and ``OPTIONS`` are open; ``NORMAL`` needs the api key when one is set;
+``ADMIN_OPTIONAL`` needs the admin key when one is set, else the api key when set; ``ADMIN_FORCE``
+needs the admin key and is refused when the server has none. Refusals are SGLang's 401/403
+bodies; keys are compared in constant time and come from the environment. See docs/engine.md.
 """
 
 from __future__ import annotations

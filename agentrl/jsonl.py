@@ -1,9 +1,8 @@
 """Reading the JSON and JSONL files users hand to agentrl: task data, SFT conversations, search corpora.
 
-Every problem is a ``ValueError`` that names the file and the line: invalid JSON, bytes that
-are not UTF-8, and two things Python's ``json`` would raise as something else -- JSON nested
-too deeply to decode (``RecursionError``) and integers longer than Python converts (a bare
-``ValueError`` without a line). What a record must hold is the caller's business.
+Every problem is a ``ValueError`` that names the file and the line, including invalid UTF-8, JSON
+nested too deeply and integers too long for Python. What a record must hold is the caller's
+business.
 """
 
 from __future__ import annotations

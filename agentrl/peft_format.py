@@ -1,12 +1,10 @@
-"""PEFT's LoRA adapter folder, the one format the learner writes (``agentrl.learner.lora.write_adapter``,
-``agentrl export --adapter``) and the embedded engine reads (``/load_lora_adapter``).
+"""PEFT's LoRA adapter folder: what the learner writes and the embedded engine loads.
 
-A folder holds ``adapter_config.json`` (peft's ``LoraConfig``: ``r``, ``lora_alpha``,
-``target_modules`` ...) and ``adapter_model.safetensors`` with, per adapted linear layer,
-``base_model.model.<layer>.lora_A.weight`` ``[r, in]`` and ``...lora_B.weight`` ``[out, r]``; the
-layer's output gains ``scaling * B @ A @ x`` with ``scaling = lora_alpha / r`` (``/ sqrt(r)`` with
-``use_rslora``). This is what ``PeftModel.save_pretrained`` writes and SGLang loads. No torch
-at import.
+``adapter_config.json`` (peft's ``LoraConfig``) and ``adapter_model.safetensors`` with
+``base_model.model.<layer>.lora_A.weight`` ``[r, in]`` and ``...lora_B.weight`` ``[out, r]`` per
+adapted linear layer; the layer's output gains ``scaling * B @ A @ x`` with ``scaling = lora_alpha
+/ r`` (``/ sqrt(r)`` with ``use_rslora``), as ``PeftModel.save_pretrained`` writes and SGLang loads.
+No torch at import. See docs/learner.md.
 """
 
 from __future__ import annotations

@@ -1,43 +1,23 @@
 """Wire messages between actors and learner, and their msgpack codec.
 
-Two message kinds travel over ZeroMQ:
+:class:`TrajectoryGroup` (actors -> learner): the samples of one task as token-level
+:class:`Trajectory` s, stamped ``(actor_id, session, seq)`` so the learner trains on each group
+exactly once. :class:`Progress` (learner -> actors): the policy version, the cumulative budget of
+groups all actors may have started, and per actor id an :class:`ActorAck` of what the learner holds.
 
-* :class:`TrajectoryGroup` (actors -> learner, PUSH/PULL): the ``n`` samples of one task,
-  each a token-level :class:`Trajectory`, stamped with its actor's id, the actor process's
-  ``session`` and a per-session sequence number ``seq`` (0, 1, 2, ...), so that the learner
-  trains on each group exactly once however often it arrives.
-* :class:`Progress` (learner -> actors, PUB/SUB): the learner's policy version, how many
-  groups all actors together may have started (the budget that gates new episodes), and per
-  actor id an :class:`ActorAck`: which groups of the actor's latest session the learner holds
-  durably (the actor may forget those) and how many it holds from that actor id in all.
-
-Encoding choices:
-
-* Every message is a msgpack map with ``"v"`` (``PROTOCOL_VERSION``) and ``"kind"``.
-  A different version, a missing field, a wrong type or truncated bytes raise
-  :class:`ProtocolError` -- one exception type, so a receiver can count and drop.
-* Per-token arrays travel as raw little-endian bytes (``int32``/``float32``/``uint8``),
-  never as lists of ints: a 4k-token trajectory is ~40 KB and decodes with ``np.frombuffer``
-  without a per-element Python loop. Decoded arrays are read-only views of the received
-  bytes (no copy); copy one before changing it in place.
-* ``metadata`` takes msgpack-able values; numpy scalars and arrays are converted on the
-  way out. Anything else fails in :func:`encode` with a ProtocolError naming its type, in
-  the sender, not in the learner.
-* ``weight_versions`` holds, for each token, the policy version that generated it, or -1
-  for tokens the model did not generate (prompt, tool results). An episode that survived a
-  weight update mid-turn therefore carries several versions.
-* Rewards are floats as the actor scored them, non-finite ones included: the codec carries
-  them, the learner's border (``agentrl.learner.batching.validate_group``) judges them, so a
-  bad reward is counted as such (``malformed_reward``) rather than as an unreadable message.
-* Version 2 added ``session`` and ``seq`` to groups (``actor_id`` must now be set) and
-  ``learner_session`` and ``actors`` to progress. Both ends check everything: an unstamped
-  group fails in :func:`encode`, in the actor; anything off fails in :func:`decode`.
+Invariants: every message is a msgpack map with ``"v"`` (``PROTOCOL_VERSION``) and ``"kind"``, and
+anything off (version, field, type, truncation) raises :class:`ProtocolError`, one type to count and
+drop; an unstamped group or a value msgpack cannot carry fails in :func:`encode`, in the sender.
+Per-token arrays travel as raw little-endian bytes and decode to read-only views (copy before
+changing one). ``weight_versions`` holds the policy version of each generated token, -1 elsewhere.
+Rewards travel as scored, non-finite included: the learner's border judges them. See
+docs/transport.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 import numpy as np
@@ -154,12 +134,12 @@ class Progress:
 
 def _traj_to_wire(t: Trajectory) -> dict[str, Any]:
     return {
-        # memoryviews of the (contiguous, little-endian) arrays: msgpack copies them straight
+        # memoryviews (``.data``) of the (contiguous, little-endian) arrays: msgpack copies them straight
         # into its buffer; ``tobytes()`` first would add a copy (and, past 128 KB, an mmap).
-        "tokens": memoryview(t.tokens),
-        "loss_mask": memoryview(t.loss_mask),
-        "behavior_logprobs": memoryview(t.behavior_logprobs),
-        "weight_versions": memoryview(t.weight_versions),
+        "tokens": t.tokens.data,
+        "loss_mask": t.loss_mask.data,
+        "behavior_logprobs": t.behavior_logprobs.data,
+        "weight_versions": t.weight_versions.data,
         "reward": float(t.reward),
         "reward_components": {str(k): float(v) for k, v in t.reward_components.items()},
         "metadata": t.metadata,
@@ -288,7 +268,7 @@ def encode(msg: TrajectoryGroup | Progress) -> bytes:
     else:
         raise TypeError(f"cannot encode {type(msg).__name__}")
     try:
-        return msgpack.packb(body, use_bin_type=True, default=_to_builtin)
+        return cast(bytes, msgpack.packb(body, use_bin_type=True, default=_to_builtin))  # msgpack is untyped
     except (TypeError, ValueError, OverflowError) as e:
         raise ProtocolError(f"cannot encode {type(msg).__name__}: {e}") from None
 

@@ -1,11 +1,10 @@
-"""Secrets (API keys, tokens, key files) come from the environment, never from a config file
-or the run folder.
+"""Secrets (API keys, tokens, key files) come from the environment, never from a config file or the
+run folder.
 
-``read_secret("AGENTRL_ENGINE_API_KEY")`` returns the variable's value, or, when only
-``AGENTRL_ENGINE_API_KEY_FILE`` is set, the content of that file (stripped), the convention
-Docker and Kubernetes secrets use. An empty string means "no secret". The config names the
-*variables* (``engine.api_key_env`` ...), so a resolved config can be written to the run
-folder and shown in logs without leaking anything.
+``read_secret("AGENTRL_ENGINE_API_KEY")`` returns the variable's value, or the stripped content of
+the file ``AGENTRL_ENGINE_API_KEY_FILE`` names (the Docker and Kubernetes convention); an empty
+string means no secret. The config names the variables, so a resolved config can be written and
+logged without leaking anything.
 """
 
 from __future__ import annotations

@@ -1,32 +1,15 @@
 """Experiment tracking: MLflow when enabled, a null object when not.
 
-``open_tracker(cfg.tracking, run_dir)`` returns a :class:`Tracker` bound to one MLflow run,
-or a :class:`NullTracker` with the same methods when ``tracking.enabled = false``, so
-callers never test for ``None``.
+``open_tracker(cfg.tracking, run_dir)`` returns a :class:`Tracker` bound to one MLflow run, or a
+:class:`NullTracker` with the same methods, so callers never test for ``None``. The default store is
+``sqlite:///<run_dir>/mlflow.db`` (artifacts next to it); ``tracking.uri`` takes any MLflow URI.
+Only :class:`mlflow.MlflowClient` with an explicit run id is used, never the global active run.
+Params are flattened with dots; on a resumed run only new keys are logged and a changed value is a
+warning.
 
-Choices:
-
-* **Store.** By default a SQLite file per run, ``sqlite:///<run_dir>/mlflow.db``: nothing
-  to start, works offline, and MLflow 3 refuses the old ``./mlruns`` file store unless told
-  otherwise. ``tracking.uri`` takes any MLflow tracking URI instead (``http://host:5000``
-  for a shared ``mlflow server``, another ``sqlite:///`` file, ...). Browse a local run with
-  ``mlflow ui --backend-store-uri sqlite:///<run_dir>/mlflow.db``.
-* **Artifacts.** Files (``log_artifact``) and JSON documents (``log_json``: the learner's sample
-  episodes). With a SQLite store, new experiments keep their artifacts next to the
-  database (``<db dir>/mlartifacts``) instead of MLflow's default ``./mlruns`` in whatever
-  directory the process started in. With a server, the server decides (its
-  ``--artifacts-destination``).
-* **Client API only.** :class:`mlflow.MlflowClient` with an explicit run id, never MLflow's
-  global "active run", so several trackers (and tests) can live in one process.
-* **Params** are flattened with dots (``learner.lr``) and stringified; MLflow params are
-  immutable, so on a resumed run only keys that are new are logged and a changed value is
-  reported with a warning instead of failing the run.
-* **Failures of the store do not stop training.** A tracking call that fails (server gone,
-  disk full) logs a warning and returns; values that are not numbers are the caller's bug
-  and raise ``TypeError`` naming the key. The MLflow HTTP client retries with back-off
-  before it gives up (``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` and friends tune that).
-
-``mlflow`` is imported inside :func:`open_tracker` only: importing it takes seconds.
+Invariant: a failing store does not stop training (a warning, then return); values that are not
+numbers raise ``TypeError`` naming the key. ``mlflow`` is imported inside :func:`open_tracker` only.
+See docs/run.md.
 """
 
 from __future__ import annotations
@@ -101,7 +84,7 @@ class Tracker:
 
     def __init__(self, client: MlflowClient, run_id: str, tracking_uri: str) -> None:
         self._client = client
-        self.run_id: str | None = run_id
+        self.run_id = run_id
         self.tracking_uri = tracking_uri
         self._closed = False
         self._failures = 0

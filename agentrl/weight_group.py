@@ -1,22 +1,14 @@
-"""The weight-update group: what both ends of the weight push share (the learner's
-``agentrl.learner.weight_push`` and the engine's ``agentrl.engine.weights``).
+"""The weight-update group that both ends of the weight push share (``agentrl.learner.weight_push``
+and ``agentrl.engine.weights``).
 
-The group is created the way SGLang creates it (``init_custom_process_group`` in
-``sglang/srt/utils/common.py``): a TCPStore hosted by rank 0 (the trainer) at
-``master_address:master_port``, wrapped in ``PrefixStore(group_name)``, then
-``_new_process_group_helper`` -- a group that is *not* the default group, so it coexists with
-the learner's own FSDP group and with anything else the engine process does. Backend ``gloo``
-on CPU, ``nccl`` on GPUs; the code path is the same.
+Created as SGLang creates it (``init_custom_process_group``): a TCPStore hosted by rank 0 (the
+trainer), wrapped in ``PrefixStore(group_name)``, as a non-default group, so it coexists with the
+learner's FSDP group. Backend ``gloo`` on CPU, ``nccl`` on GPUs. Dtypes travel as names.
 
-**Rank 0 listens on ``master_address`` only.** torch's TCPStore, asked to host, listens on
-every interface (``*:port``, whatever host name it is given). That would expose the store
-(which accepts any key from anybody) on every network the trainer's machine is on. Instead
-rank 0 binds its own listening socket to ``master_address`` and hands the descriptor to the
-store (``TCPStore(master_listen_fd=...)``, supported by the libuv backend, torch's default).
-Port 0 picks a free port on that address; :func:`bind_store_socket` returns the socket so
-the caller knows the port before it tells the engines (no race between choosing and binding).
-
-Dtypes travel as names (``"bfloat16"``), as in SGLang's ``dtypes`` field.
+Invariant: rank 0 listens on ``master_address`` only. torch's TCPStore would listen on every
+interface, exposing a store that accepts any key from anybody, so rank 0 binds its own socket and
+hands the descriptor to the store; :func:`bind_store_socket` returns it, so the port is known
+before the engines are told. See docs/learner.md.
 """
 
 from __future__ import annotations
@@ -24,10 +16,12 @@ from __future__ import annotations
 import logging
 import socket
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     import torch
+    from torch.distributed import ProcessGroup
+    from torch.distributed.distributed_c10d import GroupName
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +52,11 @@ def init_weight_group(
     group_name: str,
     timeout_s: float = 600.0,
     listen_socket: socket.socket | None = None,
-):
+) -> ProcessGroup:
     """Join the weight-update group (rank 0 hosts the store, on ``listen_socket`` when given,
     else on a socket it binds to ``master_address:master_port``). Blocks until every rank is in."""
     import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _new_process_group_helper, _world
+    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
 
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"weight group backend must be gloo or nccl, got {backend!r}")
@@ -70,7 +64,8 @@ def init_weight_group(
     if rank == 0:
         sock = listen_socket if listen_socket is not None else bind_store_socket(master_address, master_port)
         port = sock.getsockname()[1]
-        store = dist.TCPStore(
+        # TCPStore is public torch API, re-exported by torch.distributed without __all__.
+        store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
             master_address,
             port,
             world_size,
@@ -81,16 +76,20 @@ def init_weight_group(
             use_libuv=True,
         )
     else:
-        store = dist.TCPStore(
+        store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
             master_address, master_port, world_size, is_master=False, timeout=timeout, multi_tenant=True
         )
-    store = dist.PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(world_size, rank, [], backend, store, group_name=group_name, timeout=timeout)
+    store = PrefixStore(group_name, store)
+    # GroupName is a NewType of str (only a type): the name is passed as it is.
+    pg, _ = _new_process_group_helper(
+        world_size, rank, [], backend, store, group_name=cast("GroupName", group_name), timeout=timeout
+    )
+    assert isinstance(pg, dist.ProcessGroup), "a group made with no rank list holds every rank"
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 
 
-def destroy_weight_group(group) -> None:
+def destroy_weight_group(group: ProcessGroup | None) -> None:
     import torch.distributed as dist
 
     if group is not None:

@@ -79,7 +79,7 @@ def _receive(group, spec: list, load_format: str | None) -> dict[str, float]:
         flat = torch.empty(sum(sizes), dtype=torch.uint8)
         dist.broadcast(flat, src=0, group=group)
         out, offset = {}, 0
-        for (name, dtype, shape), size in zip(tensors, sizes):
+        for (name, dtype, _shape), size in zip(tensors, sizes):
             out[name] = float(flat[offset : offset + size].clone().view(dtype).double().sum())
             offset += size
         return out

@@ -21,8 +21,7 @@ def run(out: Path, model_path: str, *, world_tag: str) -> dict:
     from agentrl.learner.lora import LoraSpec
     from agentrl.learner.loss import PolicyLossConfig
     from agentrl.learner.trainer import Trainer, TrainerSpec
-    from agentrl.learner.weight_push import iter_full_tensors
-    from tests._learner_helpers import fixed_samples
+    from tests._learner_helpers import fixed_samples, iter_full_tensors
 
     torch.set_num_threads(1)
     dist_info = init_distributed("cpu")

@@ -181,3 +181,40 @@ class Recorder(ProgressSink):
 
     def close(self) -> None:
         pass
+
+
+def iter_full_tensors(model, *, bucket_bytes: int = 64 << 20, dtype=None):
+    """``(name, full tensor)`` of everything ``push_weights`` sends, yielded on rank 0 (other ranks
+    yield nothing), gathered one bucket at a time. Must be iterated to the end on every rank."""
+    import torch.distributed as dist
+
+    from agentrl.learner.weight_push import full_tensors, plan_buckets, tensors_to_push
+
+    is_main = not dist.is_initialized() or dist.get_rank() == 0
+    for bucket in plan_buckets(tensors_to_push(model), bucket_bytes, dtype):
+        gathered = full_tensors(bucket, dtype)
+        while gathered:
+            item = gathered.pop(0)
+            if is_main:
+                yield item
+            del item
+
+
+def sample_logprobs(trainer, samples: list) -> list:
+    """Per-sample logprobs of tokens 1..T-1 under the trainer's current policy (all ranks must call;
+    every rank gets every sample's values)."""
+    import torch
+
+    from agentrl.learner.batching import collate, plan_microbatches
+    from agentrl.learner.model import token_logprobs
+
+    plan = plan_microbatches([s.num_tokens for s in samples], trainer.spec.max_tokens_per_microbatch, 1)[0]
+    out: list = [None] * len(samples)
+    with torch.no_grad():
+        for indices in plan:
+            mb = collate([samples[i] for i in indices], pad_token_id=trainer.pad_token_id).to(trainer.device)
+            logprobs, _ = token_logprobs(trainer.policy, mb, temperature=trainer.spec.temperature, all_positions=True)
+            starts = mb.cu_seqlens.tolist()
+            for j, i in enumerate(indices):
+                out[i] = logprobs[starts[j] : starts[j + 1] - 1].cpu()
+    return out

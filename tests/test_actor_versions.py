@@ -1,4 +1,4 @@
-"""How an actor reads an engine's weight_version (agentrl/episode/rollout.py), over real HTTP
+"""How an actor reads an engine's weight_version (agentrl/episode/turn.py), over real HTTP
 against a scripted SGLang-style engine: numbers are kept, SGLang's "default" is waited for,
 anything else fails with the engine named and the fix."""
 
@@ -10,15 +10,9 @@ import pytest
 import trio
 
 from agentrl.envs.base import Task
-from agentrl.episode.rollout import (
-    EpisodeFailed,
-    EpisodeLimits,
-    GroupLost,
-    evaluate,
-    run_episode,
-    run_group,
-    toolbox_for,
-)
+from agentrl.episode.evaluation import evaluate
+from agentrl.episode.rollout import run_episode, run_group, toolbox_for
+from agentrl.episode.turn import EpisodeFailed, EpisodeLimits, GroupLost
 from tests._actors_helpers import HttpEngineClient, ScriptedEngine, TurnScript, load_tokenizer, tiny_tokenizer_dir
 from tests._actors_user_env import AddEnv, solver
 

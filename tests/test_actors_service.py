@@ -12,7 +12,8 @@ import trio
 from trio.testing import wait_all_tasks_blocked
 
 from agentrl.actors.actor import ActorEnv, ActorService, ActorSettings, budget_share
-from agentrl.episode.rollout import EpisodeLimits, toolbox_for
+from agentrl.episode.rollout import toolbox_for
+from agentrl.episode.turn import EpisodeLimits
 from agentrl.protocol import ActorAck, Progress
 from tests._actors_helpers import (
     HttpEngineClient,
@@ -385,8 +386,7 @@ def test_finite_split_then_blocked_send_still_stops(tokenizer):
                     nursery.start_soon(svc.run)
                     await wait_for(lambda: svc.stats.groups_completed == 3)
                     await settled(svc)
-                    with trio.fail_after(5):
-                        svc.request_stop("received SIGTERM")
+                    svc.request_stop("received SIGTERM")
                 return svc.report()
 
         report = trio.run(main)

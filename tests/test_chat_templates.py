@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 from agentrl.envs.base import Task
 from agentrl.episode.chat import ChatCodec, TemplateMismatch, TokenChat, codec_for
-from agentrl.episode.rollout import EpisodeLimits, run_episode, toolbox_for
+from agentrl.episode.rollout import run_episode, toolbox_for
+from agentrl.episode.turn import EpisodeLimits
 from agentrl.learner.sft import tokenize_conversation
 from agentrl.tools.parsing import get_parser
 from tests._actors_helpers import HttpEngineClient, Reply, ScriptedEngine

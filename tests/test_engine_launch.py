@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from agentrl.cli import app
 from agentrl.engine import launch
 from agentrl.engine.launch import EngineLaunchError, engine_args, engine_command, wait_ready
+from agentrl.net import free_port
 
 
 def test_engine_commands():
@@ -120,7 +121,7 @@ def test_serve_engine_rejects_an_unknown_backend():
 def test_wait_ready_reports_a_dead_process_and_a_timeout():
     dead = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     dead.wait()
-    port = launch.free_port()
+    port = free_port()
     with pytest.raises(EngineLaunchError, match="exited with code 3"):
         wait_ready(f"http://127.0.0.1:{port}", 5, process=dead)
     with pytest.raises(EngineLaunchError, match="not ready after"):

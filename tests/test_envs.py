@@ -18,7 +18,8 @@ from agentrl.config import load_config
 from agentrl.envs import demonstrations, load_env, make_env, run_cleanup, score_episode, total_reward
 from agentrl.envs.base import Env, Task
 from agentrl.envs.sources import TaskSource, load_records
-from agentrl.episode.rollout import EpisodeLimits, toolbox_for
+from agentrl.episode.rollout import toolbox_for
+from agentrl.episode.turn import EpisodeLimits
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "envs.md"
 

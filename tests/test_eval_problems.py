@@ -11,7 +11,8 @@ import trio
 
 from agentrl.engine.client import EngineClient
 from agentrl.envs.base import load_env
-from agentrl.episode.rollout import EpisodeLimits, describe_problems, evaluate
+from agentrl.episode.evaluation import describe_problems, evaluate
+from agentrl.episode.turn import EpisodeLimits
 from agentrl.run.evaluate import eval_metrics
 from agentrl.tools.base import tool
 from tests._actors_helpers import HttpEngineClient, ScriptedEngine, TurnScript, load_tokenizer, tiny_tokenizer_dir

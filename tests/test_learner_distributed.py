@@ -55,7 +55,7 @@ def test_checkpoint_from_two_ranks_loads_on_one(two_rank_results, tiny_model):
     from agentrl.learner.distributed import init_distributed
     from agentrl.learner.loss import PolicyLossConfig
     from agentrl.learner.trainer import Trainer, TrainerSpec
-    from agentrl.learner.weight_push import iter_full_tensors
+    from tests._learner_helpers import iter_full_tensors
 
     out, two = two_rank_results
     spec = TrainerSpec(

@@ -12,7 +12,7 @@ import torch
 
 from agentrl.learner.lora import LoraSpec
 from agentrl.learner.loss import PolicyLossConfig
-from tests._learner_helpers import fixed_samples, tiny_model  # noqa: F401
+from tests._learner_helpers import fixed_samples, sample_logprobs, tiny_model  # noqa: F401
 
 SPEC = LoraSpec(rank=4, alpha=8.0)
 
@@ -134,7 +134,8 @@ def test_the_merged_push_is_peft_merge_under_the_base_names(tiny_model, dist_inf
     from transformers import AutoModelForCausalLM
 
     from agentrl.learner.lora import MergedWeight
-    from agentrl.learner.weight_push import iter_full_tensors, tensors_to_push
+    from agentrl.learner.weight_push import tensors_to_push
+    from tests._learner_helpers import iter_full_tensors
 
     trainer = _trainer(tiny_model, dist_info)
     base_sd = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).state_dict()
@@ -202,7 +203,7 @@ def test_export_merged_and_as_a_peft_adapter_give_the_learners_logits(tiny_model
     trainer.rl_step(fixed_samples(9))
     save_checkpoint(tmp_path / "ckpt", trainer)
     samples = fixed_samples(10, groups=1)
-    learner = trainer.sample_logprobs(samples)
+    learner = sample_logprobs(trainer, samples)
     base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     assert max((a - b).abs().max() for a, b in zip(learner, _logprobs(base, samples))) > 1e-3  # it learnt
 

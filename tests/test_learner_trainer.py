@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from agentrl.learner.loss import PolicyLossConfig
-from tests._learner_helpers import fixed_samples, tiny_model  # noqa: F401
+from tests._learner_helpers import fixed_samples, iter_full_tensors, sample_logprobs, tiny_model  # noqa: F401
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,6 @@ def _spec(path, **kw):
 
 
 def _params(trainer) -> dict[str, torch.Tensor]:
-    from agentrl.learner.weight_push import iter_full_tensors
 
     return {n: t.clone() for n, t in iter_full_tensors(trainer.policy)}
 
@@ -130,7 +129,7 @@ def test_gathered_tensors_are_the_state_dict_and_bounded_by_the_bucket(tiny_mode
     from transformers import AutoModelForCausalLM
 
     from agentrl.learner.trainer import Trainer
-    from agentrl.learner.weight_push import iter_full_tensors, tensors_to_push
+    from agentrl.learner.weight_push import tensors_to_push
 
     trainer = Trainer(_spec(tiny_model), dist_info)
     reference = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
@@ -197,7 +196,7 @@ def test_export_loads_in_transformers_with_the_learners_logits(tiny_model, dist_
     tok = AutoTokenizer.from_pretrained(out)
     assert tok.chat_template and "tool_call" in tok.chat_template
     samples = _samples(4, groups=1)
-    learner = trainer.sample_logprobs(samples)
+    learner = sample_logprobs(trainer, samples)
     with torch.no_grad():
         for s, lp in zip(samples, learner):
             ids = torch.from_numpy(s.tokens.astype(np.int64))[None]
@@ -352,7 +351,7 @@ def test_weight_broadcast_makes_a_real_engine_match_the_learner(tiny_model, dist
     from transformers import AutoModelForCausalLM
 
     from agentrl.learner.trainer import Trainer
-    from agentrl.learner.weight_push import WeightUpdater, iter_full_tensors, push_weights
+    from agentrl.learner.weight_push import WeightUpdater, push_weights
     from tests.conftest_engine import Teacher, max_abs_diff, start_engines
 
     trainer = Trainer(_spec(tiny_model, lr=5e-2), dist_info)

@@ -58,7 +58,7 @@ def _logprobs(resp: httpx.Response) -> tuple[list[int], list[float]]:
 def _merged_teacher(base_path, trainer) -> Teacher:
     from transformers import AutoModelForCausalLM
 
-    from agentrl.learner.weight_push import iter_full_tensors
+    from tests._learner_helpers import iter_full_tensors
 
     model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
     model.load_state_dict(dict(iter_full_tensors(trainer.policy)), strict=False)
@@ -300,7 +300,8 @@ async def _episode_waits_until(url: str, tokenizer, bring_adapter) -> object:
     from agentrl.engine.client import EngineClient
     from agentrl.envs.base import Task
     from agentrl.episode import rollout
-    from agentrl.episode.rollout import EpisodeLimits, run_episode, toolbox_for
+    from agentrl.episode.rollout import run_episode, toolbox_for
+    from agentrl.episode.turn import EpisodeLimits
     from tests._actors_user_env import AddEnv
 
     env, out = AddEnv(), {}

@@ -27,7 +27,7 @@ def write_config(tmp_path, text: str, *overrides: str):
 
 
 def test_evaluation_reports_every_env_and_their_sum(tmp_path_factory, tmp_path):
-    from agentrl.episode.rollout import describe_problems
+    from agentrl.episode.evaluation import describe_problems
     from agentrl.run.evaluate import eval_metrics, evaluate_policy
 
     tok_dir = tiny_tokenizer_dir(tmp_path_factory)

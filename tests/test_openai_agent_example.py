@@ -18,7 +18,8 @@ import trio
 from agentrl.agents.agent_runner import AgentRunner
 from agentrl.envs.base import load_env
 from agentrl.envs.calculator import CalculatorEnv
-from agentrl.episode.rollout import EpisodeLimits, run_episode, toolbox_for
+from agentrl.episode.rollout import run_episode, toolbox_for
+from agentrl.episode.turn import EpisodeLimits
 from tests._actors_helpers import HttpEngineClient, ScriptedEngine, TurnScript, load_tokenizer, tiny_tokenizer_dir
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -51,6 +51,12 @@ def engine(engine_model, tmp_path_factory):
     proc.stop()
 
 
+def _versions(*urls: str, api_key: str = "") -> list[str]:
+    """The ``weight_version`` each engine reports (``/model_info``)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return [str(httpx.get(u + "/model_info", headers=headers, timeout=10).json()["weight_version"]) for u in urls]
+
+
 def _perturbed(model_path, seed: int):
     from transformers import AutoModelForCausalLM
 
@@ -119,7 +125,8 @@ class _Seen(logging.Handler):
 def test_an_actor_waits_for_the_learner_to_set_the_engines_version(engine, engine_model):
     from transformers import AutoTokenizer
 
-    from agentrl.episode.rollout import EpisodeLimits, run_episode, toolbox_for
+    from agentrl.episode.rollout import run_episode, toolbox_for
+    from agentrl.episode.turn import EpisodeLimits
     from tests._actors_user_env import AddEnv
 
     url = engine.url
@@ -139,7 +146,7 @@ def test_an_actor_waits_for_the_learner_to_set_the_engines_version(engine, engin
             assert updater.lagging(0) == [url]  # "default": no policy's weights, so it gets the learner's
             model = AutoModelForCausalLM.from_pretrained(engine_model, dtype=torch.float32)
             updater.push(list(model.named_parameters()), 0)
-            return updater.engine_versions()
+            return _versions(url)
 
     async def main():
         waiting = trio.Event()
@@ -246,7 +253,7 @@ def test_e2e_after_engine_strict_tp_ranks_keys_and_no_begin_end(engine_model, tm
         with WeightUpdater.from_config(cfg.engine) as updater, caplog.at_level(logging.WARNING):
             updater.connect()
             assert (updater.rank_offsets, updater.world_size) == ([1, 3], 4)
-            assert updater.lagging(0) == [a.url] and updater.engine_versions() == ["default", "0"]
+            assert updater.lagging(0) == [a.url] and _versions(a.url, b.url, api_key=api) == ["default", "0"]
             updater.push(list(new.named_parameters()), 1)
             updater.push(list(new.named_parameters()), 2)
         assert len([r for r in caplog.records if "begin_weight_update" in r.getMessage()]) == 1
@@ -333,7 +340,7 @@ def test_an_engine_killed_and_restarted_rejoins_the_group_and_serves_the_policy(
             updater.connect()
             assert updater.members == [a.url, b.url] and updater.lagging(2) == [b.url]
             updater.push(list(new2.named_parameters()), 2)
-            assert updater.engine_versions() == ["2", "2"] and updater.membership_change(2) == ""
+            assert _versions(a.url, b.url) == ["2", "2"] and updater.membership_change(2) == ""
             for url in (a.url, b.url):
                 out, lps = _greedy(url, prompt)
                 assert max_abs_diff(lps, Teacher(new2).logprobs(prompt, out)) <= 1e-4
@@ -386,9 +393,9 @@ def test_the_client_takes_a_restarted_engine_back_and_a_call_in_flight_does_not_
                         await trio.to_thread.run_sync(_kill_9, b)
                     assert results["retried"].url == a.url and len(results["retried"].output_ids) == 600
                     assert isinstance(results["alone"], EngineUnavailableError)
-                    assert both.healthy_urls() == [a.url]
+                    assert [s.url for s in both.engines if s.healthy] == [a.url]
                     restarted = await trio.to_thread.run_sync(lambda: _restarted(b, *ENGINE_FLAGS))
-                    while b.url not in both.healthy_urls():
+                    while b.url not in [s.url for s in both.engines if s.healthy]:
                         await trio.sleep(0.05)
                     return restarted
 

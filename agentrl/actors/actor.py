@@ -1,51 +1,24 @@
 """One actor process: many concurrent episodes, gated by the learner's budget, sent as groups.
 
-Scheduling. The unit of work is a *group*: the ``group_size`` samples of one task of one env,
-run concurrently (:func:`agentrl.episode.rollout.run_group`, or for an
-:class:`agentrl.agents.AgentEnv` :meth:`agentrl.agents.agent_runner.AgentRunner.play_group`, which
-plays the env's own agent code against the process's one agent endpoint). A run of several
-envs (``[[envs]]``) picks the env of each new group at random by the envs' ``weight`` (a
-seeded generator per actor); a group never mixes envs. Everything below -- gating, budget,
-delivery, stopping -- is the same for every env. At most
-``num_concurrent_episodes // group_size`` groups are *open* at a time, where open means started
-and not yet delivered (running, or finished and waiting to be sent). Counting waiting groups
-too is what bounds memory: when the learner stops reading, sending blocks, open groups pile
-up to the limit, and the actor stops starting new ones.
+Scheduling: a group is the ``group_size`` samples of one task of one env, run concurrently; with
+several envs each group's env is drawn by ``weight``. At most ``num_concurrent_episodes //
+group_size`` groups are open (started and not yet delivered), which bounds memory when sending
+blocks.
 
-Gating (staleness). The learner publishes :class:`agentrl.protocol.Progress`, whose
-``accept_groups`` is a cumulative budget of groups all actors together may have started
-(it already includes ``max_staleness`` steps of look-ahead; ``max_staleness = 0`` therefore
-admits exactly one step's groups per policy version: a synchronous system). Actor ``i`` of
-``k`` takes the share ``accept // k + (i < accept % k)`` and starts a group only while what
-it uses is below it: the groups the learner holds from its actor id (``Progress.actors``,
-all sessions: a restarted actor continues where its previous process stopped), the groups
-it holds unacknowledged, and the groups it has started and not finished. A lost group never
-reaches the learner, so it is replaced. Without restarts this is ``started - lost < share``.
-Without any Progress (no learner) the actor runs freely against the engines' current
-weights, bounded by ``max_groups`` when given: the same process collects data or evaluates.
-``wait_for_learner`` holds every start until the first Progress arrives.
+Gating: actor ``i`` of ``k`` takes the share ``accept // k + (i < accept % k)`` of
+``Progress.accept_groups`` and starts a group only while what it uses is below it: the groups the
+learner holds from its actor id (all sessions), those it holds unacknowledged, and those started
+and not finished. Without any Progress the actor runs freely (bounded by ``max_groups``);
+``wait_for_learner`` holds every start until the first one.
 
-Delivery (:mod:`agentrl.transport.delivery`). Every finished group is stamped with the
-actor's id, this process's session and the next sequence number, dumped, sent, and held by
-the :class:`~agentrl.transport.delivery.Outbox` until the learner acknowledges it; what the
-learner lost (it restarted, or a later group arrived first) is sent again by a second task.
-Both send under one lock, so the order the outbox records is the order on the wire.
+Delivery: every finished group is stamped, sent and held by the
+:class:`~agentrl.transport.delivery.Outbox` until acknowledged; resends and sends share one lock, so
+the outbox's order is the wire's. Tasks: actor ``i`` takes every ``k``-th task of each env's
+sequence, so the actors together cover it once per epoch.
 
-Tasks. Per env, every actor iterates the same ``env.tasks(split, seed + epoch)`` sequence and
-takes every ``k``-th task from position ``i``, so that the actors together cover the env's
-sequence once per epoch; the "train" split cycles with a new seed per epoch, other splits run
-once (an env whose tasks ran out is no longer picked; the actor finishes when all have).
-Every trajectory is stamped with ``metadata["success"]`` (``env.is_success`` of its reward),
-which the learner reports per env.
-
-Stopping. ``request_stop`` (SIGTERM/SIGINT, ``Progress.done``, ``max_groups`` reached, too
-many groups lost in a row) stops new starts; in-flight groups are cancelled (abandoned and
-counted); groups that already finished are still dumped and sent, for at most
-``drain_timeout_s`` (4 s, well inside ``agentrl run``'s 10 s stop grace, which stops the actors
-before the learner) when sending blocks, and the actor waits (within the same time) for the
-learner to acknowledge what it holds, unless the learner is done. A second signal cancels
-everything at once. The report (a dict, printed as JSON by ``serve-actors``) says what was
-sent, acknowledged, resent, lost and abandoned.
+Stopping: ``request_stop`` stops new starts and cancels in-flight groups; finished groups are still
+sent within ``drain_timeout_s`` (inside ``agentrl run``'s stop grace); a second signal cancels
+everything. See docs/actors.md.
 """
 
 from __future__ import annotations
@@ -68,7 +41,8 @@ import trio
 from agentrl.actors.metrics import ActorStats
 from agentrl.envs.agent import AgentEnv
 from agentrl.envs.base import Env, Task
-from agentrl.episode.rollout import EngineClientLike, EpisodeLimits, GroupLost, run_group
+from agentrl.episode.rollout import run_group
+from agentrl.episode.turn import EngineClientLike, EpisodeLimits, GroupLost
 from agentrl.protocol import Progress, TrajectoryGroup
 from agentrl.tools.base import ToolBox
 from agentrl.transport.base import GroupSink, ProgressSource

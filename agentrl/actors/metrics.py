@@ -1,25 +1,14 @@
 """Per-episode metrics of one actor process, aggregated for logs and the final report.
 
-Every trajectory carries its own numbers in ``metadata`` (turns, tool calls and errors,
-latencies, finish reason, aborts survived); :class:`ActorStats` sums them so that the actor can
-print a one-line summary every few seconds and a report when it stops. Counters only grow;
-``window()`` gives the rates since the previous call.
+:class:`ActorStats` sums what every trajectory carries in ``metadata`` for a periodic one-line
+summary and the final report; counters only grow, ``window()`` gives the rates since the previous
+call. Rewards and success count per episode (an agent episode may be several trajectories), the
+rest per trajectory; ``by_env`` holds per-env totals.
 
-Episodes are counted as episodes, not trajectories: an agent episode may be several sequences
-(:mod:`agentrl.agents.recording`), each a trajectory with the episode's ``episode_id``. Rewards
-and success are per episode; tokens and the summed per-trajectory numbers (turns, latencies,
-finish reasons) are over trajectories. ``by_env`` holds groups, episodes, reward and success
-per env name.
-
-Reward errors (a reward that raised or was not finite; the episode scored 0, see
-:func:`agentrl.envs.base.score_episode`) are kept per env and message (:class:`RewardErrors`):
-each distinct one is logged once, when first seen, and then only counted. So that ``agentrl
-run`` can show them while training, the counts go into the actor's log as a JSON line
-(``REWARD_ERRORS_MARKER``: at most every ``REWARD_ERRORS_EVERY_S``, at once for a new message,
-and whenever ``summary()`` is taken, so also at the final report). Each line holds the totals
-of this process, under an id of its own: a reader keeps the last line per id, which also counts
-a killed actor's errors up to its last line. Messages past ``MAX_REWARD_ERROR_KINDS`` per env
-(one per task, say) are counted as one kind.
+Reward errors (:class:`RewardErrors`): each distinct (env, message) is logged once and then counted;
+the totals go into the actor's log as JSON lines (``REWARD_ERRORS_MARKER``, under an id of this
+process) that ``agentrl run`` reads, keeping the last line per id. Messages past
+``MAX_REWARD_ERROR_KINDS`` per env count as one kind. See docs/actors.md.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Inference: SGLang-compatible client, the embedded engine that serves the same API, weight push, launchers.
+"""Inference: the SGLang-compatible client, the embedded engine that serves the same API, launchers.
 
 Modules import their heavy dependencies themselves; importing this package is free.
-See docs/architecture.md ("Inference").
+See docs/engine.md.
 """

@@ -1,46 +1,21 @@
 """Async client for a fleet of SGLang-compatible servers (real SGLang or the embedded engine).
 
-Usable from trio and asyncio (httpx + anyio). One :class:`EngineClient` spreads
-``/generate`` calls over N servers:
+One :class:`EngineClient` (trio or asyncio) spreads ``/generate`` calls over the servers: least
+outstanding requests, episode affinity (an episode's turns go to the server that holds its prefix,
+while it is healthy), retries with backoff on connection errors and 5xx (a 4xx raises
+:class:`EngineRequestError` at once), and health probes on ``/ping``, never ``/health``, which
+generates a token. A result with ``finish_reason.type == "abort"`` is a result, never retried;
+when no server is healthy a call waits (re-probing) up to ``timeout_s``. With ``router_url``,
+generation goes through sglang-router and control calls still go to each engine.
 
-* **Least outstanding requests**: a call goes to the healthy server with the fewest calls in
-  flight from this client (ties rotate).
-* **Episode affinity**: calls with the same ``affinity_key`` (an episode id) go to the
-  server that served the key before, as long as it is healthy -- the turns of an episode
-  share a prefix, which SGLang's radix cache reuses. The map is bounded (LRU).
-* **Retries**: connection errors and HTTP 5xx are retried with exponential backoff (and
-  jitter), on another server when the first one looks down; HTTP 4xx is the caller's error
-  and raises :class:`EngineRequestError` at once. A result with
-  ``finish_reason.type == "abort"`` (the server was paused with mode ``abort``, e.g. for a
-  weight update) is a *result*, returned with its partial output and never retried.
-* **Health**: a background task (started by ``async with``) polls each engine's ``/ping``,
-  SGLang's liveness flag, which stays 200 while generation is paused; never ``/health``, which in
-  SGLang generates a token: a paused engine parks that request, and after 20 s marks itself
-  unhealthy. An engine without ``/ping`` (404) is probed at ``/health`` from then on; the router
-  (which has no ``/ping``) at its own ``/health``. A server that fails is dropped from the
-  rotation and re-admitted when it answers again; a 401/403 is an answer (the calls themselves
-  report the key). When no server is healthy a call *waits* (re-probing) until one is, up to
-  ``timeout_s``, instead of failing -- an engine that is restarting is not an error. A paused
-  server simply holds the requests it receives (SGLang's behaviour), so calls wait.
-* **Request ids**: SGLang aborts by rid *prefix* (``abort_request``: every live rid that starts
-  with the one named) and refuses a rid that is still live (400 "Duplicate request ID"). So the
-  rid a caller passes is a *base*: each attempt (a retry too) sends :func:`attempt_rid` ``(base)``
-  = the base with ``%`` and ``#`` escaped, then ``#`` and 16 hex digits. No rid made so can be a
-  proper prefix of another (the first ``#`` ends the base, the suffix has a fixed width);
-  :meth:`EngineClient.abort` with a base aborts every attempt of a call still in progress.
-* **Router**: with ``router_url`` (sglang-router), generation goes through the router,
-  which balances by itself; control calls (``pause``, ``abort`` ...) still go to each engine
-  in ``urls`` because the router does not fan them out. Weight updates are
-  :class:`agentrl.learner.weight_push.WeightUpdater`'s job, also engine by engine.
-* **LoRA**: with ``lora_path`` (the adapter's name, ``learner.lora.sync = "adapter"``) every
-  ``/generate`` carries it, SGLang's per-request choice of adapter; without it the engine
-  serves its own weights (merged LoRA pushes need nothing here).
-* **Keys** (SGLang's ``--api-key`` / ``--admin-api-key``, bearer tokens): ``/generate`` and
-  ``/model_info`` carry the api key; the control calls (pause, continue, abort) the admin key,
-  or the api key when there is no admin key -- SGLang's rules (``sglang/srt/utils/auth.py``).
-  ``/ping`` carries the api key too (a normal route; ``/health`` is open). A refusal (401/403) is
-  an :class:`EngineRequestError` at once that says which variable to set; keys never appear in
-  messages or logs.
+Request ids: SGLang aborts by rid prefix and refuses a live rid, so the rid a caller passes is a
+base, and each attempt sends :func:`attempt_rid` of it: the base with ``%`` and ``#`` escaped, then
+``#`` and 16 hex digits. No such rid is a proper prefix of another, and aborting the base aborts
+every attempt.
+
+Keys follow SGLang: the api key on ``/generate``, ``/model_info`` and ``/ping``, the admin key (else
+the api key) on control calls; a 401/403 names the variable to set, and keys never appear in
+messages or logs. See docs/engine.md.
 """
 
 from __future__ import annotations
@@ -96,10 +71,6 @@ class GenerateResult:
     prompt_tokens: int
     meta_info: dict  # the raw meta_info
     url: str = ""  # the server (or router) that answered
-
-    @property
-    def aborted(self) -> bool:
-        return self.finish_reason.get("type") == "abort"
 
     # The /generate response fields read below (tests/test_engine_conformance.py: SGLang writes them).
     FIELDS_READ = ("meta_info", "output_ids", "text")
@@ -266,9 +237,6 @@ class EngineClient:
     @property
     def servers(self) -> list[_Server]:
         return self._pool + (self.engines if self.router is not None else [])
-
-    def healthy_urls(self) -> list[str]:
-        return [s.url for s in self._pool if s.healthy]
 
     # -- health -------------------------------------------------------------------------------
     async def _probe(self, server: _Server) -> None:

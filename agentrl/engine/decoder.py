@@ -1,42 +1,15 @@
 """The embedded engine's own forward for Llama-family decoders (Llama, Qwen2, Qwen3).
 
-Why: on a small model the arithmetic of a decode step is a fraction of what transformers'
-module machinery costs around it (per-call wrappers, kwargs plumbing, mask and rotary set-up,
-one Python module call per norm and projection). This module runs the same computation as
-plain functions over the model's own parameter tensors -- no copies, so a weight update that
-copies into the parameters is seen at the next step -- with fewer, larger tensor operations:
+The same computation as transformers' modules, as plain functions over the model's own parameter
+tensors (no copies: a weight update is seen at the next step) with fewer, larger tensor
+operations: RoPE from a precomputed table (made by the model's own rotary module), K/V written by
+flat index, prefill tokens packed without padding, grouped-query decode attention packed per K/V
+head, in-place ops on the forward's own tensors. Why and how much: docs/performance.md.
 
-* **RoPE from a table.** cos/sin for every position are computed once, by the model's own
-  rotary module (so scaled variants such as ``linear``, ``llama3`` and ``yarn`` come out as
-  transformers computes them), and a step only indexes them. ``rotate_half(x) * sin`` is
-  ``cat(x2, x1) * (sign * sin)`` with the sign folded into the table, and q and k are rotated
-  as one tensor.
-* **K/V writes by flat index.** The slot cache's ``[slots, kv_heads, capacity, head_dim]``
-  buffers are written through their ``[-1, head_dim]`` view with one ``index_copy_`` per
-  buffer; the indices (slot, head, position) are computed once per forward, not per layer.
-* **Packed tokens.** A prefill's tokens run as one [tokens, hidden] batch with no padding;
-  only attention places the queries in the right-padded [rows, width] grid (one scatter and
-  one gather per layer), so a ragged batch costs its real tokens, not rows x longest.
-* **Grouped-query decode attention packed per K/V head.** One decode token's query heads are
-  viewed as ``[rows * kv_heads, group, head_dim]`` and attend with two batched matmuls
-  (``baddbmm`` with the additive mask, softmax, ``bmm``) that read each K/V head once with no
-  repeat: 5-7% faster per step than ``scaled_dot_product_attention``'s CPU kernel for one
-  query (on other devices decode uses that fused kernel, heads packed the same way). Prefill
-  uses ``scaled_dot_product_attention`` with ``enable_gqa``. Masks are additive (0 / -inf)
-  and built once per forward.
-* **In place where the tensor is the forward's own.** Rotary, the residual adds and
-  ``silu(gate) * up`` write into their operands: a prefill's activations are megabytes, and
-  each fresh one is an allocation the CPU faults in (1.06-1.17x on prefills).
-
-Measured, and why the rest of transformers' design is not here: ``docs/performance.md``
-("Embedded engine throughput").
-
-Numerics follow transformers' modules op for op (fp32 RMSNorm of the activations, weights
-applied in the model's dtype; the same rotary formula), so logprobs match a transformers
-teacher-forced forward to float rounding (the engine tests check 1e-4). Architectures this
-module does not know, rotary variants that change with the sequence length (``dynamic``,
-``longrope``), other activations, and sliding-window layers go through the runner's generic
-path (transformers' decoder with the slot cache as its ``Cache``).
+Numerics follow transformers op for op, so logprobs match a transformers teacher-forced forward to
+float rounding (the engine tests check 1e-4). Other architectures, rotary variants that change
+with the sequence length, other activations and sliding-window layers take the runner's generic
+path. See docs/engine.md.
 """
 
 from __future__ import annotations
@@ -191,6 +164,7 @@ class FunctionalDecoder:
             k = F.linear(x, layer.wk, layer.bk).view(m, kv_heads, d)
             v = F.linear(x, layer.wv, layer.bv)
             if layer.q_norm is not None:
+                assert layer.k_norm is not None, "q_norm and k_norm come together (Qwen3)"
                 q = rms_norm(q, layer.q_norm, self.qk_eps)
                 k = rms_norm(k, layer.k_norm, self.qk_eps)
             qk = torch.cat((q, k), dim=1)  # rotate q and k in one go: [M, heads + kv_heads, D]

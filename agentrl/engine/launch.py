@@ -1,16 +1,12 @@
 """Start inference servers: the embedded engine, or SGLang when it is installed.
 
-``engine_command`` builds the argv; ``EngineProcess`` runs one server in its own process
-group (so stopping it stops its whole tree) and waits until ``/health`` answers. SGLang is
-only ever run as ``python -m sglang.launch_server`` in a child process -- never imported --
-and when it is missing we fail at once with the install hint instead of at first request.
-
-SGLang pins its own torch and transformers, so it usually lives in a virtualenv of its own:
-``engine.sglang_python`` names that interpreter (``scripts/install.sh`` builds one with
-``AGENTRL_SGLANG=1``). On a machine without a GPU (an engine placed on no GPU) agentrl passes
-SGLang's CPU flags and environment itself (:data:`SGLANG_CPU_FLAGS`, :func:`sglang_cpu_env`, with
-the ``sgl_kernel`` stand-in in ``sglang_cpu/``) and sizes its KV pool (``--max-total-tokens``)
-from the run's concurrency and context (:func:`cpu_kv_tokens`).
+``engine_command`` builds the argv; ``EngineProcess`` runs one server in its own process group (so
+stopping it stops its whole tree) and waits until ``/health`` answers. SGLang is only ever run as
+``python -m sglang.launch_server`` in a child process, never imported, from ``engine.sglang_python``
+(its own virtualenv); a missing SGLang fails at once with the install hint. On a machine without a
+GPU agentrl passes SGLang's CPU flags and environment itself (:data:`SGLANG_CPU_FLAGS`,
+:func:`sglang_cpu_env`, the ``sgl_kernel`` stand-in in ``sglang_cpu/``) and sizes its KV pool
+(:func:`cpu_kv_tokens`). See docs/engine.md.
 """
 
 from __future__ import annotations

@@ -1,42 +1,18 @@
 """Model runner of the embedded engine: a transformers causal LM, a slot KV cache, sampling.
 
-Design (measured against transformers' own continuous batching; numbers in docs/performance.md):
+* Slot KV cache: per layer one K and one V buffer ``[max_running_requests, kv_heads, capacity,
+  head_dim]``; running request ``i`` lives in slot ``i`` and rows stay compact (a leaving request's
+  slot takes the last row), so decode attention reads a plain view. Capacity grows by doubling.
+* The forward: Llama-family models run ``decoder.py``'s functional forward; any other decoder whose
+  attention calls ``cache.update`` runs transformers' decoder with this cache. ``lm_head`` runs only
+  on the rows that need logits. Sliding-window layers are not supported.
+* Prefix cache: a finished request's K/V is kept (LRU, exact token keys), so an episode's next turn
+  prefills only its new tokens. Whether a weight update drops it is the request's ``flush_cache``.
+* Sampling follows SGLang: logprobs are ``log_softmax(logits / temperature)`` over the full
+  vocabulary, before top-k/top-p/min-p; the token is drawn by inverse CDF, so a request with
+  ``sampling_seed`` is deterministic whatever else is in the batch.
 
-* **Slot KV cache.** Per layer, one K and one V buffer of shape
-  ``[max_running_requests, kv_heads, capacity, head_dim]``. Running request ``i`` lives in
-  slot ``i``; the running rows are kept *compact* (slots ``0..B-1``): when a request leaves,
-  the last row is moved into its slot (one copy of that row's K/V). The attention of a decode
-  step therefore reads the view ``buf[:B, :, :max_len]`` -- no gather, no concatenation, no
-  per-step copy of the cache -- and a boolean mask hides each row's unused tail. Capacity
-  grows by doubling (up to the context length), so a small model does not reserve
-  ``slots x context`` memory up front.
-* **The forward.** For Llama-family models (Llama, Qwen2, Qwen3) the runner runs its own
-  functional forward over the model's parameter tensors (``agentrl/engine/decoder.py``:
-  RoPE from a table, K/V written by flat index, packed grouped-query decode attention), which
-  costs a fraction of transformers' module machinery at small sizes. Any other decoder-only
-  model whose attention calls ``cache.update`` runs through transformers' decoder
-  (``get_decoder()``) with this cache object (``update()`` is the whole cache protocol
-  transformers needs), explicit ``position_ids`` and a precomputed 4-D mask, which
-  transformers uses as is. Either way ``lm_head`` runs only on the rows that need logits:
-  the last real token of each prompt in a prefill, every row in a decode step.
-  Sliding-window layers are not supported.
-* **Prefill** runs new (or retracted) requests as one batch, written straight into their
-  slots (the functional forward packs their tokens; the generic path pads them to the longest);
-  **decode** advances every running row by one token.
-* **Prefix cache** (SGLang's radix cache, reduced to what multi-turn agents need): when a
-  request finishes, the K/V of the tokens it fed is kept (LRU, ``prefix_cache_tokens`` in
-  all), keyed by those tokens. The next turn of the same episode sends prompt + output +
-  tool result, so its longest stored prefix is copied into its slot and only the new tokens
-  are prefilled (a batch's padding tokens are parked on each row's next free position, so the
-  batch needs no more K/V positions than its longest row). Entries are exact token matches.
-  Whether a weight change drops them is the update request's ``flush_cache`` (the server's
-  call, as in SGLang): K/V computed under old weights are otherwise reused.
-* **Sampling** follows SGLang: logprobs are ``log_softmax(logits / temperature)`` over the
-  full vocabulary, before top-k/top-p/min-p truncation (greedy rows: plain
-  ``log_softmax(logits)``); the token is drawn from the truncated distribution by inverse CDF
-  (one uniform per row against the fp64 cumulative sum), which is exact and lets a request
-  with ``sampling_seed`` draw its uniform from its own generator (deterministic whatever
-  else is in the batch).
+See docs/engine.md; measurements in docs/performance.md.
 """
 
 from __future__ import annotations
@@ -212,8 +188,11 @@ class RowParams:
     generators: list[tuple[int, torch.Generator]]  # (row, generator) for rows with sampling_seed
 
     @property
-    def any_filter(self) -> bool:
-        return self.top_p is not None
+    def filters(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(top_k, top_p, min_p)`` when some sampled row truncates, else None."""
+        if self.top_k is None or self.top_p is None or self.min_p is None:
+            return None
+        return self.top_k, self.top_p, self.min_p
 
 
 class ModelRunner:
@@ -240,7 +219,7 @@ class ModelRunner:
             raise ValueError("models with sliding-window attention layers are not supported by the embedded engine")
         self.model = (
             AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype, attn_implementation="sdpa")
-            .to(self.device)
+            .to(self.device)  # pyright: ignore[reportArgumentType]  # transformers' wrapped .to reads as unbound
             .eval()
         )
         for p in self.model.parameters():
@@ -294,7 +273,7 @@ class ModelRunner:
     # -- weights ------------------------------------------------------------------------------
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """Parameter name -> tensor, including the tied ``lm_head.weight`` alias."""
-        named = dict(self.model.named_parameters())
+        named: dict[str, torch.Tensor] = dict(self.model.named_parameters())
         if "lm_head.weight" not in named and self.lm_head is not None:
             named["lm_head.weight"] = self.lm_head.weight
         return named
@@ -319,6 +298,7 @@ class ModelRunner:
         return torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, -torch.inf)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.lm_head is not None, "a causal LM has an output embedding"
         return self.lm_head(hidden).float()
 
     @torch.inference_mode()
@@ -348,7 +328,8 @@ class ModelRunner:
             :, None
         ]
         if self.fast is not None:  # the real tokens only, packed; the grid is for attention
-            grid = (self._arange[None, :width] < lens[:, None]).nonzero(as_tuple=True)
+            grid_rows, grid_cols = (self._arange[None, :width] < lens[:, None]).nonzero(as_tuple=True)
+            grid = (grid_rows, grid_cols)
             ids = torch.tensor([t for s, c in zip(sequences, starts) for t in s[c:]], dtype=torch.long).to(self.device)
             hidden = self.fast.forward(ids, pos[grid], self.cache, row0, kv_len, self._additive(allowed), grid)
             return self._logits(hidden[lens.cumsum(0) - 1])
@@ -414,8 +395,8 @@ class ModelRunner:
             tokens = logits.argmax(dim=-1)
         else:
             probs = logprobs.exp()
-            if rp.any_filter:
-                probs = _truncate(probs, rp.top_k, rp.top_p, rp.min_p)
+            if (filters := rp.filters) is not None:
+                probs = _truncate(probs, *filters)
             cdf = probs.double().cumsum_(dim=-1)
             total = cdf[:, -1:]
             u = torch.rand(total.shape, dtype=torch.float64, device=self.device, generator=self.generator)

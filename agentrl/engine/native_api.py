@@ -1,34 +1,14 @@
 """SGLang 0.5.x native HTTP API: field names, defaults, validation and response shapes.
 
-This module is the one place that knows the wire format of ``POST /generate``; the embedded
-server validates with it and the client builds requests with the same names. It imports
-neither torch nor sglang.
+The one place that knows the wire format of ``POST /generate``: the embedded server validates with
+it and the client builds requests with the same names. It imports neither torch nor sglang.
+``sampling_params`` keys and defaults, ``finish_reason``, ``output_token_logprobs``, batches and
+400 errors mirror SGLang's (``sglang/srt/sampling/sampling_params.py``, ``managers/io_struct.py``).
 
-What mirrors SGLang (``sglang/srt/sampling/sampling_params.py``, ``managers/io_struct.py``,
-``managers/schedule_batch.py``, ``entrypoints/http_server.py``):
-
-* ``sampling_params`` keys and defaults (``max_new_tokens`` 128, ``temperature`` 1.0,
-  ``top_p`` 1.0, ``top_k`` -1 = whole vocabulary, ``min_p`` 0, ``skip_special_tokens`` true,
-  ``no_stop_trim`` false, ...). An unknown key is an HTTP 400 that names it; ``null`` means
-  "the default", as in SGLang. ``temperature`` below 1e-6 means greedy, which SGLang runs as
-  ``temperature = 1, top_k = 1`` (so greedy logprobs are plain ``log_softmax(logits)``).
-* ``finish_reason``: ``{"type": "stop", "matched": <token id or stop string>}``,
-  ``{"type": "length", "length": N}``, ``{"type": "abort", "message": ...}``.
-* ``output_token_logprobs`` as ``[logprob, token_id, text_or_null]``; ``output_ids``
-  include the stop token that ended generation; ``text`` drops it (and cuts at a matched stop
-  string) unless ``no_stop_trim``.
-* Errors: HTTP 400 with ``{"error": {"message": ...}}``; the context-length messages are
-  SGLang's wording.
-* Batches: ``input_ids`` as a list of lists; ``sampling_params``/``rid``/``return_logprob``
-  either one value for all or one per prompt; a single ``rid`` string becomes ``rid_i``; a rid
-  repeated within the batch is refused with SGLang's message.
-
-What the embedded engine does not implement is *accepted at its default value and rejected
-otherwise* (400 naming the field): penalties, ``min_new_tokens``, ``n`` > 1, constrained
-decoding (``json_schema``/``regex``/``ebnf``/``structural_tag``), ``stop_regex``,
-``logit_bias``, ``custom_params``, ``top_logprobs_num`` > 0, ``logprob_start_len`` >= 0, and
-``text``-less extras such as images. So a request either means the same thing on both
-servers or fails loudly here.
+Invariant: a request means the same thing on both servers or fails here. What the embedded engine
+does not implement (penalties, ``n`` > 1, constrained decoding, ``logit_bias``, top logprobs ...)
+is accepted at its default value and refused otherwise with a 400 naming the field.
+See docs/engine.md.
 """
 
 from __future__ import annotations

@@ -1,30 +1,14 @@
 """Continuous-batching scheduler of the embedded engine (one worker thread).
 
-The loop, each iteration:
+Each iteration takes new requests from the inbox (any thread may ``submit``), runs control
+operations (pause, abort, weight updates), then, unless paused or inside a weight update, prefills
+as many waiting requests as fit and runs one decode step for every running request.
 
-1. take new requests from the inbox (any thread may ``submit``) into the waiting queue;
-2. run control operations (pause, abort, weight updates, ...) -- they execute *between*
-   forward steps, in this thread, so the model never changes under a running forward;
-3. unless paused (or inside ``begin_weight_update`` .. ``end_weight_update``):
-   **prefill** as many waiting requests as fit in the free slots and the prefill token
-   budget (one padded batch; each gets its first token), then one **decode** step for every
-   running request. A request joins the running batch at the next iteration after it arrives,
-   without waiting for the others, and leaves (its slot compacted away) as soon as it finishes.
-
-Finishing follows SGLang's order of checks after each new token: length (``max_new_tokens``
-reached), then token stops (``stop_token_ids`` and the model's EOS ids, all skipped when
-``ignore_eos``), then stop strings (checked on the decoded tail). The stop token stays in
-``output_ids`` and ``output_token_logprobs``.
-
-Pause modes (SGLang's): ``abort`` finishes every running and waiting request with
-``finish_reason.type == "abort"`` and its partial output; ``retract`` drops the running
-requests' KV and puts them back at the head of the queue (on continue they are re-prefilled
-from prompt + output so far, under the weights of that moment); ``in_place`` keeps
-everything, KV included. While paused, new requests wait in the queue.
-
-Every request records which ``weight_version`` produced each of its tokens, as spans
-(``weight_versions``), so a request that straddles an update (possible with ``retract`` and
-``in_place``) is reported honestly.
+Invariants: control operations run in this thread between forward steps, so the model never
+changes under a running forward; finishing follows SGLang's order (length, token stops, stop
+strings) and the stop token stays in the output; pause modes are SGLang's (``abort``, ``retract``,
+``in_place``); every request records which ``weight_version`` produced each of its tokens
+(``weight_versions`` spans). See docs/engine.md.
 """
 
 from __future__ import annotations
@@ -96,7 +80,6 @@ class Scheduler:
         self.running: list[Request] = []  # row i <-> KV slot i
         self.paused = False
         self.updating = False  # inside begin_weight_update .. end_weight_update
-        self.weight_group: Any = None  # set by weights.EngineWeightReceiver
         self.num_steps = 0
         self.num_generated = 0
         self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()

@@ -1,62 +1,25 @@
 """The embedded engine's HTTP server: SGLang's native API over a :class:`Scheduler`.
 
-Started as a process by :mod:`agentrl.run.engine_process` (``agentrl serve-engine``), which mounts the ``/v1`` routes.
+Started by :mod:`agentrl.run.engine_process` (``agentrl serve-engine``), which mounts the ``/v1``
+routes. Starlette + uvicorn on the main thread, the model in the scheduler thread; control calls
+run in the scheduler thread between forward steps, while the weight group's rendezvous and
+checkpoint reads run in worker threads.
 
-Starlette + uvicorn on the main thread; the model runs in the scheduler thread. A handler
-turns the JSON body into scheduler requests (validation and error messages live in
-``agentrl.engine.native_api``), and the scheduler hands results back through
-``loop.call_soon_threadsafe``. Control calls (pause, abort, weight updates) run inside the
-scheduler thread between forward steps (``Scheduler.call``), so they never race a forward.
-The weight group's rendezvous runs in a worker thread (it blocks until the trainer joins)
-while generation continues; checkpoint files are read off the scheduler thread too, and only
-the copy into the parameters happens between steps.
+Strict where SGLang 0.5.23 is: control bodies are SGLang's request structs (:data:`CONTROL_BODIES`),
+a weight update keeps the prefix cache unless ``flush_cache`` asks, distributed updates run between
+``/begin_weight_update`` and ``/end_weight_update``, ``--tp-size N`` joins the weight group as N
+ranks, keys follow SGLang's bearer rules (``agentrl.http_auth``). A live rid is refused,
+``/abort_request`` aborts every live request whose rid starts with the one named, and a client
+that disconnects aborts its requests.
 
-Strict where SGLang 0.5.23 is (``sglang/srt/entrypoints/http_server.py``, ``managers/``):
+Probes: ``/health`` (= ``/health_generate``) submits a one-token request and answers 200 once the
+engine produces anything, 503 after 20 s, marking the engine unhealthy until a later one succeeds;
+``/ping`` answers from that flag (200 while paused); ``/ready`` is 200 when healthy and not paused.
 
-* control bodies are SGLang's request structs (:data:`CONTROL_BODIES`): required fields, types
-  and defaults as there, a 400 in SGLang's ``ErrorResponse`` shape otherwise; a field SGLang
-  knows but this engine does not implement is accepted at its default only; keys SGLang does
-  not know are ignored, as SGLang ignores them;
-* a weight update keeps the prefix cache unless its ``flush_cache`` (default true) asks, and a
-  flush refused because requests still run fails the update with SGLang's message;
-* ``update_weights_from_distributed`` must run between ``/begin_weight_update`` and
-  ``/end_weight_update``; ``--disable-weight-update-bracket`` serves an SGLang build without
-  them instead (404, and updates need no bracket);
-* ``--tp-size N`` joins the weight group as N ranks (shadows receive and drop, see
-  ``weights.ShadowRank``); ``--dp-size`` > 1 refuses the weight group as SGLang does;
-* ``--api-key`` / ``--admin-api-key`` (else the environment, ``agentrl.secrets.read_secret``)
-  with SGLang's bearer rules (``agentrl.http_auth``); each route declares its level below.
-
-A client that disconnects aborts its requests (as SGLang does), so abandoned generations do
-not hold batch slots. Request ids as SGLang treats them: a rid that is still live is refused (400
-"Duplicate request ID detected: <rid>", as are repeats inside one batch), and ``/abort_request``
-for a live rid aborts every live request whose rid starts with it (``Scheduler.abort``).
-
-Probes as in SGLang: ``/health`` = ``/health_generate`` submits a one-token request and answers
-200 once the engine produces anything, or 503 after ``SGLANG_HEALTH_CHECK_TIMEOUT`` (20) seconds,
-marking the engine unhealthy until a later one succeeds (a paused engine parks it meanwhile);
-``/ping`` (a normal route: the api key when one is set) answers from that flag only, 200 while
-paused; ``/ready`` is 200 when healthy and not paused. (SGLang checks every second; this engine
-answers as soon as it sees progress.)
-
-LoRA (``/load_lora_adapter``, ``/unload_lora_adapter``, SGLang's request structs and
-``{success, error_message, loaded_adapters}`` answers): one adapter at a time, merged into the
-weights (``weights.EngineWeightReceiver``), the prefix cache emptied on each load and unload
-(its K/V came from other weights; SGLang keys its radix cache by adapter instead). Every request
-runs on the weights of the moment, so unlike SGLang, which serves each request the adapter its
-``lora_path`` names (or the base model) side by side, a request without ``lora_path`` gets the
-merged adapter too. ``lora_path`` is checked when the request arrives (:meth:`EngineServer.check_lora`):
-the merged adapter; or, while generation is paused and no adapter is merged, one loaded before
-(the learner's unload/load swap happens under a pause); anything else is a 400.
-``/load_lora_adapter_from_tensors`` is not served: its body holds pickled tensors, which SGLang
-reads from shared memory of the same host.
-
-OpenAI-compatible routes, as SGLang's server has them: ``POST /v1/chat/completions`` and
-``GET /v1/models`` (+ ``/v1/models/{model}``), served by the agent endpoint's own implementation
-(:class:`agentrl.agents.chat_service.ChatService` over :meth:`EngineServer.generate`, with
-:class:`agentrl.agents.chat_service.FreshPrompts`: each request rendered with the model's chat template,
-nothing recorded, an aborted request returned with ``finish_reason: "abort"``). The served model
-name is ``--model``'s path, as SGLang's default ``--served-model-name``.
+LoRA: one adapter at a time, merged into the weights, the prefix cache emptied on each load and
+unload. Every request runs on the weights of the moment, so a request without ``lora_path`` gets
+the merged adapter too; :meth:`EngineServer.check_lora` accepts the merged adapter, or while paused
+with none merged one loaded before (the learner swaps under a pause). See docs/engine.md.
 """
 
 from __future__ import annotations
@@ -315,7 +278,7 @@ class EngineServer:
             token_texts = [self.tokenizer.decode([t]) for t in c.output_ids]
         return build_response(c, inp, text, token_texts)
 
-    def submit(self, call: GenerateCall, on_update: Callable[[int, Completion], None]) -> None:
+    def submit(self, call: GenerateCall, on_update: Callable[[int, Completion], object]) -> None:
         """Hand ``call`` to the scheduler; RequestError (nothing submitted) when one of its rids is live."""
         from agentrl.engine.scheduler import Request
 
@@ -328,7 +291,7 @@ class EngineServer:
                 Request(inp, lambda req, c, i=i: self._update(req.rid, c, i, on_update), stream=call.stream)
             )
 
-    def _update(self, rid: str, c: Completion, i: int, on_update: Callable[[int, Completion], None]) -> None:
+    def _update(self, rid: str, c: Completion, i: int, on_update: Callable[[int, Completion], object]) -> None:
         if c.finish_reason is not None:
             self.live_rids.discard(rid)
         on_update(i, c)
@@ -820,7 +783,9 @@ def _stream(server: EngineServer, call: GenerateCall, loop: asyncio.AbstractEven
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m agentrl.run.engine_process", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m agentrl.run.engine_process", description=(__doc__ or "").split("\n")[0]
+    )
     ap.add_argument("--model", required=True, help="local Hugging Face model folder")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)

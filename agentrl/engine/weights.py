@@ -1,33 +1,18 @@
-"""Weight updates, the engine's end: :class:`EngineWeightReceiver` (the trainer's end is
-``agentrl.learner.weight_push``; the group both join is ``agentrl.weight_group``).
+"""Weight updates, the engine's end: :class:`EngineWeightReceiver`.
 
 The protocol is SGLang's (``/init_weights_update_group``, ``/update_weights_from_distributed``,
-``/update_weights_from_disk``), so the learner drives real SGLang servers and the embedded
-engine alike. The engine joins the trainer's group at ``rank_offset`` (SGLang joins one rank
-per TP rank: ``rank_offset + tp_rank``).
+``/update_weights_from_disk``), so the learner drives real SGLang and the embedded engine alike;
+the trainer's end is ``agentrl.learner.weight_push``. Tensors are received straight into the
+parameters when dtype and shape agree, or as SGLang's ``flattened_bucket``.
 
-**Wire formats** (the trainer chooses, ``bench/engine.py`` measured them): by default one
-broadcast per tensor, received straight into the engine's parameters when dtype and shape
-agree -- no copy -- and all posted at once as async ops, so there is no per-tensor round trip;
-or SGLang's ``load_format = "flattened_bucket"``: the bucket's bytes concatenated in ``names``
-order, one uint8 broadcast (a bucket never mixes dtypes, so every view starts at a multiple
-of its item size).
+Invariants: every declared tensor is received, into scratch when its name or shape is wrong, so
+the trainer is never left blocked in a broadcast (the HTTP answer reports the problem); with
+``--tp-size N`` the N-1 :class:`ShadowRank` s receive every broadcast and drop it.
 
-The receiver takes every declared tensor even when a name is unknown or a shape disagrees
-(into a scratch buffer), so a bad name never leaves the trainer blocked in a broadcast; it
-reports the problem in the HTTP answer instead. It leaves the prefix cache alone (the
-request's ``flush_cache`` decides, in the server). An engine started with ``--tp-size N``
-joins as N ranks, as SGLang does (one per TP rank): the N-1 :class:`ShadowRank` s receive
-every broadcast into scratch and drop it.
-
-**LoRA adapters** (``/load_lora_adapter``, ``/unload_lora_adapter``): the embedded engine merges
-one PEFT adapter into its weights (``W += scaling * B @ A`` per adapted layer, in fp32, cast to
-the engine's dtype) and keeps a CPU copy of the weights it changed, which an unload puts back
-exactly (subtracting the product again would drift in bf16 over many swaps). A full weight update
-while an adapter is merged replaces the base: the updated weights become the new originals and
-the adapter is merged on top again, as SGLang keeps serving an adapter over new base weights.
-SGLang instead keeps adapters apart from the base and applies each request's own adapter (or
-none) in its batched kernels, several at once; see the server for what requests may name.
+LoRA adapters: one PEFT adapter is merged into the weights (fp32 product, cast to the engine's
+dtype) and a CPU copy of the weights it changed is kept, so an unload restores them exactly; a
+full update while an adapter is merged replaces the base and merges the adapter again.
+See docs/engine.md.
 """
 
 from __future__ import annotations
@@ -38,12 +23,15 @@ import math
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from agentrl.engine.native_api import show
 from agentrl.weight_group import destroy_weight_group, init_weight_group, parse_dtype
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +53,15 @@ class ShadowRank:
         self, master_address: str, master_port: int, rank: int, world_size: int, group_name: str, timeout_s: float
     ):
         import torch.distributed as dist
+        from torch.distributed.distributed_c10d import PrefixStore
 
         timeout = timedelta(seconds=timeout_s)
-        store = dist.TCPStore(master_address, master_port, world_size, is_master=False, timeout=timeout)
+        # TCPStore is public torch API, re-exported by torch.distributed without __all__.
+        store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
+            master_address, master_port, world_size, is_master=False, timeout=timeout
+        )
         # The prefixes of init_weight_group + _new_process_group_helper for a gloo group ("cpu/").
-        store = dist.PrefixStore("cpu/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store)))
+        store = PrefixStore("cpu/", PrefixStore(f"{group_name}/", PrefixStore(group_name, store)))
         self.rank = rank
         self.backend = dist.ProcessGroupGloo(store, rank, world_size, timeout)
 
@@ -82,7 +74,8 @@ class ShadowRank:
             bufs = [torch.empty(sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in spec), dtype=torch.uint8)]
         else:
             bufs = [torch.empty(shape, dtype=dtype) for _, dtype, shape in spec]
-        works = [self.backend.broadcast([b], opts) for b in bufs]  # posted at once, as the main rank does
+        # Posted at once, as the main rank does (torch's stub of Backend leaves its collectives out).
+        works = [self.backend.broadcast([b], opts) for b in bufs]  # pyright: ignore[reportAttributeAccessIssue]
         for w in works:
             w.wait()
 
@@ -121,7 +114,7 @@ class EngineWeightReceiver:
     def __init__(self, runner, *, tp_size: int = 1):
         self.runner = runner
         self.tp_size = tp_size
-        self.group = None
+        self.group: ProcessGroup | None = None
         self.group_name: str | None = None
         self.backend = "gloo"
         self.shadows: list[ShadowRank] = []
@@ -225,7 +218,10 @@ class EngineWeightReceiver:
 
         if self.group is None:
             raise ValueError("no weight update group: call /init_weights_update_group first")
-        shadows = [self._shadow_pool.submit(s.receive, spec, flattened) for s in self.shadows] if self.shadows else []
+        shadows: list[concurrent.futures.Future] = []
+        if self.shadows:
+            assert self._shadow_pool is not None, "the shadows come with their pool"
+            shadows = [self._shadow_pool.submit(s.receive, spec, flattened) for s in self.shadows]
         named = self.runner.named_tensors()
         recv_device = (
             torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
@@ -237,17 +233,18 @@ class EngineWeightReceiver:
                 received, works = [], []
                 for name, dtype, shape in spec:  # post every receive at once (async): no round trip per tensor
                     target = named.get(name)
-                    direct = (
+                    if (
                         target is not None
                         and target.dtype == dtype
                         and tuple(target.shape) == shape
                         and target.device == recv_device
                         and target.is_contiguous()
-                    )
-                    buf = target.data if direct else torch.empty(shape, dtype=dtype, device=recv_device)
-                    works.append(dist.broadcast(buf, src=0, group=self.group, async_op=True))
-                    if not direct:
+                    ):
+                        buf = target.data  # straight into the parameter
+                    else:
+                        buf = torch.empty(shape, dtype=dtype, device=recv_device)
                         received.append((name, buf))
+                    works.append(dist.broadcast(buf, src=0, group=self.group, async_op=True))
                 for w in works:
                     w.wait()
             for f in shadows:  # SGLang answers once every TP rank has its tensors

@@ -1,19 +1,14 @@
 """Environments: the :class:`Env` API, built-in envs and helpers to build them from a config.
 
-* :func:`make_env` builds the env of an env section (``[env]``, or one ``[[envs]]`` entry):
-  ``cls`` with ``kwargs``; an env whose constructor takes a ``sandbox`` argument receives the
-  ``[sandbox]`` section as a dict, updated by ``kwargs.sandbox`` when that is a table (for
-  settings beyond the section, such as ``max_live`` or ``docker_host``). The section's
-  ``name``, when set, becomes the env's ``name``. :func:`make_envs` builds every env of a run
-  and refuses two with the same name (groups, metrics and evaluations are keyed by it).
-* An env's episode limits and toolbox come from :mod:`agentrl.episode.rollout`
-  (:meth:`~agentrl.episode.rollout.EpisodeLimits.from_config`, :func:`~agentrl.episode.rollout.toolbox_for`).
-* :func:`demonstrations` yields correct episodes for the supervised warm start.
-* :func:`score_episode` and :func:`run_cleanup` call an env's ``reward`` and ``cleanup`` so
-  that neither a raising reward nor a cancelled episode can crash an actor.
+:func:`make_env` builds the env of one env section (``cls`` with ``kwargs``; an env whose
+constructor takes ``sandbox`` receives the ``[sandbox]`` section, updated by ``kwargs.sandbox``;
+the section's ``name`` becomes the env's). :func:`make_envs` builds every env of a run and refuses
+two with the same name, since groups, metrics and evaluations are keyed by it.
+:func:`demonstrations` yields correct episodes for SFT; :func:`score_episode` and
+:func:`run_cleanup` call ``reward`` and ``cleanup`` so that neither can crash an actor.
 
-Built-in envs (import paths for ``env.cls``): ``agentrl.envs.calculator:CalculatorEnv``,
-``agentrl.envs.search_qa:SearchQAEnv``, ``agentrl.envs.code:CodeEnv``.
+Built-in envs (``env.cls``): ``agentrl.envs.calculator:CalculatorEnv``,
+``agentrl.envs.search_qa:SearchQAEnv``, ``agentrl.envs.code:CodeEnv``. See docs/envs.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Reward helpers shared by environments: find the final answer, normalise it, compare it.
 
-An episode's final answer is the content of its last message when that message is an
-assistant turn without a tool call. An episode that ended on a tool call or a tool result
-(the turn limit was hit mid-work) has no final answer and scores zero in the built-in envs.
-Tool calls may appear either as ``tool_calls`` on the message (OpenAI style) or as raw
-``<tool_call>`` text in its content (what a model generated); both count as tool calls.
-``<think>...</think>`` reasoning is removed from the answer.
+The final answer is the content of the last message when it is an assistant turn without a tool
+call (as ``tool_calls`` or as raw ``<tool_call>`` text); an episode that ended on a tool call or
+result has none and scores zero in the built-in envs. ``<think>`` reasoning is removed.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """A base class for environments whose episodes each get a code sandbox.
 
-``SandboxedEnv(sandbox={...})`` takes the ``[sandbox]`` config section as a dict (passed
-by :func:`agentrl.envs.make_env`), creates the pool lazily in the actor process, puts one
-sandbox per episode into ``state["sandbox"]`` in :meth:`setup`, and returns it in
-:meth:`cleanup` (shielded from cancellation, so a cancelled episode still gives it back).
-:meth:`python_tool` is the ``python`` tool bound to that state. Subclasses call
-``super().__init__(sandbox)`` and may use ``state["sandbox"]`` in ``reward`` too.
+``SandboxedEnv(sandbox={...})`` takes the ``[sandbox]`` section, creates the pool lazily in the
+actor process, puts one sandbox per episode into ``state["sandbox"]`` in :meth:`setup` and gives it
+back in :meth:`cleanup`, shielded from cancellation. :meth:`python_tool` is the ``python`` tool bound
+to that state. Subclasses call ``super().__init__(sandbox)``. See docs/envs.md.
 """
 
 from __future__ import annotations

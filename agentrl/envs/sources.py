@@ -1,23 +1,13 @@
 """Task sources: read an env's tasks from local JSONL, JSON, Parquet or Hugging Face datasets.
 
-:class:`TaskSource` maps split names to local paths and turns records into :class:`Task`
-objects. A path may be
+:class:`TaskSource` maps split names to local paths and turns records into :class:`Task` objects. A
+path may be a ``.jsonl`` file (errors name the line), a ``.json`` list, a ``.parquet`` file, a
+``datasets`` ``save_to_disk`` folder (read with ``datasets``, else with ``pyarrow``), or a folder
+of ``.jsonl``/``.parquet`` files in name order; ``{split}`` in a path is replaced by the split name.
 
-* a ``.jsonl`` file (one JSON object per line; blank lines skipped; errors name the line),
-* a ``.json`` file holding a list of objects,
-* a ``.parquet`` file (needs ``pyarrow``),
-* a folder written by ``datasets``' ``save_to_disk`` (a ``Dataset``, or a ``DatasetDict``
-  whose sub-folder named like the split is used). It is read with ``datasets`` when that is
-  installed and otherwise straight from its Arrow files with ``pyarrow``,
-* a folder of ``.jsonl``/``.parquet`` files, all read in name order.
-
-A path containing ``{split}`` is formatted with the split name, so
-``TaskSource("data/{split}.jsonl")`` serves ``data/train.jsonl`` and ``data/test.jsonl``.
-
-The ``train`` split is an endless stream, reshuffled every pass with ``seed``; every other
-split is served once, in file order, so evaluation sets are stable. A record's ``id_field``
-becomes :attr:`Task.id` (else ``"<split>-<row>"``); the whole record is :attr:`Task.data`.
-Records are loaded once per split and cached.
+The ``train`` split is an endless stream, reshuffled every pass with ``seed``; every other split is
+served once, in file order, so evaluation sets are stable. ``id_field`` becomes :attr:`Task.id`
+(else ``"<split>-<row>"``) and the record is :attr:`Task.data`. See docs/envs.md.
 """
 
 from __future__ import annotations
@@ -107,7 +97,7 @@ def _object(record: Any, where: str) -> Record:
 def _load_dir(p: Path, split: str | None) -> list[Record]:
     if (p / "dataset_dict.json").exists():
         splits = read_json(p / "dataset_dict.json").get("splits", [])
-        if split not in splits:
+        if split is None or split not in splits:
             raise ValueError(f"{p} is a DatasetDict with splits {splits}; split {split!r} is not one of them")
         return _load_hf_dataset(p / split)
     if (p / "state.json").exists():

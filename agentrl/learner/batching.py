@@ -1,52 +1,21 @@
 """From trajectory groups to packed micro-batches.
 
-The path of a group through the learner:
+A group's path through the learner: :func:`validate_group` rejects what cannot be trained on
+(:class:`GroupBuffer` counts every drop by reason and never raises); groups staler than
+``max_staleness`` are dropped on arrival and again when a step takes them (a group newer than the
+learner, after a restart from an older checkpoint, is kept with staleness 0 and counted as
+``future_version``); dynamic sampling drops groups whose episode rewards do not vary;
+:func:`samples_from_group` gives each sequence its episode's GRPO/RLOO advantage;
+:func:`plan_microbatches` packs sequences into micro-batches of at most ``max_tokens`` tokens and
+gives every rank the same number of them (FSDP's collectives need that); :func:`collate` joins one
+micro-batch into a single unpadded row (``position_ids`` restart per sequence, ``cu_seqlens`` marks
+the boundaries, targets are shifted inside each sequence).
 
-1. :func:`validate_group` rejects what cannot be trained on (no model tokens, token ids
-   outside the vocabulary, non-finite or positive behaviour logprobs, a sequence longer
-   than a micro-batch, a reward or reward component that is not finite or exceeds
-   ``max_abs_reward`` in size). :class:`GroupBuffer` counts every drop by reason and never
-   raises. The reward check is the learner's border: one reward of 1e300 made the group's
-   advantages -inf/NaN and the trainer skipped the whole step.
-2. **Staleness.** A group's staleness is ``policy_version - oldest_version``, where the
-   oldest version is the oldest policy that produced any of its model tokens. Groups with
-   staleness > ``max_staleness`` are dropped (and counted) both on arrival and when a step
-   takes them, since a group can go stale while it waits. ``max_staleness = 0`` is the
-   synchronous system: only data from the current weights is trained on. A group *newer*
-   than the learner (possible after a restart from an older checkpoint) is kept with
-   staleness 0 and counted as ``future_version``: the importance weight still corrects it.
-3. **Dynamic sampling** (DAPO) drops groups whose episode rewards do not vary: every GRPO/RLOO
-   advantage would be 0, so they cost compute and shrink the effective batch.
-4. :func:`samples_from_group` turns a group into :class:`Sample` s with their advantage
-   (GRPO or RLOO over the group's *episodes*; GAE is computed later by the trainer with the
-   critic).
-5. :func:`plan_microbatches` packs sequences into micro-batches of at most
-   ``max_tokens`` tokens and splits them evenly over ranks: every rank gets the same
-   number of micro-batches (FSDP's collectives need that), filled longest-first into the
-   least-loaded bin, so token counts per rank stay within one sequence of each other.
-6. :func:`collate` concatenates the sequences of one micro-batch into a single row with no
-   padding: ``position_ids`` restart at 0 for each sequence and ``cu_seqlens`` marks the
-   boundaries, which the varlen attention (``model.py``) uses so attention never crosses
-   sequences. Targets are shifted inside each sequence: element ``i`` scores token
-   ``i + 1`` of the same sequence; the last position of a sequence scores nothing.
+Invariant: whatever is about episodes (baseline, std, dynamic sampling, reward statistics) uses
+one reward per episode, however many sequences an agent episode has (:func:`episode_index`); every
+sequence gets its episode's advantage.
 
-**Episodes and sequences.** A group is the ``n`` episodes of one task. An episode of agentrl's
-own loop is one trajectory; an agent episode (:mod:`agentrl.agents`) may be several -- the
-endpoint starts a new *sequence* when the agent rewrites its history or asks for ``n`` > 1
-choices -- each carrying the episode's reward and ``metadata["episode_id"]``.
-:func:`episode_index` maps trajectories to episodes, and everything that is about *episodes*
-works on one reward per episode: the GRPO/RLOO baseline and std (an episode that branched
-into five sequences counts once, not five times, so agents that branch or compact often do
-not pull the baseline toward themselves), dynamic sampling, and the reward statistics. Every
-sequence gets its episode's advantage: each generated token is trained once (a branch holds
-the shared prompt as context), with the reward of the episode it was generated in.
-
-Loss weight: with ``loss_normalization = "token"`` (the default, and standard) every generated
-token weighs the same, whatever sequence it is in, as for agentrl's own episodes: an episode
-weighs by its generated tokens, not by how many sequences hold them. With ``"sequence"`` the
-unit is the episode: each sequence's token mean is weighted by ``Sample.episode_weight`` (one
-over its episode's number of sequences) and the normaliser counts episodes, so an episode of
-five sequences weighs as much as an episode of one.
+See docs/learner.md.
 """
 
 from __future__ import annotations
@@ -56,10 +25,14 @@ import re
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from agentrl.protocol import Trajectory, TrajectoryGroup
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass

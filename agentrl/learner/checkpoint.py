@@ -1,46 +1,19 @@
 """Checkpoints with ``torch.distributed.checkpoint`` (DCP): all long-lived state, resumable.
 
-Layout under a checkpoint root (``<run_dir>/checkpoints/learn`` or ``.../sft``)::
+A checkpoint folder ``step_<n>/`` holds the DCP shards (policy and optimiser, critic for PPO; with
+LoRA the adapters only), ``trainer_state.pt``, per-rank RNG state, the groups still waiting
+(``pending_groups.bin``), the model's ``hf/`` files, and ``meta.json``; ``latest`` names the newest.
 
-    step_00000010/
-        .metadata, __*_*.distcp   DCP: policy, policy_optim (+ critic, critic_optim for PPO),
-                                  saved as shards by every rank; any world size can load them.
-                                  With LoRA, policy holds the adapters only (the trainable
-                                  parameters); the base is model.path's, named in meta.json
-        trainer_state.pt          step, LR scheduler, skipped updates, world size, and the
-                                  caller's state (policy version, data counters, ledger...)
-        rng/rank_<r>.pt           Python, NumPy, torch (and CUDA) RNG state of each rank
-        pending_groups.bin        groups received but not trained on yet, msgpack (rank 0)
-        hf/                       the model's config and tokenizer files (for ``agentrl export``)
-        meta.json                 written last: the checkpoint is complete when it exists
-    latest                        name of the newest complete checkpoint
+Invariants:
 
-**Durable before it counts.** Every file is fsynced (DCP's writer syncs its shards), then
-``meta.json`` is written and synced, then ``latest`` is replaced atomically (write, fsync,
-rename, fsync the folder) after all ranks finished. A crash at any point leaves the previous
-checkpoint in charge.
+* durable before it counts: every file is fsynced, ``meta.json`` is written last (a folder without
+  it is incomplete), ``latest`` is replaced atomically once every rank has finished;
+* retention is by step within the saving lineage only: another run's checkpoints in the same
+  folder are never deleted;
+* loading reads data, never code: ``torch.load(weights_only=True)``, and :func:`dcp_reader` admits
+  only DCP's own metadata classes when it unpickles ``.metadata``.
 
-**Which checkpoint.** :func:`latest_checkpoint` takes the one ``latest`` names when it is
-complete; when ``latest`` is missing, dangling or names an incomplete folder, it falls back
-to the newest complete checkpoint (by save time) and says so. A learner whose checkpoint
-root refuses writes (retried first) saves under :func:`fallback_root` instead;
-:func:`latest_run_checkpoint` takes the newer of the two.
-
-**Retention by step, per lineage.** A lineage is one training run's chain of checkpoints: a
-fresh start begins a new one, a resume continues the loaded checkpoint's (``meta.json``
-records it). After a save, the ``keep`` highest steps of the saving lineage are kept and its
-older ones deleted; other lineages' checkpoints (an old run in the same folder) are never
-touched. Sorting folder names instead let a new run in a folder holding an old ``step_100``
-delete its own fresh ``step_50`` and leave ``latest`` dangling.
-
-**Loading reads data, not code**: ``torch.load(weights_only=True)`` everywhere. The only
-non-tensor object that needed it was NumPy's RNG state, an ``ndarray`` inside a tuple; it is
-stored as plain lists and ints. DCP itself reads its ``.metadata`` with a bare
-``pickle.load``; :func:`dcp_reader` reads it with an unpickler that admits only DCP's own
-metadata classes, ``torch.Size``, dtypes and paths, so a doctored checkpoint cannot run code.
-
-``resume = "auto"`` loads the checkpoint and continues with the next step: same weights,
-optimiser moments, LR, RNG streams and policy version, and the groups that were waiting.
+See docs/learner.md.
 """
 
 from __future__ import annotations
@@ -175,7 +148,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def dcp_reader(path: str | Path) -> Any:
     """A DCP ``FileSystemReader`` for ``path`` whose ``.metadata`` is read by :class:`_MetadataUnpickler`."""
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class SafeReader(FileSystemReader):
@@ -210,13 +183,15 @@ def _model_state(trainer: Trainer) -> dict[str, Any]:
         policy = {k: v for k, v in policy.items() if k in trainable}
     state: dict[str, Any] = {"policy": policy, "policy_optim": policy_optim}
     if trainer.critic is not None:
-        critic, critic_optim = get_state_dict(trainer.critic, trainer.critic_optimizer)
+        critic, critic_optim = get_state_dict(*trainer.critic_and_optimizer())
         state.update(critic=critic, critic_optim=critic_optim)
     return state
 
 
 def _rng_state() -> dict[str, Any]:
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()  # keys: an ndarray; weights_only refuses it
+    legacy = np.random.get_state()
+    assert isinstance(legacy, tuple), "numpy's global generator is an MT19937: its legacy state is a tuple"
+    kind, keys, pos, has_gauss, gauss = legacy  # keys: an ndarray; weights_only refuses it
     numpy_state = [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]
     state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -274,7 +249,8 @@ def save_checkpoint(
     dicts, lists, strings and numbers), stored with the trainer's own on rank 0. ``lineage``:
     see the module docstring; None continues the one this process loaded or saved under
     ``root``, or starts a new one."""
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save
 
     root = Path(root)
     lineage = lineage or _LINEAGES.get(root.resolve()) or uuid.uuid4().hex[:16]
@@ -287,7 +263,7 @@ def save_checkpoint(
         (path / "rng").mkdir(parents=True, exist_ok=True)
     if dist.is_initialized():
         dist.barrier()
-    dcp.save(_model_state(trainer), storage_writer=dcp.FileSystemWriter(str(path), sync_files=True))
+    save(_model_state(trainer), storage_writer=FileSystemWriter(str(path), sync_files=True))
     _save_durable(_rng_state(), path / "rng" / f"rank_{rank}.pt")
     if rank == 0:
         trainer_state = {
@@ -349,8 +325,8 @@ def _check_lora(path: Path, trainer: Trainer) -> None:
 def load_checkpoint(path: str | Path, trainer: Trainer) -> dict[str, Any]:
     """Restore ``trainer`` from ``path`` (collective) and return the caller's saved state,
     with ``pending_groups`` (bytes) added."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load
 
     path = Path(path)
     if not (path / ".metadata").exists():
@@ -358,7 +334,7 @@ def load_checkpoint(path: str | Path, trainer: Trainer) -> dict[str, Any]:
     rank = dist.get_rank() if dist.is_initialized() else 0
     _check_lora(path, trainer)
     state = _model_state(trainer)
-    dcp.load(state, storage_reader=dcp_reader(path))
+    load(state, storage_reader=dcp_reader(path))
     set_state_dict(
         trainer.policy,
         trainer.optimizer,
@@ -368,8 +344,7 @@ def load_checkpoint(path: str | Path, trainer: Trainer) -> dict[str, Any]:
     )
     if trainer.critic is not None:
         set_state_dict(
-            trainer.critic,
-            trainer.critic_optimizer,
+            *trainer.critic_and_optimizer(),
             model_state_dict=state["critic"],
             optim_state_dict=state["critic_optim"],
         )

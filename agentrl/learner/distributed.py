@@ -1,12 +1,9 @@
 """Process group setup and the few collectives the learner uses outside FSDP.
 
-The learner always runs inside a process group, also with one rank (a single-rank gloo or
-nccl group on a free loopback port), so that there is one code path: FSDP2 on one rank
-costs about 5% on the tiny CPU model and nothing measurable on the 25M one.
-
-Under ``torchrun`` the usual variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-``MASTER_ADDR``/``MASTER_PORT``) are set and the group is created from them. CPU ranks use
-gloo; GPU ranks use nccl for tensors and gloo for CPU objects (``cuda:nccl,cpu:gloo``).
+The learner always runs inside a process group, one rank included (a single-rank gloo or nccl
+group on a free loopback port), so there is one code path. Under ``torchrun`` the group is made
+from the usual variables. CPU ranks use gloo; GPU ranks use nccl for tensors and gloo for CPU
+objects (``cuda:nccl,cpu:gloo``). See docs/learner.md.
 """
 
 from __future__ import annotations

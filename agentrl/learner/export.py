@@ -1,20 +1,10 @@
 """``agentrl export CHECKPOINT OUT_DIR``: a checkpoint as a Hugging Face model folder.
 
-The output is what ``AutoModelForCausalLM.from_pretrained`` and an SGLang server load:
-``model.safetensors`` (the policy's weights, full tensors), ``config.json``,
-``generation_config.json`` and the tokenizer files with the chat template, all taken from
-the checkpoint's ``hf/`` copy of the original model folder.
-
-DCP reads the sharded checkpoint into a plain single-process model, whatever world size
-wrote it, so exporting needs neither torchrun nor the training machine.
-
-A LoRA checkpoint (``meta.json`` names its ``lora`` settings) holds the adapters only; the
-base weights are read from the model it was trained on (``meta.json``'s ``model_path``, or
-``base_model``). By default the adapters are merged into the base weights (the same merge the
-weight push sends to the engines, ``agentrl.learner.lora.push_items``) and the result is a plain
-Hugging Face folder; with ``adapter=True`` the output is a PEFT adapter folder
-(``adapter_config.json``, ``adapter_model.safetensors``) for ``PeftModel.from_pretrained`` or
-SGLang's ``--lora-paths`` / ``/load_lora_adapter`` on the base model.
+The output is what ``AutoModelForCausalLM.from_pretrained`` and an SGLang server load: the
+policy's full weights as ``model.safetensors`` plus the config, generation config and tokenizer
+files from the checkpoint's ``hf/`` copy. Any world size's checkpoint is read in one process.
+A LoRA checkpoint is merged into its base model by default (the same merge the weight push
+sends), or written as a PEFT adapter folder with ``adapter=True``. See docs/learner.md.
 """
 
 from __future__ import annotations
@@ -23,7 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from agentrl.learner.checkpoint import dcp_reader, latest_checkpoint
 
@@ -75,7 +65,7 @@ def export_checkpoint(
         config = AutoConfig.from_pretrained(hf)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         state = {"policy": model.state_dict()}
-        dcp.load(state, storage_reader=dcp_reader(ckpt))
+        dcp_load(state, storage_reader=dcp_reader(ckpt))
         model.load_state_dict(state["policy"])
     model = model.to(getattr(torch, dtype))
     out.mkdir(parents=True, exist_ok=True)
@@ -103,7 +93,7 @@ def _merged_or_adapter(ckpt: Path, meta: dict, out: Path, *, adapter: bool, base
     spec = LoraSpec(**{**meta["lora"], "target_modules": tuple(meta["lora"]["target_modules"])})
     model = add_adapters(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), spec)
     state = {"policy": {n: p.detach() for n, p in adapter_parameters(model)}}
-    dcp.load(state, storage_reader=dcp_reader(ckpt))
+    dcp_load(state, storage_reader=dcp_reader(ckpt))
     with torch.no_grad():
         for name, param in adapter_parameters(model):
             param.copy_(state["policy"][name])

@@ -1,21 +1,13 @@
 """The learner's journal: every group it receives, on disk before it is acknowledged.
 
-A write-ahead log in segments, ``<run_dir>/journal/<lineage>/<segment>.log``. Each record is
-``length (u32 LE) | crc32 (u32 LE) | encoded group``. The learner appends every new group as
-it arrives and calls :meth:`Journal.sync` (flush + fsync) before it publishes the progress
-message that acknowledges them (``agentrl.transport.delivery``), so an acknowledged group is
-always on disk.
+A write-ahead log in segments, ``<run_dir>/journal/<lineage>/<segment>.log``; each record is
+``length (u32 LE) | crc32 (u32 LE) | encoded group``.
 
-Segments end at checkpoints: a checkpoint records the segment that starts after it
-(:meth:`Journal.rotate`), and a resumed learner replays every segment from there
-(:meth:`replay`) to get back the groups that arrived after the checkpoint, then writes to a
-new segment (it never appends to a file a crash may have torn). A torn or corrupt record
-ends the replay of its segment (a crash tears only the tail of the segment being written).
-Segments older than every checkpoint still kept on disk are deleted (:meth:`prune`).
-
-``lineage`` is the id of one training run's chain of checkpoints: a fresh start opens a new
-one, a resume continues the checkpoint's, so a new run in an old run folder never replays
-the old run's groups.
+Invariants: :meth:`Journal.sync` runs before the progress message that acknowledges the groups,
+so an acknowledged group is always on disk; a checkpoint starts a new segment
+(:meth:`Journal.rotate`) and a resumed learner replays the segments after it (:meth:`replay`),
+then writes to a fresh segment, never to one a crash may have torn; a torn or corrupt record
+ends its segment's replay. See docs/learner.md and docs/transport.md.
 """
 
 from __future__ import annotations
@@ -53,7 +45,6 @@ class Journal:
         self.segment = max(self.segments(), default=-1) + 1
         self._file: BinaryIO | None = None
         self._dirty = False
-        self.appended = 0
 
     def segments(self) -> list[int]:
         """Numbers of the segment files on disk, in order."""
@@ -69,7 +60,6 @@ class Journal:
         self._file.write(_HEADER.pack(len(data), zlib.crc32(data)))
         self._file.write(data)
         self._dirty = True
-        self.appended += 1
 
     def sync(self) -> None:
         """Everything appended so far is on disk when this returns."""

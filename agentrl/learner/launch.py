@@ -1,25 +1,13 @@
 """Starting ``learn``/``sft`` on one or more ranks, on one or several machines.
 
-``agentrl learn --config C --nproc N`` resolves the run folder once (so every rank writes
-to the same one), then either runs in this process (N = 1) or starts::
-
-    python -m torch.distributed.run --standalone --nproc-per-node N \\
-        -m agentrl.learner.launch learn --config C --set run.run_dir="..."
-
-and forwards SIGINT/SIGTERM to it. ``N`` defaults to ``learner.gpus`` (one rank per GPU), else
-``learner.nproc``.
-
-Several machines: the same command on every node with ``--nnodes M --rdzv-endpoint
-HOST:PORT [--rdzv-id ID] [--local-addr ADDR]``, which becomes torchrun's c10d rendezvous
-(``--nnodes M --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id ID`` instead of
-``--standalone``); ``run.run_dir`` must then be set, on a shared file system. Rank 0 binds
-the trajectory and progress sockets and hosts the weight-update group, so actors and engines
-must be told its node. c10d numbers nodes by their address in sorted order (``--local-addr``,
-default the host's FQDN; torch's ``dynamic_rendezvous``), not by who hosts the endpoint: give
-every node ``--local-addr`` (its name as the others reach it) and point the config at the one
-that sorts first (``agentrl launch`` does). Rank 0 checks at start that
-``learner.weight_sync_address`` and the endpoints' hosts are its own and fails with a message
-saying so otherwise, instead of waiting for actors that connect elsewhere.
+``agentrl learn --config C --nproc N`` resolves the run folder once (every rank writes to the same
+one), then runs in this process (N = 1) or starts ``python -m torch.distributed.run
+--standalone --nproc-per-node N -m agentrl.learner.launch ...`` and forwards SIGINT/SIGTERM to it.
+Several machines: the same command on every node with ``--nnodes``/``--rdzv-endpoint`` (torchrun's
+c10d rendezvous) and ``run.run_dir`` on a shared file system. c10d numbers nodes by their sorted
+address, so every node needs ``--local-addr`` and the config must point at the node that sorts
+first; rank 0 checks that ``learner.weight_sync_address`` and the endpoints are its own and fails
+otherwise. See docs/run.md.
 """
 
 from __future__ import annotations

@@ -5,61 +5,23 @@
     resume? -> [ wait for groups -> filter -> step -> push weights every k steps
                  -> publish progress -> log -> checkpoint every n steps ] x max_steps -> done
 
-**Who does what.** Rank 0 owns every connection (:class:`LearnerIO`): it receives
-trajectory groups (ZMQ PULL), keeps them in a :class:`GroupBuffer` that drops and counts
-malformed, stale and zero-variance groups, publishes :class:`Progress` (ZMQ PUB), pushes
-weights into the engines and logs to MLflow. Every rank trains: each poll, rank 0
-broadcasts one control message, ``("batch", samples)``, ``("wait",)`` or ``("stop",
-reason)``, so the other ranks never sit in a collective longer than a poll (about 2 s),
-however long the actors take.
+Rank 0 owns every connection (:class:`LearnerIO`): it receives groups, keeps them in a
+:class:`GroupBuffer`, publishes :class:`Progress`, pushes weights and logs. Every rank trains:
+each poll rank 0 broadcasts one control message (``batch``, ``wait`` or ``stop``), so no rank sits
+in a collective longer than a poll however long the actors take.
 
-**Waiting for data.** With no actor connected the learner keeps polling, publishes its
-progress every poll (a late subscriber still learns the version) and logs what it has
-every ``wait_log_interval_s``. ``max_wait_for_data_s > 0`` (default 600 s) stops the learner
-cleanly (checkpoint first, the zero-variance explanation when that is the cause) when no batch
-fills for that long once data flows: the clock counts from the start of the wait or from the
-first group this learner holds, whichever is later, so start-up and the evaluation before RL
-never count. A step's data takes seconds; an engine restarting a large model takes minutes.
+Invariants:
 
-**Exactly once** (``agentrl.transport.delivery``). Every group carries its actor's id,
-session and sequence number. Rank 0 drops a group its :class:`Ledger` has seen before
-(``data/duplicate``), appends every new one to the journal (``agentrl.learner.journal``)
-and syncs the journal before each progress message, which acknowledges, per actor, what is
-now on disk; actors hold and resend the rest. A checkpoint stores the ledger, the counters
-and the waiting groups, and starts a new journal segment; a resumed learner replays the
-segments after its checkpoint, so nothing it acknowledged is lost and nothing is trained
-twice. ``learner_batches.jsonl`` lists the groups of every step (after a crash, the last
-line for a step number is the one the surviving weights saw).
+* exactly once: a group the :class:`Ledger` has seen is dropped, every new one is journalled,
+  and the journal is synced before the progress message that acknowledges it;
+* the budget: ``accept_groups = received + G * k * (max_staleness + 1) - G *
+  steps_since_version_bump - buffered`` (``G = groups_per_step``, ``k = sync_every_steps``), so at
+  most ``max_staleness + 1`` versions' worth of groups are ever in flight;
+* an engine that does not report the learner's version gets the weights before the learner
+  trains on anything it serves (checked before every push and while waiting for data).
 
-**Progress and the budget.** After every step and weight update rank 0 publishes the
-policy version and ``accept_groups``, the cumulative number of groups all actors together
-may have started (``Progress`` in agentrl/protocol.py)::
-
-    accept_groups = received + G * k * (max_staleness + 1) - G * steps_since_version_bump - buffered
-
-with ``G = groups_per_step`` and ``k = sync_every_steps``. Every group received was started
-by some actor, so what may still be buffered or in flight is the second part: at most
-``max_staleness + 1`` versions' worth. ``max_staleness = 0`` makes it exactly one version's
-worth of groups: a synchronous system. Dropped groups count as received, so they are
-replaced; duplicates do not count. ``received`` is part of the checkpoint and the journal
-brings back what came after it, so a restarted learner's budget matches what its live
-actors have used (each actor counts what the learner holds from it, see the actors).
-
-**Weights.** Every ``sync_every_steps`` steps the version is bumped and the weights are
-pushed (``agentrl.learner.weight_push``) when ``engine.urls`` is set: full weights (with LoRA,
-the adapters merged into them), or with ``learner.lora.sync = "adapter"`` the adapter alone.
-Engines may die and come
-back at any time, restarted by ``agentrl run`` or anything else: before every push, at start
-(before the first progress message) and every ``ENGINE_CHECK_S`` while it polls for data,
-rank 0 asks the engines whether the weight group still matches them
-(``WeightUpdater.membership_change``); on a change every rank takes part in re-forming it and
-pushing to every engine that does not report the learner's version (``_update_engines``), so a
-restarted engine, which reports ``"default"`` and on which actors wait, gets the policy
-before it serves anything the learner trains on. A push that loses an engine is tried again on
-a re-formed group; one that an engine refuses stops the learner.
-
-**Stopping.** SIGTERM/SIGINT ask rank 0 to stop at the next poll or after the current
-step; the loop then writes a checkpoint. A second signal aborts.
+SIGTERM/SIGINT stop at the next poll or after the current step, with a checkpoint; a second
+signal aborts. See docs/learner.md.
 """
 
 from __future__ import annotations
@@ -74,7 +36,7 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -597,7 +559,7 @@ class Learner:
         }
         if self.buffer is not None and self.journal is not None:
             self._drain()  # groups already received are saved too, not lost on a restart
-            pending = msgpack.packb([encode(g) for g in self.buffer.groups], use_bin_type=True)
+            pending = cast(bytes, msgpack.packb([encode(g) for g in self.buffer.groups], use_bin_type=True))
             state["counters"] = dict(self.buffer.counters)
             state["env_counters"] = {env: dict(c) for env, c in self.buffer.env_counters.items()}
             state["ledger"] = self.ledger.state()
@@ -776,7 +738,7 @@ class Learner:
         row.update(self.rollout.metrics())
         if self.io.tracker is not None:
             self.io.tracker.log_metrics(row, step=self.trainer.step)
-            self._log_samples()
+            self._log_samples(self.io.tracker)
         with self.metrics_file.open("a") as f:
             f.write(json.dumps({"step": self.trainer.step, "time": time.time(), **row}) + "\n")
         with self.batches_file.open("a") as f:
@@ -792,7 +754,7 @@ class Learner:
             sum(v for k, v in self.buffer.counters.items() if k.startswith("dropped_")),
         )
 
-    def _log_samples(self) -> None:
+    def _log_samples(self, tracker: Any) -> None:
         """Every ``tracking.sample_episodes_every`` steps: the step's best and worst episodes
         (``agentrl.learner.rollout_stats.sample_episodes``) as ``samples/step_<step>.json``."""
         every, step = self.cfg.tracking.sample_episodes_every, self.trainer.step
@@ -809,7 +771,7 @@ class Learner:
         except Exception as e:
             log.warning("sample episodes of step %d not logged: %s: %s", step, type(e).__name__, e)
             return
-        self.io.tracker.log_json(doc, f"samples/step_{step:06d}.json")
+        tracker.log_json(doc, f"samples/step_{step:06d}.json")
 
     def _decode(self, ids: list[int]) -> str:
         """Token ids as text, with the model's tokenizer (loaded at the first call)."""

@@ -1,28 +1,14 @@
 """LoRA in the learner: adapters on a frozen base, merged on the fly for the engines.
 
-**Adapters.** :func:`add_adapters` injects peft's LoRA layers into the Hugging Face model
-(``peft.inject_adapter_in_model``: the model stays the transformers class it was, with its own
-forward, ``logits_to_keep`` and varlen attention; only the targeted ``nn.Linear`` layers become
-``peft`` ``lora.Linear`` wrappers) and freezes every other parameter. It runs before FSDP2's
-``fully_shard``, which shards frozen and trainable parameters alike; gradients and AdamW state
-exist only for the adapters (``requires_grad``). Only linear layers are accepted (peft's LoRA
-for embeddings and convolutions lays its factors out differently), so the merge below is one
-formula: ``W + scaling * B @ A`` with ``scaling = alpha / rank``.
+:func:`add_adapters` injects peft's LoRA layers (linear layers only) before FSDP2 shards the
+model and freezes everything else, so only the adapters have gradients and AdamW state. The KL
+reference is the policy with its adapters switched off (:func:`adapters_disabled`), not a copy.
 
-**The reference policy** for the KL term is the base model: the policy's forward with the
-adapters switched off (:func:`adapters_disabled`), not a second copy of the model.
-
-**Names.** Inside the learner the base weight of an adapted layer is
-``...q_proj.base_layer.weight`` and its factors ``...q_proj.lora_A.default.weight`` /
-``lora_B``. Engines get the base model's names (:func:`push_items`: ``...q_proj.weight``,
-merged); PEFT folders get PEFT's (:func:`peft_name`: ``base_model.model....q_proj.lora_A.weight``),
-which is what ``PeftModel.from_pretrained`` and SGLang's ``/load_lora_adapter`` read.
-
-**Merging without a second model** (:class:`MergedWeight`): the weight push plans its buckets
-over :func:`push_items`, where an adapted layer's weight is a ``MergedWeight`` (base, A, B,
-scaling) standing for the merged tensor. It is materialised only when its bucket is gathered:
-the three full tensors are gathered (collectives, every rank), merged in fp32 and cast to the
-engines' dtype, so rank 0 holds one bucket of merged weights at a time, as for a full model.
+Names: inside the learner an adapted layer's weight is ``...q_proj.base_layer.weight``; engines get
+the base model's names with the adapter merged (:func:`push_items`); PEFT folders get PEFT's names
+(:func:`peft_name`). A :class:`MergedWeight` (base, A, B, scaling) stands for ``W + scaling * B @ A``
+and is materialised only when its push bucket is gathered, so rank 0 never holds more than one
+bucket of merged weights. See docs/learner.md.
 """
 
 from __future__ import annotations
@@ -38,6 +24,7 @@ from agentrl.peft_format import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
 
 if TYPE_CHECKING:
     import torch
+    from peft.tuners.lora import LoraLayer
     from torch import nn
 
 ADAPTER = "default"  # peft's adapter name inside the learner (one adapter)
@@ -72,7 +59,7 @@ class LoraSpec:
 
         return LoraConfig(
             r=self.rank,
-            lora_alpha=self.alpha,
+            lora_alpha=self.alpha,  # pyright: ignore[reportArgumentType]  # peft says int; alpha / r takes any number
             lora_dropout=self.dropout,
             target_modules=list(self.target_modules),
             bias="none",
@@ -108,7 +95,8 @@ def add_adapters(model: nn.Module, spec: LoraSpec) -> nn.Module:
                 f"learner.lora.target_modules selects {name} ({type(module).__module__}."
                 f"{type(module).__name__}): only plain nn.Linear layers can get adapters here"
             )
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if get_head is not None else None
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     if tied and any(m is head for _, m in lora_layers(model)):
         raise ValueError(
@@ -120,7 +108,7 @@ def add_adapters(model: nn.Module, spec: LoraSpec) -> nn.Module:
     return model
 
 
-def lora_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def lora_layers(model: nn.Module) -> list[tuple[str, LoraLayer]]:
     """``(module name, peft LoRA layer)`` of every adapted layer, in module order."""
     from peft.tuners.lora import LoraLayer
 

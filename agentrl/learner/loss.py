@@ -1,59 +1,26 @@
 """Advantages and losses: pure functions over tensors, no model, no distributed state.
 
-Token tensors are flat ``[N]`` (one packed micro-batch). Element ``i`` scores the token the
-model predicts at position ``i`` (the batching code shifts targets so that logprobs,
-behaviour logprobs, advantages and the mask line up). ``mask`` is 1 on the tokens the
-loss sees (model-generated tokens), ``seq_ids`` maps each token to its sequence
-``0..num_seqs-1``.
+Token tensors are flat ``[N]`` (one packed micro-batch): element ``i`` scores the token the model
+predicts at position ``i``; ``mask`` is 1 on the tokens the loss sees; ``seq_ids`` maps tokens to
+sequences. ``logprobs`` is the policy being trained, ``proximal_logprobs`` the same weights at the
+start of the step, ``behavior_logprobs`` what the engine sampled with.
 
-Names used below (all per token, in log space where they are logprobs):
+The policy loss is the clipped PPO objective times a no-gradient correction weight, per recipe:
+``decoupled`` (AReaL), ``tis = "token"`` / ``"sequence"`` (truncated importance sampling), or plain
+PPO against the behaviour policy. When behaviour and proximal policy agree every recipe is plain
+PPO (a unit test checks it). Regularisers: KL to the reference (``k1``/``k3``) and entropy.
 
-* ``logprobs``            log pi_theta, the policy being trained (with gradient);
-* ``proximal_logprobs``   log pi_prox, the same weights at the start of the step (no gradient);
-* ``behavior_logprobs``   log mu, what the inference engine sampled with (possibly several
-  versions old, and computed by a different kernel);
-* ``advantages``          A, one value per token (GRPO/RLOO broadcast a sequence value).
+Normalisation divides by ``normalizer``, which the trainer computes over the whole optimiser batch
+on every rank, so accumulation and data parallelism give the gradient of one big batch. Metrics are
+0-d detached tensors: ``_min``/``_max`` keys are extrema, the rest means over loss tokens.
 
-**Policy loss.** With r = pi_theta / pi_old and clip bounds (1 - eps_low, 1 + eps_high)::
-
-    l_t = -w_t * min(r_t * A_t, clip(r_t, 1 - eps_low, 1 + eps_high) * A_t)
-
-The old policy and the no-gradient correction weight w depend on the recipe:
-
-* ``decoupled`` (AReaL): pi_old = pi_prox and w = pi_prox / mu, either clamped at
-  ``cap`` or, in ``mask`` mode, tokens with w > cap are dropped from the sum (but still
-  counted in the normaliser). The trust region is then around the proximal policy while
-  the importance weight corrects for the data having come from mu.
-* ``tis = "token"`` (verl/slime truncated importance sampling): pi_old = pi_prox and
-  w_t = min(pi_prox / mu, cap). This is numerically the decoupled objective in clamp mode.
-* ``tis = "sequence"``: pi_old = pi_prox and one weight per sequence,
-  w = min(prod_t pi_prox / mu, cap), computed in log space.
-* neither: plain PPO against the behaviour policy, pi_old = mu and w = 1.
-
-When mu = pi_prox every variant is plain PPO (w = 1 and the ratios coincide); a unit test
-checks exactly that. Dual clip (``dual_clip = c > 1``) bounds the loss of negative-advantage
-tokens at ``-c * A`` so that a huge ratio cannot blow the update up.
-
-**Regularisers.** ``kl_coef * KL(pi_theta || pi_ref)`` with the ``k1`` (log ratio) or ``k3``
-(exp(ref - logp) - (ref - logp) - 1, unbiased and non-negative) estimator, and
-``- entropy_coef * H``. Both use the plain mask (importance masking does not remove them).
-
-**Normalisation.** ``token``: sum over tokens divided by ``normalizer`` (by default the
-number of loss tokens). ``sequence``: each sequence's token mean, times its weight
-``seq_weights`` (default 1; the learner passes one over the number of sequences of its
-episode, so that the unit is the episode), summed and divided by ``normalizer`` (by default
-the summed weight of the sequences with loss tokens). The trainer passes
-the count of the *whole* optimiser batch across all ranks and micro-batches, so that
-gradient accumulation and data parallelism give the same gradient as one big batch.
-
-Every function returns its metrics as 0-d detached tensors; keys ending in ``_min``/``_max``
-are extrema, every other key is a mean over the loss tokens (or sequences where noted),
-so that the caller can combine micro-batches weighted by their token counts.
+See docs/learner.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -331,23 +298,24 @@ def policy_loss(
         pg = torch.where(dual, bound, pg)
         metrics["dual_clip_frac"] = _mean(dual.float(), mask_b)
     per_token = weights * pg
-    reduce_kw = dict(
+    reduce = partial(
+        masked_reduce,
         normalization=cfg.normalization,
         seq_ids=seq_ids,
         num_seqs=num_seqs,
         normalizer=normalizer,
         seq_weights=seq_weights,
     )
-    pg_loss = masked_reduce(per_token, keep, count_mask=mask_b, **reduce_kw)
+    pg_loss = reduce(per_token, keep, count_mask=mask_b)
     loss = pg_loss
     if ref_logprobs is not None:
         kl = kl_penalty(logprobs, ref_logprobs.detach(), cfg.kl_estimator)
         if cfg.kl_coef:
-            loss = loss + cfg.kl_coef * masked_reduce(kl, mask_b, **reduce_kw)
+            loss = loss + cfg.kl_coef * reduce(kl, mask_b)
         metrics["kl"] = _mean(kl, mask_b)
     if entropy is not None:
         if cfg.entropy_coef:
-            loss = loss - cfg.entropy_coef * masked_reduce(entropy, mask_b, **reduce_kw)
+            loss = loss - cfg.entropy_coef * reduce(entropy, mask_b)
         metrics["entropy"] = _mean(entropy, mask_b)
     metrics.update(
         pg_loss=_mean(per_token, keep),

@@ -1,26 +1,15 @@
 """Models as the learner sees them: loading, the FSDP2 layout, and the packed forward.
 
-**Packed attention.** A micro-batch is one row of several sequences (``batching.collate``).
-transformers can keep such sequences apart from ``position_ids`` alone (it builds a
-block-diagonal mask for sdpa/eager), and we checked that this is exact on CPU; but a dense
-N x N mask makes attention cost grow with the micro-batch, not with each sequence. So the
-learner registers its own attention function, ``agentrl_varlen``, with transformers'
-``AttentionInterface``: it runs causal ``scaled_dot_product_attention`` on each sequence
-slice given by ``cu_seq_lens_q`` (the same keyword flash-attention's varlen path uses).
-Measured on the tiny model, 2048 tokens of 256-token sequences, one core: forward+backward
-0.45 s with varlen, 1.3 s with the transformers packed mask, 0.85 s for one 2048-token
-causal sequence. Custom attention names skip transformers' mask construction entirely.
-The functions work for any Hugging Face decoder that dispatches attention through
-``ALL_ATTENTION_FUNCTIONS`` (Llama, Qwen2/3, Mistral, ...).
+Packed attention: the learner registers its own attention function, ``agentrl_varlen``, with
+transformers' ``AttentionInterface``; it runs causal attention on each sequence slice given by
+``cu_seq_lens_q``, so attention never crosses sequences and costs per sequence, not per
+micro-batch. It works for any Hugging Face decoder that dispatches through
+``ALL_ATTENTION_FUNCTIONS``.
 
-**FSDP2 layout** (:func:`shard_model`, the only place parallelism is applied): one
-``fully_shard`` unit per decoder layer (the classes listed in the model's
-``_no_split_modules``, so no model-specific code) and one for the root, which holds the
-embeddings, final norm and (tied) LM head. GPU: parameters in bf16 for compute, gradients
-reduced in fp32, fp32 master weights (``MixedPrecisionPolicy``). CPU: fp32 throughout.
-Activation checkpointing uses transformers' own per-layer checkpointing (non-reentrant),
-which keeps parameter names unchanged, so checkpoints and weight pushes use Hugging Face
-names whatever the options.
+FSDP2 (:func:`shard_model`, the only place parallelism is applied): one ``fully_shard`` unit per
+decoder layer (``_no_split_modules``) and one for the root; bf16 compute with fp32 reduction and
+master weights on GPU, fp32 on CPU. Parameter names stay Hugging Face's whatever the options, so
+checkpoints and weight pushes use them. See docs/learner.md.
 """
 
 from __future__ import annotations
@@ -80,7 +69,7 @@ def load_causal_lm(path: str, *, device: torch.device | str = "cpu") -> nn.Modul
     register_varlen_attention()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=VARLEN_ATTENTION)
     model.config.use_cache = False
-    return model.to(device)
+    return model.to(device)  # pyright: ignore[reportArgumentType]  # transformers' wrapped .to reads as unbound
 
 
 class ValueModel(nn.Module):
@@ -135,10 +124,9 @@ def shard_model(
 
     if activation_checkpointing and trainable:
         for module in model.modules():
-            if getattr(module, "supports_gradient_checkpointing", False) and hasattr(
-                module, "activation_checkpointing_enable"
-            ):
-                module.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            enable = getattr(module, "activation_checkpointing_enable", None)
+            if getattr(module, "supports_gradient_checkpointing", False) and enable is not None:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
                 break
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     kwargs: dict[str, Any] = {"mesh": mesh}

@@ -1,46 +1,15 @@
 """What the actors did, as the learner sees it: ``rollout/*`` metrics per step and sample episodes.
 
-Every trajectory carries its episode's numbers in ``metadata`` (turns, tool calls and errors,
-latencies, finish reason, aborts survived, success; see :func:`agentrl.episode.rollout.run_episode`
-and :mod:`agentrl.agents.recording`), and every group reaches the learner. So the learner
-aggregates them, in one place and with no new channel: :class:`RolloutStats` takes every new
-group rank 0 receives (duplicates are not counted twice; groups it then drops as stale, flat or
-malformed are counted: they are what the actors did) and :meth:`RolloutStats.metrics` gives the
-aggregates over the groups received since the previous step, logged with that step's metrics
-(MLflow, ``learner_metrics.jsonl``, ``agentrl run``'s live table). The alternative, each actor
-logging its own :class:`agentrl.actors.metrics.ActorStats` to MLflow, would need every actor to
-open the run, would log per actor rather than per learner step, and would not survive an actor
-restart as one series. The actor's log keeps its own totals (``ActorStats``) for its report.
+:class:`RolloutStats` takes every new group rank 0 receives (duplicates once; groups dropped later
+still count) and :meth:`RolloutStats.metrics` aggregates the episodes received since the previous
+step, logged with that step's metrics. Per-sequence numbers are summed over an agent episode's
+sequences, per-episode ones read once; means are per episode. An episode is *truncated* when a
+limit ended it (:data:`TRUNCATIONS`, or any ``episode_limit``).
 
-Units. An episode of agentrl's own loop is one trajectory; an agent episode may be several
-sequences sharing ``metadata["episode_id"]`` (:func:`agentrl.learner.batching.episode_index`).
-Per-sequence numbers (turns, tool calls and errors, aborts, model tokens, latencies) are summed
-over an episode's sequences; per-episode ones (reward, success, ``episode_wall_s``, which every
-sequence of an agent episode carries) are read once. Means are per episode. An episode's finish
-reason is its last sequence's (``episode_limit`` when an agent reached one, as in evaluation);
-it is *truncated* when a limit ended it rather than the model or the env
-(:data:`TRUNCATIONS`, or any ``episode_limit``).
-
-Metrics (over the episodes received since the previous step; only ``rollout/groups`` and
-``rollout/episodes`` when there were none): ``rollout/turns_mean``, ``tool_calls_mean``,
-``tool_errors_per_episode``, ``tool_error_rate`` (errors per call), ``aborts_per_episode``,
-``response_tokens_mean`` / ``_max`` (model tokens per episode), ``tokens_mean`` (all tokens per
-sequence), ``sequences_per_episode``, ``episode_wall_s_mean``, ``generation_latency_s_mean`` and
-``tool_latency_s_mean`` (per call), ``truncated_frac``, ``reward_error_frac``, ``reward_mean``,
-``success_frac`` (episodes the env judged), ``finish_reason/<reason>`` (fractions of episodes),
-and the policy versions behind them: ``policy_lag_mean`` / ``_max`` (the learner's version when
-the group arrived minus the oldest version that wrote a token of the episode) and
-``multi_version_frac`` (episodes that outlived a weight update). Per env name,
-``rollout/env/<name>/{episodes,reward_mean,success_frac,turns_mean,truncated_frac}``. The
-recent success over time per env stays ``env/<name>/success_recent`` (``GroupBuffer``).
-Finish reasons and env names are the first 16 seen in a step, the rest ``other`` (a sender
-cannot grow the metrics without bound). Only running sums are kept, no episode, so a long wait
-for a batch (every group dropped) does not grow the learner's memory.
-
-Sample episodes (:func:`sample_episodes`): from the groups of a step, the best and worst
-episode (the first of equals) of the first few, with their conversation (``metadata["messages"]`` as the actor kept
-it, or else the tokens decoded in model/context segments), reward, finish reason and versions,
-as one JSON document that MLflow's artifact view shows (``samples/step_000010.json``).
+Invariants: only running sums are kept, so a long wait for a batch does not grow memory; finish
+reasons and env names are the first 16 seen in a step, the rest ``other``, so a sender cannot grow
+the metrics without bound. :func:`sample_episodes` picks the best and worst episodes of a step's
+first groups as one JSON document (``samples/step_<n>.json``). See docs/learner.md.
 """
 
 from __future__ import annotations

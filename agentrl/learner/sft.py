@@ -1,33 +1,18 @@
 """``agentrl sft``: supervised warm-start on conversations with tool calls.
 
-**Data.** ``sft.data`` names a JSONL file, one conversation per line:
-``{"messages": [...], "tools": [...]}`` with OpenAI-style messages (``role`` system, user,
-assistant with optional ``tool_calls``, tool) and optional tool schemas. When ``sft.data``
-is empty, the environment (``env.cls``) supplies ``sft.num_demonstrations`` correct
-episodes through ``Env.demonstration(task)``, with its tools' schemas.
+Data: ``sft.data`` (JSONL, one ``{"messages": [...], "tools": [...]}`` per line), or when empty
+``sft.num_demonstrations`` episodes from ``Env.demonstration(task)``.
 
-**Tokens and loss mask.** A conversation is tokenised exactly as the actor would have
-produced it (:mod:`agentrl.episode.chat`), piece by piece: the prompt (the messages before
-the first assistant message, with the generation prompt); then for each assistant message
-the text the model generates for it (:meth:`ChatCodec.assistant_text`: the template's
-rendering of it as the latest turn, thinking and tool calls included, through the
-end-of-turn token), with loss; then the template's text for the messages up to the next
-assistant message and its generation prompt (:meth:`ChatCodec.context_after_turn`), without
-loss. Each piece is tokenised on its own, as the actor's are. So templates that rewrite
-history are trained on what the model generated: Qwen3 keeps each turn's ``<think>`` block
-(from ``reasoning_content`` or raw in ``content``) where a full rendering would drop earlier
-ones. For a prefix-stable template the tokens decode to ``apply_chat_template(messages)``.
-Spans are not found with ``return_assistant_tokens_mask``: the templates real models ship
-have no ``{% generation %}`` markers, and a mask over a full rendering would train Qwen3 on
-a history without the reasoning its turns were generated with.
+A conversation is tokenised piece by piece exactly as the actor would have produced it
+(:mod:`agentrl.episode.chat`): the prompt, then per assistant message the text the model
+generates for it (:meth:`ChatCodec.assistant_text`) with loss, then the template's context up to
+the next assistant message (:meth:`ChatCodec.context_after_turn`) without loss. So templates that
+rewrite history (Qwen3's ``<think>`` blocks) are trained on what the model generated.
 
-**Training** uses the learner's :class:`Trainer` (same FSDP2 layout, step, checkpoint
-format): steps of about ``sft.batch_tokens`` tokens, micro-batches of
-``learner.max_tokens_per_microbatch``, token-mean NLL of assistant tokens, LR ``sft.lr``
-with ``sft.warmup_steps``/``sft.lr_schedule``. The order of examples is a fixed
-function of ``run.seed`` and the epoch, so a resumed run skips exactly the batches it has
-already trained on. At the end the policy is exported as a Hugging Face folder
-(``sft.output_dir``), ready to be ``model.path`` of an RL run.
+Training uses the learner's :class:`Trainer` (token-mean NLL of assistant tokens); the order of
+examples is a fixed function of ``run.seed`` and the epoch, so a resumed run skips exactly what it
+trained on. The result is exported to ``sft.output_dir`` as a Hugging Face folder. See
+docs/learner.md.
 """
 
 from __future__ import annotations
@@ -332,7 +317,8 @@ def sft(cfg: AgentRLConfig) -> Path:
             if dist_info.is_main:
                 with metrics_file.open("a") as f:
                     f.write(json.dumps({"step": trainer.step, **metrics}) + "\n")
-                if trainer.step % 10 == 0 or trainer.step == steps:  # MLflow every 10 steps: a write costs ~50 ms
+                # MLflow every 10 steps: a write costs ~50 ms (the main rank has the tracker)
+                if tracker is not None and (trainer.step % 10 == 0 or trainer.step == steps):
                     tracker.log_metrics(metrics, step=trainer.step)
                     log.info("sft step %d/%d | nll %.4f", trainer.step, steps, metrics.get("sft/nll", float("nan")))
             if lc.checkpoint_every_steps and trainer.step % lc.checkpoint_every_steps == 0:
@@ -345,7 +331,9 @@ def sft(cfg: AgentRLConfig) -> Path:
             tracker.close()
     out = Path(cfg.sft.output_dir) if cfg.sft.output_dir else run_dir / "sft" / "model"
     if dist_info.is_main:
-        export_checkpoint(latest_checkpoint(root), out)
+        latest = latest_checkpoint(root)
+        assert latest is not None, "the run's last checkpoint was saved above"
+        export_checkpoint(latest, out)
         log.info("SFT done after %d steps; model written to %s", trainer.step, out)
     broadcast_object(None)
     return out

@@ -1,31 +1,14 @@
 """The trainer: FSDP2 models, AdamW, the LR schedule, and one function per step.
 
-A step (:meth:`Trainer.rl_step`) reads top to bottom:
+A step (:meth:`Trainer.rl_step`): plan (split the batch into ``num_minibatches`` optimiser batches,
+each packed into micro-batches dealt evenly over ranks, with one global loss normaliser);
+prepare without gradient (PPO's GAE, proximal logprobs when there is more than one update, the
+KL reference); update (forward/backward per micro-batch, clip, AdamW; a step whose gradient norm is
+not finite is skipped and counted); PPO's critic; scheduler and metrics.
 
-1. **Plan.** Every rank holds the same batch of samples. It is split into
-   ``num_minibatches`` optimiser batches; each is packed into micro-batches of at most
-   ``max_tokens_per_microbatch`` tokens and dealt evenly over ranks (``batching``). The
-   loss normaliser (tokens or sequences of the whole optimiser batch, all ranks) is
-   computed here, so gradient accumulation by token budget and data parallelism give the
-   gradient of one big batch.
-2. **Prepare** (no gradient, weights as at the start of the step): PPO runs the critic and
-   computes GAE advantages and returns; when the step makes more than one optimiser
-   update, the proximal logprobs are recomputed over the whole batch; with a KL term the
-   reference model scores the batch (with LoRA: the policy with its adapters switched off,
-   which is the base model, instead of a second copy). With a single update the proximal policy *is* the
-   current policy, so its logprobs are the detached logprobs of the update's own forward
-   (bit-identical to a recompute, one forward cheaper).
-3. **Update.** For each optimiser batch: forward/backward on every micro-batch (the loss
-   is multiplied by the world size because FSDP averages gradients over ranks while our
-   loss is already normalised globally), clip the gradient norm, AdamW step. A step whose
-   gradient norm is not finite is skipped and counted, not applied.
-4. **Critic** (PPO): the same micro-batches, clipped value loss, its own AdamW.
-5. Scheduler step, metrics reduced over micro-batches and ranks.
-
-**LoRA** (``spec.lora``, ``agentrl.learner.lora``): adapters are injected into the policy before
-FSDP2 shards it and everything else is frozen, so only the adapters have gradients and AdamW
-state. The forward is the same function with or without adapters, so behaviour, proximal and
-reference logprobs are computed as without LoRA. PPO's critic stays a full model.
+The loss is multiplied by the world size because FSDP averages gradients over ranks while the
+loss is already normalised over the whole batch. With LoRA (``spec.lora``) only the adapters train;
+the forward is the same, and PPO's critic stays a full model. See docs/learner.md.
 """
 
 from __future__ import annotations
@@ -54,6 +37,11 @@ from agentrl.learner.model import (
     token_logprobs,
     token_values,
 )
+
+
+def _padded(x: Tensor, *, rows: int, length: int, seq: Tensor, pos: Tensor) -> Tensor:
+    """Packed per-token values as a [rows, length] grid: token i at (seq[i], pos[i]), zeros elsewhere."""
+    return torch.zeros(rows, length, dtype=x.dtype, device=x.device).index_put_((seq, pos), x)
 
 
 @dataclass(frozen=True)
@@ -341,7 +329,7 @@ class Trainer:
         metrics = acc.reduce(self.device)
         metrics.update(timer.seconds)
         metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
-        metrics["lr"] = self.scheduler.get_last_lr()[0]
+        metrics["lr"] = float(self.scheduler.get_last_lr()[0])
         metrics["skipped_updates"] = float(self.skipped_updates)
         return metrics
 
@@ -385,17 +373,22 @@ class Trainer:
 
     # ------------------------------------------------------------------ PPO's critic
 
+    def critic_and_optimizer(self) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """PPO's critic and its optimiser; RuntimeError for an algorithm without a critic."""
+        if self.critic is None or self.critic_optimizer is None:
+            raise RuntimeError(f"algorithm {self.spec.algorithm!r} has no critic")
+        return self.critic, self.critic_optimizer
+
     def _compute_gae(self, micro_batches: list[MicroBatch]) -> None:
         """Old values, GAE advantages and returns for every micro-batch (no gradient)."""
+        critic, _ = self.critic_and_optimizer()
         for mb in micro_batches:
-            values = token_values(self.critic, mb)
+            values = token_values(critic, mb)
             seq = mb.seq_ids
             pos = mb.position_ids[0]
             length = int(pos.max()) + 1
             mask = mb.loss_mask
-            padded = lambda x: torch.zeros(mb.num_seqs, length, dtype=x.dtype, device=x.device).index_put_(  # noqa: E731
-                (seq, pos), x
-            )
+            padded = partial(_padded, rows=mb.num_seqs, length=length, seq=seq, pos=pos)
             # The reward sits on each sequence's last action.
             last = torch.full((mb.num_seqs,), -1, dtype=torch.long, device=seq.device)
             last = last.scatter_reduce(0, seq[mask], pos[mask], reduce="amax")
@@ -428,8 +421,9 @@ class Trainer:
             count = torch.tensor(normalizer, device=self.device)
             dist.all_reduce(count)
             normalizer = float(count)
+        critic, optimizer = self.critic_and_optimizer()
         for mb in micro_batches:
-            values = token_values(self.critic, mb)
+            values = token_values(critic, mb)
             loss, metrics = value_loss(
                 values,
                 mb.extras["old_values"],
@@ -440,7 +434,7 @@ class Trainer:
             )
             (loss * self.dist.world_size).backward()
             acc.add(metrics, weight=mb.num_loss_tokens, prefix="critic/")
-        norm = self._apply_gradients(self.critic, self.critic_optimizer)
+        norm = self._apply_gradients(critic, optimizer)
         acc.add_sum("critic/grad_norm", norm / self.dist.world_size / max(1, self.spec.num_minibatches))
 
     # ------------------------------------------------------------------ SFT
@@ -466,21 +460,5 @@ class Trainer:
         metrics = acc.reduce(self.device)
         metrics.update(timer.seconds)
         metrics["grad_norm"] = grad_norm
-        metrics["lr"] = self.scheduler.get_last_lr()[0]
+        metrics["lr"] = float(self.scheduler.get_last_lr()[0])
         return metrics
-
-    # ------------------------------------------------------------------ evaluation helpers
-
-    @torch.no_grad()
-    def sample_logprobs(self, samples: list[Sample]) -> list[Tensor]:
-        """Per-sample logprobs of tokens 1..T-1 under the current policy (all ranks must call;
-        every rank gets every sample's values). For tests and diagnostics."""
-        plan = plan_microbatches([s.num_tokens for s in samples], self.spec.max_tokens_per_microbatch, 1)[0]
-        out: list[Tensor | None] = [None] * len(samples)
-        for indices in plan:
-            mb = collate([samples[i] for i in indices], pad_token_id=self.pad_token_id).to(self.device)
-            logprobs, _ = token_logprobs(self.policy, mb, temperature=self.spec.temperature, all_positions=True)
-            starts = mb.cu_seqlens.tolist()
-            for j, i in enumerate(indices):
-                out[i] = logprobs[starts[j] : starts[j + 1] - 1].cpu()
-        return out  # type: ignore[return-value]

@@ -1,105 +1,26 @@
-"""The weight push, learner side, in one place: from FSDP2 shards to the engines' parameters.
+"""The weight push, learner side: from FSDP2 shards to the engines' parameters.
 
-The learner reaches the engines over HTTP (SGLang's native API) and the broadcast group
-(``agentrl.weight_group``) only; the engine's end is ``agentrl.engine.weights``.
+The learner reaches the engines over SGLang's HTTP API and the broadcast group
+(``agentrl.weight_group``) only; the engine's end is ``agentrl.engine.weights``. What is sent: the
+parameters under Hugging Face names in the engines' dtype, minus a tied ``lm_head``
+(:func:`without_tied_head`), with LoRA adapters merged in. :func:`plan_buckets` groups them from
+metadata alone; a bucket is one gather over the shards (every rank), one HTTP
+``/update_weights_from_distributed`` per engine and its broadcasts, so rank 0 holds one bucket.
 
-**What is sent.** The model's parameters in ``named_parameters()`` order, under their Hugging
-Face names, in the engines' dtype (``model.dtype``). With tied embeddings ``lm_head.weight`` is
-not sent (:func:`without_tied_head`, the one rule; engines tie it themselves, as SGLang does).
-A policy with LoRA adapters sends the base model's parameters with each adapter merged into its
-layer's weight (``agentrl.learner.lora.push_items``: ``W + scaling * B @ A``, computed when its
-bucket is gathered), so any engine takes it as a full update. The other way, the adapter alone
-through SGLang's ``/load_lora_adapter``, is :meth:`WeightUpdater.push_adapter`.
+An update (:meth:`WeightUpdater.push_plan`): pause every engine -> version ``"default"`` ->
+``/begin_weight_update`` -> per bucket, the HTTP call fired at every engine without waiting, then
+the broadcasts -> ``/end_weight_update`` -> continue. End and continue run even when a bucket
+fails. The last bucket carries ``weight_version`` and ``flush_cache`` (K/V from old weights must
+not serve a later turn).
 
-**Buckets** (:func:`plan_buckets`, the one bucketing pass): consecutive tensors up to
-``bucket_bytes`` per bucket (a larger tensor is a bucket of its own), one dtype per bucket.
-The plan is made from metadata only (shapes, dtypes: nothing is gathered), so the last
-bucket is known in advance; it carries ``weight_version`` and ``flush_cache``. A bucket is
-one unit of everything: one gather step over the FSDP2 shards (:func:`full_tensors`, every
-learner rank in lockstep, since ``full_tensor()`` is a collective), one HTTP
-``/update_weights_from_distributed`` per engine, and its broadcasts. Rank 0 holds one
-gathered bucket at a time, never the model.
+Invariants: an engine reports a policy's number only after a complete update, so the one rule is
+that an engine not reporting the learner's version gets the weights (:meth:`WeightUpdater.lagging`);
+a torch.distributed group cannot re-admit a rank, so any change of the answering engines forms a
+new group (:meth:`WeightUpdater.membership_change`), and a push that loses a member raises
+:class:`EngineLost`. Admin routes carry the admin key, keys are never logged.
 
-**The group.** The trainer is rank 0; the members are the engines that answered when it was
-formed (:attr:`WeightUpdater.members`). SGLang joins an engine with one rank per TP rank
-(``rank = rank_offset + tp_rank``), so engine ``i``'s offset is 1 + the ``tp_size`` of the
-engines before it and the world is 1 + all of them, read from each engine's ``/server_info``
-(:func:`rank_layout`). An engine with ``dp_size`` > 1 is refused: SGLang asserts
-``dp_size == 1`` for distributed updates; DP replicas run as separate engines behind
-sglang-router. The trainer joins while its ``/init_weights_update_group`` calls are in
-flight (both sides block in the rendezvous); an engine that refuses the call (a wrong key, a
-bad backend) fails the connect at once instead of leaving the trainer in the rendezvous.
-
-**An update** (:meth:`WeightUpdater.push_plan`): pause every engine (``pause_mode``) ->
-``/begin_weight_update`` -> per bucket: fire the HTTP update at every engine *without
-waiting*, broadcast the tensors in exactly that order (all posted at once as async ops, so
-there is no per-tensor round trip), collect the answers -> ``/end_weight_update`` ->
-continue. On NCCL a broadcast's ``wait()`` does not block the host, so the host synchronises with
-the device (:func:`_settle`) before the broadcast's time is taken and the answers are read.
-End and continue also run when a bucket fails, and the remaining buckets are still gathered
-(the other learner ranks are in those collectives). Pausing first is what avoids the classic
-hang (a server that waits for its running requests while the trainer already blocks in a
-broadcast). SGLang 0.5.23 refuses updates outside begin/end; older builds answer
-404 there, which is skipped with one warning per engine.
-
-**The cache.** SGLang keeps the radix cache across an update unless asked to flush it, and
-``flush_cache`` defaults to true on *every* bucket. K/V computed under the old weights must
-not serve a turn after the update, so the last bucket carries ``flush_cache: true`` (the
-others false): the engine flushes once, in the call that completes the update, before
-generation continues (one fewer round trip than a separate ``/flush_cache``; ``bench/engine.py``
-measures both). With pause mode ``in_place`` running requests keep their old K/V by design
-and SGLang refuses to flush while requests run (it would fail the update), so nothing is
-flushed then (warned once).
-
-**Versions.** The last bucket carries ``weight_version`` (the policy version as a string).
-Right after the pause every member is told ``"default"`` (SGLang's "no version"), so a number is
-only ever left on an engine by a *complete* update: an update cut short (an engine or the
-learner killed, a refused bucket) leaves ``"default"``, on which actors wait, never mixed
-weights under a policy's number. So an engine's number can be trusted, and the learner's rule
-is one: an engine that does not report the learner's version gets its weights
-(:meth:`WeightUpdater.lagging`).
-
-**Membership** (:meth:`WeightUpdater.membership_change`, :meth:`WeightUpdater.connect`). Engines
-die and come back (agentrl's supervisor restarts them without a version, so they report
-``"default"``; Kubernetes restarts them with ``--weight-version 0``). A torch.distributed group
-cannot re-admit a rank, so the learner re-checks the engines before every push and every poll
-while it waits for data (``/model_info``: does each answer, and does it report what the learner
-left on it?) and, on any change, forms a new group with every engine that answers and pushes.
-An engine that does not answer is left out until it does; a push that breaks on a dead member
-raises :class:`EngineLost` and the learner re-forms and pushes again.
-
-**Keys.** Admin routes (pause, continue, begin/end, weights, flush, version) carry the admin
-key (``engine.admin_api_key_env``, else the ``engine.api_key_env`` key); ``/server_info`` and
-``/model_info`` carry the api key -- SGLang's rules (``sglang/srt/utils/auth.py``). Keys are
-read from the environment (``agentrl.secrets``) and never logged.
-
-**Wire format, chosen by measurement** (``bench/engine.py``): by default one broadcast per
-tensor, straight from the trainer's memory into the engine's parameters when dtype and shape
-agree -- no copy on either side. SGLang's ``load_format = "flattened_bucket"`` (the bucket's
-bytes concatenated in ``names`` order, one uint8 broadcast) is supported too, but costs a
-fresh allocation and a copy of every byte on each side, more than it saves on CPU (100 MiB:
-~400-550 ms against ~100-130 ms).
-
-:meth:`WeightUpdater.push_from_disk` is the fallback: pause, ``/update_weights_from_disk`` on
-every engine, continue.
-
-**LoRA adapters alone** (``learner.lora.sync = "adapter"``, :func:`push_adapter`): every rank
-gathers the adapters' factors (a few MB), rank 0 writes them as a PEFT folder
-(``<run_dir>/lora_adapters/v<version>``, the last two kept) and
-:meth:`WeightUpdater.push_adapter` swaps the engines' adapter: pause (``abort``) ->
-``/unload_lora_adapter`` -> ``/load_lora_adapter`` (SGLang's request structs: ``lora_name``,
-``lora_path``) -> ``/update_weight_version`` -> continue. The name stays the same
-(``agentrl-policy``), so requests name it in ``lora_path`` whatever the version. SGLang waits in
-the unload for every request that uses the adapter; paused with ``retract`` or ``in_place``
-those requests keep it and the unload would never return, so only ``abort`` is accepted. The
-folder must be readable by the engines (one machine, or a shared file system). An engine that
-reports a version holds the adapter: engines that serve it start and restart without a version
-(``agentrl.run.process_plan``), the learner loads it into every engine at its first push and into every
-engine that reports another version than it left there (a restarted engine, whose first load
-needs no unload), and actors wait on an engine that refuses the adapter while it reports
-``"default"`` (``agentrl.episode.rollout``). SGLang's ``/load_lora_adapter_from_tensors`` is not
-used: its tensors are pickled ``torch`` tensors (``MultiprocessingSerializer``), which SGLang reads
-through shared memory or CUDA IPC of the same host, like ``/update_weights_from_tensor``.
+``learner.lora.sync = "adapter"`` sends the adapter alone as a PEFT folder (:func:`push_adapter`:
+pause with ``abort``, unload, load, version, continue). See docs/learner.md.
 """
 
 from __future__ import annotations
@@ -109,7 +30,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -152,7 +73,7 @@ def _identity(t: Any) -> set[tuple]:
     import torch
     from torch.distributed.tensor import DTensor
 
-    keys = {("object", id(t))}
+    keys: set[tuple] = {("object", id(t))}
     if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):  # a DTensor's memory is its local shard
         keys.add(("memory", t.data_ptr(), tuple(t.shape), t.dtype))
     return keys
@@ -218,23 +139,6 @@ def full_tensors(
                 data = data.to(device)
             out.append((name, data.contiguous()))
     return out
-
-
-def iter_full_tensors(
-    model: nn.Module, *, bucket_bytes: int = 64 << 20, dtype: torch.dtype | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, full tensor)`` of everything :func:`push_weights` sends, yielded on rank 0 (other
-    ranks yield nothing), gathering one bucket at a time. Must be iterated to the end on every rank."""
-    import torch.distributed as dist
-
-    is_main = not dist.is_initialized() or dist.get_rank() == 0
-    for bucket in plan_buckets(tensors_to_push(model), bucket_bytes, dtype):
-        gathered = full_tensors(bucket, dtype)
-        while gathered:
-            item = gathered.pop(0)
-            if is_main:
-                yield item
-            del item
 
 
 def push_weights(
@@ -450,7 +354,7 @@ class WeightUpdater:
                 f"{url}{path}",
                 json=body if method == "POST" else None,
                 headers=headers,
-                **({} if timeout_s is None else {"timeout": timeout_s}),
+                timeout=httpx.USE_CLIENT_DEFAULT if timeout_s is None else timeout_s,
             )
         except httpx.HTTPError as e:
             raise EngineLost(f"{url}{path}: {type(e).__name__}: {e}") from None
@@ -736,12 +640,6 @@ class WeightUpdater:
             destroy_weight_group(self.group)
             self.group = None
             gc.collect()
-
-    def engine_versions(self) -> list[str]:
-        """The ``weight_version`` each configured engine reports (``/model_info``)."""
-        return [
-            str(self._get(url, ("/model_info", "/get_model_info")).get("weight_version")) for url in self.engine_urls
-        ]
 
     # -- updates ------------------------------------------------------------------------------
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:

@@ -1,30 +1,15 @@
 """The tool API: tools are classes or decorated functions; calls never crash an episode.
 
-A tool has a name, a description and a JSON-schema of its parameters, rendered in the
-OpenAI function format that chat templates understand. For a decorated function the schema
-comes from its type hints and the ``Args:`` section of its docstring::
+A tool has a name, a description and a JSON schema of its parameters (OpenAI function format); for
+a decorated function (:func:`tool`) the schema comes from the type hints and the ``Args:`` section
+of its docstring. A parameter named ``state`` receives the episode's state dict and is not in the
+schema. Arguments arrive as the hints promise (an ``Enum`` member, a tuple).
 
-    @tool
-    async def lookup(query: str, top_k: int = 3) -> str:
-        '''Search the corpus.
-
-        Args:
-            query: what to look for.
-            top_k: how many passages to return.
-        '''
-
-A parameter named ``state`` is not part of the schema: the :class:`ToolBox` passes the
-episode's state dict there (where per-episode resources such as a sandbox live). Arguments
-arrive as the hints promise: an ``Enum`` parameter gets the member whose value the model
-wrote, a ``tuple`` parameter a tuple.
-
-:class:`ToolBox` executes calls for the agent loop. Every failure mode -- unknown tool,
-arguments that do not fit the schema, an exception, a time-out, an oversized output -- turns
-into a :class:`ToolResult` with ``is_error=True`` and a message the model can read. Only
-``trio.Cancelled`` (the episode itself being cancelled) propagates. A tool answers with an error
-on purpose by raising :class:`ToolError` (a country the atlas does not know): the model reads its
-message, and it is counted as the tool's answer (``error_kind="tool_error"``), apart from the
-crashes and time-outs an evaluation reports as the tool's fault.
+Invariant: :class:`ToolBox` turns every failure (unknown tool, arguments that do not fit, an
+exception, a time-out, an oversized output) into a :class:`ToolResult` with ``is_error=True`` and a
+message the model can read; only ``trio.Cancelled`` propagates. A tool answers with an error on
+purpose by raising :class:`ToolError` (counted as ``error_kind="tool_error"``, not as a crash).
+See docs/tools.md.
 """
 
 from __future__ import annotations
@@ -414,6 +399,7 @@ class ToolBox:
         if problem:
             return ToolResult(f"Error: {problem}", is_error=True, error_kind="bad_arguments")
         limit = tool_.timeout_s or self.timeout_s
+        out: object = None  # set unless the call timed out
         try:
             with trio.move_on_after(limit) as scope:
                 out = await tool_.run(**kwargs)

@@ -1,18 +1,9 @@
 """The ``calculator`` tool: exact arithmetic with a hand-written parser (never ``eval``).
 
-Grammar (usual precedence, ``**``/``^`` right-associative and binding tighter than unary minus,
-as in Python)::
-
-    expr   := term (("+" | "-") term)*
-    term   := unary (("*" | "/" | "//" | "%") unary)*
-    unary  := ("+" | "-") unary | power
-    power  := atom (("**" | "^") unary)?
-    atom   := NUMBER | "(" expr ")"
-
-Values are :class:`fractions.Fraction`, so ``0.1 + 0.2`` is exactly ``0.3`` and integer results
-print without a decimal point. Inputs that could hang or exhaust memory are refused with a
-message: expressions longer than :data:`MAX_CHARS`, nesting deeper than :data:`MAX_DEPTH`,
-exponents beyond :data:`MAX_EXPONENT` and results with more than :data:`MAX_BITS` bits.
+Usual precedence; ``**``/``^`` is right-associative and binds tighter than unary minus, as in
+Python. Values are :class:`fractions.Fraction`, so ``0.1 + 0.2`` is exactly ``0.3``. Inputs that
+could hang or exhaust memory are refused with a message: beyond :data:`MAX_CHARS` characters,
+:data:`MAX_DEPTH` nesting, :data:`MAX_EXPONENT` exponents or :data:`MAX_BITS` result bits.
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
 """Tool-call parsing from the text of an assistant turn.
 
-The default format is Qwen/Hermes: each call is a JSON object
-``{"name": ..., "arguments": {...}}`` between ``<tool_call>`` and ``</tool_call>``; a turn may
-hold several. Parsing never raises: each problem (invalid JSON, a missing name, a call cut
-off by the length limit) becomes an error string that the agent loop turns into an error
-observation for the model, so the model learns from its malformed calls instead of the
-episode crashing.
+The default format is Qwen/Hermes: JSON ``{"name": ..., "arguments": {...}}`` between
+``<tool_call>`` and ``</tool_call>``, several per turn. The JSON is decoded first, so an argument
+that holds ``</tool_call>`` still parses. Strict JSON only: ``NaN``, ``Infinity``, overflowing
+numbers, duplicate keys, too-deep nesting and too-long integers are errors.
 
-The JSON after ``<tool_call>`` is decoded first (``raw_decode``), and the call ends at the
-``</tool_call>`` that follows it, so an argument whose text holds ``</tool_call>`` (which a
-chat template's ``tojson`` renders as is) still parses. Strict JSON only: ``NaN``,
-``Infinity`` and numbers that overflow to it like ``1e999`` (which Python's ``json`` would
-accept) and duplicate keys (where it would keep the last silently) are errors, and so are JSON nested too deeply or numbers too long for
-Python (``RecursionError``, the integer digit limit), which would otherwise escape as
-exceptions.
-
-Other formats implement :class:`ToolCallParser` and are chosen by the env (``env.tool_parser``):
-``llama3`` reads Llama 3.1/3.2's JSON calls, as SGLang's ``llama3`` parser does.
+Invariant: parsing never raises; each problem becomes an error string the agent loop returns to the
+model as an observation. Other formats implement :class:`ToolCallParser` and are chosen by the env
+(``env.tool_parser``; ``llama3`` as SGLang's). See docs/tools.md.
 """
 
 from __future__ import annotations

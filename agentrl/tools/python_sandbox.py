@@ -1,12 +1,10 @@
 """The ``python`` tool: run model-written code in the episode's sandbox.
 
-The sandbox lives in the episode state (``state["sandbox"]``), put there by the env's
-``setup`` (see :class:`agentrl.envs.sandboxed.SandboxedEnv`), so every call of one episode
-runs in the same sandbox and sees the files earlier calls wrote (except on the local backend
-when agentrl is not root: there ``/work`` is a fresh tmpfs for each run). The model sees stdout,
-then stderr, then a bracketed status line when the code failed or hit a limit, e.g.
-``[CPU time limit of 5 s exceeded]``. The tool's own time limit is the sandbox's wall-clock
-limit plus a margin, so the sandbox reports a time-out before the ToolBox would.
+The sandbox is ``state["sandbox"]``, put there by the env's ``setup``
+(:class:`agentrl.envs.sandboxed.SandboxedEnv`), so the calls of one episode share it and its files
+(except on the local backend when agentrl is not root). The model sees stdout, stderr, then a
+bracketed status line when the code failed or hit a limit. The tool's time limit is the sandbox's
+wall-clock limit plus a margin, so the sandbox reports a time-out first. See docs/tools.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """The ``search`` tool: ranked passages from a BM25 index, over HTTP or in-process.
 
-With ``url`` set, each call POSTs ``{"queries": [query], "top_k": k}`` to
-``<url>/retrieve`` of an ``agentrl serve-search`` server (or anything speaking the same
-API); with ``index`` set, it searches a :class:`~agentrl.tools.search_server.BM25Index` in
-this process (in a worker thread). The model sees numbered passages::
-
-    [1] The Silver Lamp is a novel written by Ravel Omni.
-    [2] ...
-
-or ``No results.``. HTTP failures raise, and the :class:`~agentrl.tools.base.ToolBox` turns
-them into error observations. When the environment variable ``token_env`` (default
-``AGENTRL_SEARCH_TOKEN``, or its ``_FILE``) holds a token, each request carries it as a bearer token.
+With ``url`` each call POSTs ``{"queries": [query], "top_k": k}`` to ``<url>/retrieve`` of an
+``agentrl serve-search`` server; with ``index`` it searches a
+:class:`~agentrl.tools.search_server.BM25Index` in a worker thread. The model sees numbered
+passages or ``No results.``; HTTP failures raise and become error observations. A token in
+``token_env`` (default ``AGENTRL_SEARCH_TOKEN``, or its ``_FILE``) is sent as a bearer token.
+See docs/tools.md.
 """
 
 from __future__ import annotations

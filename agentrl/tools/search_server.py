@@ -1,26 +1,12 @@
 """A BM25 retrieval server over a local JSONL corpus (``agentrl serve-search``).
 
-Corpus: one JSON object per line with ``text`` and optionally ``id`` (else the line number)
-and ``title`` (prepended to the text for indexing). The index is built with ``bm25s`` at
-start-up (English stop words, no stemming: the corpora are small and exact names matter),
-which takes well under a second for thousands of passages.
-
-HTTP API (starlette + uvicorn):
-
-* ``POST /retrieve`` ``{"queries": ["..."], "top_k": 3}`` ->
-  ``{"results": [[{"id": ..., "text": ..., "score": ...}, ...], ...]}``, one ranked list per
-  query; passages sharing no term with the query (score 0) are left out.
-* ``GET /health`` -> ``{"status": "ok", "num_passages": N}``.
-
-Bad requests get HTTP 400 with ``{"error": "..."}`` naming the problem.
-
-A bearer token guards ``/retrieve`` when one is configured: the environment variable named by
-``--token-env`` (``env.search_token_env``; default ``AGENTRL_SEARCH_TOKEN``, or its ``_FILE``),
-read with ``agentrl.secrets.read_secret``. Requests without it get 401 ``{"error":
-"Unauthorized"}``; ``/health`` stays open. The rules are the engine's (``agentrl.http_auth``).
-
-The server binds its socket before start-up and prints ``serving search on http://HOST:PORT``
-so that ``--port 0`` (a free port chosen by the kernel) can be used by scripts and tests.
+Corpus: one JSON object per line with ``text`` and optionally ``id`` and ``title``; the index is
+built with ``bm25s`` at start-up (English stop words, no stemming: exact names matter).
+``POST /retrieve`` ``{"queries": [...], "top_k": 3}`` answers one ranked list per query (passages
+with score 0 left out); ``GET /health`` stays open. Bad requests get 400 ``{"error": ...}``.
+A bearer token guards ``/retrieve`` when ``--token-env`` names one, with the engine's rules
+(``agentrl.http_auth``). The server prints ``serving search on http://HOST:PORT`` once bound, so
+``--port 0`` works for scripts and tests. See docs/tools.md.
 """
 
 from __future__ import annotations
@@ -47,7 +33,7 @@ class BM25Index:
             raise ValueError("the corpus is empty")
         self.passages = [{"id": str(p.get("id", i)), "text": str(p["text"])} for i, p in enumerate(passages)]
         texts = [f"{p.get('title', '')} {p['text']}".strip() for p in passages]
-        self._tokenizer = bm25s.tokenization.Tokenizer(stopwords="en", stemmer=None)
+        self._tokenizer = bm25s.tokenization.Tokenizer(stopwords="en")  # no stemmer (its default)
         tokens = self._tokenizer.tokenize(texts, return_as="tuple", show_progress=False)
         self._bm25 = bm25s.BM25()
         self._bm25.index(tokens, show_progress=False)
@@ -66,7 +52,12 @@ class BM25Index:
         k = max(1, min(top_k, len(self.passages)))
         with self._lock:
             ids = self._tokenizer.tokenize(list(queries), update_vocab=False, return_as="ids", show_progress=False)
-            docs, scores = self._bm25.retrieve(ids, k=k, show_progress=False, n_threads=1)
+            docs, scores = self._bm25.retrieve(
+                ids,  # pyright: ignore[reportArgumentType]  # bm25s annotates str tokens; it takes ids as well
+                k=k,
+                show_progress=False,
+                n_threads=1,
+            )
         results = []
         for row_docs, row_scores in zip(docs.tolist(), scores.tolist()):
             results.append(

@@ -1,17 +1,11 @@
 """Transport between actors and learner: interfaces, ZeroMQ channels, in-memory twins.
 
-* :mod:`agentrl.transport.base`: the interfaces both sides import (``GroupSink``,
-  ``GroupSource``, ``ProgressSink``, ``ProgressSource``) and ``TransportError``.
-* :mod:`agentrl.transport.zmq_channels`: ``GroupSender``/``GroupReceiver`` (PUSH/PULL) and
-  ``ProgressPublisher``/``ProgressSubscriber`` (PUB/SUB), over ``PushSocket``/``PullSocket``.
-* :mod:`agentrl.transport.mailbox`: the thread/trio bridge under the progress sockets.
-* :mod:`agentrl.transport.memory`: ``InMemoryGroupChannel``/``InMemoryProgressChannel``.
-* :mod:`agentrl.transport.security`: CURVE on both channels (``ChannelSecurity``,
-  ``security_from_config``), required beyond loopback.
-* :mod:`agentrl.transport.delivery`: exactly-once delivery, the actor's ``Outbox`` and the
-  learner's ``Ledger``.
+``base`` declares the interfaces both sides import; ``zmq_channels`` implements them over ZeroMQ
+(groups PUSH/PULL, progress PUB/SUB); ``mailbox`` is the thread/trio bridge under the progress
+sockets; ``memory`` holds the in-memory twins; ``security`` adds CURVE, required beyond loopback;
+``delivery`` makes delivery exactly once (the actor's ``Outbox``, the learner's ``Ledger``).
 
-See docs/architecture.md ("Transport") for the design, docs/performance.md ("Transport") for its measurements.
+See docs/transport.md; measurements in docs/performance.md.
 """
 
 from agentrl.transport.base import GroupSink, GroupSource, ProgressSink, ProgressSource, TransportError

@@ -1,15 +1,10 @@
 """The transport's interfaces: declared once, imported by the actors, the learner and tests.
 
-Two channels connect actors and learner:
-
-* trajectory groups, actors -> learner: an actor sends into a :class:`GroupSink` (trio), the
-  learner takes from a :class:`GroupSource` (plain, synchronous code);
-* progress, learner -> actors: the learner publishes into a :class:`ProgressSink`, actors
-  read a :class:`ProgressSource` (trio).
-
-The ZMQ classes (:mod:`agentrl.transport.zmq_channels`) and the in-memory twins
-(:mod:`agentrl.transport.memory`) implement them; test doubles subclass them too, so a
-change to a contract shows up everywhere at once.
+Trajectory groups go from actors to the learner (an actor sends into a :class:`GroupSink` in trio,
+the learner takes from a :class:`GroupSource` in plain code); progress goes from the learner
+(:class:`ProgressSink`) to actors (:class:`ProgressSource`, trio). The ZMQ classes, the in-memory
+twins and the test doubles all subclass these, so a change to a contract shows up everywhere at
+once. See docs/transport.md.
 """
 
 from __future__ import annotations

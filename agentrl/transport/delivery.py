@@ -1,43 +1,19 @@
 """Exactly-once delivery of trajectory groups: the actor's :class:`Outbox`, the learner's :class:`Ledger`.
 
-Every group is stamped by its actor with ``(actor_id, session, seq)``: ``actor_id`` is the
-actor's stable name (``actor0``, the same after a restart), ``session`` is new at every start
-of the actor process, ``seq`` counts 0, 1, 2, ... within the session in the order the actor
-hands groups to the transport. ZMQ delivers the groups of one connection in order; a group
-can still be lost (in the learner's or the kernel's buffers when the learner dies, or on a
-broken connection) or arrive twice (resent).
+Every group is stamped ``(actor_id, session, seq)``: the actor's stable name, a session new at every
+start of the actor process, and a count within the session. ZMQ keeps the order of one connection,
+but a group can still be lost (a dying learner, a broken connection) or arrive twice (resent).
 
-**The learner** records every key it has received in its :class:`Ledger` (per session: the
-sequence numbers as ranges, usually one ``[0, n)``), drops a key it has seen before (counted
-as ``duplicate``), writes every new group to its journal (``agentrl.learner.journal``) and,
-once the journal is on disk, acknowledges it: each :class:`~agentrl.protocol.Progress`
-carries, per actor id, the ranges held durably for the actor's latest session and the counts
-(:class:`~agentrl.protocol.ActorAck`). The ledger is part of the learner's checkpoint, and
-the journal brings back what arrived after the checkpoint, so a restarted learner knows
-every group it ever acknowledged. Acknowledging on durable receipt rather than on the next
-checkpoint keeps what an actor must hold to a few seconds of sending instead of
-``checkpoint_every_steps`` steps of data (800 groups with the defaults).
+The learner's :class:`Ledger` records every key as ranges, drops one it has seen, and acknowledges
+what its journal holds on disk in each ``Progress`` (:class:`~agentrl.protocol.ActorAck`). The
+actor holds what it sent until acknowledged (at most ``max_unacked``) and resends everything when
+the learner's session changes, and a held group sent before one the learner acknowledged (given
+the order of one connection, it is lost). So the learner trains on each group exactly once, and
+``produced = consumed + dropped + held by the learner + lost with a dead process``.
 
-**The actor** keeps every group it has sent until it is acknowledged (at most
-``max_unacked`` of them; past that the oldest is forgotten, logged and counted: it cannot
-be resent if the learner dies now). It resends:
-
-* everything it holds when the learner's ``learner_session`` changes (a restarted learner
-  lost what sat in its ZMQ queue and in the kernel's buffers);
-* a held group that the learner must have lost: one sent *before* a group that the learner
-  acknowledged (ZMQ keeps the order of one connection, so the earlier one was lost). Each
-  send gets a stamp from a counter; a group is lost when its stamp is below the largest
-  stamp acknowledged so far, and not resent again until it has been sent again.
-
-A resend that was not needed arrives as a duplicate and is dropped by the ledger; so the
-learner trains on each group exactly once, and the counts balance:
-``produced = consumed + dropped (by reason) + held by the learner + lost with a dead process``.
-
-**Budget.** An actor's share of ``Progress.accept_groups`` is compared with what it uses:
-what the learner holds from its actor id (all sessions, so a restarted actor continues
-where the previous process stopped) + what it holds unacknowledged + groups started and not
-finished. Without restarts this equals "groups started - groups lost", the rule before
-sequence numbers.
+An actor's use of the budget (``Progress.accept_groups``) is what the learner holds from its actor
+id over all sessions, plus what it holds unacknowledged, plus groups started and not finished.
+See docs/transport.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """The bridge between a socket thread and its users, plain threads or trio tasks.
 
-:class:`Mailbox` is a bounded FIFO that plain threads (a ``threading.Condition``) and trio
-tasks (a ``trio.Event`` set through ``TrioToken.run_sync_soon``) can both wait on, moved in
-batches. The progress channel's socket threads talk to their users through one, and so do
-the in-memory channels used in tests. Nothing busy-waits: every change wakes all waiters,
-who re-check (there are at most a handful).
+:class:`Mailbox` is a bounded FIFO that plain threads (a ``threading.Condition``) and trio tasks (a
+``trio.Event`` set through ``TrioToken.run_sync_soon``) can both wait on, moved in batches. Nothing
+busy-waits: every change wakes all waiters, who re-check. See docs/transport.md.
 """
 
 from __future__ import annotations
@@ -81,13 +79,6 @@ class Mailbox(Generic[T]):
             return True
 
     # -- blocking, plain threads
-    def wait_space(self) -> int:
-        """Block until there is room; return how many items fit (0 once closed)."""
-        with self._lock:
-            while not self.closed and len(self._items) >= self.maxlen:
-                self._cond.wait()
-            return 0 if self.closed else self.maxlen - len(self._items)
-
     def take_all(self, timeout_s: float | None = None) -> list[T]:
         """Block until there are items (or ``timeout_s``); take them all. [] when closed or timed out."""
         with self._lock:

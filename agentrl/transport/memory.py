@@ -1,8 +1,8 @@
 """In-memory twins of the ZMQ channels, for unit tests of the actor and learner logic.
 
-They implement the same interfaces (:mod:`agentrl.transport.base`) without sockets. The
-group channel encodes and decodes every group on the way, so tests see exactly what the
-learner would (read-only arrays included) and a group that cannot be sent fails in ``send``.
+They implement the interfaces of :mod:`agentrl.transport.base` without sockets. The group channel
+encodes and decodes every group on the way, so tests see exactly what the learner would and a group
+that cannot be sent fails in ``send``.
 """
 
 from __future__ import annotations

@@ -1,27 +1,17 @@
 """CURVE encryption and authentication of the trajectory and progress sockets.
 
-One secret per run: a CURVE secret key (40 characters of Z85) that the learner and all its
-actors read from the environment, through :func:`agentrl.secrets.read_secret`, under the
-variable that ``actors.curve_secret_key_env`` names (``AGENTRL_CURVE_SECRET_KEY`` by
-default, or a file named by ``AGENTRL_CURVE_SECRET_KEY_FILE``); never from the config or the
-run folder. Make one with::
+One secret per run: a CURVE secret key (40 characters of Z85) read from the environment variable
+that ``actors.curve_secret_key_env`` names (``AGENTRL_CURVE_SECRET_KEY``, or its ``_FILE``), never
+from the config or the run folder. Make one with
+``python -c "import zmq; print(zmq.curve_keypair()[1].decode())"``.
 
-    python -c "import zmq; print(zmq.curve_keypair()[1].decode())"
+The learner binds as the CURVE server with that key pair; actors and ``agentrl run``'s progress
+view connect as clients with the same pair, and a ZAP handler admits only that public key. So
+pushing a group, reading progress and posing as the learner all need the secret.
 
-The binding side (the learner) is the CURVE server with that key pair; connecting sides
-(actors, ``agentrl run``'s progress view) are CURVE clients with the same pair, and a ZAP
-handler (pyzmq's ``ThreadAuthenticator``) on the server admits only that public key. So a
-peer must hold the secret to push a group or to read progress (it needs the secret to prove
-the admitted public key), and to pose as the learner (the clients check the server's key).
-One shared secret rather than a server key plus client keys keeps the set-up to one
-variable; giving each actor host its own key would only matter if one host's secret could
-leak without the others', and any admitted actor can already send groups.
-
-**When it is required.** Plain TCP is refused for an endpoint that binds or connects beyond
-the loopback interface (``tcp://0.0.0.0:...``, ``tcp://*:...``, a host name, an interface
-name other than ``lo``, and every non-local transport) unless a key is set or the user opts
-out with ``actors.allow_plaintext_network = true``; the error names the endpoint and both
-ways out. On loopback, ``ipc://`` and ``inproc://`` the key is optional: used when set.
+Invariant: plain TCP is refused for an endpoint beyond loopback unless a key is set or
+``actors.allow_plaintext_network = true``; on loopback, ``ipc://`` and ``inproc://`` the key is
+used when set. See docs/transport.md.
 """
 
 from __future__ import annotations

@@ -1,50 +1,18 @@
-"""The ZeroMQ channels between actors and learner.
+"""The ZeroMQ channels between actors and learner (the learner binds, actors connect).
 
-Two channels (the learner binds, actors connect):
+Trajectories, ZMQ PUSH/PULL: :class:`GroupSender` (trio) hands bytes to ZMQ from the caller's thread
+with ``NOBLOCK`` and waits on the socket's descriptor only when ZMQ's queue is full;
+:class:`GroupReceiver` receives in the learner's thread. Progress, ZMQ PUB/SUB: a daemon thread owns
+each socket and talks to its users through a :class:`~agentrl.transport.mailbox.Mailbox`; the
+publisher repeats its latest message every ``heartbeat_s`` (PUB drops messages for subscribers not
+yet connected), and :attr:`ProgressSubscriber.latest` stays current when no task reads.
 
-* trajectories, actors -> learner, ZMQ PUSH/PULL: :class:`GroupSender` (trio, in every actor
-  process) and :class:`GroupReceiver` (synchronous, in the learner);
-* progress, learner -> actors, ZMQ PUB/SUB: :class:`ProgressPublisher` (synchronous) and
-  :class:`ProgressSubscriber` (trio).
-
-Design (measurements in docs/performance.md and ``bench/transport.py``):
-
-* **Trajectories go straight through the caller's thread.** ZMQ already has a background
-  I/O thread per context that queues messages up to the high-water mark, so the sender
-  hands bytes to ZMQ with ``NOBLOCK`` from the trio thread and the learner receives in
-  its own thread. A Python socket thread in between (the first design) cost a thread
-  hand-off and a GIL hand-off per message: 2-4x the CPU of raw pyzmq per 4 KB message
-  here. The sender waits only when ZMQ's queue is full, on the socket's file descriptor
-  in trio (the descriptor is edge-triggered: ``ZMQ_EVENTS`` is re-checked before every
-  wait).
-* **Progress goes through a thread per socket.** The publisher repeats its latest message
-  every ``heartbeat_s`` (ZMQ's slow-joiner problem: PUB drops messages for subscribers
-  that have not connected yet, so an actor that starts after the learner's last publish
-  would wait forever), and the subscriber keeps :attr:`ProgressSubscriber.latest` current
-  even when no task is reading. A daemon thread owns each socket; callers talk to it
-  through a :class:`~agentrl.transport.mailbox.Mailbox`.
-* **Nothing busy-waits.** Blocking happens in ZMQ calls, in ``zmq_poll``, in trio's
-  ``wait_readable`` or on a condition. Closing wakes blocked callers (an inproc socket
-  for a blocked ``GroupReceiver.get``, ``notify_closing`` for a waiting send, context
-  termination for socket threads). Sockets close with linger 0, except the progress
-  publisher, which hands its last messages (the learner's ``done``) to connected subscribers
-  for up to ``close_linger_s``.
-* **Back-pressure.** Every queue is bounded: ZMQ's high-water marks by
-  ``max_queued_groups`` on both sides. When the learner stops calling ``get``, its
-  receive queue and then the kernel's socket buffers fill, the actor's send queue fills
-  and :meth:`GroupSender.send` waits. Nothing is dropped on the trajectory channel while
-  both ends are open; closing drops what is in flight (the actor's outbox resends what
-  the learner did not acknowledge: ``agentrl.transport.delivery``).
-* **Security**: every class takes ``security=`` (:mod:`agentrl.transport.security`): CURVE
-  when the run's key is set, and plain TCP beyond loopback refused otherwise.
-* **Malformed messages** (undecodable, wrong version, wrong kind) are counted
-  in ``stats["malformed"]``, logged and dropped; they never reach the caller.
-* Endpoints are whatever the config says (``tcp://127.0.0.1:5557`` by default: loopback
-  only). Binding ``tcp://host:*`` picks a free port; ``.endpoint`` then holds the address
-  actually bound, for the connecting side. ``ipc://path`` works the same.
-
-``PushSocket``/``PullSocket`` are the byte layer under the group classes (the benchmark
-drives them with pre-encoded bytes).
+Invariants: nothing busy-waits, and closing wakes blocked callers; every queue is bounded
+(``max_queued_groups``), so a learner that stops reading makes :meth:`GroupSender.send` wait and
+nothing is dropped while both ends are open; malformed messages are counted in
+``stats["malformed"]`` (``last_malformed`` says why), logged and dropped; beyond loopback CURVE is
+required (``security=``). ``PushSocket``/``PullSocket`` are the byte layer under the group classes.
+See docs/transport.md; measurements in docs/performance.md.
 """
 
 from __future__ import annotations
@@ -436,7 +404,7 @@ class PushSocket:
         self._ctx, self._sock, self.endpoint = _own_socket(
             self._name, zmq.PUSH, endpoint, bind, {zmq.SNDHWM: max_queued}, security
         )
-        self._fd = self._sock.getsockopt(zmq.FD)
+        self._fd = self._sock.fileno()  # zmq.FD
 
     def _try_send(self, data: bytes) -> bool:
         try:
@@ -463,7 +431,7 @@ class PushSocket:
                 self._check_open()  # another task may have closed the socket while we waited
                 if self._try_send(data):
                     break
-                if not self._sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+                if not int(self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:  # an int option (typed int | bytes)
                     with trio.move_on_after(self._WARN_EVERY_S):
                         await trio.lowlevel.wait_readable(self._fd)  # ClosedResourceError on close
                     if time.monotonic() - warned >= self._WARN_EVERY_S:

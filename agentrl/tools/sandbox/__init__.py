@@ -1,7 +1,7 @@
 """Sandboxes for running model-written Python: ``local`` (bubblewrap), ``docker``, ``e2b``.
 
-``make_pool(settings)`` is the entry point: a :class:`SandboxPool` whose sandboxes come from
-the backend named in ``settings.backend``. Backends are imported only when used.
+``make_pool(settings)`` is the entry point: a :class:`SandboxPool` whose sandboxes come from the
+backend ``settings.backend`` names. Backends are imported only when used. See docs/tools.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
 """The sandbox interface shared by the ``local`` (bubblewrap), ``docker`` and ``e2b`` backends.
 
-A :class:`Sandbox` runs Python code and returns an :class:`ExecResult`; it keeps a work
-directory for one episode (files written by one call are there for the next), and
-:meth:`Sandbox.reset` empties it and ends leftover processes before the sandbox serves the
-next episode. All three backends run the same stdlib-only runner script
-(``agentrl/tools/sandbox/executor.py``) inside the sandbox, which applies the per-run limits
-(CPU time, address space, file size, processes, wall time) and reports what happened as
-JSON, so limits and reports read the same everywhere; each backend adds its own outer wall
-(namespaces, cgroups, a VM) and implements :meth:`Sandbox.execute` (one runner payload in,
-its report out); ``run`` and ``call_function`` are built on it here.
+A :class:`Sandbox` runs Python code and returns an :class:`ExecResult`; it keeps a work directory
+for one episode, and :meth:`Sandbox.reset` empties it and ends leftover processes before the next
+episode. Every backend runs the same stdlib-only runner (``executor.py``) inside, which applies
+the per-run limits and reports as JSON, so limits and reports read the same everywhere; a backend
+adds its outer wall and implements :meth:`Sandbox.execute`.
 
-:meth:`Sandbox.call_function` is for graders: it calls a function defined by untrusted
-source on each argument list, each call in a fresh process, and returns what each call
-returned as JSON text (:class:`CallResult`). It never sees expected values: the caller
-compares, outside the sandbox (see ``agentrl/envs/code.py``).
-
-:class:`SandboxSettings` mirrors the ``[sandbox]`` config section plus backend details.
+:meth:`Sandbox.call_function` is for graders: each call of a function from untrusted source runs
+in a fresh process and returns JSON text (:class:`CallResult`); expected values never enter the
+sandbox. :class:`SandboxSettings` mirrors the ``[sandbox]`` config section. See docs/tools.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,16 @@
 """Per-run cgroups for the local sandbox: one memory and process cap on everything a run starts.
 
-``RLIMIT_AS`` and ``RLIMIT_NPROC`` bound each process and the number of processes, not their
-sum: eight children of 128 MB each hold 1 GB. A cgroup bounds the sum: bwrap, its init, the
-runner and everything the code forks are in the run's group, so ``memory`` and ``pids`` limits
-hold for their total (tmpfs pages they write count as their memory); when the group is full
-the kernel OOM-kills inside it, never outside.
+Rlimits bound each process, not their sum; a cgroup bounds the sum of everything the run starts
+(tmpfs pages included), and an OOM kill stays inside it. :func:`find_cgroups` finds where groups
+can go, once per process: cgroup v2 with ``memory`` and ``pids`` under
+``<v2 mount>/agentrl-sandbox``; else v1 under this process's own group (so an operator's limit on
+agentrl holds for its sandboxes); else ``None`` with the reason, and the local backend uses
+rlimits alone.
 
-Where the groups go is found once per process (:func:`find_cgroups`):
-
-* cgroup v2 with the ``memory`` and ``pids`` controllers: under ``<v2 mount>/agentrl-sandbox``,
-  with both controllers enabled in the mount root's and that folder's ``cgroup.subtree_control``
-  (v2 allows this only at the root: a non-root group that holds processes, such as our own,
-  cannot hand controllers to its children).
-* cgroup v1 (or a hybrid layout whose v2 mount has no controllers, as on the CI machine): in
-  the ``memory`` and ``pids`` hierarchies, under this process's own group (so a limit an
-  operator set on agentrl also holds for its sandboxes), else under the hierarchy's root.
-* Neither writable (agentrl is not root, or ``/sys/fs/cgroup`` is read-only): ``None``, with
-  the reason; the local backend then falls back on rlimits alone (see ``local.py``).
-
-A run's group, ``<base>/run-<pid>-<n>``, is created before the run, its first process is
-moved in before it can fork (the caller holds it at a gate), and afterwards every process
-still in it is SIGKILLed and the group removed. Groups left by a process that died mid-run
-are removed the next time a process looks for the layout.
+A run's group ``<base>/run-<pid>-<n>`` is made before the run; its first process is moved in
+before it can fork (it waits at a gate); afterwards every process left in it is killed and the
+group removed. Groups left by a dead process are removed the next time the layout is looked up.
+See docs/tools.md.
 """
 
 from __future__ import annotations
@@ -100,7 +89,7 @@ def find_cgroups() -> CgroupLayout | str:
         mounts, own = _mounts(), _own_paths()
     except OSError as e:
         return f"cannot read /proc/self/mounts or /proc/self/cgroup: {e}"
-    for mount, kind, options in mounts:
+    for mount, kind, _options in mounts:
         if kind != "cgroup2":
             continue
         try:

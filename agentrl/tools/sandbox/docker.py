@@ -1,30 +1,15 @@
 """The ``docker`` backend: one container per sandbox, driven through the docker SDK.
 
-A sandbox is a container started from ``settings.image`` (see ``sandboxes/python/``) with
+A container from ``settings.image``: no network, all capabilities dropped, ``no-new-privileges``, a
+read-only root with tmpfs ``/work``, ``/tmp`` and ``/dev/shm`` only, memory
+(``SandboxSettings.total_memory_mb``, no swap) and pids limits, and a uid of its own per sandbox
+(``RLIMIT_NPROC`` counts per uid on the whole host). A keep-alive main process exits after
+``lifetime_s`` and ``auto_remove`` deletes the container, so a crashed host leaves nothing for long.
 
-* ``network_mode="none"``, all capabilities dropped, ``no-new-privileges``;
-* a read-only root filesystem; the only writable places are tmpfs mounts, ``/work`` of
-  ``work_mb`` (16384 files at most, owned by the sandbox's uid, mode 0700), ``/tmp`` of
-  ``tmpfs_mb`` and ``/dev/shm`` of ``tmpfs_mb``;
-* ``mem_limit`` = ``SandboxSettings.total_memory_mb`` (``memory_mb`` + 64 MB for the runner
-  + the tmpfs sizes; no swap), ``pids_limit`` =
-  ``max_processes`` + 2 (the keep-alive and the exec'd runner), ``cpus`` CPUs, and the
-  ulimits ``nofile`` = ``max_open_files`` and ``nproc`` = ``max_processes`` + 2;
-* code running as a uid of its own, ``uid_base + n`` (as the local backend's): ``RLIMIT_NPROC``
-  counts the processes of a uid on the whole host, so a uid shared by all sandboxes (65534)
-  would let one sandbox's fork bomb eat the others' quota;
-* a keep-alive main process that reaps orphans and exits after ``lifetime_s`` (``auto_remove``
-  then deletes the container, so even a crashed host process leaves nothing behind for long),
-  and the label ``agentrl.sandbox=1``.
-
-Nothing is copied into the container (``put_archive`` cannot write into a read-only root or
-a tmpfs): each run execs ``python3 -I -c RUNNER -`` as the sandbox's uid in ``/work`` and
-sends the payload on the exec's stdin. If the exec outlives ``wall_time_s`` + 10 s, the
-container is killed and the sandbox is marked broken (the pool replaces it). :meth:`reset`
-runs the runner's reset, which kills the uid's leftover processes and empties ``/work``,
-``/tmp`` and ``/dev/shm`` (the next episode sees nothing of this one).
-
-The SDK is synchronous; every call runs in a worker thread.
+Each run execs ``python3 -I -c RUNNER -`` with the payload on stdin (nothing is copied in); an exec
+that outlives ``wall_time_s`` + 10 s kills the container and marks the sandbox broken.
+:meth:`reset` runs the runner's reset. The SDK is synchronous; every call runs in a worker thread.
+See docs/tools.md.
 """
 
 from __future__ import annotations

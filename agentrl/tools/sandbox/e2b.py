@@ -1,18 +1,11 @@
 """The ``e2b`` backend: a Firecracker micro-VM from e2b.dev per sandbox (e2b SDK).
 
-The API key comes from the environment (``E2B_API_KEY``), the template from
-``settings.e2b_template`` (empty: the SDK's default, which has ``python3``). A sandbox is
-created with ``allow_internet_access=False`` and a ``timeout`` of ``lifetime_s``, after which
-e2b ends it even if this process died. The runner is written once, as root, to
-``/opt/agentrl/runner.py`` (so the code, running as the template's ``user``, cannot alter it);
-each run writes its payload next to it and executes the runner with ``commands.run``. The
-memory and CPU of the VM are the template's; the runner's per-run limits apply inside.
-
-The synchronous SDK is used from worker threads: its async variant is built on asyncio,
-and agentrl's actors run on trio.
-
-Tested here with a stand-in for the SDK's ``Sandbox`` class that runs commands locally
-(``tests/test_sandbox.py``); the e2b service itself cannot be reached from our CI.
+The API key comes from ``E2B_API_KEY``, the template from ``settings.e2b_template``. A sandbox has
+no internet access and ends after ``lifetime_s`` even if this process died. The runner is written
+once, as root, to ``/opt/agentrl/runner.py`` (the code cannot alter it); the runner's per-run
+limits apply inside the VM. The synchronous SDK runs in worker threads (its async variant is
+asyncio; actors run on trio). Tests use a local stand-in for the SDK's ``Sandbox``.
+See docs/tools.md.
 """
 
 from __future__ import annotations
@@ -99,7 +92,7 @@ class E2BSandbox(Sandbox):
                 # CommandExitException carries the output of a non-zero exit; the runner
                 # itself always exits 0, so anything else is a failure of the sandbox.
                 if hasattr(e, "stdout") and hasattr(e, "exit_code"):
-                    return e.stdout or "", e.stderr or ""
+                    return getattr(e, "stdout", None) or "", getattr(e, "stderr", None) or ""
                 raise
             return result.stdout or "", result.stderr or ""
 

@@ -1,38 +1,17 @@
 """In-sandbox runner: runs Python code under limits and prints a JSON report.
 
-This file is copied into every sandbox (bubblewrap, docker, e2b) and run there as
-``python3 -I runner.py PAYLOAD.json`` (or ``python3 -I -c SOURCE -`` with the payload on
-stdin). It uses only the standard library and no agentrl code, so any Python 3.8+ inside
-the sandbox can run it. It first makes itself non-dumpable, so the code it starts (same uid)
-cannot open its ``/proc/<pid>/fd`` or ``mem`` files, or ptrace it.
+Copied into every sandbox and run there as ``python3 -I runner.py PAYLOAD.json`` (or with the
+payload on stdin). Standard library only, no agentrl code, so any Python 3.8+ can run it. It first
+makes itself non-dumpable, so the code it starts cannot read its memory or ptrace it.
 
-Payload keys: ``action`` ("run", "calls" or "reset"), ``code``, ``files`` ({relative path:
-text}), ``stdin``, ``workdir``, ``cpu_time_s``, ``wall_time_s``, ``memory_mb``,
-``max_processes``, ``max_output_bytes``, ``max_file_bytes``,
-``sweep_uid``, and for "calls" ``function`` and ``calls`` (a list of argument lists).
+Actions: ``run`` writes ``files`` and ``main.py`` into ``workdir`` and runs it in a new session
+under CPU, address-space, file-size and process limits, output captured in memfds, killed after
+``wall_time_s``; ``calls`` runs ``function`` on each argument list in a fresh forked child that
+writes ``json.dumps`` of its value to its own pipe, killing every other process of the uid between
+calls (``sweep_uid``); ``reset`` kills leftover processes and empties the work and scratch folders.
 
-"run": write ``files`` and the code (as ``main.py``) into ``workdir``, start
-``python3 -E -s main.py`` (so modules in the work directory are importable) in a new
-session with CPU-time, address-space, file-size, process and core-dump limits,
-stdout/stderr redirected to in-memory files (memfd: the file-size limit caps output, and
-filling ``/tmp`` or ``/work`` cannot take the runner's own capture down), wait at most
-``wall_time_s``, kill the whole session, and report exit code, signal, what limit was hit,
-and the first ``max_output_bytes`` of each stream.
-
-"calls": call the function ``function`` defined by ``code`` on each argument list, each call
-in a fresh child forked from the runner (its own session, the same limits, stdin and stdout
-on /dev/null) that runs the code and writes ``json.dumps`` of the return value to a pipe of
-its own. Before each call and after the last, every other process of
-this uid is killed (``sweep_uid``), so nothing a call started can write into a later call's
-pipe. The calls share one ``wall_time_s`` budget. The report carries ``calls``: for each, the
-JSON text read from its pipe (``value``, at most ``max_output_bytes``) or ``error``. The
-runner judges nothing: the caller compares the values, outside the sandbox.
-
-"reset": kill leftover processes of this uid (only when ``sweep_uid`` is set and the uid
-is not root, i.e. inside a container or VM where this uid belongs to the sandbox) and empty
-``workdir`` and the ``scratch_dirs`` (what of them this uid may delete).
-
-The report is the last stdout line, prefixed with ``__AGENTRL_RESULT__``.
+Invariant: the runner judges nothing; the caller compares values outside the sandbox. The report
+is the last stdout line, prefixed with ``__AGENTRL_RESULT__``. See docs/tools.md.
 """
 
 import json
@@ -94,7 +73,7 @@ def _oom_kills():
 
 def _stat(pid):
     """(state, parent pid) of ``pid`` from /proc; raises OSError when it is gone."""
-    with open("/proc/%d/stat" % pid) as f:
+    with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return fields[0], int(fields[1])
 
@@ -160,7 +139,7 @@ def _read_head(fd, limit):
 def _safe_path(workdir, rel):
     full = os.path.realpath(os.path.join(workdir, rel))
     if not (full + os.sep).startswith(os.path.realpath(workdir) + os.sep) or os.path.isabs(rel):
-        raise ValueError("file path %r leaves the work directory" % rel)
+        raise ValueError(f"file path {rel!r} leaves the work directory")
     return full
 
 
@@ -230,10 +209,10 @@ def _call_error(proc, err, timed_out):
     if timed_out:
         return "time limit exceeded"
     if proc.returncode is not None and proc.returncode < 0:
-        return "killed by signal %d" % -proc.returncode
+        return f"killed by signal {-proc.returncode}"
     text, _ = _read_head(err, 64 << 10)
     lines = [line for line in text.strip().splitlines() if line.strip()]
-    return (lines[-1] if lines else "exit code %s without a result" % proc.returncode)[:300]
+    return (lines[-1] if lines else f"exit code {proc.returncode} without a result")[:300]
 
 
 def _call_child(payload, args, result_fd, err_fd, _exit=os._exit):
@@ -254,7 +233,7 @@ def _call_child(payload, args, result_fd, err_fd, _exit=os._exit):
         os.closerange(3, result_fd)
         os.closerange(result_fd + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
         _limits(payload)()
-        namespace = {"__name__": "solution"}
+        namespace: dict = {"__name__": "solution"}
         exec(compile(payload.get("code", ""), "solution.py", "exec"), namespace)
         data = json.dumps(namespace[payload.get("function", "")](*args), allow_nan=False).encode()
         while data:
@@ -283,9 +262,9 @@ class _Child:
         return self.returncode
 
     def wait(self, timeout=None):
-        end = None if timeout is None else time.monotonic() + timeout
+        start = time.monotonic()
         while self.poll() is None:
-            if end is not None and time.monotonic() >= end:
+            if timeout is not None and time.monotonic() - start >= timeout:
                 raise subprocess.TimeoutExpired("call", timeout)
             time.sleep(0.001)
         return self.returncode
@@ -331,7 +310,7 @@ def _call_once(payload, args, deadline):
         _kill_session(proc.pid)
         proc.wait()
         if too_long:
-            return {"error": "the result is longer than %d bytes" % max_bytes}
+            return {"error": f"the result is longer than {max_bytes} bytes"}
         if timed_out or proc.returncode != 0 or not data:
             return {"error": _call_error(proc, err, timed_out)}
         return {"value": data.decode("utf-8", errors="replace")}
@@ -390,7 +369,7 @@ def _sweep_uid():
         if pid in ancestors or pid in (me, 1):
             continue
         try:
-            if os.stat("/proc/%d" % pid).st_uid == os.getuid():
+            if os.stat(f"/proc/{pid}").st_uid == os.getuid():
                 os.kill(pid, signal.SIGKILL)
                 killed += 1
         except OSError:
@@ -444,7 +423,7 @@ def main():
             "truncated": False,
             "limit": "",
             "duration_s": 0.0,
-            "error": "%s: %s" % (type(e).__name__, e),
+            "error": f"{type(e).__name__}: {e}",
         }
     sys.stdout.write("\n" + MARKER + json.dumps(report) + "\n")
     sys.stdout.flush()

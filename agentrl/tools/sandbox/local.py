@@ -1,53 +1,17 @@
 """The ``local`` backend: bubblewrap, an unprivileged uid, a cgroup per run and rlimits.
 
-Each run starts ``[sh gate] prlimit ... bwrap ... python3 -I runner.py payload.json``
-(about 0.1 s on the 2-core dev machine, ``bench/sandbox.py``):
+Each run is ``[sh gate] prlimit ... bwrap ... python3 -I runner.py payload.json``: all namespaces
+unshared (no network, no host processes), the host's ``/usr`` read-only, tmpfs ``/tmp``,
+``/dev/shm`` and ``/work`` the only writable places, environment cleared. As root, bwrap runs as a
+uid of its own per sandbox, since ``RLIMIT_NPROC`` does not bind root.
 
-* bwrap ``--unshare-all``: new user, pid, network (loopback only, down), ipc, uts and cgroup
-  namespaces, so the code sees no network and no host processes; ``--die-with-parent`` and
-  the pid namespace end every process of the run when it ends (see the end).
-* Filesystem: the host's ``/usr`` (and ``/bin``, ``/lib*``, ``/sbin`` as on the host)
-  read-only, private ``/tmp`` and ``/dev/shm`` tmpfs of ``tmpfs_mb`` each, a minimal ``/dev``
-  and ``/proc``, and ``/work`` of ``work_mb``; bwrap's own root and ``/dev`` (tmpfs without a
-  size) are remounted read-only, so these three are the only writable places. Nothing else of
-  the host exists inside (no ``/etc``, ``/home``, ``/root``); environment variables are
-  cleared.
-* Unprivileged uid: when agentrl runs as root, bwrap itself is started as
-  ``uid_base + n`` (no account needed), because ``RLIMIT_NPROC`` does not bind root. Each
-  sandbox gets its own uid, so one sandbox's fork bomb cannot use up another's process quota.
-  As a normal user, the sandbox runs as that user.
+What bounds a run's total (``limits``): ``cgroup`` when one can be made (``cgroups.py``; the first
+process waits at the gate until it is in the group), else ``rlimits`` (``prlimit``; the total is
+then bounded by processes x address space). ``/work`` is capped at ``work_mb`` either way.
 
-What holds in aggregate, and where (``limits`` says which applies):
-
-* ``cgroup`` (agentrl is root and a cgroup with the memory and pids controllers can be made,
-  see ``cgroups.py``): every run is in a group of its own whose memory limit is
-  ``SandboxSettings.total_memory_mb`` (``memory_mb`` + 64 MB for bwrap and the runner + the
-  tmpfs sizes, whose pages count as memory; no swap) and whose process limit is
-  ``max_processes`` + 8, for the sum of everything the run starts. The run's first process
-  waits at a gate (``sh`` reading a line) until the host has moved it into the group, so
-  nothing is forked outside. A kernel OOM kill in the group is reported as the memory limit.
-* ``rlimits`` (no cgroup): ``prlimit`` limits the whole run to ``max_processes`` + 8
-  processes of the sandbox's uid (``RLIMIT_NPROC``) and each process to ``memory_mb`` +
-  256 MB of address space (the runner gives the code ``memory_mb``), so the total is bounded
-  by their product, (``max_processes`` + 8) x (``memory_mb`` + 256) MB, not by ``memory_mb``.
-  As a normal user, ``RLIMIT_NPROC`` counts all of that user's processes.
-
-``/work`` is capped at ``work_mb`` (and 16384 files) either way: when agentrl is root, a
-tmpfs mounted on the host for this sandbox (it persists across the runs of an episode, is
-emptied by :meth:`reset`, unmounted by :meth:`close`, and unmounted by the next agentrl
-process if this one died first); otherwise a tmpfs of bwrap's own for each run, so files do
-not persist from one run to the next. ``prlimit`` also sets CPU, file size, open files and no
-core dumps; the runner sets the exact per-process limits on the code and enforces the
-wall-clock limit; the host ends the run if it outlives ``wall_time_s + 5 s``.
-
-Every process is reaped by its parent, none is left to the host's pid 1 (which may never
-reap it): bwrap runs ``--as-pid-1``, so the runner is the init of the run's pid namespace
-(it reaps the orphans of the code, and signals from inside the namespace cannot kill it),
-instead of an init of bwrap's own that exits after bwrap has reported and so became a
-zombie of pid 1 on every run. A run that overstays is ended innermost first: the host kills
-bwrap's child (the runner; the kernel then kills and reaps the whole namespace), waits for
-bwrap to exit and reaps it, and only then kills whatever is left in the cgroup; killing
-bwrap first would orphan its child.
+Invariants: the runner is the init of the run's pid namespace (``--as-pid-1``), so every process is
+reaped by its parent; a run that overstays is ended innermost first (the runner, then bwrap, then
+what is left in the cgroup), since killing bwrap first would orphan its child. See docs/tools.md.
 """
 
 from __future__ import annotations
@@ -319,6 +283,7 @@ class LocalSandbox(Sandbox):
         try:
             if group:
                 await trio.to_thread.run_sync(group.add, proc.pid)  # ~5 ms a hierarchy on cgroup v1
+                assert proc.stdin is not None, "opened with stdin=PIPE"
                 await proc.stdin.send_all(b"go\n")
                 await proc.stdin.aclose()
             with trio.move_on_after(self.settings.wall_time_s + HOST_GRACE_S) as scope:

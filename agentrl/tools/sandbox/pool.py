@@ -1,14 +1,10 @@
 """A pool of sandboxes: one per episode, reset and reused, always cleaned up.
 
-``acquire`` takes an idle sandbox or creates one (waiting while ``max_live`` sandboxes are
-in use, if set); ``release`` resets it (empties the work directory, ends leftover
-processes) and keeps up to ``size`` idle ones for the next episode; a sandbox whose reset
-fails, or that is marked ``broken``, is closed instead. ``release`` and ``aclose`` run
-shielded from cancellation, with a time bound, so a cancelled episode still returns or
-closes its sandbox. ``session()`` wraps acquire/release in an ``async with``.
-
-The pool is used from one trio run at a time (an actor process); it holds no trio
-objects across runs except while waiting in ``acquire``.
+``acquire`` takes an idle sandbox or creates one (waiting while ``max_live`` are in use);
+``release`` resets it and keeps up to ``size`` idle ones; a sandbox whose reset fails or that is
+``broken`` is closed instead. ``release`` and ``aclose`` run shielded from cancellation with a time
+bound, so a cancelled episode still gives its sandbox back. Used from one trio run at a time.
+See docs/tools.md.
 """
 
 from __future__ import annotations
