@@ -591,11 +591,15 @@ def test_kill_9_of_the_actor_then_the_learner_then_sigterm_tells_the_truth(tiny_
 def test_a_run_whose_warm_start_never_varies_ends_by_itself_with_the_reason(tiny_model: Path, tmp_path: Path) -> None:
     """A random tiny model never answers right: every group's rewards are all 0, dynamic sampling
     drops them all, no batch ever fills. With the wait bound shortened, the run ends on its own (the
-    learner is not restarted), with a checkpoint, and says why on the console and in summary.json."""
+    learner is not restarted), with a checkpoint, and says why on the console and in summary.json.
+    Three operations on five-digit operands: answers of five digits and more, which a random model
+    does not write by chance (with one small operation it did, once in CI, and one group varied)."""
     run_dir = tmp_path / "run"
     proc, console = _start_run(
         run_dir,
         tiny_model,
+        "env.kwargs.min_ops=3",
+        "env.kwargs.max_operand=100000",
         "learner.max_steps=10",
         "learner.dynamic_sampling=true",
         "learner.max_wait_for_data_s=15",
