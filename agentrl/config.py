@@ -206,24 +206,44 @@ class LearnerSection(Section):
     groups_per_step: int = Field(default=16, ge=1)  # trajectory groups (tasks x group_size episodes) per step
     max_tokens_per_microbatch: int = Field(default=8192, ge=16)  # tokens packed into one forward/backward
     grad_clip: float = Field(default=1.0, gt=0)  # gradient-norm clip
-    # Loss (see agentrl/learner/loss.py)
-    advantage: Literal["grpo", "rloo", "gae"] = (
-        "grpo"  # grpo (group-normalised), rloo (leave-one-out) or gae (ppo's critic)
+    # Loss (docs/algorithms.md: every objective, estimator, correction and normaliser)
+    advantage: Literal["grpo", "rloo", "gae", "reinforce_pp"] = (
+        "grpo"  # grpo (group mean), rloo (leave-one-out), gae (ppo's critic), reinforce_pp (group mean, batch-whitened)
     )
     normalize_advantage_std: bool = False  # divide GRPO advantages by the group's reward std
     clip_eps_low: float = Field(default=0.2, ge=0)  # PPO ratio clip below 1
     clip_eps_high: float = Field(default=0.2, ge=0)  # PPO ratio clip above 1 (DAPO's clip-higher when larger)
     dual_clip: float = Field(default=0.0, ge=0)  # 0 disables; else > 1 (e.g. 3.0)
+    objective: Literal["ppo", "cispo"] = (
+        "ppo"  # ppo (clipped ratio) or cispo (REINFORCE with a clipped, stopped weight)
+    )
+    ratio_level: Literal["token", "sequence"] = "token"  # token (PPO) or sequence (GSPO: one length-normalised ratio)
     decoupled: bool = True  # AReaL: ratio to the proximal policy, weight prox/behaviour
     behavior_weight_cap: float = Field(default=2.0, gt=0)  # cap of the prox/behaviour (or TIS) importance weight
     behavior_weight_mode: Literal["clamp", "mask"] = "clamp"  # clamp the weight at the cap, or mask tokens beyond it
+    behavior_weight_floor: float = Field(
+        default=0.0, ge=0
+    )  # IcePop's alpha (with behavior_weight_mode = "mask"): tokens whose prox/behaviour weight is below it are masked
+    sequence_mask_low: float = Field(
+        default=0.0, ge=0
+    )  # mask a whole sequence whose geometric-mean prox/behaviour weight is below this; 0: off
+    sequence_mask_high: float = Field(default=0.0, ge=0)  # ... or above this; 0: off
     tis: Literal["none", "token", "sequence"] = (
         "none"  # truncated importance sampling per token or sequence (with decoupled = false)
     )
     kl_coef: float = Field(default=0.0, ge=0)  # KL penalty to the reference (initial) policy; 0: none
-    kl_estimator: Literal["k1", "k3"] = "k3"  # k1 or k3 KL estimator
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # k1, k2 (squared log ratio / 2) or k3 KL estimator
     entropy_coef: float = Field(default=0.0, ge=0)  # entropy bonus; 0: none
-    loss_normalization: Literal["token", "sequence"] = "token"  # average the loss over tokens or over sequences
+    loss_normalization: Literal["token", "sequence", "constant"] = (
+        "token"  # over tokens, over sequences, or constant (Dr. GRPO: sequences x normalization_tokens)
+    )
+    normalization_tokens: int = Field(
+        default=0, ge=0
+    )  # the fixed length of loss_normalization = "constant"; 0: the largest env.max_total_tokens
+    overlong_penalty_tokens: int = Field(
+        default=0, ge=0
+    )  # DAPO's overlong shaping: a linear penalty over this many tokens before env.max_total_tokens; 0: off
+    overlong_penalty: float = Field(default=0.0, ge=0)  # the penalty at the limit (and for a truncated episode); 0: off
     gamma: float = Field(default=1.0, ge=0, le=1)  # discount of GAE
     gae_lambda: float = Field(default=0.95, ge=0, le=1)  # lambda of GAE
     value_clip: float = Field(default=0.2, ge=0)  # PPO critic: clip of V - V_old; 0 disables
@@ -250,12 +270,48 @@ class LearnerSection(Section):
 
     @model_validator(mode="after")
     def _check_corrections(self) -> LearnerSection:
-        if self.decoupled and self.tis != "none":
-            raise ValueError(
-                "learner.decoupled and learner.tis both correct pi_prox/pi_behaviour; "
-                "set learner.decoupled = false to use TIS"
-            )
+        for problem in learner_combination_problems(self):
+            raise ValueError(problem)
         return self
+
+
+def learner_combination_problems(lc: LearnerSection) -> list[str]:
+    """Why a combination of loss keys makes no sense (empty: it composes)."""
+    problems = []
+    if lc.decoupled and lc.tis != "none":
+        problems.append(
+            "learner.decoupled and learner.tis both correct pi_prox/pi_behaviour; set learner.decoupled = false to use TIS"
+        )
+    if lc.objective == "cispo" and lc.ratio_level == "sequence":
+        problems.append(
+            "learner.objective = 'cispo' weights each token's log-probability by its own clipped ratio; "
+            "learner.ratio_level = 'sequence' (GSPO) replaces the token ratio: choose one"
+        )
+    if lc.objective == "cispo" and lc.dual_clip:
+        problems.append("learner.dual_clip bounds PPO's clipped objective; learner.objective = 'cispo' has none")
+    if lc.behavior_weight_floor and not (lc.decoupled and lc.behavior_weight_mode == "mask"):
+        problems.append(
+            "learner.behavior_weight_floor (IcePop) masks tokens of the decoupled weight: it needs "
+            "learner.decoupled = true and learner.behavior_weight_mode = 'mask'"
+        )
+    if lc.behavior_weight_floor >= lc.behavior_weight_cap:
+        problems.append(
+            f"learner.behavior_weight_floor ({lc.behavior_weight_floor}) must be below "
+            f"learner.behavior_weight_cap ({lc.behavior_weight_cap})"
+        )
+    low, high = lc.sequence_mask_low, lc.sequence_mask_high
+    if low >= 1:
+        problems.append(f"learner.sequence_mask_low ({low}) must be below 1 (0: off)")
+    if high and high <= 1:
+        problems.append(f"learner.sequence_mask_high ({high}) must be above 1 (0: off)")
+    if (lc.overlong_penalty_tokens > 0) != (lc.overlong_penalty > 0):
+        problems.append(
+            "learner.overlong_penalty_tokens and learner.overlong_penalty turn overlong shaping on together: "
+            f"set both above 0 or both to 0 (got {lc.overlong_penalty_tokens} and {lc.overlong_penalty})"
+        )
+    if lc.normalization_tokens and lc.loss_normalization != "constant":
+        problems.append("learner.normalization_tokens is the constant of learner.loss_normalization = 'constant'")
+    return problems
 
 
 class SftSection(Section):
@@ -344,6 +400,13 @@ class AgentRLConfig(Section):
             )
         if self.learner.dual_clip and self.learner.dual_clip <= 1.0:
             raise ValueError("learner.dual_clip must be 0 (off) or > 1")
+        cache = self.learner.overlong_penalty_tokens
+        for key, section in self._env_keys():
+            if cache and cache >= section.max_total_tokens:
+                raise ValueError(
+                    f"learner.overlong_penalty_tokens ({cache}) must be below {key}.max_total_tokens "
+                    f"({section.max_total_tokens}): the penalty ramps over the last tokens before that limit"
+                )
         if self.learner.algorithm == "ppo" and self.learner.advantage != "gae":
             raise ValueError("learner.algorithm = 'ppo' trains a critic and needs learner.advantage = 'gae'")
         if self.learner.algorithm == "grpo" and self.learner.advantage == "gae":

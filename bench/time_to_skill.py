@@ -91,8 +91,10 @@ def agentrl(*args: str, log: Path) -> None:
         sys.exit(f"agentrl {args[0]} failed with status {code}; its log: {log}")
 
 
-def warm_start(config: Path, bench_dir: Path, overrides: list[str]) -> Path:
-    """The config's SFT warm start, built once (both cores, as ``agentrl run`` gives SFT)."""
+def warm_start(config: Path, bench_dir: Path, overrides: list[str], given: Path | None = None) -> Path:
+    """The config's SFT warm start, built once (both cores, as ``agentrl run`` gives SFT), or ``given``."""
+    if given is not None:
+        return given
     warm = bench_dir / "warm"
     if not (warm / "config.json").exists():
         bench_dir.mkdir(parents=True, exist_ok=True)
@@ -258,6 +260,7 @@ def main() -> None:
     p.add_argument("--variant", action="append", type=parse_variant, default=[])
     p.add_argument("-s", "--set", dest="sets", action="append", default=[], help="override for every variant")
     p.add_argument("--bench-dir", type=Path, default=None, help="default: runs/bench/time_to_skill")
+    p.add_argument("--warm", type=Path, default=None, help="a model folder to start RL from (default: build the SFT)")
     p.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = p.parse_args()
     if args.smoke:  # flags given explicitly still win; -s adds to the smoke's overrides
@@ -269,7 +272,7 @@ def main() -> None:
             Path(tempfile.mkdtemp(prefix="agentrl-tts-")) if args.smoke else ROOT / "runs/bench/time_to_skill"
         )
     variants = args.variant or [Variant("default", [])]
-    warm = warm_start(args.config.resolve(), args.bench_dir.resolve(), args.sets)
+    warm = warm_start(args.config.resolve(), args.bench_dir.resolve(), args.sets, args.warm)
     results = []
     for round_ in range(1, args.rounds + 1):
         for v in variants:

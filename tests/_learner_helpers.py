@@ -117,13 +117,13 @@ def make_agent_group(
 
 def fixed_samples(seed: int, groups: int = 4, policy_version: int = 0, advantage: str = "grpo") -> list:
     """A deterministic batch of samples (the same on every rank and in every process)."""
-    from agentrl.learner.batching import samples_from_group
+    from agentrl.learner.batching import AdvantageSpec, samples_from_group
 
     rng = np.random.default_rng(seed)
     out = []
     for i in range(groups):
         g = make_group(rng, version=policy_version, group_id=f"g{i}")
-        out += samples_from_group(g, policy_version, advantage=advantage)
+        out += samples_from_group(g, policy_version, AdvantageSpec(advantage))
     return out
 
 

@@ -43,6 +43,16 @@ SMOKES = [
         (r"ratio framework / bare loop \(median of 1 back-to-back pairs\): \d+\.\d+",),
         ("--model", "{model}"),
     ),
+    Smoke(
+        "algorithms.py",
+        (
+            r"recipes checked: grpo, ppo, rloo, gspo, cispo, dr_grpo, reinforce_pp, grpo_icepop",
+            r"^\| ppo \| 1 \| [\d.]+% \| [\d.]+% \| [+-]",
+        ),
+        ("--bench-dir", "{tmp}", "--warm", "{model}", "-s", "model.path={model}"),  # time_to_skill's smoke builds one
+        timeout_s=900,
+        slow=True,
+    ),
     Smoke("agents.py", (r"endpoint\+sdk +[\d.]+ calls/s \( *[\d.]+ of bare\)",), ("--model", "{model}")),
     Smoke(
         "async_vs_sync.py",

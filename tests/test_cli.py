@@ -41,6 +41,21 @@ def test_help_lists_commands_and_imports_nothing_heavy() -> None:
     assert "run" in text and "init-model" in text
 
 
+ALGORITHM_KEYS = [  # issue 20's keys, as users type them (docs/algorithms.md)
+    "learner.objective=cispo",
+    "learner.advantage=reinforce_pp",
+    "learner.loss_normalization=constant",
+    "learner.normalization_tokens=256",
+    "learner.kl_estimator=k2",
+    "learner.behavior_weight_mode=mask",
+    "learner.behavior_weight_floor=0.5",
+    "learner.sequence_mask_low=0.25",
+    "learner.sequence_mask_high=4.0",
+    "learner.overlong_penalty_tokens=64",
+    "learner.overlong_penalty=1.0",
+]
+
+
 def test_dry_run_prints_the_resolved_config(tmp_path: Path) -> None:
     config = tmp_path / "run.toml"
     config.write_text("[learner]\nlr = 1e-3\n")
@@ -48,6 +63,7 @@ def test_dry_run_prints_the_resolved_config(tmp_path: Path) -> None:
         "run",
         str(config),
         "--dry-run",
+        *[a for item in ALGORITHM_KEYS for a in ("-s", item)],
         "--set",
         "learner.max_steps=7",
         "-s",
@@ -65,6 +81,9 @@ def test_dry_run_prints_the_resolved_config(tmp_path: Path) -> None:
     assert f"NOT CHECKED: the first prompt: no model at {tmp_path / 'no-model-yet'} yet" in text
     printed = tomllib.loads(text)
     assert printed["learner"]["lr"] == 1e-3 and printed["learner"]["max_steps"] == 7
+    for item in ALGORITHM_KEYS:
+        key, value = item.removeprefix("learner.").split("=")
+        assert str(printed["learner"][key]) == value, item
     assert printed["env"]["kwargs"] == {"min_ops": 1} and printed["run"]["name"] == "dry"
     assert set(printed) == {"run", "model", "engine", "actors", "env", "sandbox", "learner", "sft", "eval", "tracking"}
     dumped = tmp_path / "printed.toml"
@@ -72,6 +91,7 @@ def test_dry_run_prints_the_resolved_config(tmp_path: Path) -> None:
     assert load_config(dumped) == load_config(
         config,
         [
+            *ALGORITHM_KEYS,
             "learner.max_steps=7",
             "run.name=dry",
             "env.kwargs.min_ops=1",

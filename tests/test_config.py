@@ -146,11 +146,46 @@ def test_overrides_apply_over_the_file(tmp_path) -> None:
         (["learner.advantage=gae"], "needs a critic"),
         (["actors.group_size=1"], "group_size >= 2"),
         (["env.max_total_tokens=4096", "engine.max_context_tokens=2048"], "exceeds"),
+        (["learner.decoupled=true", "learner.tis=token"], "set learner.decoupled = false to use TIS"),
+        (["learner.objective=cispo", "learner.ratio_level=sequence"], "ratio_level = 'sequence' .* choose one"),
+        (["learner.objective=cispo", "learner.dual_clip=3.0"], "dual_clip bounds PPO's clipped objective"),
+        (["learner.behavior_weight_floor=0.5"], "behavior_weight_floor .* needs .*behavior_weight_mode = 'mask'"),
+        (
+            ["learner.behavior_weight_mode=mask", "learner.behavior_weight_floor=2.5"],
+            r"behavior_weight_floor \(2.5\) must be below learner.behavior_weight_cap \(2.0\)",
+        ),
+        (["learner.sequence_mask_low=1.5"], r"sequence_mask_low \(1.5\) must be below 1"),
+        (["learner.sequence_mask_high=0.9"], r"sequence_mask_high \(0.9\) must be above 1"),
+        (["learner.overlong_penalty=1.0"], "overlong_penalty_tokens and learner.overlong_penalty turn"),
+        (
+            ["learner.overlong_penalty=1.0", "learner.overlong_penalty_tokens=4096"],
+            r"overlong_penalty_tokens \(4096\) must be below env.max_total_tokens",
+        ),
+        (["learner.normalization_tokens=512"], "normalization_tokens is the constant of"),
+        (["learner.advantage=vtrace"], "learner.advantage"),
+        (["learner.kl_estimator=k4"], "learner.kl_estimator"),
     ],
 )
 def test_cross_field_checks(overrides, match) -> None:
     with pytest.raises(ConfigError, match=match):
         load_config(None, overrides)
+
+
+def test_the_algorithm_keys_compose_where_the_math_does() -> None:
+    """GSPO with the decoupled correction and a sequence mask, IcePop with CISPO, Dr. GRPO with
+    REINFORCE++ and k2, DAPO's overlong shaping: each resolves."""
+    recipes = [
+        ["learner.ratio_level=sequence", "learner.loss_normalization=sequence", "learner.sequence_mask_high=3.0"],
+        ["learner.objective=cispo", "learner.behavior_weight_mode=mask", "learner.behavior_weight_floor=0.5"],
+        ["learner.loss_normalization=constant", "learner.normalization_tokens=512", "learner.advantage=reinforce_pp"],
+        ["learner.kl_coef=0.01", "learner.kl_estimator=k2", "learner.sequence_mask_low=0.5"],
+        ["learner.overlong_penalty_tokens=64", "learner.overlong_penalty=1.0", "learner.clip_eps_high=0.28"],
+    ]
+    for sets in recipes:
+        learner = load_config(None, sets).learner
+        for item in sets:
+            key, value = item.removeprefix("learner.").split("=")
+            assert str(getattr(learner, key)) == value, item
 
 
 def test_cross_field_checks_accept_consistent_settings() -> None:

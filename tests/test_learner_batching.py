@@ -7,13 +7,16 @@ import pytest
 import torch
 
 from agentrl.learner.batching import (
+    AdvantageSpec,
     GroupBuffer,
     Sample,
     collate,
     episode_index,
     loss_normalizer,
+    overlong_shaping,
     plan_microbatches,
     samples_from_group,
+    samples_from_groups,
     validate_group,
 )
 from tests._learner_helpers import make_agent_group, make_group, tiny_model  # noqa: F401
@@ -92,11 +95,57 @@ def test_synchronous_staleness_zero_and_no_dynamic_sampling():
 def test_samples_carry_group_advantages():
     rng = np.random.default_rng(3)
     g = make_group(rng, rewards=[1, 0, 0, 1], version=2)
-    samples = samples_from_group(g, policy_version=3, advantage="grpo")
+    samples = samples_from_group(g, 3, AdvantageSpec("grpo"))
     assert [s.advantage for s in samples] == [0.5, -0.5, -0.5, 0.5]
     assert all(s.staleness == 1 for s in samples)
-    rloo = samples_from_group(g, policy_version=3, advantage="rloo")
+    rloo = samples_from_group(g, 3, AdvantageSpec("rloo"))
     assert rloo[0].advantage == pytest.approx(1 - 1 / 3)
+
+
+def test_overlong_shaping_is_dapos_ramp_before_the_limit():
+    """0 up to limit - cache, linear to -penalty at the limit, -penalty for a truncated episode."""
+    shape = lambda n, truncated=False: overlong_shaping(n, 256, 64, 0.5, truncated)  # noqa: E731
+    assert [shape(100), shape(192), shape(224), shape(256)] == pytest.approx([0.0, 0.0, -0.25, -0.5])
+    assert shape(10, truncated=True) == -0.5
+
+
+def test_overlong_shaping_enters_the_rewards_before_the_baseline():
+    rng = np.random.default_rng(11)
+    g = make_group(rng, rewards=[1, 1, 0, 0], min_len=30, max_len=30)
+    finishes = ["answer", "context_full", "answer", "answer"]
+    for t, finish in zip(g.trajectories, finishes):
+        t.metadata = {"finish_reason": finish, "max_total_tokens": 36}  # 30 tokens: 2 into a ramp of 8
+    spec = AdvantageSpec("grpo", overlong_penalty_tokens=8, overlong_penalty=1.0)
+    samples = samples_from_group(g, 0, spec)
+    shaped = [1 - 0.25, 1 - 1.0, -0.25, -0.25]
+    assert [s.reward_shaping for s in samples] == pytest.approx([-0.25, -1.0, -0.25, -0.25])
+    assert [s.reward for s in samples] == pytest.approx(shaped)
+    assert [s.advantage for s in samples] == pytest.approx([r - np.mean(shaped) for r in shaped])
+    del g.trajectories[0].metadata["max_total_tokens"]  # an episode without a recorded limit is not shaped
+    assert samples_from_group(g, 0, spec)[0].reward_shaping == 0.0
+    assert [s.reward_shaping for s in samples_from_group(g, 0, AdvantageSpec("grpo"))] == [0.0] * 4  # off
+
+
+def test_reinforce_pp_whitens_the_group_centred_advantages_over_the_batch():
+    """Two groups: centred per group, then mean 0 and std 1 over the step's episodes, each episode
+    counted once however many sequences it has."""
+    rng = np.random.default_rng(12)
+    groups = [make_group(rng, rewards=[1, 0, 0, 0], group_id="a"), make_agent_group(rng, [2, 1], [3.0, 1.0])]
+    samples = samples_from_groups(groups, 0, AdvantageSpec("reinforce_pp"))
+    centred = np.array([0.75, -0.25, -0.25, -0.25, 1.0, -1.0])  # per episode
+    expected = (centred - centred.mean()) / (centred.std() + 1e-6)
+    by_sequence = [*expected[:4], expected[4], expected[4], expected[5]]
+    assert [s.advantage for s in samples] == pytest.approx(by_sequence, abs=1e-6)
+    grpo = samples_from_groups(groups, 0, AdvantageSpec("grpo"))
+    assert [s.advantage for s in grpo] == pytest.approx([*centred[:4], 1.0, 1.0, -1.0])
+
+
+def test_constant_normalisation_divides_by_episodes_times_a_fixed_length():
+    rng = np.random.default_rng(13)
+    samples = samples_from_group(make_agent_group(rng, [2, 1, 1], [1.0, 0.0, 0.5]), 0)
+    assert loss_normalizer(samples, "constant", 100) == pytest.approx(300.0)
+    with pytest.raises(ValueError, match="normalization_tokens"):
+        loss_normalizer(samples, "constant", 0)
 
 
 def test_episode_index_gives_each_sequence_its_episode():
@@ -112,12 +161,12 @@ def test_advantages_are_normalised_over_episodes_and_shared_by_their_sequences()
     mean of four episode rewards (0.5); per sequence it would be 5/7 and episode 0 would count thrice."""
     rng = np.random.default_rng(8)
     g = make_agent_group(rng, [3, 1, 1, 2], [1.0, 0.0, 0.0, 1.0])
-    grpo = samples_from_group(g, policy_version=0, advantage="grpo")
+    grpo = samples_from_group(g, 0, AdvantageSpec("grpo"))
     assert [s.advantage for s in grpo] == [0.5, 0.5, 0.5, -0.5, -0.5, 0.5, 0.5]
     assert [s.episode_weight for s in grpo] == pytest.approx([1 / 3] * 3 + [1.0, 1.0, 0.5, 0.5])
-    whitened = samples_from_group(g, policy_version=0, advantage="grpo", normalize_std=True)
+    whitened = samples_from_group(g, 0, AdvantageSpec("grpo", normalize_std=True))
     assert [s.advantage for s in whitened] == pytest.approx([1.0] * 3 + [-1.0, -1.0, 1.0, 1.0], abs=1e-5)
-    rloo = samples_from_group(g, policy_version=0, advantage="rloo")  # 4 episodes: r_i - mean of the 3 others
+    rloo = samples_from_group(g, 0, AdvantageSpec("rloo"))  # 4 episodes: r_i - mean of the 3 others
     assert [s.advantage for s in rloo] == pytest.approx([1 - 1 / 3] * 3 + [-2 / 3, -2 / 3, 2 / 3, 2 / 3])
     # an episode counts once in a sequence-mean loss: the normaliser is the number of episodes
     assert loss_normalizer(grpo, "sequence") == pytest.approx(4.0)

@@ -22,7 +22,6 @@ import pytest
 
 from agentrl.config import load_config
 from agentrl.run.stages import run
-from agentrl.run.supervisor import ChildFailed
 from tests._processes import stop_agentrl_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,14 +92,16 @@ def _start_strict_engine(cfg, model: Path, log_dir: Path, env: dict[str, str]):
 def test_shortened_quickstart_learns_against_an_sglang_strict_engine(
     tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, quickstart_warm_start: Path
 ) -> None:
-    """The quickstart's own warm start, then 8 RL steps against an engine that behaves like a
+    """The quickstart's own warm start, then 8 RL steps of RLOO against an engine that behaves like a
     hand-started SGLang server (see _start_strict_engine): the run sets the version, forms a
-    weight group with both TP ranks, skips the missing routes, sends the keys, and learns."""
+    weight group with both TP ranks, skips the missing routes, sends the keys, and learns by at least
+    20 points (GRPO, the quickstart's own, is the real-SGLang tier's: tests/test_sglang_quickstart.py)."""
     run_dir = tmp_path / "run"
     keys = {"AGENTRL_ENGINE_API_KEY": "api-key-for-the-test", "AGENTRL_ENGINE_ADMIN_API_KEY": "admin-key-for-the-test"}
     for name, value in keys.items():
         monkeypatch.setenv(name, value)  # every child of the run reads its keys from these
-    cfg = load_config(EXAMPLE, [f"model.path={tiny_model}", "learner.max_steps=8", "eval.num_tasks=200"])
+    sets = [f"model.path={tiny_model}", "learner.max_steps=8", "eval.num_tasks=200", "learner.advantage=rloo"]
+    cfg = load_config(EXAMPLE, sets)
     assert cfg.learner.max_staleness >= 1
     warm = run_dir / "sft" / "model"  # `agentrl run` reuses a warm start it finds there
     shutil.copytree(quickstart_warm_start, warm)  # the quickstart's SFT of the same tiny model, once per session
@@ -114,10 +115,7 @@ def test_shortened_quickstart_learns_against_an_sglang_strict_engine(
             ).json()["weight_version"]
             == "default"
         )
-        cfg = load_config(
-            EXAMPLE,
-            [f"model.path={tiny_model}", "learner.max_steps=8", "eval.num_tasks=200", f'engine.urls=["{engine.url}"]'],
-        )
+        cfg = load_config(EXAMPLE, [*sets, f'engine.urls=["{engine.url}"]'])
         summary = run(cfg, run_dir, live_display=False)
         assert httpx.post(engine.url + "/pause_generation", json={"mode": "abort"}, timeout=10).status_code == 401
     finally:
@@ -129,7 +127,7 @@ def test_shortened_quickstart_learns_against_an_sglang_strict_engine(
     before, after = on_disk["eval_before"], on_disk["eval_after"]
     assert before["n"] == after["n"] == 200 and before["n_failed"] == after["n_failed"] == 0
     assert on_disk["success_rise"] == pytest.approx(after["success_rate"] - before["success_rate"])
-    assert on_disk["success_rise"] >= 0.10, (before, after)
+    assert on_disk["success_rise"] >= 0.20, (before, after)
     # what the demonstrations left undone is what RL fixed: the multi-operator questions
     multi = lambda e: e["success_by_group"]["2 ops"] + e["success_by_group"]["3 ops"]  # noqa: E731
     assert multi(after) > multi(before) + 0.2
@@ -163,23 +161,27 @@ def test_shortened_quickstart_learns_against_an_sglang_strict_engine(
     assert mlrun.info.status == "FINISHED"
 
 
-def test_failing_learner_stops_the_run_and_is_named(tiny_model: Path, tmp_path: Path, monkeypatch) -> None:
-    events: list[str] = []
-    # placed on a pretend GPU, the learner finds none (torch sees no GPU here) and fails
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    cfg = _short(tiny_model, "sft.enabled=false", "learner.device=cuda", "tracking.enabled=false")
-    with pytest.raises(ChildFailed) as info:
-        run(cfg, tmp_path / "run", live_display=False)
-    err = info.value
-    assert err.name == "learner" and err.returncode != 0
-    assert err.log_tail.strip()  # the end of its log is quoted
-    events = json.loads((tmp_path / "run" / "summary.json").read_text())["events"]
-    assert any("learner: failed" in e for e in events)
-    pids = [int(line.split("pid ")[1].rstrip(")")) for line in events if "started (pid" in line]
-    assert pids and not any(_alive(p) for p in pids)
+@pytest.mark.timeout(900)
+def test_ppo_with_a_critic_learns_the_quickstart(tiny_model: Path, tmp_path: Path, quickstart_warm_start: Path) -> None:
+    """PPO with a critic (GAE over model tokens, a zero-initialised value head) from the quickstart's
+    warm start: 8 steps of a real run raise greedy success by at least 20 points (33% to 82% when measured),
+    and the critic learns: its values start at exactly 0 and rise towards the returns."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(quickstart_warm_start, run_dir / "sft" / "model")
+    sets = ["learner.max_steps=8", "learner.algorithm=ppo", "learner.advantage=gae", "tracking.enabled=false"]
+    summary = run(load_config(EXAMPLE, [f"model.path={tiny_model}", *sets]), run_dir, live_display=False)
+    assert summary["learner_steps"] == 8
+    before, after = summary["eval_before"], summary["eval_after"]
+    assert before["n"] == after["n"] == 200 and after["n_failed"] == 0
+    assert after["success_rate"] - before["success_rate"] >= 0.20, (before, after)
+    rows = [json.loads(line) for line in (run_dir / "learner_metrics.jsonl").read_text().splitlines()]
+    critic = [r for r in rows if "critic/value_loss" in r]
+    assert len(critic) == 8
+    values = [r["critic/value_mean"] for r in critic]
+    assert values[0] == pytest.approx(0.0, abs=1e-6) and values[-1] > 0.01 and sum(values[4:]) > sum(values[:4]), values
 
 
-def test_cli_run_reports_a_failing_child_with_exit_1(tiny_model: Path, tmp_path: Path) -> None:
+def test_cli_run_reports_a_failing_child_with_exit_1_and_stops_the_others(tiny_model: Path, tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -214,6 +216,10 @@ def test_cli_run_reports_a_failing_child_with_exit_1(tiny_model: Path, tmp_path:
         stop_agentrl_run(proc)  # too slow: every child stopped, none left behind
     assert proc.returncode == 1, err[-2000:]
     assert "learner exited with status" in err and "end of its log" in err
+    events = json.loads((tmp_path / "run" / "summary.json").read_text())["events"]
+    assert any("learner: failed" in e for e in events)
+    pids = [int(line.split("pid ")[1].rstrip(")")) for line in events if "started (pid" in line]
+    assert pids and not any(_alive(p) for p in pids)
 
 
 @pytest.mark.parametrize("example", ["search_qa", "code", "custom_env"])

@@ -290,6 +290,7 @@ async def run_episode(
         "generation_latency_s": c.generation_latency_s,
         "episode_wall_s": time.monotonic() - start,
         "num_model_tokens": chat.loss_mask.count(1),
+        "max_total_tokens": limits.max_total_tokens,
         "messages": chat.messages,
     }
     if reward_error:

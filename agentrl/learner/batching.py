@@ -5,7 +5,8 @@ A group's path through the learner: :func:`validate_group` rejects what cannot b
 ``max_staleness`` are dropped on arrival and again when a step takes them (a group newer than the
 learner, after a restart from an older checkpoint, is kept with staleness 0 and counted as
 ``future_version``); dynamic sampling drops groups whose episode rewards do not vary;
-:func:`samples_from_group` gives each sequence its episode's GRPO/RLOO advantage;
+:func:`samples_from_groups` gives each sequence its episode's advantage (GRPO, RLOO, REINFORCE++;
+DAPO's overlong shaping first);
 :func:`plan_microbatches` packs sequences into micro-batches of at most ``max_tokens`` tokens and
 gives every rank the same number of them (FSDP's collectives need that); :func:`collate` joins one
 micro-batch into a single unpadded row (``position_ids`` restart per sequence, ``cu_seqlens`` marks
@@ -25,7 +26,7 @@ import re
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -46,6 +47,7 @@ class Sample:
     reward: float = 0.0
     staleness: int = 0
     episode_weight: float = 1.0  # 1 / the number of sequences of its episode (sequence-mean loss)
+    reward_shaping: float = 0.0  # what overlong shaping added to its episode's reward (in ``reward``)
 
     @property
     def num_tokens(self) -> int:
@@ -228,26 +230,71 @@ class GroupBuffer:
 # --------------------------------------------------------------------------- advantages
 
 
+@dataclass(frozen=True)
+class AdvantageSpec:
+    """How episode rewards become advantages (the ``[learner]`` keys of the same names)."""
+
+    advantage: str = "grpo"  # grpo | rloo | gae | reinforce_pp
+    normalize_std: bool = False  # GRPO: divide by the group's reward std
+    overlong_penalty_tokens: int = 0  # DAPO's overlong shaping: the ramp before the limit; 0: off
+    overlong_penalty: float = 0.0
+
+    @classmethod
+    def from_learner(cls, lc: Any) -> AdvantageSpec:
+        return cls(lc.advantage, lc.normalize_advantage_std, lc.overlong_penalty_tokens, lc.overlong_penalty)
+
+
+TRUNCATED_FINISHES = ("context_full", "truncated_tool_call")  # the episode hit its length limit
+
+
+def overlong_shaping(length: int, limit: int, cache: int, penalty: float, truncated: bool) -> float:
+    """DAPO's soft overlong punishment: 0 up to ``limit - cache`` tokens, then a linear ramp down to
+    ``-penalty`` at ``limit``, and ``-penalty`` for an episode the limit cut (``truncated``)."""
+    if truncated:
+        return -penalty
+    over = length - (limit - cache)
+    return -penalty * min(1.0, over / cache) if over > 0 else 0.0
+
+
+def _episode_shaping(group: TrajectoryGroup, index: list[int], spec: AdvantageSpec) -> list[float]:
+    """The overlong shaping of each episode, from its last sequence (0 without a recorded limit:
+    episodes played through the agent endpoint have none)."""
+    last: dict[int, Trajectory] = {e: t for t, e in zip(group.trajectories, index)}
+    out = [0.0] * (max(index) + 1 if index else 0)
+    if not spec.overlong_penalty_tokens:
+        return out
+    for e, t in last.items():
+        limit = t.metadata.get("max_total_tokens")
+        if isinstance(limit, int) and limit > spec.overlong_penalty_tokens:
+            truncated = t.metadata.get("finish_reason") in TRUNCATED_FINISHES
+            out[e] = overlong_shaping(
+                t.num_tokens, limit, spec.overlong_penalty_tokens, spec.overlong_penalty, truncated
+            )
+    return out
+
+
 def samples_from_group(
-    group: TrajectoryGroup, policy_version: int, *, advantage: str = "grpo", normalize_std: bool = False
+    group: TrajectoryGroup, policy_version: int, spec: AdvantageSpec = AdvantageSpec()
 ) -> list[Sample]:
-    """The group's trajectories with their episode's advantage (``grpo`` or ``rloo`` over the
-    group's episode rewards, or ``gae``: 0 for now). See the module docstring, "Episodes and
-    sequences"."""
+    """The group's trajectories with their episode's advantage over the group's episode rewards
+    (plus overlong shaping): ``grpo`` (and ``reinforce_pp``, whitened later over the batch by
+    :func:`samples_from_groups`) subtract the mean, ``rloo`` leaves one out, ``gae`` gives 0 (the
+    critic fills it in). See the module docstring, "Episodes and sequences"."""
     import torch
 
     from agentrl.learner.loss import grpo_advantages, rloo_advantages
 
     rewards, index = episode_index(group.trajectories)
-    per_episode = torch.tensor(rewards, dtype=torch.float32)
-    if advantage == "grpo":
-        adv = grpo_advantages(per_episode, normalize_std=normalize_std).tolist()
-    elif advantage == "rloo":
+    shaping = _episode_shaping(group, index, spec)
+    per_episode = torch.tensor(rewards, dtype=torch.float64) + torch.tensor(shaping, dtype=torch.float64)
+    if spec.advantage in ("grpo", "reinforce_pp"):
+        adv = grpo_advantages(per_episode, normalize_std=spec.normalize_std and spec.advantage == "grpo").tolist()
+    elif spec.advantage == "rloo":
         adv = rloo_advantages(per_episode).tolist() if len(rewards) > 1 else [0.0]
-    elif advantage == "gae":
+    elif spec.advantage == "gae":
         adv = [0.0] * len(rewards)
     else:
-        raise ValueError(f"unknown advantage {advantage!r}")
+        raise ValueError(f"unknown advantage {spec.advantage!r}")
     sequences = Counter(index)
     staleness = max(0, group_staleness(group, policy_version))
     return [
@@ -256,12 +303,29 @@ def samples_from_group(
             loss_mask=t.loss_mask,
             behavior_logprobs=t.behavior_logprobs,
             advantage=float(adv[e]),
-            reward=float(t.reward),
+            reward=float(t.reward) + shaping[e],
             staleness=staleness,
             episode_weight=1.0 / sequences[e],
+            reward_shaping=shaping[e],
         )
         for t, e in zip(group.trajectories, index)
     ]
+
+
+def samples_from_groups(groups: list[TrajectoryGroup], policy_version: int, spec: AdvantageSpec) -> list[Sample]:
+    """One step's samples; ``reinforce_pp`` whitens the group-centred advantages over the whole
+    batch, each episode counted once (its sequences share its weight)."""
+    samples = [s for g in groups for s in samples_from_group(g, policy_version, spec)]
+    if spec.advantage == "reinforce_pp" and samples:
+        import torch
+
+        from agentrl.learner.loss import whiten
+
+        values = torch.tensor([s.advantage for s in samples], dtype=torch.float64)
+        weights = torch.tensor([s.episode_weight for s in samples], dtype=torch.float64)
+        for s, a in zip(samples, whiten(values, weights).tolist()):
+            s.advantage = float(a)
+    return samples
 
 
 # --------------------------------------------------------------------------- packing
@@ -385,14 +449,20 @@ def collate(samples: list[Sample], pad_token_id: int = 0) -> MicroBatch:
     )
 
 
-def loss_normalizer(samples: Iterable[Sample], normalization: str) -> float:
-    """The global normaliser of one optimiser batch: loss tokens, or episodes with loss tokens
-    (each sequence with loss tokens counts its ``episode_weight``)."""
+def loss_normalizer(samples: Iterable[Sample], normalization: str, normalization_tokens: int = 0) -> float:
+    """The global normaliser of one optimiser batch: loss tokens (``token``), episodes with loss
+    tokens (``sequence``: each sequence with loss tokens counts its ``episode_weight``), or those
+    episodes times ``normalization_tokens`` (``constant``, Dr. GRPO)."""
     samples = list(samples)
     counts = [int(s.loss_mask[1:].sum()) for s in samples]
     if normalization == "token":
         return float(max(1, sum(counts)))
-    return max(1.0, sum(s.episode_weight for s, c in zip(samples, counts) if c > 0))
+    episodes = max(1.0, sum(s.episode_weight for s, c in zip(samples, counts) if c > 0))
+    if normalization == "constant":
+        if normalization_tokens < 1:
+            raise ValueError("loss normalization 'constant' needs normalization_tokens >= 1")
+        return episodes * normalization_tokens
+    return episodes
 
 
 def batch_statistics(groups: list[TrajectoryGroup], samples: list[Sample]) -> dict[str, float]:
@@ -406,6 +476,7 @@ def batch_statistics(groups: list[TrajectoryGroup], samples: list[Sample]) -> di
     adv = np.array([s.advantage for s in samples], dtype=np.float64)
     lengths = np.array([s.num_tokens for s in samples], dtype=np.float64)
     model_tokens = np.array([int(s.loss_mask.sum()) for s in samples], dtype=np.float64)
+    shaping = [s.reward_shaping for s in samples]
     stats = {
         "batch/groups": float(len(groups)),
         "batch/episodes": float(len(rewards)),
@@ -424,6 +495,9 @@ def batch_statistics(groups: list[TrajectoryGroup], samples: list[Sample]) -> di
         "advantage/max": float(adv.max()) if len(adv) else 0.0,
         "advantage/zero_frac": float((np.abs(adv) < 1e-9).mean()) if len(adv) else 0.0,
     }
+    if any(shaping):  # overlong shaping, over sequences; the reward/* keys are the env's rewards
+        stats["reward/overlong_shaping_mean"] = float(np.mean(shaping))
+        stats["reward/overlong_shaped_frac"] = float(np.mean([x != 0 for x in shaping]))
     staleness = Counter(s.staleness for s in samples)
     for lag, count in sorted(staleness.items()):
         stats[f"staleness/{lag}"] = count / max(1, len(samples))

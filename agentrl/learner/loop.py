@@ -266,7 +266,7 @@ class Learner:
 
     def _poll(self) -> tuple:
         """Rank 0: gather groups for at most ``POLL_S``; returns a control message."""
-        from agentrl.learner.batching import batch_statistics, samples_from_group
+        from agentrl.learner.batching import AdvantageSpec, batch_statistics, samples_from_groups
 
         assert self.buffer is not None and self.io is not None and self._wait_started is not None
         started = self._wait_started
@@ -284,13 +284,7 @@ class Learner:
             if groups is not None:
                 self._batch_keys = [list(g.key) for g in groups]
                 self._batch_groups = groups
-                samples = [
-                    s
-                    for g in groups
-                    for s in samples_from_group(
-                        g, self.version, advantage=self.lc.advantage, normalize_std=self.lc.normalize_advantage_std
-                    )
-                ]
+                samples = samples_from_groups(groups, self.version, AdvantageSpec.from_learner(self.lc))
                 self._batch_stats = batch_statistics(groups, samples)
                 return ("batch", samples)
             now = time.monotonic()

@@ -5,16 +5,20 @@ predicts at position ``i``; ``mask`` is 1 on the tokens the loss sees; ``seq_ids
 sequences. ``logprobs`` is the policy being trained, ``proximal_logprobs`` the same weights at the
 start of the step, ``behavior_logprobs`` what the engine sampled with.
 
-The policy loss is the clipped PPO objective times a no-gradient correction weight, per recipe:
-``decoupled`` (AReaL), ``tis = "token"`` / ``"sequence"`` (truncated importance sampling), or plain
-PPO against the behaviour policy. When behaviour and proximal policy agree every recipe is plain
-PPO (a unit test checks it). Regularisers: KL to the reference (``k1``/``k3``) and entropy.
+The policy loss is an objective (clipped PPO, or CISPO's clipped no-gradient weight on the log-probability)
+over a ratio (per token, or GSPO's one length-normalised ratio per sequence), times a no-gradient correction
+weight, per recipe: ``decoupled`` (AReaL; in ``mask`` mode with IcePop's floor), ``tis = "token"`` /
+``"sequence"`` (truncated importance sampling), or plain PPO against the behaviour policy; a sequence mask
+can drop whole sequences whose geometric-mean pi_prox/mu leaves a band. When behaviour and proximal policy
+agree every recipe is plain PPO (a unit test checks it). Regularisers: KL to the reference
+(``k1``/``k2``/``k3``) and entropy. Advantages: GRPO, RLOO, GAE, REINFORCE++ (group mean, batch whitening).
 
 Normalisation divides by ``normalizer``, which the trainer computes over the whole optimiser batch
-on every rank, so accumulation and data parallelism give the gradient of one big batch. Metrics are
-0-d detached tensors: ``_min``/``_max`` keys are extrema, the rest means over loss tokens.
+on every rank, so accumulation and data parallelism give the gradient of one big batch; ``constant``
+(Dr. GRPO) divides by sequences x ``normalization_tokens``. Metrics are 0-d detached tensors:
+``_min``/``_max`` keys are extrema, the rest means over loss tokens.
 
-See docs/learner.md.
+See docs/learner.md and docs/algorithms.md.
 """
 
 from __future__ import annotations
@@ -34,35 +38,35 @@ class PolicyLossConfig:
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
     dual_clip: float = 0.0  # 0: off; else c > 1
+    objective: str = "ppo"  # ppo | cispo
+    ratio_level: str = "token"  # token | sequence (GSPO)
     decoupled: bool = True
     behavior_weight_cap: float = 2.0  # cap on pi_prox/mu (decoupled and TIS)
     behavior_weight_mode: str = "clamp"  # clamp | mask (decoupled only)
+    behavior_weight_floor: float = 0.0  # IcePop: mask mode also drops pi_prox/mu below it; 0: off
     tis: str = "none"  # none | token | sequence
+    sequence_mask_low: float = 0.0  # drop a sequence whose geometric-mean pi_prox/mu is below it; 0: off
+    sequence_mask_high: float = 0.0  # ... or above it; 0: off
     kl_coef: float = 0.0
-    kl_estimator: str = "k3"  # k1 | k3
+    kl_estimator: str = "k3"  # k1 | k2 | k3
     entropy_coef: float = 0.0
-    normalization: str = "token"  # token | sequence
+    normalization: str = "token"  # token | sequence | constant
+    normalization_tokens: int = 0  # the constant of normalization = "constant" (> 0 there)
 
     def __post_init__(self) -> None:
-        if self.decoupled and self.tis != "none":
-            raise ValueError(
-                "decoupled and tis both correct pi_prox/mu: choose one (set learner.decoupled = false to use TIS)"
-            )
-        if self.tis not in ("none", "token", "sequence"):
-            raise ValueError(f"tis must be none|token|sequence, got {self.tis!r}")
-        if self.behavior_weight_mode not in ("clamp", "mask"):
-            raise ValueError(f"behavior_weight_mode must be clamp|mask, got {self.behavior_weight_mode!r}")
-        if self.kl_estimator not in ("k1", "k3"):
-            raise ValueError(f"kl_estimator must be k1|k3, got {self.kl_estimator!r}")
-        if self.normalization not in ("token", "sequence"):
-            raise ValueError(f"normalization must be token|sequence, got {self.normalization!r}")
-        if self.dual_clip and self.dual_clip <= 1.0:
-            raise ValueError(f"dual_clip must be 0 (off) or > 1, got {self.dual_clip}")
+        _check_choices(self)
+        _check_correction(self)
+        _check_objective(self)
+        _check_sequence_mask(self)
 
     @property
     def uses_proximal(self) -> bool:
         """Whether the ratio is taken to pi_prox (else to the behaviour policy)."""
         return self.decoupled or self.tis != "none"
+
+    @property
+    def masks_sequences(self) -> bool:
+        return bool(self.sequence_mask_low or self.sequence_mask_high)
 
     @classmethod
     def from_learner(cls, learner: Any) -> PolicyLossConfig:
@@ -71,15 +75,86 @@ class PolicyLossConfig:
             clip_eps_low=learner.clip_eps_low,
             clip_eps_high=learner.clip_eps_high,
             dual_clip=learner.dual_clip,
+            objective=learner.objective,
+            ratio_level=learner.ratio_level,
             decoupled=learner.decoupled,
             behavior_weight_cap=learner.behavior_weight_cap,
             behavior_weight_mode=learner.behavior_weight_mode,
+            behavior_weight_floor=learner.behavior_weight_floor,
             tis=learner.tis,
+            sequence_mask_low=learner.sequence_mask_low,
+            sequence_mask_high=learner.sequence_mask_high,
             kl_coef=learner.kl_coef,
             kl_estimator=learner.kl_estimator,
             entropy_coef=learner.entropy_coef,
             normalization=learner.loss_normalization,
+            normalization_tokens=learner.normalization_tokens,
         )
+
+
+_CHOICES = {
+    "tis": ("none", "token", "sequence"),
+    "behavior_weight_mode": ("clamp", "mask"),
+    "kl_estimator": ("k1", "k2", "k3"),
+    "normalization": ("token", "sequence", "constant"),
+    "objective": ("ppo", "cispo"),
+    "ratio_level": ("token", "sequence"),
+}
+
+
+def _check_choices(cfg: PolicyLossConfig) -> None:
+    for key, allowed in _CHOICES.items():
+        value = getattr(cfg, key)
+        if value not in allowed:
+            raise ValueError(f"{key} must be {'|'.join(allowed)}, got {value!r}")
+    if cfg.dual_clip and cfg.dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be 0 (off) or > 1, got {cfg.dual_clip}")
+    if cfg.normalization_tokens < 0 or (cfg.normalization == "constant" and cfg.normalization_tokens <= 0):
+        raise ValueError(
+            "learner.loss_normalization = 'constant' divides by sequences x learner.normalization_tokens, "
+            f"which must be > 0 (got {cfg.normalization_tokens})"
+        )
+
+
+def _check_correction(cfg: PolicyLossConfig) -> None:
+    if cfg.decoupled and cfg.tis != "none":
+        raise ValueError(
+            "decoupled and tis both correct pi_prox/mu: choose one (set learner.decoupled = false to use TIS)"
+        )
+    floor, cap = cfg.behavior_weight_floor, cfg.behavior_weight_cap
+    if floor < 0:
+        raise ValueError(f"learner.behavior_weight_floor must be >= 0 (0: off), got {floor}")
+    if floor > 0 and not (cfg.decoupled and cfg.behavior_weight_mode == "mask"):
+        raise ValueError(
+            "learner.behavior_weight_floor (IcePop) drops tokens, so it needs learner.decoupled = true and "
+            'learner.behavior_weight_mode = "mask"'
+        )
+    if floor > 0 and floor >= cap:
+        raise ValueError(f"learner.behavior_weight_floor ({floor}) must be below learner.behavior_weight_cap ({cap})")
+
+
+def _check_objective(cfg: PolicyLossConfig) -> None:
+    if cfg.objective != "cispo":
+        return
+    if cfg.ratio_level == "sequence":
+        raise ValueError(
+            "learner.objective = 'cispo' weights each token's log-probability by its own clipped ratio (a "
+            "token-level REINFORCE weight); learner.ratio_level = 'sequence' (GSPO) replaces it: choose one"
+        )
+    if cfg.dual_clip:
+        raise ValueError(
+            "learner.dual_clip bounds PPO's clipped min/max objective; learner.objective = 'cispo' has none"
+        )
+
+
+def _check_sequence_mask(cfg: PolicyLossConfig) -> None:
+    low, high = cfg.sequence_mask_low, cfg.sequence_mask_high
+    if low > 0 and high > 0 and low > high:
+        raise ValueError(f"learner.sequence_mask_low ({low}) must not exceed learner.sequence_mask_high ({high})")
+    if high < 0 or 0 < high <= 1:
+        raise ValueError(f"learner.sequence_mask_high must be 0 (off) or > 1, got {high}")
+    if low < 0 or low >= 1:
+        raise ValueError(f"learner.sequence_mask_low must be 0 (off) or in (0, 1), got {low}")
 
 
 # ------------------------------------------------------------------------------ advantages
@@ -105,6 +180,33 @@ def rloo_advantages(rewards: Tensor) -> Tensor:
     if g < 2:
         raise ValueError("RLOO needs at least 2 samples per group")
     return (rewards - rewards.mean()) * (g / (g - 1))
+
+
+def _float(x: Tensor) -> Tensor:
+    """``x`` in float32 or wider (float64 stays float64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def whiten(values: Tensor, weights: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+    """``(x - mean) / (std + eps)`` over all of ``values``, with the ``weights``-weighted mean and
+    population std when weights are given (same shape, or broadcastable to it)."""
+    values = _float(values)
+    w = torch.ones_like(values) if weights is None else torch.broadcast_to(weights.to(values.dtype), values.shape)
+    total = w.sum()
+    mean = (w * values).sum() / total
+    std = ((w * (values - mean) ** 2).sum() / total).sqrt()
+    return (values - mean) / (std + eps)
+
+
+def reinforce_pp_advantages(rewards: Tensor, eps: float = 1e-6) -> Tensor:
+    """REINFORCE++ with a baseline over ``[groups, group_size]``: subtract each group's mean, then
+    whiten over the whole batch (population std), as OpenRLHF and verl do.
+
+    verl whitens over tokens (each sequence weighted by its length); this normalises over episodes
+    (the learner calls :func:`whiten` with weights for ragged groups).
+    """
+    rewards = _float(rewards)
+    return whiten(rewards - rewards.mean(dim=-1, keepdim=True), eps=eps)
 
 
 def gae_advantages(
@@ -144,6 +246,22 @@ def _seq_sum(x: Tensor, seq_ids: Tensor, num_seqs: int) -> Tensor:
     return torch.zeros(num_seqs, dtype=x.dtype, device=x.device).index_add(0, seq_ids, x)
 
 
+def _need_seqs(what: str, seq_ids: Tensor | None, num_seqs: int | None) -> tuple[Tensor, int]:
+    missing = [name for name, v in (("seq_ids", seq_ids), ("num_seqs", num_seqs)) if v is None]
+    if seq_ids is None or num_seqs is None:
+        raise ValueError(f"{what} needs seq_ids and num_seqs (missing: {', '.join(missing)})")
+    return seq_ids, num_seqs
+
+
+def _seq_weight_total(
+    count_mask: Tensor, seq_ids: Tensor, num_seqs: int, seq_weights: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-sequence loss-token counts, weights, and the weight total of sequences with loss tokens."""
+    seq_len = _seq_sum(count_mask, seq_ids, num_seqs)
+    weights = torch.ones_like(seq_len) if seq_weights is None else seq_weights.to(seq_len.dtype)
+    return seq_len, weights, (weights * (seq_len > 0).to(seq_len.dtype)).sum()
+
+
 def masked_reduce(
     per_token: Tensor,
     mask: Tensor,
@@ -154,11 +272,14 @@ def masked_reduce(
     count_mask: Tensor | None = None,
     normalizer: float | None = None,
     seq_weights: Tensor | None = None,
+    normalization_tokens: int = 0,
 ) -> Tensor:
     """Sum ``per_token * mask`` and normalise (see the module docstring).
 
     ``count_mask`` (default ``mask``) is what counts a token in the normaliser and in the
     per-sequence lengths: importance masking removes tokens from the sum, not the count.
+    ``constant`` divides the token sum by ``normalizer`` when given, else by the (``seq_weights``-
+    weighted) number of sequences with loss tokens times ``normalization_tokens``.
     """
     count_mask = mask if count_mask is None else count_mask
     mask = mask.to(per_token.dtype)
@@ -166,17 +287,35 @@ def masked_reduce(
     if normalization == "token":
         denom = count_mask.sum().clamp(min=1.0) if normalizer is None else normalizer
         return (per_token * mask).sum() / denom
-    if seq_ids is None or num_seqs is None:
-        raise ValueError("sequence normalisation needs seq_ids and num_seqs")
+    if normalization == "constant":
+        return (per_token * mask).sum() / _constant_denominator(
+            count_mask, seq_ids, num_seqs, normalizer, seq_weights, normalization_tokens
+        )
+    if normalization != "sequence":
+        raise ValueError(f"normalization must be token|sequence|constant, got {normalization!r}")
+    seq_ids, num_seqs = _need_seqs("sequence normalisation", seq_ids, num_seqs)
     seq_sum = _seq_sum(per_token * mask, seq_ids, num_seqs)
-    seq_len = _seq_sum(count_mask, seq_ids, num_seqs)
+    seq_len, weights, total = _seq_weight_total(count_mask, seq_ids, num_seqs, seq_weights)
     per_seq = seq_sum / seq_len.clamp(min=1.0)
-    weights = torch.ones_like(per_seq) if seq_weights is None else seq_weights.to(per_seq.dtype)
-    if normalizer is None:
-        denom = (weights * (seq_len > 0).to(per_seq.dtype)).sum().clamp(min=1e-12)
-    else:
-        denom = normalizer
+    denom = total.clamp(min=1e-12) if normalizer is None else normalizer
     return (per_seq * weights).sum() / denom
+
+
+def _constant_denominator(
+    count_mask: Tensor,
+    seq_ids: Tensor | None,
+    num_seqs: int | None,
+    normalizer: float | None,
+    seq_weights: Tensor | None,
+    normalization_tokens: int,
+) -> Tensor | float:
+    if normalizer is not None:
+        return normalizer
+    if normalization_tokens <= 0:
+        raise ValueError(f"constant normalisation needs learner.normalization_tokens > 0, got {normalization_tokens}")
+    seq_ids, num_seqs = _need_seqs("constant normalisation", seq_ids, num_seqs)
+    _, _, total = _seq_weight_total(count_mask, seq_ids, num_seqs, seq_weights)
+    return (total * normalization_tokens).clamp(min=1e-12)
 
 
 def _mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -197,16 +336,42 @@ def _extreme(x: Tensor, mask: Tensor, largest: bool) -> Tensor:
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -> Tensor:
     """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta.
 
-    ``k1 = logp - ref``; ``k3 = exp(ref - logp) - (ref - logp) - 1`` (Schulman's estimator:
-    unbiased, always >= 0, lower variance).
+    ``k1 = logp - ref``; ``k2 = (logp - ref)^2 / 2`` (biased, its gradient is that of the reverse
+    KL); ``k3 = exp(ref - logp) - (ref - logp) - 1`` (Schulman's estimator: unbiased, always >= 0,
+    lower variance).
     """
     log_ratio = ref_logprobs - logprobs
     if estimator == "k1":
         return -log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
     if estimator == "k3":
         log_ratio = log_ratio.clamp(-20.0, 20.0)
         return torch.exp(log_ratio) - log_ratio - 1.0
     raise ValueError(f"unknown KL estimator {estimator!r}")
+
+
+def _seq_mean(x: Tensor, mask_b: Tensor, seq_ids: Tensor, num_seqs: int) -> Tensor:
+    """Per-sequence mean of ``x`` over the tokens of ``mask_b`` (0 for a sequence without any)."""
+    total = _seq_sum(torch.where(mask_b, x, torch.zeros_like(x)), seq_ids, num_seqs)
+    return total / _seq_sum(mask_b.to(x.dtype), seq_ids, num_seqs).clamp(min=1.0)
+
+
+def _sequence_mask(
+    log_w: Tensor, mask_b: Tensor, cfg: PolicyLossConfig, seq_ids: Tensor | None, num_seqs: int | None
+) -> Tensor:
+    """Loss tokens of the sequences whose ``g = exp(mean log pi_prox/mu)`` leaves [low, high]."""
+    dropped = torch.zeros_like(mask_b)
+    if not cfg.masks_sequences:
+        return dropped
+    seq_ids, num_seqs = _need_seqs("sequence masking (learner.sequence_mask_low/high)", seq_ids, num_seqs)
+    g = torch.exp(_seq_mean(log_w, mask_b, seq_ids, num_seqs))
+    seq_dropped = torch.zeros_like(g, dtype=torch.bool)
+    if cfg.sequence_mask_low:
+        seq_dropped |= g < cfg.sequence_mask_low
+    if cfg.sequence_mask_high:
+        seq_dropped |= g > cfg.sequence_mask_high
+    return mask_b & seq_dropped[seq_ids]
 
 
 def importance_weights(
@@ -221,26 +386,27 @@ def importance_weights(
     """The no-gradient weight w correcting pi_prox vs mu, and the keep-mask.
 
     Returns ``(w, keep, metrics)``: ``w`` per token (1 when no correction applies),
-    ``keep`` a bool mask of tokens that stay in the sum (``mask`` mode drops w > cap).
-    Metrics describe the raw weight before truncation: ``iw_mean``, ``iw_min``, ``iw_max``
-    and ``iw_truncated_frac`` (tokens clamped or masked).
+    ``keep`` a bool mask of tokens that stay in the sum (``mask`` mode drops w > cap and
+    w < floor, bounds inclusive; the sequence mask drops whole sequences). Metrics describe the
+    raw weight before truncation: ``iw_mean``, ``iw_min``, ``iw_max`` and ``iw_truncated_frac``
+    (tokens clamped or masked by the weight); ``masked_frac`` (tokens out of the sum) and
+    ``seq_masked_frac`` (by the sequence mask).
     """
     mask_b = mask.bool()
     cap = cfg.behavior_weight_cap
-    log_w = (proximal_logprobs - behavior_logprobs).detach().to(torch.float32)
+    log_w = _float(proximal_logprobs - behavior_logprobs).detach()
     keep = mask_b.clone()
     if cfg.decoupled or cfg.tis == "token":
         raw = torch.exp(log_w.clamp(max=20.0))
         if cfg.decoupled and cfg.behavior_weight_mode == "mask":
-            truncated = mask_b & (raw > cap)
+            truncated = mask_b & ((raw > cap) | (raw < cfg.behavior_weight_floor))
             keep = mask_b & ~truncated
             w = torch.where(keep, raw, torch.zeros_like(raw))
         else:
             truncated = mask_b & (raw > cap)
             w = raw.clamp(max=cap)
     elif cfg.tis == "sequence":
-        if seq_ids is None or num_seqs is None:
-            raise ValueError("sequence-level TIS needs seq_ids and num_seqs")
+        seq_ids, num_seqs = _need_seqs("sequence-level TIS", seq_ids, num_seqs)
         seq_log_w = _seq_sum(log_w * mask_b, seq_ids, num_seqs)
         raw = torch.exp(seq_log_w.clamp(max=20.0))[seq_ids]
         truncated = mask_b & (raw > cap)
@@ -249,13 +415,55 @@ def importance_weights(
         raw = torch.ones_like(log_w)
         truncated = torch.zeros_like(mask_b)
         w = raw
+    seq_dropped = _sequence_mask(log_w, mask_b, cfg, seq_ids, num_seqs)
+    keep = keep & ~seq_dropped
     metrics = {
         "iw_mean": _mean(raw, mask_b),
         "iw_min": _extreme(raw, mask_b, largest=False),
         "iw_max": _extreme(raw, mask_b, largest=True),
         "iw_truncated_frac": _mean(truncated.float(), mask_b),
+        "masked_frac": _mean((mask_b & ~keep).float(), mask_b),
+        "seq_masked_frac": _mean(seq_dropped.float(), mask_b),
     }
     return w.detach(), keep, metrics
+
+
+def _ratio(
+    logprobs: Tensor, old: Tensor, mask_b: Tensor, cfg: PolicyLossConfig, seq_ids: Tensor | None, num_seqs: int | None
+) -> tuple[Tensor, Tensor]:
+    """``(token ratio, the ratio the objective uses)``: the same tensor, or GSPO's
+    ``exp(mean_t log pi/pi_old)`` of each token's sequence (gradient through the mean)."""
+    token = torch.exp((logprobs - old).clamp(-20.0, 20.0))
+    if cfg.ratio_level == "token":
+        return token, token
+    seq_ids, num_seqs = _need_seqs("learner.ratio_level = 'sequence'", seq_ids, num_seqs)
+    log_s = _seq_mean(logprobs - old, mask_b, seq_ids, num_seqs).clamp(-20.0, 20.0)
+    return token, torch.exp(log_s)[seq_ids]
+
+
+def _objective(
+    ratio: Tensor, logprobs: Tensor, adv: Tensor, mask_b: Tensor, cfg: PolicyLossConfig
+) -> tuple[Tensor, Tensor, Tensor, Metrics]:
+    """Per-token loss before the correction weight, and which tokens were clipped at the high/low bound.
+
+    ``ppo``: ``max(-r A, -clip(r) A)`` (clipped when the clipped branch is the larger), then dual clip.
+    ``cispo``: ``-sg(clip(r)) A logp``; a token is clipped when its r is outside the band.
+    """
+    low, high = 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high
+    if cfg.objective == "cispo":
+        weight = ratio.clamp(low, high).detach()
+        return -weight * adv * logprobs, ratio > high, ratio < low, {}
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(low, high)
+    pg = torch.maximum(unclipped, clipped)
+    is_clipped = clipped > unclipped
+    metrics: Metrics = {}
+    if cfg.dual_clip:
+        bound = -adv * cfg.dual_clip
+        dual = (adv < 0) & (bound < pg)
+        pg = torch.where(dual, bound, pg)
+        metrics["dual_clip_frac"] = _mean(dual.float(), mask_b)
+    return pg, is_clipped & (adv > 0), is_clipped & (adv < 0), metrics
 
 
 def policy_loss(
@@ -273,7 +481,7 @@ def policy_loss(
     ref_logprobs: Tensor | None = None,
     entropy: Tensor | None = None,
 ) -> tuple[Tensor, Metrics]:
-    """The clipped policy-gradient loss with its correction and regularisers (module docstring).
+    """The policy-gradient loss with its correction and regularisers (module docstring).
 
     ``entropy`` (per token, with gradient when ``entropy_coef > 0``) and ``ref_logprobs``
     (when ``kl_coef > 0``) are optional; the entropy and KL metrics are reported whenever
@@ -285,18 +493,10 @@ def policy_loss(
     weights, keep, metrics = importance_weights(
         proximal_logprobs, behavior_logprobs, mask_b, cfg, seq_ids=seq_ids, num_seqs=num_seqs
     )
-    log_ratio = (logprobs - old).clamp(-20.0, 20.0)
-    ratio = torch.exp(log_ratio)
+    token_ratio, ratio = _ratio(logprobs, old, mask_b, cfg, seq_ids, num_seqs)
     adv = advantages.detach().to(ratio.dtype)
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high)
-    pg = torch.maximum(unclipped, clipped)
-    is_clipped = clipped > unclipped
-    if cfg.dual_clip:
-        bound = -adv * cfg.dual_clip
-        dual = (adv < 0) & (bound < pg)
-        pg = torch.where(dual, bound, pg)
-        metrics["dual_clip_frac"] = _mean(dual.float(), mask_b)
+    pg, clipped_high, clipped_low, objective_metrics = _objective(ratio, logprobs, adv, mask_b, cfg)
+    metrics.update(objective_metrics)
     per_token = weights * pg
     reduce = partial(
         masked_reduce,
@@ -305,9 +505,9 @@ def policy_loss(
         num_seqs=num_seqs,
         normalizer=normalizer,
         seq_weights=seq_weights,
+        normalization_tokens=cfg.normalization_tokens,
     )
-    pg_loss = reduce(per_token, keep, count_mask=mask_b)
-    loss = pg_loss
+    loss = reduce(per_token, keep, count_mask=mask_b)
     if ref_logprobs is not None:
         kl = kl_penalty(logprobs, ref_logprobs.detach(), cfg.kl_estimator)
         if cfg.kl_coef:
@@ -317,14 +517,16 @@ def policy_loss(
         if cfg.entropy_coef:
             loss = loss - cfg.entropy_coef * reduce(entropy, mask_b)
         metrics["entropy"] = _mean(entropy, mask_b)
+    if cfg.ratio_level == "sequence":
+        metrics["seq_ratio_mean"] = _mean(ratio, mask_b)
     metrics.update(
         pg_loss=_mean(per_token, keep),
-        ratio_mean=_mean(ratio, mask_b),
-        ratio_max=_extreme(ratio, mask_b, largest=True),
-        ratio_min=_extreme(ratio, mask_b, largest=False),
-        clip_frac=_mean(is_clipped.float(), mask_b),
-        clip_frac_high=_mean((is_clipped & (adv > 0)).float(), mask_b),
-        clip_frac_low=_mean((is_clipped & (adv < 0)).float(), mask_b),
+        ratio_mean=_mean(token_ratio, mask_b),
+        ratio_max=_extreme(token_ratio, mask_b, largest=True),
+        ratio_min=_extreme(token_ratio, mask_b, largest=False),
+        clip_frac=_mean((clipped_high | clipped_low).float(), mask_b),
+        clip_frac_high=_mean(clipped_high.float(), mask_b),
+        clip_frac_low=_mean(clipped_low.float(), mask_b),
         behavior_logprob_diff=_mean((behavior_logprobs - logprobs).abs(), mask_b),
         proximal_logprob_diff=_mean((behavior_logprobs - proximal_logprobs).abs(), mask_b),
         advantage_mean=_mean(adv, mask_b),

@@ -18,7 +18,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -84,7 +84,10 @@ class TrainerSpec:
             max_tokens_per_microbatch=lc.max_tokens_per_microbatch,
             activation_checkpointing=lc.activation_checkpointing,
             temperature=temperature,
-            loss=PolicyLossConfig.from_learner(lc),
+            loss=replace(
+                PolicyLossConfig.from_learner(lc),
+                normalization_tokens=lc.normalization_tokens or max(e.max_total_tokens for e in cfg.env_sections),
+            ),
             num_minibatches=lc.num_minibatches,
             critic_lr=lc.critic_lr,
             value_clip=lc.value_clip,
@@ -286,7 +289,8 @@ class Trainer:
         out = []
         for lo, hi in zip(bounds[:-1], bounds[1:]):
             part = samples[lo:hi]
-            out.append((self.plan(part), loss_normalizer(part, self.spec.loss.normalization)))
+            normalizer = loss_normalizer(part, self.spec.loss.normalization, self.spec.loss.normalization_tokens)
+            out.append((self.plan(part), normalizer))
         return out
 
     # ------------------------------------------------------------------ the RL step
