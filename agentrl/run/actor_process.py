@@ -10,7 +10,9 @@ tools and limits. When one is an :class:`agentrl.agents.AgentEnv`, the process a
 its agent episodes, with the run's sampling forced (the learner trains on
 ``actors.temperature``), ``actors.max_new_tokens_per_turn`` as every call's default and cap,
 and its own client of the same engines. Each episode's completions are read as its env says
-(``env.tool_parser``, ``env.reasoning``). See docs/run.md.
+(``env.tool_parser``, ``env.reasoning``). With a judge model (``[judge]``), the process opens one
+:class:`agentrl.engine.judge.EngineJudge` on ``judge.urls`` and the actor hands it to the envs that
+declare a ``judge``. See docs/run.md.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from agentrl.actors.actor import ActorEnv, ActorService, ActorSettings
 from agentrl.agents.agent_runner import AgentRunner
 from agentrl.config import AgentRLConfig
 from agentrl.engine.client import EngineClient
+from agentrl.engine.judge import EngineJudge
 from agentrl.envs import make_envs
 from agentrl.envs.agent import AgentEnv
 from agentrl.episode.rollout import sampling_from_config, toolbox_for
@@ -42,6 +45,18 @@ def engine_urls(cfg: AgentRLConfig) -> list[str]:
     if cfg.engine.urls:
         return list(cfg.engine.urls)
     return [f"http://{cfg.engine.host}:{cfg.engine.base_port + i}" for i in range(cfg.engine.num_engines)]
+
+
+def build_judge(cfg: AgentRLConfig) -> EngineJudge | None:
+    """The judge of ``[judge]`` (its tokenizer loaded), not yet entered; None without a judge model."""
+    if not cfg.judge.enabled:
+        return None
+    if not cfg.judge.urls:
+        raise ValueError(
+            "judge.model_path is set but judge.urls is empty: `agentrl run` starts the judge engines and fills "
+            "it in; actors started on their own need the running judge engines' urls"
+        )
+    return EngineJudge.from_config(cfg.judge)
 
 
 def build_actor_envs(cfg: AgentRLConfig) -> list[Any]:
@@ -109,6 +124,7 @@ def serve_actors(
         log_interval_s=log_interval_s,
     )
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    judge = build_judge(cfg)
     envs = build_actor_envs(cfg)
 
     def new_client() -> Any:
@@ -125,6 +141,8 @@ def serve_actors(
                 progress = ProgressSubscriber(cfg.actors.progress_endpoint, security=security)
             async with AsyncExitStack() as stack:
                 client = await stack.enter_async_context(new_client())
+                if judge is not None:
+                    await stack.enter_async_context(judge)
                 agents = None
                 if any(isinstance(e.env, AgentEnv) for e in envs):  # its own engine client, in its own thread
                     agents = await stack.enter_async_context(agent_runner(cfg, tokenizer, new_client))
@@ -138,6 +156,7 @@ def serve_actors(
                     sender=sender,
                     progress=progress,
                     dump_path=dump_path,
+                    judge=judge,
                 )
                 log.info(
                     "actor %s: %d engine(s), %d groups of %d open at most, env(s) %s, split %s",
@@ -148,6 +167,13 @@ def serve_actors(
                     ", ".join(f"{e.name} (weight {e.weight:g})" for e in envs),
                     split,
                 )
+                if judge is not None:
+                    log.info(
+                        "judge %s at %s for env(s) %s",
+                        cfg.judge.model_path,
+                        ", ".join(cfg.judge.urls),
+                        ", ".join(service.judged) or "none (no env declares a judge)",
+                    )
                 return await service.run(handle_signals=True)
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(10):

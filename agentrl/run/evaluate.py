@@ -16,7 +16,8 @@ aborted, rewards that raised, tool calls that crashed or timed out -- with the f
 of each (``problems``; the counts also as ``eval/n_aborted``, ``eval/n_reward_errors`` and
 ``eval/n_tool_faults``), and the command says them in words on stderr: such failures lower
 the success rate exactly like a bad policy would, so they must never pass unseen.
-See docs/run.md.
+With a judge model (``[judge]``) the envs that declare a ``judge`` get one, on ``judge.urls`` or on a
+judge engine started for the evaluation; its counts are the result's ``judge``. See docs/run.md.
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ from typing import Any
 import httpx
 import trio
 
+from agentrl.actors.actor import hand_judge
 from agentrl.config import LORA_ADAPTER_NAME, AgentRLConfig
 from agentrl.engine.client import EngineClient
+from agentrl.engine.judge import EngineJudge, judge_engine_args
 from agentrl.engine.launch import EngineProcess, engine_args
 from agentrl.envs import make_envs
 from agentrl.envs.agent import AgentEnv
@@ -64,7 +67,10 @@ def evaluate_command(
         data = cfg.model_dump()
         data["model"]["path"] = model_path
         data["eval"]["greedy"] = greedy
-        engine = None
+        engine = judge_engine = None
+        if cfg.judge.enabled and not cfg.judge.urls:
+            judge_engine = _start_judge_engine(cfg, Path(tmp))
+            data["judge"]["urls"] = [judge_engine.url]
         if not cfg.engine.urls:
             extra = engine_args(
                 "embedded",
@@ -90,11 +96,27 @@ def evaluate_command(
             name_adapter = checkpoint is None and bool(cfg.engine.urls)
             result = trio.run(lambda: evaluate_policy(eval_cfg, num_tasks, name_adapter=name_adapter))
         finally:
-            if engine is not None:
-                engine.stop()
+            for process in (engine, judge_engine):
+                if process is not None:
+                    process.stop()
     result["policy"] = str(checkpoint or cfg.model.path)
     _log(cfg, result)
     return result
+
+
+def _start_judge_engine(cfg: AgentRLConfig, tmp: Path) -> EngineProcess:
+    """One judge engine of ``[judge]`` for ``agentrl eval`` (on the CPU unless judge.device says cuda)."""
+    j = cfg.judge
+    extra = judge_engine_args(j, on_cpu=j.device == "cpu", num_threads=cfg.run.torch_num_threads)
+    return EngineProcess(
+        j.model_path,
+        free_port(j.host),
+        backend=j.backend,
+        host=j.host,
+        extra=extra,
+        log_path=tmp / "judge.log",
+        python=j.sglang_python or cfg.engine.sglang_python,
+    ).start()
 
 
 def load_policy_into_engines(cfg: AgentRLConfig, version: int = 0) -> None:
@@ -178,6 +200,9 @@ async def evaluate_policy(
 
     envs = make_envs(cfg)
     tokenizer = await trio.to_thread.run_sync(AutoTokenizer.from_pretrained, cfg.model.path)
+    judge = None
+    if cfg.judge.enabled:
+        judge = await trio.to_thread.run_sync(lambda: EngineJudge.from_config(cfg.judge))
     sampling = sampling_from_config(cfg, greedy=cfg.eval.greedy)
     sampling["max_new_tokens"] = cfg.actors.max_new_tokens_per_turn
 
@@ -191,6 +216,9 @@ async def evaluate_policy(
     try:
         async with contextlib.AsyncExitStack() as stack:
             client = await stack.enter_async_context(new_client())
+            if judge is not None:
+                await stack.enter_async_context(judge)
+            hand_judge([env for _, env in envs], judge)
             agents = None
             if any(isinstance(env, AgentEnv) for _, env in envs):
                 agents = await stack.enter_async_context(
@@ -223,4 +251,6 @@ async def evaluate_policy(
     result = combine_evaluations(by_env)
     result["seconds"] = round(time.monotonic() - started, 2)
     result["greedy"] = cfg.eval.greedy
+    if judge is not None:
+        result["judge"] = judge.stats.summary()
     return result

@@ -17,8 +17,9 @@ environment is left as it is.
 
 **Layout.** The learner's ranks take the first GPUs (one each: ``learner.gpus``, or
 ``learner.nproc`` when ``gpus`` is 0), then each engine ``agentrl run`` starts takes the next
-``engine.gpus_per_engine``. Nothing overlaps, and a plan that needs more GPUs than are visible
-is refused with the numbers. ``engine.colocate = true`` is the one explicit exception, for
+``engine.gpus_per_engine``, then each judge engine (``[judge]``) the next ``judge.gpus_per_engine``.
+Nothing overlaps, and a plan that needs more GPUs than are visible is refused with the numbers.
+``engine.colocate = true`` is the one explicit exception (never for judges), for
 machines with fewer GPUs than processes (one GPU: the learner and one engine on it): engines
 are then laid over the learner's GPUs. Colocated processes share memory (SGLang must be
 capped with ``engine.mem_fraction_static``) and cannot form an NCCL group (NCCL refuses two
@@ -82,6 +83,7 @@ class Placement:
     learner: tuple[str, ...] = ()
     engines: tuple[tuple[str, ...], ...] = ()
     colocated: bool = False
+    judges: tuple[tuple[str, ...], ...] = ()  # the judge engines this run starts (never shared)
 
     def __post_init__(self) -> None:
         learner_owners: dict[str, str] = {}
@@ -91,17 +93,25 @@ class Placement:
         for i, devices in enumerate(self.engines):
             for device in devices:
                 self._claim(engine_owners, device, f"engine{i}")
+        judge_owners = {**learner_owners, **engine_owners}
+        hint = "a judge engine shares no GPU: give it GPUs of its own, or set judge.device = 'cpu'"
+        for i, devices in enumerate(self.judges):
+            for device in devices:
+                self._claim(judge_owners, device, f"judge{i}", hint)
 
-    def _claim(self, owners: dict[str, str], device: str, owner: str) -> None:
+    def _claim(
+        self,
+        owners: dict[str, str],
+        device: str,
+        owner: str,
+        hint: str = "set engine.colocate = true to share the learner's GPUs with the engines on purpose",
+    ) -> None:
         if device not in self.visible:
             raise PlacementError(
                 f"{owner} is placed on GPU {device}, which is not visible (visible: {_fmt(self.visible)})"
             )
         if device in owners:
-            raise PlacementError(
-                f"GPU {device} is given to both {owners[device]} and {owner}; set "
-                "engine.colocate = true to share the learner's GPUs with the engines on purpose"
-            )
+            raise PlacementError(f"GPU {device} is given to both {owners[device]} and {owner}; {hint}")
         owners[device] = owner
 
     def env_for(self, devices: tuple[str, ...]) -> dict[str, str]:
@@ -113,6 +123,9 @@ class Placement:
 
     def engine_env(self, index: int) -> dict[str, str]:
         return self.env_for(self.engines[index])
+
+    def judge_env(self, index: int) -> dict[str, str]:
+        return self.env_for(self.judges[index] if index < len(self.judges) else ())
 
     def cpu_env(self) -> dict[str, str]:
         return self.env_for(())
@@ -135,6 +148,8 @@ class Placement:
             shared = sorted(set(devices) & set(self.learner))
             note = " (shared with the learner: engine.colocate)" if shared else ""
             lines.append(f"engine{i}: {where}{note}")
+        for i, devices in enumerate(self.judges):
+            lines.append(f"judge{i}: {f'GPU {_fmt(devices)}' if devices else 'the CPU'}")
         lines.append("actors, retrieval server: no GPU")
         return lines
 
@@ -164,12 +179,21 @@ def _wants_gpu(preference: str, key: str, visible: tuple[str, ...]) -> bool:
 
 
 def plan_placement(
-    visible: tuple[str, ...], *, learner_gpus: int, num_engines: int, gpus_per_engine: int, colocate: bool = False
+    visible: tuple[str, ...],
+    *,
+    learner_gpus: int,
+    num_engines: int,
+    gpus_per_engine: int,
+    colocate: bool = False,
+    num_judges: int = 0,
+    gpus_per_judge: int = 0,
 ) -> Placement:
-    """Learner on the first ``learner_gpus`` GPUs, then ``num_engines`` × ``gpus_per_engine`` (0 learner
-    GPUs: the learner on the CPU; 0 engines or 0 GPUs per engine: engines on the CPU)."""
+    """Learner on the first ``learner_gpus`` GPUs, then ``num_engines`` × ``gpus_per_engine``, then
+    ``num_judges`` × ``gpus_per_judge`` (0 learner GPUs: the learner on the CPU; 0 engines or 0 GPUs
+    per engine: engines on the CPU; the same for judges)."""
     visible = tuple(visible)
     engine_total = num_engines * gpus_per_engine
+    judge_total = num_judges * gpus_per_judge
     if colocate:
         if not learner_gpus or not engine_total:
             raise PlacementError(
@@ -184,8 +208,11 @@ def plan_placement(
         need = learner_gpus
     else:
         need = learner_gpus + engine_total
+    judges_from = need
+    need += judge_total
     if need > len(visible):
         parts = f"learner {learner_gpus} + engines {num_engines} × {gpus_per_engine}" if not colocate else "learner"
+        parts += f" + judges {num_judges} × {gpus_per_judge}" if judge_total else ""
         hint = (
             "; on fewer GPUs, set engine.colocate = true to share them between the learner and the engines"
             if not colocate and learner_gpus and engine_total
@@ -199,7 +226,11 @@ def plan_placement(
         visible[start + i * gpus_per_engine : start + (i + 1) * gpus_per_engine] if gpus_per_engine else ()
         for i in range(num_engines)
     )
-    return Placement(visible=visible, learner=learner, engines=engines, colocated=colocate)
+    judges = tuple(
+        visible[judges_from + i * gpus_per_judge : judges_from + (i + 1) * gpus_per_judge] if gpus_per_judge else ()
+        for i in range(num_judges)
+    )
+    return Placement(visible=visible, learner=learner, engines=engines, colocated=colocate, judges=judges)
 
 
 def learner_ranks(cfg: Any) -> int:
@@ -221,12 +252,17 @@ def placement_for(cfg: Any, visible: tuple[str, ...]) -> Placement:
             "engine.colocate with SGLang needs engine.mem_fraction_static (e.g. 0.4): SGLang "
             "otherwise reserves most of the GPU's memory and the learner runs out"
         )
+    j = cfg.judge
+    own_judges = j.num_engines if j.enabled and not j.urls else 0
+    judges_on_gpu = own_judges > 0 and _wants_gpu(j.device, "judge.device", visible)
     plan = plan_placement(
         visible,
         learner_gpus=learner_ranks(cfg) if learner_on_gpu else 0,
         num_engines=own_engines,
         gpus_per_engine=e.gpus_per_engine if engines_on_gpu else 0,
         colocate=e.colocate and own_engines > 0,
+        num_judges=own_judges,
+        gpus_per_judge=j.gpus_per_engine if judges_on_gpu else 0,
     )
     weight_group_backend(e.weight_group_backend, plan)  # refused now rather than after the warm start
     return plan

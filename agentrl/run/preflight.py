@@ -380,6 +380,10 @@ async def _check_demonstrations(
                 "sft.enabled = true but the env demonstrates no task (demonstration() returns "
                 "None): set sft.data to a JSONL of conversations, or sft.enabled = false"
             )
+    if "judge" in dir(type(env)) and getattr(env, "judge", None) is None:
+        report.unchecked.append("the rewards: the env's reward awaits a judge, which --dry-run does not start")
+        report.problems += checker.call_problems[:MAX_CALL_PROBLEMS]
+        return
     problems, notes = await checker.score(also)
     report.problems += problems
     report.notes += notes

@@ -9,7 +9,9 @@ environment without starting it. :mod:`agentrl.run.supervisor` runs the :class:`
   URLs and ZMQ endpoints on free loopback ports, and the weight group's backend when engines
   share the learner's GPUs (:mod:`agentrl.run.placement`).
 * Each child's environment is its placement: ``CUDA_VISIBLE_DEVICES`` with its own GPUs
-  (the learner's ranks, engine *i*'s GPUs) or none (actors, the retrieval server).
+  (the learner's ranks, engine *i*'s GPUs, judge *i*'s) or none (actors, the retrieval server).
+* Judge engines (``[judge]``): ``judge.urls`` of their own, never in ``engine.urls``, so the learner's
+  weight push never reaches them; they serve ``judge.model_path`` at version ``judge`` for good.
 * **Restart policy**, one place: every long-running child of the RL stage is restarted when it
   dies, up to ``MAX_RESTARTS`` times (the supervisor backs off between tries). An engine comes
   back *without* a weight version (``--weight-version default``: it serves the warm start,
@@ -17,7 +19,7 @@ environment without starting it. :mod:`agentrl.run.supervisor` runs the :class:`
   pushes its policy (``agentrl.learner.weight_push``, "Membership"); engines that serve a LoRA
   adapter (``learner.lora.sync = "adapter"``) also start without one, until the learner loads it.
   A learner comes back from its latest checkpoint and journal; an actor continues its budget
-  under the same id.
+  under the same id; a judge engine comes back as it started.
 
 See docs/run.md.
 """
@@ -31,7 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agentrl.config import AgentRLConfig, dump_toml
+from agentrl.engine.judge import judge_engine_args
 from agentrl.engine.launch import config_engine_args, engine_command, sglang_cpu_env
+from agentrl.envs.base import _import_module_or_file
 from agentrl.net import free_port
 from agentrl.run.placement import Placement, learner_ranks, weight_group_backend
 from agentrl.secrets import read_secret
@@ -64,6 +68,8 @@ def plan_config(
     data["model"]["path"] = policy_path
     if not cfg.engine.urls:
         data["engine"]["urls"] = [f"http://{cfg.engine.host}:{free_port()}" for _ in range(cfg.engine.num_engines)]
+    if cfg.judge.enabled and not cfg.judge.urls:
+        data["judge"]["urls"] = [f"http://{cfg.judge.host}:{free_port()}" for _ in range(cfg.judge.num_engines)]
     if placement is not None:
         data["engine"]["weight_group_backend"] = weight_group_backend(cfg.engine.weight_group_backend, placement)
     for section in [data["env"]] if data["env"] is not None else data["envs"]:
@@ -72,6 +78,34 @@ def plan_config(
     data["actors"]["trajectory_endpoint"] = f"tcp://127.0.0.1:{free_port()}"
     data["actors"]["progress_endpoint"] = f"tcp://127.0.0.1:{free_port()}"
     return AgentRLConfig.model_validate(data)
+
+
+def owns_judges(cfg: AgentRLConfig) -> bool:
+    """Whether ``agentrl run`` starts judge engines itself (a judge model and no ``judge.urls``); asked of
+    the config before :func:`plan_config` fills the urls in."""
+    return cfg.judge.enabled and not cfg.judge.urls
+
+
+def judge_problem(cfg: AgentRLConfig) -> str | None:
+    """Why the run cannot score: an env class that declares a ``judge`` in a config with no judge model
+    (every reward it scores would be an error); None when there is none. Imports the env modules."""
+    if cfg.judge.enabled:
+        return None
+    wanting = []
+    for section in cfg.env_sections:
+        module, name = section.cls.rsplit(":", 1)
+        try:
+            cls = getattr(_import_module_or_file(module), name, None)
+        except ValueError:
+            continue  # the env's own error comes where it is built
+        if cls is not None and hasattr(cls, "judge"):
+            wanting.append(section.name or section.cls)
+    if not wanting:
+        return None
+    return (
+        f"env(s) {', '.join(wanting)} score with a judge model, but the config has none: set judge.model_path "
+        "(docs/run.md, 'Rewards judged by a model')"
+    )
 
 
 def policy_path(cfg: AgentRLConfig, run_dir: Path) -> str:
@@ -151,6 +185,36 @@ def engine_env(cfg: AgentRLConfig, placement: Placement, index: int, on_cpu: boo
     return {**env, **user}
 
 
+def judge_specs(
+    cfg: AgentRLConfig, run_dir: Path, placement: Placement, secret: Callable[[str], str] | None = None
+) -> list[ChildSpec]:
+    """The judge engines this run starts (``judge.urls`` of a planned config), each on its own devices
+    (or the CPU), serving ``judge.model_path`` at version ``judge``; restarted as they started (they hold
+    nothing the run changes). An SGLang judge's key is ``redact``ed from its log, as an engine's."""
+    j = cfg.judge
+    python = j.sglang_python or cfg.engine.sglang_python
+    key = (secret or read_secret)(j.api_key_env) if j.backend == "sglang" else ""
+    specs = []
+    for i, url in enumerate(j.urls):
+        host, port = url.rsplit("//", 1)[1].rsplit(":", 1)
+        on_cpu = i >= len(placement.judges) or not placement.judges[i]
+        extra = judge_engine_args(j, secret=secret, on_cpu=on_cpu, num_threads=cfg.run.torch_num_threads)
+        env = placement.judge_env(i)
+        if j.backend == "sglang" and on_cpu:
+            env.update(sglang_cpu_env())
+        specs.append(
+            ChildSpec(
+                f"judge{i}",
+                engine_command(j.model_path, int(port), backend=j.backend, host=host, extra=extra, python=python),
+                run_dir / "logs" / f"judge{i}.log",
+                env=env,
+                max_restarts=MAX_RESTARTS,
+                redact=(key,) if key else (),
+            )
+        )
+    return specs
+
+
 def learner_spec(cfg: AgentRLConfig, run_dir: Path, placement: Placement) -> ChildSpec:
     """``agentrl learn`` on the learner's devices (torchrun starts one rank per device); restarted
     from its latest checkpoint (``learner.resume = "auto"``) and journal."""
@@ -206,11 +270,13 @@ def child_specs(
     placement: Placement,
     *,
     own_engines: bool,
+    own_judges: bool = False,
     secret: Callable[[str], str] | None = None,
 ) -> list[ChildSpec]:
     """Every long-running child of the RL stage, as ``agentrl run`` starts them (``cfg`` is planned)."""
     engines = engine_specs(cfg, run_dir, placement, secret) if own_engines else []
-    return [*engines, learner_spec(cfg, run_dir, placement), *actor_specs(cfg, run_dir, placement)]
+    judges = judge_specs(cfg, run_dir, placement, secret) if own_judges else []
+    return [*engines, *judges, learner_spec(cfg, run_dir, placement), *actor_specs(cfg, run_dir, placement)]
 
 
 def describe_children(specs: list[ChildSpec]) -> list[str]:
@@ -233,6 +299,8 @@ def dry_run_lines(cfg: AgentRLConfig, run_dir: Path, placement: Placement) -> li
     if cfg.sft.enabled:
         lines.append(f"  warm start (sft): the learner's devices, {learner_ranks(cfg)} rank(s)")
     lines.append(f"children in {run_dir} (ports are picked again at start):")
-    specs = child_specs(planned, run_dir, placement, own_engines=not cfg.engine.urls, secret=shown)
+    specs = child_specs(
+        planned, run_dir, placement, own_engines=not cfg.engine.urls, own_judges=owns_judges(cfg), secret=shown
+    )
     lines += [f"  {line}" for line in describe_children(specs)]
     return lines

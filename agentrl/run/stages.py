@@ -8,7 +8,7 @@ The stages, in order, under one trio nursery (:class:`agentrl.run.supervisor.Sup
    (:mod:`agentrl.run.fingerprint`: the folder is set aside first).
 3. **Engines**: ``engine.num_engines`` servers on free ports, or the running ones of ``engine.urls``
    (which first load this run's policy as version 0); a retrieval server per env with
-   ``kwargs.search_url = "auto"``.
+   ``kwargs.search_url = "auto"``; the judge engines of ``[judge]`` (never updated by the learner).
 4. **Evaluation before** RL, played by this process through the same engines; a fresh learner starts
    meanwhile (it pushes nothing before the actors bring data).
 5. **RL**: ``agentrl learn`` and the actor processes; a child that dies is restarted
@@ -52,7 +52,10 @@ from agentrl.run.process_plan import (
     actor_specs,
     agentrl_argv,
     engine_specs,
+    judge_problem,
+    judge_specs,
     learner_spec,
+    owns_judges,
     plan_config,
     write_config,
 )
@@ -122,6 +125,9 @@ async def run_async(
 ) -> dict[str, Any]:
     """The whole run (the stages above); returns the summary, also written when it stops or fails."""
     placement = placement or placement_for(cfg, visible_gpus())  # refused before anything starts
+    problem = judge_problem(cfg)
+    if problem:
+        raise ValueError(problem)  # before anything starts, too
     superseded = await trio.to_thread.run_sync(prepare_run_dir, cfg, run_dir)
     state = RunState(run_dir)
     if superseded:
@@ -140,7 +146,7 @@ async def run_async(
         run_id = await trio.to_thread.run_sync(create_mlflow_run, cfg, run_dir)
         cfg = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"run_id": run_id})})
     await trio.to_thread.run_sync(lambda: ensure_model(cfg.model.path, cfg.model.init_size, seed=cfg.run.seed))
-    own_engines = not cfg.engine.urls
+    own_engines, own_judges = not cfg.engine.urls, owns_judges(cfg)
     eval_lock = trio.Lock()
     status = "FAILED"
     try:
@@ -155,6 +161,9 @@ async def run_async(
                 await start_search(sup, outer, cfg.env_sections[i], f"search{k or ''}", run_dir, placement)
             await start_engines(sup, outer, cfg, run_dir, own_engines, placement)
             state.event("engines", f"ready at {', '.join(cfg.engine.urls)}")
+            if cfg.judge.enabled:
+                await start_judges(sup, outer, cfg, run_dir, own_judges, placement)
+                state.event("judges", f"{cfg.judge.model_path} ready at {', '.join(cfg.judge.urls)}")
             if not own_engines:  # weights unknown (another run's?): the evaluation before sees this run's policy
                 await trio.to_thread.run_sync(load_policy_into_engines, cfg)
                 state.event("engines", f"loaded this run's policy {cfg.model.path} as version 0")
@@ -254,6 +263,18 @@ async def start_engines(
         for spec in engine_specs(cfg, run_dir, placement):
             await sup.start(nursery, spec)
     for url in cfg.engine.urls:
+        await trio.to_thread.run_sync(lambda u=url: wait_ready(u, 300.0), abandon_on_cancel=True)
+
+
+async def start_judges(
+    sup: Supervisor, nursery: trio.Nursery, cfg: AgentRLConfig, run_dir: Path, own_judges: bool, placement: Placement
+) -> None:
+    """The judge engines (unless ``judge.urls`` names running ones), then wait until each answers.
+    They are no members of the weight group: the learner pushes to ``engine.urls`` only."""
+    if own_judges:
+        for spec in judge_specs(cfg, run_dir, placement):
+            await sup.start(nursery, spec)
+    for url in cfg.judge.urls:
         await trio.to_thread.run_sync(lambda u=url: wait_ready(u, 300.0), abandon_on_cancel=True)
 
 
@@ -393,6 +414,7 @@ async def evaluate_on_newest_policy(cfg: AgentRLConfig, state: RunState, when: s
 RESTART_NOTES = {  # what a restart of each kind of child means for the run
     "actor": "its unacknowledged and running groups are abandoned; the same id continues its budget",
     "engine": "back without a weight version: actors wait on it until the learner pushes its policy",
+    "judge": "back as it started (never updated); judge calls wait for it, those past judge.timeout_s are reward errors",
     "learner": "restarting (its checkpoint and journal could not be read)",  # see learner_restart_note
 }
 
