@@ -337,35 +337,44 @@ class LearnerSection(Section):
         return self
 
 
-def learner_combination_problems(lc: LearnerSection) -> list[str]:
-    """Why a combination of loss keys makes no sense (empty: it composes)."""
+def loss_combination_problems(loss: Any) -> list[str]:
+    """Why a combination of policy-loss keys makes no sense (empty: it composes). ``loss`` is a
+    ``LearnerSection`` or the learner's ``PolicyLossConfig``: both carry these keys under these names."""
     problems = []
-    if lc.decoupled and lc.tis != "none":
+    if loss.decoupled and loss.tis != "none":
         problems.append(
-            "learner.decoupled and learner.tis both correct pi_prox/pi_behaviour; set learner.decoupled = false to use TIS"
+            "learner.decoupled and learner.tis both correct pi_prox/pi_behaviour; set learner.decoupled = false to use TIS (choose one)"
         )
-    if lc.objective == "cispo" and lc.ratio_level == "sequence":
+    if loss.objective == "cispo" and loss.ratio_level == "sequence":
         problems.append(
-            "learner.objective = 'cispo' weights each token's log-probability by its own clipped ratio; "
-            "learner.ratio_level = 'sequence' (GSPO) replaces the token ratio: choose one"
+            "learner.objective = 'cispo' weights each token's log-probability by its own clipped ratio (a token-level "
+            "REINFORCE weight); learner.ratio_level = 'sequence' (GSPO) replaces the token ratio: choose one"
         )
-    if lc.objective == "cispo" and lc.dual_clip:
+    if loss.objective == "cispo" and loss.dual_clip:
         problems.append("learner.dual_clip bounds PPO's clipped objective; learner.objective = 'cispo' has none")
-    if lc.behavior_weight_floor and not (lc.decoupled and lc.behavior_weight_mode == "mask"):
+    floor, cap = loss.behavior_weight_floor, loss.behavior_weight_cap
+    if floor < 0:
+        problems.append(f"learner.behavior_weight_floor must be >= 0 (0: off), got {floor}")
+    if floor and not (loss.decoupled and loss.behavior_weight_mode == "mask"):
         problems.append(
             "learner.behavior_weight_floor (IcePop) masks tokens of the decoupled weight: it needs "
             "learner.decoupled = true and learner.behavior_weight_mode = 'mask'"
         )
-    if lc.behavior_weight_floor >= lc.behavior_weight_cap:
-        problems.append(
-            f"learner.behavior_weight_floor ({lc.behavior_weight_floor}) must be below "
-            f"learner.behavior_weight_cap ({lc.behavior_weight_cap})"
-        )
-    low, high = lc.sequence_mask_low, lc.sequence_mask_high
-    if low >= 1:
-        problems.append(f"learner.sequence_mask_low ({low}) must be below 1 (0: off)")
-    if high and high <= 1:
+    if floor >= cap:
+        problems.append(f"learner.behavior_weight_floor ({floor}) must be below learner.behavior_weight_cap ({cap})")
+    low, high = loss.sequence_mask_low, loss.sequence_mask_high
+    if low > 0 and high > 0 and low > high:
+        problems.append(f"learner.sequence_mask_low ({low}) must not exceed learner.sequence_mask_high ({high})")
+    if low < 0 or low >= 1:
+        problems.append(f"learner.sequence_mask_low ({low}) must be in (0, 1) (0: off)")
+    if high < 0 or 0 < high <= 1:
         problems.append(f"learner.sequence_mask_high ({high}) must be above 1 (0: off)")
+    return problems
+
+
+def learner_combination_problems(lc: LearnerSection) -> list[str]:
+    """Why a combination of ``[learner]`` keys makes no sense (empty: it composes)."""
+    problems = loss_combination_problems(lc)
     if (lc.overlong_penalty_tokens > 0) != (lc.overlong_penalty > 0):
         problems.append(
             "learner.overlong_penalty_tokens and learner.overlong_penalty turn overlong shaping on together: "

@@ -154,7 +154,7 @@ def test_overrides_apply_over_the_file(tmp_path) -> None:
             ["learner.behavior_weight_mode=mask", "learner.behavior_weight_floor=2.5"],
             r"behavior_weight_floor \(2.5\) must be below learner.behavior_weight_cap \(2.0\)",
         ),
-        (["learner.sequence_mask_low=1.5"], r"sequence_mask_low \(1.5\) must be below 1"),
+        (["learner.sequence_mask_low=1.5"], r"sequence_mask_low \(1.5\) must be in \(0, 1\)"),
         (["learner.sequence_mask_high=0.9"], r"sequence_mask_high \(0.9\) must be above 1"),
         (["learner.overlong_penalty=1.0"], "overlong_penalty_tokens and learner.overlong_penalty turn"),
         (

@@ -303,7 +303,7 @@ def test_whiten_with_weights_is_repetition():
         (dict(objective="grpo"), ["objective"]),
         (dict(decoupled=False, objective="cispo", ratio_level="sequence"), ["learner.ratio_level", "REINFORCE"]),
         (dict(decoupled=False, objective="cispo", dual_clip=3.0), ["learner.dual_clip", "PPO's clipped"]),
-        (dict(behavior_weight_floor=0.5), ['learner.behavior_weight_mode = "mask"']),
+        (dict(behavior_weight_floor=0.5), ["learner.behavior_weight_mode = 'mask'"]),
         (dict(decoupled=False, behavior_weight_floor=0.5), ["learner.behavior_weight_floor", "learner.decoupled"]),
         (
             dict(behavior_weight_mode="mask", behavior_weight_floor=2.0, behavior_weight_cap=2.0),

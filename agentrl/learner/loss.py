@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from agentrl.config import loss_combination_problems
+
 Metrics = dict[str, Tensor]
 
 
@@ -55,9 +57,8 @@ class PolicyLossConfig:
 
     def __post_init__(self) -> None:
         _check_choices(self)
-        _check_correction(self)
-        _check_objective(self)
-        _check_sequence_mask(self)
+        for problem in loss_combination_problems(self):
+            raise ValueError(problem)
 
     @property
     def uses_proximal(self) -> bool:
@@ -114,47 +115,6 @@ def _check_choices(cfg: PolicyLossConfig) -> None:
             "learner.loss_normalization = 'constant' divides by sequences x learner.normalization_tokens, "
             f"which must be > 0 (got {cfg.normalization_tokens})"
         )
-
-
-def _check_correction(cfg: PolicyLossConfig) -> None:
-    if cfg.decoupled and cfg.tis != "none":
-        raise ValueError(
-            "decoupled and tis both correct pi_prox/mu: choose one (set learner.decoupled = false to use TIS)"
-        )
-    floor, cap = cfg.behavior_weight_floor, cfg.behavior_weight_cap
-    if floor < 0:
-        raise ValueError(f"learner.behavior_weight_floor must be >= 0 (0: off), got {floor}")
-    if floor > 0 and not (cfg.decoupled and cfg.behavior_weight_mode == "mask"):
-        raise ValueError(
-            "learner.behavior_weight_floor (IcePop) drops tokens, so it needs learner.decoupled = true and "
-            'learner.behavior_weight_mode = "mask"'
-        )
-    if floor > 0 and floor >= cap:
-        raise ValueError(f"learner.behavior_weight_floor ({floor}) must be below learner.behavior_weight_cap ({cap})")
-
-
-def _check_objective(cfg: PolicyLossConfig) -> None:
-    if cfg.objective != "cispo":
-        return
-    if cfg.ratio_level == "sequence":
-        raise ValueError(
-            "learner.objective = 'cispo' weights each token's log-probability by its own clipped ratio (a "
-            "token-level REINFORCE weight); learner.ratio_level = 'sequence' (GSPO) replaces it: choose one"
-        )
-    if cfg.dual_clip:
-        raise ValueError(
-            "learner.dual_clip bounds PPO's clipped min/max objective; learner.objective = 'cispo' has none"
-        )
-
-
-def _check_sequence_mask(cfg: PolicyLossConfig) -> None:
-    low, high = cfg.sequence_mask_low, cfg.sequence_mask_high
-    if low > 0 and high > 0 and low > high:
-        raise ValueError(f"learner.sequence_mask_low ({low}) must not exceed learner.sequence_mask_high ({high})")
-    if high < 0 or 0 < high <= 1:
-        raise ValueError(f"learner.sequence_mask_high must be 0 (off) or > 1, got {high}")
-    if low < 0 or low >= 1:
-        raise ValueError(f"learner.sequence_mask_low must be 0 (off) or in (0, 1), got {low}")
 
 
 # ------------------------------------------------------------------------------ advantages
