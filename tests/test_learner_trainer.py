@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import weakref
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -381,3 +382,30 @@ def test_weight_broadcast_makes_a_real_engine_match_the_learner(tiny_model, dist
     assert max_abs_diff(engine_lp, learner.logprobs(prompt, out)) <= 1e-4
     old_lp = [lp for lp, _, _ in before["meta_info"]["output_token_logprobs"]]
     assert max_abs_diff(old_lp, learner.logprobs(prompt, before["output_ids"])) > 1e-3  # it did change
+
+
+def test_every_recipe_of_the_algorithms_page_builds_the_learners_loss() -> None:
+    """Each row of docs/algorithms.md's "Recipes" table, as [learner] keys on the quickstart's config, gives a
+    valid config and the trainer's loss config (Dr. GRPO's normalization_tokens resolved to the env's limit)."""
+    import re
+    import tomllib
+
+    from agentrl.config import load_config
+    from agentrl.learner.trainer import TrainerSpec
+
+    root = Path(__file__).resolve().parent.parent
+    page = (root / "docs" / "algorithms.md").read_text()
+    rows = page.split("## Recipes", 1)[1].splitlines()
+    recipes = {}
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        if len(cells) == 2 and cells[0] not in ("recipe", "---"):
+            pairs = re.findall(r"`(\w+) = ([^`]+)`", cells[1])
+            recipes[cells[0]] = [f"learner.{k}={tomllib.loads(f'v = {v}')['v']}" for k, v in pairs]
+    assert len(recipes) == 9 and recipes["GRPO (the quickstart)"] == []
+    for name, sets in recipes.items():
+        cfg = load_config(root / "examples" / "calculator" / "config.toml", sets)
+        loss = TrainerSpec.for_learn(cfg).loss
+        assert loss.normalization == cfg.learner.loss_normalization, name
+        if loss.normalization == "constant":
+            assert loss.normalization_tokens == cfg.env.max_total_tokens == 256

@@ -70,8 +70,9 @@ class PolicyLossConfig:
         return bool(self.sequence_mask_low or self.sequence_mask_high)
 
     @classmethod
-    def from_learner(cls, learner: Any) -> PolicyLossConfig:
-        """Build from a ``LearnerSection``."""
+    def from_learner(cls, learner: Any, normalization_tokens: int | None = None) -> PolicyLossConfig:
+        """Build from a ``LearnerSection``; ``normalization_tokens`` resolves its 0 (the learner
+        passes the largest ``env.max_total_tokens``)."""
         return cls(
             clip_eps_low=learner.clip_eps_low,
             clip_eps_high=learner.clip_eps_high,
@@ -89,7 +90,7 @@ class PolicyLossConfig:
             kl_estimator=learner.kl_estimator,
             entropy_coef=learner.entropy_coef,
             normalization=learner.loss_normalization,
-            normalization_tokens=learner.normalization_tokens,
+            normalization_tokens=learner.normalization_tokens or normalization_tokens or 0,
         )
 
 

@@ -18,7 +18,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -84,10 +84,7 @@ class TrainerSpec:
             max_tokens_per_microbatch=lc.max_tokens_per_microbatch,
             activation_checkpointing=lc.activation_checkpointing,
             temperature=temperature,
-            loss=replace(
-                PolicyLossConfig.from_learner(lc),
-                normalization_tokens=lc.normalization_tokens or max(e.max_total_tokens for e in cfg.env_sections),
-            ),
+            loss=PolicyLossConfig.from_learner(lc, max(e.max_total_tokens for e in cfg.env_sections)),
             num_minibatches=lc.num_minibatches,
             critic_lr=lc.critic_lr,
             value_clip=lc.value_clip,
