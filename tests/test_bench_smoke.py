@@ -49,7 +49,7 @@ SMOKES = [
             r"recipes checked: grpo, ppo, rloo, gspo, cispo, dr_grpo, reinforce_pp, grpo_icepop",
             r"^\| ppo \| 1 \| [\d.]+% \| [\d.]+% \| [+-]",
         ),
-        ("--bench-dir", "{tmp}", "--warm", "{model}", "-s", "model.path={model}"),  # time_to_skill's smoke builds one
+        ("--bench-dir", "{tmp}", "--warm", "{model}", "-s", "model.path={model}"),
         timeout_s=900,
         slow=True,
     ),
@@ -89,7 +89,7 @@ SMOKES = [
     Smoke(
         "time_to_skill.py",
         (r"^\| default \| 1 \| [\d.]+% \| [\d.]+% \|",),
-        ("--bench-dir", "{tmp}", "-s", "model.path={model}"),
+        ("--bench-dir", "{tmp}", "--warm", "{model}", "-s", "model.path={model}"),  # agentrl sft is tested elsewhere
         timeout_s=900,
         slow=True,
     ),

@@ -286,11 +286,17 @@ def builtin_envs() -> list[str]:
     return found
 
 
+REQUIRED_KWARGS = {  # the built-in envs that need something to play: a dataset, an environment to adapt
+    "agentrl.envs.reasoning_gym:ReasoningGymEnv": {"dataset": "basic_arithmetic"},
+    "agentrl.envs.verifiers_env:VerifiersEnv": {"environment": "tests._verifiers_envs:tool_env"},
+}
+
+
 @pytest.mark.parametrize("env_path", ["tests._actors_user_env:AddEnv", *builtin_envs()])
 def test_random_model_keeps_the_invariant(tmp_path_factory, tokenizer, env_path):
     """The tiny model with random weights writes garbage (stray special tokens, broken UTF-8, cut
     tool calls): every episode still decodes to its chat, masked-in tokens are the model's."""
-    env = load_env(env_path)
+    env = load_env(env_path, REQUIRED_KWARGS.get(env_path))
     model_dir = tiny_model_dir(tmp_path_factory)
     assert load_tokenizer(model_dir).get_vocab() == tokenizer.get_vocab()  # the same tokenizer
     policy = ModelPolicy(model_dir, seed=1)

@@ -222,7 +222,7 @@ def test_cli_run_reports_a_failing_child_with_exit_1_and_stops_the_others(tiny_m
     assert pids and not any(_alive(p) for p in pids)
 
 
-@pytest.mark.parametrize("example", ["search_qa", "code", "custom_env", "reasoning_gym"])
+@pytest.mark.parametrize("example", ["search_qa", "code", "custom_env"])  # reasoning_gym: test_env_reasoning_gym.py
 def test_cpu_examples_run_a_few_steps(example: str, tiny_model: Path, tmp_path: Path) -> None:
     cfg = load_config(
         ROOT / "examples" / example / "config.toml",
