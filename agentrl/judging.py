@@ -55,6 +55,7 @@ class JudgeStats:
     calls: int = 0
     verdicts: int = 0
     failures: Counter = field(default_factory=Counter)  # by JudgeError kind
+    unfinished: int = 0  # calls cancelled with their episode (calls = verdicts + failures + unfinished)
     batches: int = 0  # /generate requests sent
     batched_calls: int = 0  # calls in them
     batch_max: int = 0
@@ -81,6 +82,7 @@ class JudgeStats:
             "verdicts": self.verdicts,
             "failures": sum(self.failures.values()),
             "failures_by_kind": dict(self.failures),
+            "unfinished": self.unfinished,
             "batches": self.batches,
             "batch_mean": self.batched_calls / self.batches if self.batches else 0.0,
             "batch_max": self.batch_max,

@@ -428,7 +428,8 @@ def test_a_run_with_a_judged_reward_counts_its_failures_and_never_updates_the_ju
     # the actors' judge: calls counted, both failure kinds seen, every verdict from the judge's first weights
     (report,) = final_reports(run_dir)
     judge = report["judge"]
-    assert judge["verdicts"] > 0 and judge["calls"] == judge["verdicts"] + judge["failures"]
+    # a call the actor's stop cancelled (its episode was cut) is unfinished, neither verdict nor failure
+    assert judge["verdicts"] > 0 and judge["calls"] == judge["verdicts"] + judge["failures"] + judge["unfinished"]
     assert judge["failures_by_kind"]["malformed"] > 0 and judge["failures_by_kind"]["timeout"] > 0
     assert judge["weight_versions"] == {JUDGE_WEIGHT_VERSION: judge["verdicts"]}
     assert judge["batches"] > 0 and judge["batch_max"] >= 1

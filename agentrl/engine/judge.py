@@ -180,6 +180,9 @@ class EngineJudge:
         except JudgeError as e:
             self.stats.failures[e.kind] += 1
             raise
+        except BaseException:  # cancelled with its episode (the actor stopping), or a bug: neither verdict nor failure
+            self.stats.unfinished += 1
+            raise
         latency = time.monotonic() - started
         self.stats.verdict(latency, result.weight_version)
         return Verdict(score=score, text=result.text, weight_version=result.weight_version, latency_s=latency)
