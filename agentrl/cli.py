@@ -39,14 +39,19 @@ def _load(config: Path | None, overrides: list[str] | None):
 @app.command("init-model")
 def init_model_cmd(
     out_dir: Annotated[Path, typer.Argument(help="Folder to write the model and tokenizer to.")],
-    size: Annotated[str, typer.Option(help="tiny (~1M params), small (~25M) or 0.5b (Qwen2.5-0.5B shape).")] = "tiny",
+    size: Annotated[
+        str,
+        typer.Option(
+            help="tiny (~1M params), small (~25M), 0.5b (Qwen2.5-0.5B shape) or tiny-vl (a ~1.2M Qwen2.5-VL)."
+        ),
+    ] = "tiny",
     seed: Annotated[int, typer.Option(help="Seed for the tokenizer corpus and the weights.")] = 0,
 ) -> None:
-    """Build a Qwen3-architecture model and byte-level BPE tokenizer offline."""
+    """Build a Qwen3-architecture model (or a Qwen2.5-VL, tiny-vl) and byte-level BPE tokenizer offline."""
     from agentrl.models.builder import SIZES, count_parameters, init_model
 
-    if size not in SIZES:
-        typer.secho(f"unknown size {size!r}; choose one of {', '.join(SIZES)}", fg=typer.colors.RED, err=True)
+    if size not in (*SIZES, "tiny-vl"):
+        typer.secho(f"unknown size {size!r}; choose one of {', '.join(SIZES)}, tiny-vl", fg=typer.colors.RED, err=True)
         raise typer.Exit(2)
     path = init_model(out_dir, size=size, seed=seed)
     typer.echo(f"wrote a {size} model ({count_parameters(path):,} parameters) to {path}")

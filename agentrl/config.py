@@ -56,7 +56,7 @@ class RunSection(Section):
 
 class ModelSection(Section):
     path: str = "runs/models/tiny"  # a local Hugging Face folder
-    init_size: Literal["tiny", "small", "0.5b", ""] = "tiny"  # built at `path` when absent; "" = never build
+    init_size: Literal["tiny", "small", "0.5b", "tiny-vl", ""] = "tiny"  # built at `path` when absent; "" = never build
     dtype: Literal["float32", "bfloat16", "float16"] = (
         "float32"  # dtype of the engines' weights and of the pushed weights (the learner trains in fp32)
     )

@@ -10,7 +10,8 @@ anything off (version, field, type, truncation) raises :class:`ProtocolError`, o
 drop; an unstamped group or a value msgpack cannot carry fails in :func:`encode`, in the sender.
 Per-token arrays travel as raw little-endian bytes and decode to read-only views (copy before
 changing one). ``weight_versions`` holds the policy version of each generated token, -1 elsewhere.
-Rewards travel as scored, non-finite included: the learner's border judges them. See
+Rewards travel as scored, non-finite included: the learner's border judges them. Images travel as the PNG
+bytes of agentrl/images.py, each at most ``MAX_IMAGE_BYTES``; whether they decode is the learner's check. See
 docs/transport.md.
 """
 
@@ -22,7 +23,9 @@ from typing import Any, cast
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 2
+from agentrl.images import MAX_IMAGE_BYTES
+
+PROTOCOL_VERSION = 3  # 3: trajectories carry images
 MAX_SEQ = 2**63 - 1  # sequence numbers and counts are non-negative int64
 
 _ARRAY_DTYPES = {
@@ -49,6 +52,8 @@ class Trajectory:
     reward_components: dict[str, float] = field(default_factory=dict)
     # env name, num_turns, num_tool_calls, num_tool_errors, finish_reason, timings, messages...
     metadata: dict[str, Any] = field(default_factory=dict)
+    # PNG bytes of each image, in the order of their image-pad runs in ``tokens`` (agentrl/images.py)
+    images: list[bytes] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for name, dtype in _ARRAY_DTYPES.items():
@@ -143,6 +148,7 @@ def _traj_to_wire(t: Trajectory) -> dict[str, Any]:
         "reward": float(t.reward),
         "reward_components": {str(k): float(v) for k, v in t.reward_components.items()},
         "metadata": t.metadata,
+        "images": list(t.images),
     }
 
 
@@ -230,7 +236,18 @@ def _traj_from_wire(d: dict[str, Any]) -> Trajectory:
         reward=_field(d, "reward", float),
         reward_components=comps,
         metadata=_field(d, "metadata", dict),
+        images=_images(d),
     )
+
+
+def _images(d: dict[str, Any]) -> list[bytes]:
+    images = _field(d, "images", list)
+    for i, png in enumerate(images):
+        if not isinstance(png, bytes):
+            raise ProtocolError(f"field 'images' item {i} has type {type(png).__name__}, not bytes")
+        if len(png) > MAX_IMAGE_BYTES:
+            raise ProtocolError(f"field 'images' item {i} has {len(png)} bytes, more than {MAX_IMAGE_BYTES}")
+    return images
 
 
 def encode(msg: TrajectoryGroup | Progress) -> bytes:

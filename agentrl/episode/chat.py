@@ -14,8 +14,10 @@ every step.
 * A turn that stopped by length gets the template's whole closing text; the loop reserves room for it, so
   an episode never exceeds ``max_total_tokens``.
 
-Rendering shortcuts (the compiled Jinja template, the Rust tokenizer, a per-group prompt cache) are
-checked against the plain transformers calls. See docs/episode.md.
+Images (a vision-language model): a message's content may be a list of text and image parts; the images
+become PNG bytes in ``images`` (in token order) and each one's single template placeholder becomes its run of
+image pads (agentrl/images.py). Rendering shortcuts (the compiled Jinja template, the Rust tokenizer, a
+per-group prompt cache) are checked against the plain transformers calls. See docs/episode.md.
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from agentrl.images import ImageError, VisionProcessor, message_images
 
 Message = dict[str, Any]
 
@@ -71,10 +76,12 @@ class ChatCodec:
     Built once per tokenizer (see :func:`codec_for`); stateless after construction.
     """
 
-    def __init__(self, tokenizer: Any, *, prompt_cache_size: int = 256):
+    def __init__(self, tokenizer: Any, *, prompt_cache_size: int = 256, vision: VisionProcessor | None = None):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', tokenizer)!r} has no chat template")
         self.tokenizer = tokenizer
+        # the model's image processor when the tokenizer's directory holds a vision-language model
+        self.vision = vision if vision is not None else _vision_of(tokenizer)
         self._backend = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer, when fast
         self._fast = self._fast_renderer()
         self._prompts: OrderedDict[str, tuple[list[int], str]] = OrderedDict()
@@ -108,7 +115,8 @@ class ChatCodec:
 
     def prompt(self, messages: list[Message], tools: list[dict] | None) -> tuple[list[int], str]:
         """The prompt's ids and text; the same as ``apply_chat_template(..., add_generation_prompt=True,
-        tokenize=True)``. Cached: the ``n`` samples of a group share their prompt."""
+        tokenize=True)``. Cached: the ``n`` samples of a group share their prompt. Image parts must already
+        be taken out (:meth:`take_images`); their pads are expanded by the caller."""
         key = json.dumps([messages, tools], sort_keys=True, default=str)
         hit = self._prompts.get(key)
         if hit is None:
@@ -204,10 +212,45 @@ class ChatCodec:
             return self._backend.encode(text, add_special_tokens=False).ids
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def take_images(self, messages: list[Message], where: str) -> tuple[list[Message], list[bytes]]:
+        """``messages`` with image parts replaced by references (agentrl.images.message_images), and the images'
+        PNG bytes in order. A text-only model given an image: :class:`ImageError`."""
+        out: list[Message] = []
+        pngs: list[bytes] = []
+        for i, m in enumerate(messages):
+            content = m.get("content")
+            if isinstance(content, list):
+                content, found = message_images(content, f"{where} message {i} ({m.get('role')})")
+                if not found:  # text parts only: one string, which every chat template renders
+                    content = "".join(part["text"] for part in content)
+                m = {**m, "content": content}
+                pngs.extend(found)
+            out.append(m)
+        if pngs and self.vision is None:
+            raise ImageError(
+                f"{where}: {len(pngs)} image(s), but the model at {getattr(self.tokenizer, 'name_or_path', '?')!r} "
+                "is text-only (its config.json has no vision_config)"
+            )
+        return out, pngs
+
+    def expand_images(self, text: str, pngs: list[bytes]) -> tuple[list[int], str]:
+        """The ids and text of rendered ``text`` with each image's placeholder pad grown to its token count."""
+        ids = self.encode(text)
+        if not pngs:
+            return ids, text
+        assert self.vision is not None, "take_images refuses images for a text-only model"
+        expanded = self.vision.expand(ids, pngs)
+        return expanded, self.decode(expanded)
+
     def decode(self, ids: list[int]) -> str:
         if self._backend is not None:
             return self._backend.decode(list(ids), skip_special_tokens=False)
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def _vision_of(tokenizer: Any) -> VisionProcessor | None:
+    path = getattr(tokenizer, "name_or_path", "")
+    return VisionProcessor.load(path) if path and Path(path).is_dir() else None
 
 
 _CODECS: weakref.WeakKeyDictionary[Any, ChatCodec] = weakref.WeakKeyDictionary()
@@ -237,13 +280,20 @@ class TokenChat:
     logprobs: array = field(default_factory=lambda: array("f"))
     versions: array = field(default_factory=lambda: array("i"))
     text: str = ""  # == decode(tokens): the chat as the model saw it
+    images: list[bytes] = field(default_factory=list)  # PNG bytes, in the order of their pad runs in tokens
     turn_start: int = 0  # index of the current model turn's first token
     _turn_cache: tuple = ((-1, -1), "", "")
 
     @classmethod
     def start(cls, codec: ChatCodec, messages: list[Message], tools: list[dict] | None) -> TokenChat:
-        chat = cls(codec=codec, tools=tools or None, messages=[dict(m) for m in messages])
+        """The chat of a prompt; image parts in ``messages`` are taken out into ``images`` (ImageError when
+        one cannot be read or the model is text-only)."""
+        plain, pngs = codec.take_images([dict(m) for m in messages], "the prompt")
+        chat = cls(codec=codec, tools=tools or None, messages=plain)
         ids, text = codec.prompt(chat.messages, chat.tools)
+        if pngs:
+            ids, text = codec.expand_images(text, pngs)
+            chat.images.extend(pngs)
         chat._append_context(ids, text)
         return chat
 
@@ -298,11 +348,13 @@ class TokenChat:
         assistant = {"role": "assistant", "content": content}
         text = self.text + model_text
         if new_messages:
+            new_messages, pngs = self.codec.take_images(new_messages, "an observation")
             delta = self.codec.context_after_turn(ended, new_messages, self.tools, add_generation_prompt=True)
-            ids = self.codec.encode(delta)
+            ids, delta = self.codec.expand_images(delta, pngs)
             if max_len is None or len(self.tokens) + len(ids) <= max_len:
                 self.messages.append(assistant)
                 self.messages.extend(dict(m) for m in new_messages)
+                self.images.extend(pngs)
                 self._append_context(ids, text + delta)
                 return True
         delta = self.codec.context_after_turn(ended, [], self.tools, add_generation_prompt=False)

@@ -311,6 +311,7 @@ async def run_episode(
         reward=reward,
         reward_components=components,
         metadata=metadata,
+        images=list(chat.images),
     )
 
 

@@ -36,6 +36,7 @@ import anyio
 
 from agentrl.envs.base import Env
 from agentrl.episode.chat import TokenChat
+from agentrl.images import data_url
 
 
 class GenerateResultLike(Protocol):
@@ -58,6 +59,7 @@ class EngineClientLike(Protocol):
         affinity_key: str | None = None,
         rid: str | None = None,
         return_logprob: bool = True,
+        image_data: list[str] | None = None,
     ) -> GenerateResultLike: ...
 
 
@@ -165,13 +167,15 @@ async def generate_turn(
     eot = chat.codec.end_of_turn_id
     empty_aborts, part = 0, 0
     waiting_since: float | None = None
+    # SGLang's image_data: the episode's images so far, as data URLs (only when there are any)
+    images: dict[str, Any] = {"image_data": [data_url(png) for png in chat.images]} if chat.images else {}
     while True:
         params = {**sampling, "max_new_tokens": remaining}
         rid = f"{rid_prefix}-{part}"
         part += 1
         start = time.monotonic()
         try:
-            reply = await client.generate(chat.tokens, params, affinity_key=affinity_key, rid=rid)
+            reply = await client.generate(chat.tokens, params, affinity_key=affinity_key, rid=rid, **images)
         except Exception as e:  # the client has already retried; cancellation is not an Exception
             if not options.wrap_engine_errors:
                 raise

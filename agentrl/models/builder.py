@@ -65,6 +65,26 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+# The vision-language template: the same, with a message's content either a string or a list of parts,
+# ``{"type": "text", "text": ...}`` and ``{"type": "image"}`` / ``{"type": "image_url", ...}`` (one image pad each;
+# the processor expands a pad to the image's token count).
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+_CONTENT_MACRO = (
+    "{%- macro content(c) -%}"
+    "{%- if c is string -%}{{- c -}}"
+    "{%- else -%}{%- for part in c -%}"
+    "{%- if part.type == 'text' -%}{{- part.text -}}"
+    "{%- elif part.type in ['image', 'image_url'] -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+)
+VISION_CHAT_TEMPLATE = _CONTENT_MACRO + (
+    CHAT_TEMPLATE.replace("messages[0].content", "content(messages[0].content)")
+    .replace("message.content + '<|im_end|>", "content(message.content) + '<|im_end|>")
+    .replace("'\\n<tool_response>\\n' + message.content", "'\\n<tool_response>\\n' + content(message.content)")
+)
+
 SIZES: dict[str, dict[str, float]] = {
     # initializer_range: the transformers default (0.02) is sized for wide models; at hidden 128
     # it left the quickstart's SFT on a plateau for ~400 steps, 0.06 (about 0.7/sqrt(hidden))
@@ -234,8 +254,10 @@ def init_model(out_dir: str | Path, size: str = "tiny", seed: int = 0) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
+    if size == "tiny-vl":
+        return build_tiny_vl(out_dir, seed=seed)
     if size not in SIZES:
-        raise ValueError(f"unknown model size {size!r}; choose one of {', '.join(SIZES)}")
+        raise ValueError(f"unknown model size {size!r}; choose one of {', '.join(SIZES)}, tiny-vl")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(int(SIZES[size]["vocab_target"]), seed=seed)
@@ -255,10 +277,79 @@ def init_model(out_dir: str | Path, size: str = "tiny", seed: int = 0) -> Path:
     return out
 
 
-def count_parameters(path: str | Path) -> int:
-    from transformers import AutoModelForCausalLM
+# A Qwen2.5-VL with the tiny text model and a two-block vision tower. An image of 56x56 pixels is a 4x4 grid
+# of 14-pixel patches, merged 2x2 into 4 tokens; the processor keeps images between 56x56 and 224x224.
+TINY_VL_VISION = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, fullatt_block_indexes=[1])
+TINY_VL_PIXELS = dict(min_pixels=56 * 56, max_pixels=224 * 224)
 
-    model = AutoModelForCausalLM.from_pretrained(path)
+
+def build_tiny_vl(out_dir: str | Path, seed: int = 0) -> Path:
+    """A randomly initialised Qwen2.5-VL (``tiny`` text model + a small vision tower), its tokenizer (the tiny BPE
+    plus Qwen's vision tokens) and processor under ``out_dir``; loads with ``AutoModelForImageTextToText`` and
+    ``AutoProcessor`` offline."""
+    import torch
+    from transformers import GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    text = dict(SIZES["tiny"])
+    for key in ("vocab_target", "head_dim"):
+        text.pop(key)
+    tokenizer = build_tokenizer(int(SIZES["tiny"]["vocab_target"]), seed=seed)
+    tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})  # type: ignore[arg-type]
+    tokenizer.chat_template = VISION_CHAT_TEMPLATE
+    ids: dict[str, int] = {t: int(tokenizer.convert_tokens_to_ids(t)) for t in [*VISION_TOKENS, "<|im_end|>"]}  # type: ignore[arg-type]
+    head_dim = int(text["hidden_size"]) // int(text["num_attention_heads"])
+    third = head_dim // 2 // 4
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=(len(tokenizer) + 63) // 64 * 64,
+            max_position_embeddings=4096,
+            rms_norm_eps=1e-6,
+            eos_token_id=ids["<|im_end|>"],
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=None,
+            # mRoPE: the rotary half-dimension split over (time, height, width) like Qwen's [16, 24, 24]
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 1000000.0,
+                "mrope_section": [2 * third, 3 * third, 3 * third],
+            },
+            **text,
+        ),
+        vision_config=dict(out_hidden_size=int(text["hidden_size"]), initializer_range=0.06, **TINY_VL_VISION),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config).float()
+    model.generation_config = GenerationConfig(
+        eos_token_id=ids["<|im_end|>"], pad_token_id=tokenizer.pad_token_id, do_sample=True
+    )
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    _image_processor().save_pretrained(out)
+    return out
+
+
+def _image_processor() -> Any:
+    """Qwen2-VL's image processor (the PIL backend). Saved on its own, not as a ``Qwen2_5_VLProcessor``: that class
+    also needs Qwen2-VL's video processor, which imports torchvision, and no CPU torchvision wheel is installable
+    here. agentrl reads images with ``AutoImageProcessor`` and the tokenizer (see agentrl/images.py)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    size = {"shortest_edge": TINY_VL_PIXELS["min_pixels"], "longest_edge": TINY_VL_PIXELS["max_pixels"]}
+    return Qwen2VLImageProcessorPil(size=size, patch_size=14, merge_size=2, temporal_patch_size=2)
+
+
+def count_parameters(path: str | Path) -> int:
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    vision = "vision_config" in json.loads((Path(path) / "config.json").read_text())
+    model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_pretrained(path)
     return sum(p.numel() for p in model.parameters())
 
 

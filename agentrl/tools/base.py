@@ -9,7 +9,9 @@ Invariant: :class:`ToolBox` turns every failure (unknown tool, arguments that do
 exception, a time-out, an oversized output) into a :class:`ToolResult` with ``is_error=True`` and a
 message the model can read; only ``trio.Cancelled`` propagates. A tool answers with an error on
 purpose by raising :class:`ToolError` (counted as ``error_kind="tool_error"``, not as a crash).
-See docs/tools.md.
+A tool may answer with images: a PIL image, or a list of content parts (``{"type": "text", "text": ...}``,
+``{"type": "image", "image": ...}``); images become PNG bytes (agentrl/images.py), one that cannot be read
+is an error observation. See docs/tools.md.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import trio
+
+from agentrl.images import ImageError, to_png
+
+ToolOutput = str | list[dict[str, Any]]  # text, or content parts with images (ToolBox normalises what run returns)
 
 _JSON_TYPES: dict[Any, str] = {
     str: "string",
@@ -45,7 +51,7 @@ class ToolCall:
 
 @dataclass
 class ToolResult:
-    content: str
+    content: ToolOutput
     is_error: bool = False
     latency_s: float = 0.0
     name: str = ""
@@ -103,7 +109,7 @@ class Tool:
         if "wants_state" not in cls.__dict__ and "state" in params:
             cls.wants_state = True
 
-    async def run(self, **arguments: Any) -> str:
+    async def run(self, **arguments: Any) -> Any:
         raise NotImplementedError(f"tool {self.name!r} does not implement run()")
 
     def cannot_take(self, arguments: dict[str, Any]) -> str | None:
@@ -142,12 +148,10 @@ class FunctionTool(Tool):
             return str(e)
         return None
 
-    async def run(self, /, **arguments: Any) -> str:
+    async def run(self, /, **arguments: Any) -> Any:
         if self._is_async:
-            out = await self.fn(**arguments)
-        else:
-            out = await trio.to_thread.run_sync(lambda: self.fn(**arguments), abandon_on_cancel=True)
-        return out if isinstance(out, str) else str(out)
+            return await self.fn(**arguments)
+        return await trio.to_thread.run_sync(lambda: self.fn(**arguments), abandon_on_cancel=True)
 
 
 def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None, timeout_s: float | None = None) -> Any:
@@ -411,10 +415,38 @@ class ToolBox:
             return ToolResult(f"Error: {call.name} failed: {type(e).__name__}: {e}", is_error=True, error_kind="crash")
         if scope.cancelled_caught:
             return ToolResult(f"Error: {call.name} timed out after {limit:g} s", is_error=True, error_kind="timeout")
-        out = out if isinstance(out, str) else str(out)
-        if len(out) > self.max_output_chars:
-            out = out[: self.max_output_chars] + f"\n[output truncated to {self.max_output_chars} characters]"
-        return ToolResult(out)
+        try:
+            return ToolResult(self._observation(out))
+        except ImageError as e:
+            return ToolResult(
+                f"Error: {call.name} returned an image that cannot be read: {e}", True, error_kind="crash"
+            )
+
+    def _observation(self, out: Any) -> ToolOutput:
+        """What a tool returned as the model's observation: text (truncated), or parts with PNG images."""
+        if _is_image(out):
+            out = [{"type": "image", "image": out}]
+        if not (isinstance(out, list) and any(_is_image(p) or isinstance(p, dict) and "type" in p for p in out)):
+            return self._truncate(out if isinstance(out, str) else str(out))  # a plain list of values is text
+        parts: list[dict[str, Any]] = []
+        for i, part in enumerate(out):
+            kind = part.get("type") if isinstance(part, dict) else "image" if _is_image(part) else None
+            if kind == "text":
+                parts.append({"type": "text", "text": self._truncate(str(part.get("text", "")))})
+            elif kind == "image":
+                parts.append({"type": "image", "image": to_png(part.get("image") if isinstance(part, dict) else part)})
+            else:
+                raise ImageError(f"part {i} is {part!r:.60}, not a text or image part")
+        return parts
+
+    def _truncate(self, text: str) -> str:
+        if len(text) > self.max_output_chars:
+            return text[: self.max_output_chars] + f"\n[output truncated to {self.max_output_chars} characters]"
+        return text
+
+
+def _is_image(value: Any) -> bool:
+    return type(value).__module__.startswith("PIL.")
 
 
 def _cannot_take(tool_: Tool, arguments: dict[str, Any]) -> str | None:
