@@ -141,8 +141,8 @@ def test_unknown_fields_are_refused_with_openais_words():
         ({"messages": []}, "'messages' must be a non-empty list"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role must be one of"),
         (
-            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-            "messages[0].content[0] of type 'image_url' is not supported",
+            {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "x"}}]}]},
+            "messages[0].content[0] of type 'input_audio' is not supported",
         ),
         (
             {

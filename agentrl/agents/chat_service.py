@@ -61,6 +61,7 @@ from agentrl.engine.client import EngineRequestError
 from agentrl.engine.native_api import RequestError
 from agentrl.episode.chat import ChatCodec, TokenChat
 from agentrl.episode.turn import EngineClientLike, EpisodeFailed, TurnOptions, generate_turn
+from agentrl.images import ImageError
 from agentrl.tools.parsing import ToolCallParser, get_parser
 
 log = logging.getLogger(__name__)
@@ -173,6 +174,9 @@ class ChatService:
             plan = session.plan(req, self.codec)
         except OpenAIRequestError as e:
             return JSONResponse(e.body(), status_code=e.status)
+        except ImageError as e:  # an image that cannot be read, or images for a text model
+            error = OpenAIRequestError(str(e), param="messages", code="invalid_image")
+            return JSONResponse(error.body(), status_code=error.status)
         work = asyncio.ensure_future(self.generate(plan))
         gone = asyncio.ensure_future(_wait_disconnect(request))
         try:

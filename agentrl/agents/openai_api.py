@@ -134,28 +134,40 @@ def _unsupported(name: str, value: Any) -> OpenAIRequestError:
 # ----------------------------------------------------------------------------- messages
 
 
-def _text(content: Any, where: str) -> str:
+def _content(content: Any, where: str) -> str | list[dict]:
+    """A message's content: a string, or (when it holds images) a list of text and ``image_url`` parts, which
+    the chat takes apart (agentrl/images.py; an image that cannot be read is a 400 there)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise OpenAIRequestError(f"{where}.content must be a string, a list of content parts or null", param=where)
-    parts = []
+    parts: list[dict] = []
     for j, part in enumerate(content):
         if isinstance(part, str):
-            parts.append(part)
+            parts.append({"type": "text", "text": part})
             continue
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("text", "input_text") and isinstance(part.get("text"), str):
-            parts.append(part["text"])
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "image_url" and isinstance(_image_url(part), str):
+            parts.append({"type": "image_url", "image_url": {"url": _image_url(part)}})
         else:
             raise OpenAIRequestError(
-                f"{where}.content[{j}] of type {kind!r} is not supported: agentrl's endpoint takes text only",
+                f"{where}.content[{j}] of type {kind!r} is not supported: agentrl's endpoint takes text and "
+                'image_url parts ({"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}})',
                 param=f"{where}.content",
                 code="unsupported_value",
             )
-    return " ".join(parts)
+    if all(p["type"] == "text" for p in parts):
+        return " ".join(p["text"] for p in parts)
+    return parts
+
+
+def _image_url(part: dict) -> Any:
+    url = part.get("image_url")
+    return url.get("url") if isinstance(url, dict) else url
 
 
 def _arguments(raw: Any, where: str) -> dict:
@@ -198,7 +210,7 @@ def convert_message(message: Any, i: int) -> tuple[dict, str]:
     role = message.get("role")
     if role not in ROLES:
         raise OpenAIRequestError(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", param=f"{where}.role")
-    text = _text(message.get("content"), where)
+    text = _content(message.get("content"), where)
     out: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": text}
     view: dict[str, Any] = {"role": role, "content": text}
     for key in ("name", "tool_call_id", "reasoning_content"):

@@ -120,7 +120,8 @@ class Episode:
                 chat = copy_chat(sequence.chat)
                 try:
                     chat.close_turn_and_add(request.messages[len(sequence.views) :])
-                    if codec.render(chat.messages, chat.tools, add_generation_prompt=True) != chat.text:
+                    rendered = codec.render(chat.messages, chat.tools, add_generation_prompt=True)
+                    if codec.expand_images(rendered, chat.images)[1] != chat.text:
                         raise TemplateMismatch("the template renders this history otherwise")
                     extends = _Extends(sequence, sequence.num_calls)
                 except TemplateMismatch:
