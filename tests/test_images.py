@@ -250,3 +250,29 @@ def test_images_travel_as_png_bytes_and_the_wire_checks_them():
     wire["trajectories"][0]["images"] = [b"x" * (MAX_IMAGE_BYTES + 1)]
     with pytest.raises(ProtocolError, match="more than"):
         decode(msgpack.packb(wire))
+
+
+def test_the_tiny_vl_model_reads_an_image_in_transformers(vl_dir, codec):
+    """init-model --size tiny-vl loads with AutoModelForImageTextToText and runs a forward on a prompt with an
+    image (with mRoPE positions), whose image tokens change the next-token distribution."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(vl_dir).eval()
+    vision = codec.vision
+
+    def logits(colour):
+        chat = TokenChat.start(codec, [{"role": "user", "content": [{"type": "image", "image": square(colour)}]}], None)
+        pixels, grid = vision.process(chat.images)
+        ids = torch.tensor([chat.tokens])
+        with torch.no_grad():
+            out = model(
+                input_ids=ids,
+                pixel_values=pixels,
+                image_grid_thw=grid,
+                mm_token_type_ids=(ids == vision.image_token_id).int(),
+            )
+        return out.logits[0, -1]
+
+    red, blue = logits((255, 0, 0)), logits((0, 0, 255))
+    assert torch.isfinite(red).all() and not torch.allclose(red, blue)

@@ -300,7 +300,7 @@ def build_tiny_vl(out_dir: str | Path, seed: int = 0) -> Path:
     tokenizer.chat_template = VISION_CHAT_TEMPLATE
     ids: dict[str, int] = {t: int(tokenizer.convert_tokens_to_ids(t)) for t in [*VISION_TOKENS, "<|im_end|>"]}  # type: ignore[arg-type]
     head_dim = int(text["hidden_size"]) // int(text["num_attention_heads"])
-    third = head_dim // 2 // 4
+    eighth = head_dim // 2 // 8  # mRoPE splits the rotary half-dimension 2:3:3, as Qwen's [16, 24, 24] of 64
     config = Qwen2_5_VLConfig(
         text_config=dict(
             vocab_size=(len(tokenizer) + 63) // 64 * 64,
@@ -313,7 +313,7 @@ def build_tiny_vl(out_dir: str | Path, seed: int = 0) -> Path:
             rope_parameters={
                 "rope_type": "default",
                 "rope_theta": 1000000.0,
-                "mrope_section": [2 * third, 3 * third, 3 * third],
+                "mrope_section": [2 * eighth, 3 * eighth, 3 * eighth],
             },
             **text,
         ),
