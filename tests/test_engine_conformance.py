@@ -1,6 +1,7 @@
 """agentrl against SGLang's own source (the pinned wheel, parsed with ``ast``; see tests/sglang_spec.py).
 
-* What agentrl sends: the real ``EngineClient`` (inside real episodes), the agent endpoint (an AgentEnv
+* What agentrl sends: the real ``EngineClient`` (inside real episodes, and one image request to an engine
+  serving the tiny vision-language model), the agent endpoint (an AgentEnv
   episode through the openai SDK), the OpenAI SDK against the engine's own ``/v1`` routes, and the real
   weight updater drive an embedded engine behind a recording middleware; every recorded request must use a route
   and method in SGLang's table, and its JSON fields must be fields of that route's request struct
@@ -209,13 +210,30 @@ async def drive_openai_routes(urls: list[str], tokenizer, model_name: str) -> No
         await runner.play(Drive(), Task("t"))
 
 
-@pytest.fixture(scope="module")
-def recorded(engine_model, tmp_path_factory) -> list[dict]:
-    logs = tmp_path_factory.mktemp("conformance")
-    record = logs / "requests.jsonl"
+async def drive_image_request(urls: list[str], model_path: Path) -> None:
+    """One /generate with image_data, as an episode sends it: expanded ids and a data URL per image."""
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    from agentrl.images import VisionProcessor, data_url, to_png
+
+    tokenizer, vision = AutoTokenizer.from_pretrained(model_path), VisionProcessor.load(model_path)
+    assert vision is not None
+    png = to_png(Image.new("RGB", (56, 56), (200, 30, 30)))
+    content = [{"type": "image"}, {"type": "text", "text": "colour?"}]
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+    )
+    ids = vision.expand(tokenizer.encode(text, add_special_tokens=False), [png])
+    async with EngineClient(urls) as client:
+        await client.generate(ids, {"max_new_tokens": 2, "temperature": 0.0}, image_data=[data_url(png)])
+
+
+def recorder(model: Path, record: Path, logs: Path, name: str) -> EngineProcess:
+    """The embedded engine serving ``model`` behind the recording middleware (started, not yet ready)."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = EngineProcess(str(engine_model), port, log_path=logs / "engine.log", env=env)
+    proc = EngineProcess(str(model), port, log_path=logs / f"{name}.log", env=env)
     i = ENGINE_FLAGS.index("--weight-version")
     flags = ENGINE_FLAGS[:i] + ENGINE_FLAGS[i + 2 :]  # the engine reports SGLang's "default"
     proc.argv = [
@@ -224,19 +242,34 @@ def recorded(engine_model, tmp_path_factory) -> list[dict]:
         "tests._engine_recorder",
         str(record),
         "--model",
-        str(engine_model),
+        str(model),
         "--port",
         str(port),
-        *flags,
     ]
-    proc.start(wait_s=0)
+    proc.argv += flags
+    return proc.start(wait_s=0)
+
+
+@pytest.fixture(scope="module")
+def recorded(engine_model, tmp_path_factory) -> list[dict]:
+    from agentrl.models.builder import build_tiny_vl
+
+    logs = tmp_path_factory.mktemp("conformance")
+    record, vl_record = logs / "requests.jsonl", logs / "vl_requests.jsonl"
+    vl_model = build_tiny_vl(logs / "tiny-vl")
+    procs: list[EngineProcess] = []
     try:
+        procs.append(proc := recorder(engine_model, record, logs, "engine"))
+        procs.append(vl_proc := recorder(vl_model, vl_record, logs, "vl_engine"))  # starts while the other works
         wait_ready(proc.url, 240, process=proc.process)
         drive_weight_updater([proc.url], engine_model, logs)  # first: it sets the version the episodes need
         trio.run(drive_client, [proc.url], engine_model)
+        wait_ready(vl_proc.url, 240, process=vl_proc.process)
+        trio.run(drive_image_request, [vl_proc.url], vl_model)  # a vision-language model's engine
     finally:
-        proc.stop()
-    return [json.loads(line) for line in record.read_text().splitlines()]
+        for p in procs:
+            p.stop()
+    return [json.loads(line) for f in (record, vl_record) for line in f.read_text().splitlines()]
 
 
 # -------------------------------------------------------------------------------- checks
@@ -298,6 +331,7 @@ def test_every_request_agentrl_sends_is_one_sglang_understands(recorded, spec):
         ("POST", "/unload_lora_adapter"),
     } <= sent, sent
     assert any((r["body"] or {}).get("lora_path") for r in recorded if r["path"] == "/generate")
+    assert any((r["body"] or {}).get("image_data") for r in recorded if r["path"] == "/generate")
     errors = sorted({e for r in recorded for e in request_errors(r, spec)})
     assert not errors, "\n".join(errors)
 

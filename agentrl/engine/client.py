@@ -326,14 +326,18 @@ class EngineClient:
         affinity_key: str | None = None,
         rid: str | None = None,
         return_logprob: bool = True,
+        image_data: list[str] | None = None,
     ) -> GenerateResult:
         """One ``/generate`` call (a single prompt), balanced, retried and health-aware. ``rid`` is the
-        request's base id (module docstring): each attempt sends a fresh :func:`attempt_rid` of it."""
-        payload = {
+        request's base id (module docstring): each attempt sends a fresh :func:`attempt_rid` of it.
+        ``image_data``: SGLang's field, one item (a data URL) per image pad run of ``input_ids``."""
+        payload: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": dict(sampling_params),
             "return_logprob": return_logprob,
         }
+        if image_data is not None:
+            payload["image_data"] = list(image_data)
         if self.lora_path:
             payload["lora_path"] = self.lora_path
         body, url = await self._request("/generate", payload, affinity_key, rid_base=rid or uuid.uuid4().hex)

@@ -8,6 +8,11 @@
   on the rows that need logits. Sliding-window layers are not supported.
 * Prefix cache: a finished request's K/V is kept (LRU, exact token keys), so an episode's next turn
   prefills only its new tokens. Whether a weight update drops it is the request's ``flush_cache``.
+* Vision-language models (``agentrl.images.VisionProcessor.load`` finds a processor) run the generic
+  path on ``inputs_embeds``: token embeddings with the vision tower's features of the images in the
+  new tokens scattered onto their pads, and mRoPE positions ``[3, N, T]``; K/V slots stay 1-D.
+  A request keeps its rope delta (decode: ``kv_len + delta`` on all three axes); prefix-cache keys
+  are ``VisionProcessor.cache_key``s, so prompts with different images never share cached K/V.
 * Sampling follows SGLang: logprobs are ``log_softmax(logits / temperature)`` over the full
   vocabulary, before top-k/top-p/min-p; the token is drawn by inverse CDF, so a request with
   ``sampling_seed`` is deterministic whatever else is in the batch.
@@ -172,6 +177,32 @@ class PrefixCache:
 
 
 @dataclass
+class ImageInput:
+    """A prompt's images, prepared for the forward by :meth:`ModelRunner.prepare_images` (any thread)."""
+
+    pixel_values: torch.Tensor  # [P, D] float32 on the CPU, the images' patches in order
+    grid_thw: torch.Tensor  # [I, 3] long
+    spans: list[tuple[int, int]]  # each image's pad run in the prompt (start, end exclusive)
+    positions: torch.Tensor  # [3, T] long: mRoPE position ids of the prompt
+    delta: int  # a token at index i >= T sits at i + delta on all three axes
+    key: tuple[int, ...]  # the prompt's prefix-cache key (VisionProcessor.cache_key)
+
+    def rope(self, start: int, end: int) -> torch.Tensor:
+        """Position ids ``[3, end - start]`` of tokens ``start..end`` (prompt, then what follows it)."""
+        prompt_len = self.positions.shape[1]
+        out = (torch.arange(start, end) + self.delta).expand(3, -1).clone()
+        if start < prompt_len:
+            out[:, : min(end, prompt_len) - start] = self.positions[:, start:end]
+        return out
+
+    def patches(self, image: int) -> slice:
+        """Rows of ``pixel_values`` that belong to image ``image``."""
+        sizes = self.grid_thw.prod(-1).tolist()
+        first = sum(sizes[:image])
+        return slice(first, first + sizes[image])
+
+
+@dataclass
 class RowParams:
     """Per-row sampling settings of one forward, as tensors (built by :meth:`ModelRunner.row_params`).
 
@@ -209,24 +240,29 @@ class ModelRunner:
         seed: int = 0,
         prefix_cache_tokens: int = 65536,
     ):
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+
+        from agentrl.images import VisionProcessor
 
         self.model_path = str(model_path)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        config = AutoConfig.from_pretrained(self.model_path)
+        config = AutoConfig.from_pretrained(self.model_path).get_text_config()
         if "sliding_attention" in (getattr(config, "layer_types", None) or []):
             raise ValueError("models with sliding-window attention layers are not supported by the embedded engine")
+        self.vision = VisionProcessor.load(self.model_path)  # None: a text model
+        auto = AutoModelForCausalLM if self.vision is None else AutoModelForImageTextToText
         self.model = (
-            AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype, attn_implementation="sdpa")
+            auto.from_pretrained(self.model_path, dtype=self.dtype, attn_implementation="sdpa")
             .to(self.device)  # pyright: ignore[reportArgumentType]  # transformers' wrapped .to reads as unbound
             .eval()
         )
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.config = self.model.config
+        self.config = self.model.config.get_text_config()  # a vision-language model's language model
         self.decoder = self.model.get_decoder()
+        self.embed_tokens = self.model.get_input_embeddings()
         self.lm_head = self.model.get_output_embeddings()
         params = inspect.signature(self.decoder.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -251,7 +287,7 @@ class ModelRunner:
         self.generator.manual_seed(seed)
         self._arange = torch.arange(self.max_context_tokens, device=self.device)
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
-        reason = unsupported_reason(self.model)
+        reason = unsupported_reason(self.model) if self.vision is None else "a vision-language model"
         if reason is None:  # the engine's own forward (agentrl/engine/decoder.py)
             self.fast: FunctionalDecoder | None = FunctionalDecoder(self.model, self.max_context_tokens)
         else:
@@ -260,7 +296,7 @@ class ModelRunner:
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
-        for src in (getattr(self.model, "generation_config", None), self.config):
+        for src in (getattr(self.model, "generation_config", None), self.model.config, self.config):
             eos = getattr(src, "eos_token_id", None) if src is not None else None
             if isinstance(eos, int):
                 ids.add(eos)
@@ -280,17 +316,30 @@ class ModelRunner:
 
     # -- forward ------------------------------------------------------------------------------
     def _generic_forward(
-        self, ids: torch.Tensor, pos: torch.Tensor, allowed: torch.Tensor, row0: int, kv_len: int
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        allowed: torch.Tensor,
+        row0: int,
+        kv_len: int,
+        embeds: torch.Tensor | None = None,
+        rope: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """transformers' decoder over the slot cache: hidden states [N, T, hidden] of tokens ``ids`` at
         positions ``pos`` (both [N, T]) of rows ``row0..``, attending to positions ``0..kv_len`` where
-        ``allowed`` ([N, 1, T, kv_len], bool)."""
+        ``allowed`` ([N, 1, T, kv_len], bool). ``embeds`` ([N, T, hidden]) replaces the ids' embeddings and
+        ``rope`` ([3, N, T], mRoPE) the rotary positions; K/V are written at ``pos`` either way."""
         cache = self.cache
         cache._row0, cache._kv_len, cache._write_pos = row0, kv_len, pos
         cache._rows = (row0 + self._arange[: ids.shape[0]])[:, None].expand_as(pos)
+        inputs = {"input_ids": ids} if embeds is None else {"inputs_embeds": embeds}
         # A 4-D mask is used as is by transformers' mask creation (Llama-style and layer-typed models alike).
         out = self.decoder(
-            input_ids=ids, position_ids=pos, attention_mask=allowed, use_cache=True, **{self._cache_kw: cache}
+            **inputs,
+            position_ids=pos if rope is None else rope,
+            attention_mask=allowed,
+            use_cache=True,
+            **{self._cache_kw: cache},
         )
         return out.last_hidden_state
 
@@ -303,12 +352,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(
-        self, row0: int, sequences: Sequence[Sequence[int]], starts: Sequence[int] | None = None
+        self,
+        row0: int,
+        sequences: Sequence[Sequence[int]],
+        starts: Sequence[int] | None = None,
+        images: Sequence[ImageInput | None] | None = None,
     ) -> torch.Tensor:
         """Run ``sequences`` (rows ``row0..``) and return last-token logits [N, V] (fp32).
 
         ``starts[i]`` positions of row ``row0 + i`` already hold K/V (a cached prefix, see
-        :meth:`load_prefix`); only ``sequences[i][starts[i]:]`` is computed."""
+        :meth:`load_prefix`); only ``sequences[i][starts[i]:]`` is computed. ``images[i]``: row i's
+        prepared images (a vision-language model; None for a row without any)."""
         starts = list(starts) if starts is not None else [0] * len(sequences)
         news = [len(s) - c for s, c in zip(sequences, starts)]
         width = max(news)
@@ -336,11 +390,59 @@ class ModelRunner:
         ids = torch.zeros((len(sequences), width), dtype=torch.long)
         for i, (s, c) in enumerate(zip(sequences, starts)):
             ids[i, : len(s) - c] = torch.as_tensor(s[c:], dtype=torch.long)
-        hidden = self._generic_forward(ids.to(self.device), pos, allowed, row0, kv_len)
+        ids = ids.to(self.device)
+        embeds = rope = None
+        if self.vision is not None:
+            rows: list[ImageInput | None] = list(images) if images is not None else [None] * len(sequences)
+            embeds, rope = self._vision_inputs(ids, rows, starts, news)
+        hidden = self._generic_forward(ids, pos, allowed, row0, kv_len, embeds, rope)
         return self._logits(hidden[torch.arange(len(sequences), device=self.device), lens - 1])
 
+    # -- vision-language models ---------------------------------------------------------------
+    def prepare_images(self, ids: Sequence[int], pngs: Sequence[bytes]) -> ImageInput:
+        """The forward's inputs for the images of prompt ``ids`` (pad runs already expanded, one per
+        image): pixel values, mRoPE positions, the cache key. No state changes: any thread may call it."""
+        if self.vision is None:
+            raise ValueError("this model is a text model: it takes no images")
+        self.vision.check(ids, pngs)
+        pixel_values, grid = self.vision.process(pngs)
+        positions, delta = self.vision.rope_positions(self.model, ids, grid)
+        return ImageInput(
+            pixel_values=pixel_values,
+            grid_thw=grid,
+            spans=self.vision.image_spans(ids),
+            positions=positions.cpu(),
+            delta=delta,
+            key=self.vision.cache_key(ids, pngs),
+        )
+
+    def _vision_inputs(
+        self, ids: torch.Tensor, rows: list[ImageInput | None], starts: list[int], news: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``inputs_embeds`` [N, T, hidden] (image features on the pads of the images in each row's new
+        tokens; an image wholly inside the cached prefix is not encoded) and mRoPE positions [3, N, T]."""
+        embeds = self.embed_tokens(ids)
+        rope = torch.zeros((3, *ids.shape), dtype=torch.long)
+        wanted: list[tuple[int, ImageInput, int, int, int]] = []  # (row, images, image, first new pad, end)
+        for i, (mm, start, new) in enumerate(zip(rows, starts, news)):
+            if mm is None:
+                rope[:, i, :new] = torch.arange(start, start + new)
+                continue
+            rope[:, i, :new] = mm.rope(start, start + new)
+            wanted += [(i, mm, k, max(s, start), e) for k, (s, e) in enumerate(mm.spans) if e > start]
+        if wanted:
+            pixels = torch.cat([mm.pixel_values[mm.patches(k)] for _, mm, k, _, _ in wanted]).to(self.device)
+            grid = torch.stack([mm.grid_thw[k] for _, mm, k, _, _ in wanted]).to(self.device)
+            out = self.model.get_image_features(pixel_values=pixels, image_grid_thw=grid)  # pyright: ignore[reportCallIssue]
+            features = getattr(out, "pooler_output", out)  # one tensor per image
+            for (i, mm, k, first, end), feats in zip(wanted, features):
+                s, start = mm.spans[k][0], starts[i]
+                embeds[i, first - start : end - start] = feats[first - s :].to(embeds.dtype)
+        return embeds, rope.to(self.device)
+
     def load_prefix(self, row: int, tokens: Sequence[int]) -> int:
-        """Copy the longest cached prefix of ``tokens`` into ``row``; return its length (0: none)."""
+        """Copy the longest cached prefix of ``tokens`` into ``row``; return its length (0: none).
+        ``tokens`` of a prompt with images: its :attr:`ImageInput.key` (then the output tokens)."""
         if not self.prefix_cache.max_tokens:
             return 0
         length, entry = self.prefix_cache.longest_prefix(tokens)
@@ -349,20 +451,28 @@ class ModelRunner:
         return length
 
     def save_prefix(self, row: int, tokens: Sequence[int]) -> None:
-        """Keep the K/V of ``tokens`` (the tokens ``row`` has fed) for later turns."""
+        """Keep the K/V of ``tokens`` (the tokens ``row`` has fed, keyed as for :meth:`load_prefix`)."""
         if self.prefix_cache.max_tokens and tokens and len(tokens) <= self.cache.capacity:
             self.prefix_cache.put(tuple(tokens), *self.cache.read_row(row, len(tokens)))
 
     @torch.inference_mode()
-    def decode(self, tokens: Sequence[int], kv_lens: Sequence[int]) -> torch.Tensor:
-        """Feed one token per running row (rows ``0..B-1``); return next-token logits [B, V] (fp32)."""
+    def decode(
+        self, tokens: Sequence[int], kv_lens: Sequence[int], rope_deltas: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """Feed one token per running row (rows ``0..B-1``); return next-token logits [B, V] (fp32).
+        ``rope_deltas``: each row's mRoPE delta (a vision-language model; its token sits at
+        ``kv_len + delta`` on all three axes)."""
         kv_len = max(kv_lens) + 1
         self.cache.ensure_capacity(kv_len)
         ids, pos = torch.tensor([tokens, kv_lens], dtype=torch.long).to(self.device)  # [B] each
         allowed = (self._arange[:kv_len] <= pos[:, None])[:, None, None, :]  # [B, 1, 1, kv_len]
         if self.fast is not None:
             return self._logits(self.fast.forward(ids, pos, self.cache, 0, kv_len, self._additive(allowed)))
-        return self._logits(self._generic_forward(ids[:, None], pos[:, None], allowed, 0, kv_len)[:, 0])
+        rope = None
+        if rope_deltas is not None and any(rope_deltas):
+            deltas = torch.tensor(list(rope_deltas), dtype=torch.long, device=self.device)
+            rope = (pos + deltas)[None, :, None].expand(3, -1, 1)
+        return self._logits(self._generic_forward(ids[:, None], pos[:, None], allowed, 0, kv_len, rope=rope)[:, 0])
 
     # -- sampling -----------------------------------------------------------------------------
     def row_params(self, params: Sequence[Any], generators: Sequence[torch.Generator | None]) -> RowParams:

@@ -268,6 +268,8 @@ class GenerateInput:
     return_logprob: bool = False
     return_text_in_logprobs: bool = False
     lora_path: str | None = None  # the LoRA adapter the request names (SGLang's lora_path); the server checks it
+    images: list[bytes] = field(default_factory=list)  # PNG bytes, one per image pad run of input_ids, in order
+    vision: Any = None  # the engine's prepared inputs of ``images`` (ModelRunner.prepare_images), set by the server
 
 
 @dataclass
@@ -332,16 +334,98 @@ GENERATE_FIELDS = (
 )
 
 
-def parse_generate(body: Any, *, vocab_size: int, context_len: int, encode=None) -> GenerateCall:
-    """Validate a ``/generate`` body. ``encode(text) -> ids`` serves the ``text`` field."""
+def _has_images(raw: Any) -> bool:
+    """SGLang's ``has_valid_data``: anything but null, or lists (nested) of nulls."""
+    stack = [raw]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, list):
+            stack.extend(value)
+        elif value is not None:
+            return True
+    return False
+
+
+def _image_items(raw: Any, n: int, batched: bool) -> list[list[tuple[Any, str]]]:
+    """Per prompt, its ``image_data`` items with where each is, normalised as SGLang does
+    (``GenerateReqInput._normalize_image_data``): a single request takes one item or a list of
+    items; a batch takes one item for every prompt, a list of one item per prompt, or a list of lists.
+    Null entries are no image (SGLang's ``has_valid_data``)."""
+    if not _has_images(raw):
+        return [[] for _ in range(n)]
+    if not batched:
+        items = list(enumerate(raw)) if isinstance(raw, list) else [(None, raw)]
+        return [[(item, "image_data" if j is None else f"image_data[{j}]") for j, item in items if item is not None]]
+    if not isinstance(raw, list):
+        return [[(raw, "image_data")] for _ in range(n)]
+    if len(raw) != n:  # SGLang's message, with the counts
+        raise RequestError(
+            f"image_data: The length of image_data should be equal to the batch size ({len(raw)} entries "
+            f"for a batch of {n} prompts)."
+        )
+    if not isinstance(raw[0], list):
+        return [[] if item is None else [(item, f"image_data[{i}]")] for i, item in enumerate(raw)]
+    out = []
+    for i, per in enumerate(raw):
+        if per is not None and not isinstance(per, list):
+            raise RequestError(
+                f"image_data[{i}] must be a list of images (image_data[0] is a list), got {type(per).__name__}"
+            )
+        out.append([(item, f"image_data[{i}][{j}]") for j, item in enumerate(per or []) if item is not None])
+    return out
+
+
+def _load_images(
+    prompt: list[int], items: list[tuple[Any, str]], vision: Any, where: str, field_name: str
+) -> tuple[list[int], list[bytes]]:
+    """The prompt with each image's pad run expanded, and the images as PNG bytes; RequestError names the field."""
+    from agentrl.images import MAX_IMAGE_BYTES, ImageError, load_image_data_item
+
+    runs = len(vision.image_spans(prompt))
+    if runs != len(items):  # checked before decoding: a request cannot make the server decode more images
+        raise RequestError(
+            f"{field_name}: {len(items)} image(s) for the {runs} image placeholder run(s) of {where} (each image "
+            "needs one run of <|image_pad|> tokens between <|vision_start|> and <|vision_end|>)"
+        )
+    longest = MAX_IMAGE_BYTES * 4 // 3 + 64  # MAX_IMAGE_BYTES as a base64 data URL
+    pngs = []
+    for item, at in items:
+        if isinstance(item, str) and len(item) > longest:
+            raise RequestError(f"{at}: {len(item)} characters, more than MAX_IMAGE_BYTES={MAX_IMAGE_BYTES} in base64")
+        try:
+            pngs.append(load_image_data_item(item, at))
+        except ImageError as e:
+            raise RequestError(str(e)) from None
+    try:
+        return vision.expand(prompt, pngs), pngs
+    except ImageError as e:
+        raise RequestError(f"{field_name}: {e} (in {where})") from None
+
+
+def parse_generate(body: Any, *, vocab_size: int, context_len: int, encode=None, vision: Any = None) -> GenerateCall:
+    """Validate a ``/generate`` body. ``encode(text) -> ids`` serves the ``text`` field; ``vision`` (the
+    model's ``agentrl.images.VisionProcessor``, None for a text model) serves ``image_data``: each prompt's
+    image pad runs are expanded to the images' token counts, and the images kept as PNG bytes."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     has_text, has_ids = body.get("text") is not None, body.get("input_ids") is not None
     if has_text == has_ids:
         raise RequestError("Either text or input_ids should be provided (exactly one of them).")
-    for key in ("input_embeds", "image_data", "audio_data", "video_data"):
+    for key in ("input_embeds", "audio_data", "video_data"):
         if body.get(key) is not None:
             raise RequestError(f"{key} is not supported by the embedded engine")
+    raw_images = body.get("image_data")
+    if _has_images(raw_images):
+        if has_text:
+            raise RequestError(
+                "image_data needs input_ids: the embedded engine does not expand images in text prompts "
+                "(render the prompt with <|vision_start|><|image_pad|><|vision_end|> per image and send its ids)"
+            )
+        if vision is None:
+            raise RequestError(
+                "image_data: the model this engine serves is a text model and takes no images (SGLang ignores "
+                "image_data for a text model; the embedded engine refuses it)"
+            )
     if has_text:
         text = body["text"]
         texts = text if isinstance(text, list) else [text]
@@ -360,6 +444,11 @@ def parse_generate(body: Any, *, vocab_size: int, context_len: int, encode=None)
         raise RequestError(f"{field_name} is empty")
     where = lambda i: f"{field_name}[{i}]" if batched else field_name  # noqa: E731
     prompts = [_check_ids(p, vocab_size, where(i)) for i, p in enumerate(prompts)]
+    images: list[list[bytes]] = [[] for _ in prompts]
+    for i, items in enumerate(_image_items(raw_images, n, batched) if vision is not None else []):
+        if items:
+            image_field = f"image_data[{i}]" if batched else "image_data"
+            prompts[i], images[i] = _load_images(prompts[i], items, vision, where(i), image_field)
 
     if body.get("top_logprobs_num") not in (None, 0):
         raise RequestError("top_logprobs_num > 0 is not supported by the embedded engine")
@@ -398,7 +487,7 @@ def parse_generate(body: Any, *, vocab_size: int, context_len: int, encode=None)
         params = parse_sampling_params(raw_params[i], vocab_size)
         max_new = params.max_new_tokens
         check_context(len(prompts[i]), max_new, context_len)
-        inputs.append(GenerateInput(rids[i], prompts[i], params, logprob[i], text_lp, lora_paths[i] or None))
+        inputs.append(GenerateInput(rids[i], prompts[i], params, logprob[i], text_lp, lora_paths[i] or None, images[i]))
     return GenerateCall(inputs=inputs, batched=batched, stream=stream)
 
 

@@ -8,7 +8,8 @@ Invariants: control operations run in this thread between forward steps, so the 
 changes under a running forward; finishing follows SGLang's order (length, token stops, stop
 strings) and the stop token stays in the output; pause modes are SGLang's (``abort``, ``retract``,
 ``in_place``); every request records which ``weight_version`` produced each of its tokens
-(``weight_versions`` spans). See docs/engine.md.
+(``weight_versions`` spans). A request with images carries them prepared (``GenerateInput.vision``),
+its prefix-cache key marks them, and its decode positions carry its mRoPE delta. See docs/engine.md.
 """
 
 from __future__ import annotations
@@ -66,6 +67,15 @@ class Request:
     @property
     def max_new_tokens(self) -> int:
         return self.inp.params.max_new_tokens  # type: ignore[return-value]
+
+    @property
+    def rope_delta(self) -> int:
+        return self.inp.vision.delta if self.inp.vision is not None else 0
+
+    def cache_key(self) -> list[int]:
+        """The prefix-cache key of what this request feeds: its tokens, images marked by their digests."""
+        prompt = list(self.inp.vision.key) if self.inp.vision is not None else self.inp.input_ids
+        return prompt + self.output_ids
 
 
 class Scheduler:
@@ -210,6 +220,8 @@ class Scheduler:
             self.waiting.append(req)
 
     def _prepare(self, req: Request) -> None:
+        if req.inp.images and req.inp.vision is None:  # the server prepares them off this thread
+            req.inp.vision = self.runner.prepare_images(req.inp.input_ids, req.inp.images)
         p = req.inp.params
         if p.sampling_seed is not None:
             req.generator = torch.Generator(device=self.runner.device)
@@ -275,8 +287,8 @@ class Scheduler:
         row0 = len(self.running)
         self.running.extend(batch)  # before the forward: if it fails, the error path finishes them
         seqs = [r.inp.input_ids + r.output_ids for r in batch]
-        starts = [self.runner.load_prefix(row0 + i, seq) for i, seq in enumerate(seqs)]
-        logits = self.runner.prefill(row0, seqs, starts)
+        starts = [self.runner.load_prefix(row0 + i, r.cache_key()) for i, r in enumerate(batch)]
+        logits = self.runner.prefill(row0, seqs, starts, [r.inp.vision for r in batch])
         for req, seq, start in zip(batch, seqs, starts):
             if not req.output_ids:  # a retracted request's re-prefill does not count again
                 req.cached_tokens = start
@@ -286,7 +298,11 @@ class Scheduler:
 
     def _decode(self) -> None:
         rows = self.running
-        logits = self.runner.decode([r.pending for r in rows], [r.kv_len for r in rows])  # type: ignore[misc]
+        logits = self.runner.decode(
+            [r.pending for r in rows],  # type: ignore[misc]
+            [r.kv_len for r in rows],
+            [r.rope_delta for r in rows],
+        )
         for req in rows:
             req.kv_len += 1
         self._sample_and_check(rows, logits)
@@ -347,7 +363,7 @@ class Scheduler:
                 continue
             done = rows[i]
             if done.kv_len:  # its K/V serves the episode's next turn (prefix cache)
-                self.runner.save_prefix(i, (done.inp.input_ids + done.output_ids)[: done.kv_len])
+                self.runner.save_prefix(i, done.cache_key()[: done.kv_len])
             last = len(rows) - 1
             if i != last:
                 self.runner.cache.move(last, i, rows[last].kv_len)

@@ -12,6 +12,9 @@ ranks, keys follow SGLang's bearer rules (``agentrl.http_auth``). A live rid is 
 ``/abort_request`` aborts every live request whose rid starts with the one named, and a client
 that disconnects aborts its requests.
 
+Images: ``/generate`` takes SGLang's ``image_data`` with ``input_ids`` when the model is a
+vision-language model (:meth:`EngineServer.parse`, in a worker thread); a text model refuses it.
+
 Probes: ``/health`` (= ``/health_generate``) submits a one-token request and answers 200 once the
 engine produces anything, 503 after 20 s, marking the engine unhealthy until a later one succeeds;
 ``/ping`` answers from that flag (200 while paused); ``/ready`` is 200 when healthy and not paused.
@@ -269,6 +272,33 @@ class EngineServer:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def parse(self, body: Any) -> GenerateCall:
+        """A ``/generate`` body as a call; the images of a vision-language model's prompts are decoded,
+        expanded and prepared for the forward here (CPU work kept off the scheduler thread)."""
+        runner = self.runner
+        call = parse_generate(
+            body,
+            vocab_size=runner.vocab_size,
+            context_len=runner.max_context_tokens,
+            encode=self.encode,
+            vision=runner.vision,
+        )
+        from agentrl.images import ImageError
+
+        for i, inp in enumerate(call.inputs):
+            if inp.images:
+                try:
+                    inp.vision = runner.prepare_images(inp.input_ids, inp.images)
+                except ImageError as e:
+                    raise RequestError(f"image_data{f'[{i}]' if call.batched else ''}: {e}") from None
+        return call
+
+    async def parse_async(self, body: Any) -> GenerateCall:
+        """:meth:`parse`, in a worker thread when the body carries images (decoding them takes a while)."""
+        if isinstance(body, dict) and body.get("image_data") is not None:
+            return await asyncio.to_thread(self.parse, body)
+        return self.parse(body)
+
     def render(self, c: Completion, inp: GenerateInput) -> dict:
         p = inp.params
         text = self.tokenizer.decode(output_text_ids(c, p), skip_special_tokens=p.skip_special_tokens)
@@ -304,19 +334,22 @@ class EngineServer:
         affinity_key: str | None = None,
         rid: str | None = None,
         return_logprob: bool = True,
+        image_data: list[str] | None = None,
     ) -> Any:
         """One ``/generate`` on token ids, in process: the engine behind this server's ``/v1/chat/completions``
         (the ``EngineClient.generate`` interface). RequestError for a request /generate would refuse;
         cancelling the call aborts the request."""
         from agentrl.engine.client import GenerateResult, attempt_rid
 
-        body = {
+        body: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": sampling_params,
             "return_logprob": return_logprob,
             "rid": attempt_rid(rid or uuid.uuid4().hex),
         }
-        call = parse_generate(body, vocab_size=self.runner.vocab_size, context_len=self.runner.max_context_tokens)
+        if image_data is not None:
+            body["image_data"] = list(image_data)
+        call = await self.parse_async(body)
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         self.submit(call, lambda i, c: c.finish_reason is not None and loop.call_soon_threadsafe(_resolve, done, c))
@@ -381,6 +414,7 @@ class EngineServer:
             "vocab_size": self.runner.vocab_size,
             "max_context_tokens": self.runner.max_context_tokens,
             "eos_token_ids": sorted(self.runner.eos_token_ids),
+            "has_image_understanding": self.runner.vision is not None,
         }
 
     def server_info(self) -> dict:
@@ -436,13 +470,7 @@ def build_app(
 
     async def generate(request: HttpRequest) -> Response:
         try:
-            body = await _body(request)
-            call = parse_generate(
-                body,
-                vocab_size=server.runner.vocab_size,
-                context_len=server.runner.max_context_tokens,
-                encode=server.encode,
-            )
+            call = await server.parse_async(await _body(request))
             server.check_lora(call)
         except RequestError as e:
             return _error(str(e))
