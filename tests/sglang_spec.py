@@ -578,6 +578,10 @@ def load_spec(sources: dict[str, str]) -> Spec:
 # ------------------------------------------------------------------ values vs annotations
 
 _SCALARS = {"str": str, "int": int, "float": float, "bool": bool}
+# Python-only types in SGLang's annotations (an in-process PIL image, raw bytes, a tensor): no JSON value is one,
+# so inside a union they must not make any value pass (``image_data``'s items are str | bytes | dict | Image ...)
+_NOT_JSON = {"bytes", "Image", "Tensor", "ndarray"}
+_OBJECTS = {"ImageData", "VideoData"}  # dataclasses imported into io_struct from elsewhere: objects over JSON
 _ARRAYS = {"List", "list", "Set", "set", "Tuple", "tuple", "Sequence", "FrozenSet"}
 _MAPS = {"Dict", "dict", "Mapping"}
 
@@ -603,9 +607,11 @@ def conformance_error(value: Any, node: ast.expr, spec: Spec, where: str, depth:
             return None if isinstance(value, dict) else f"{where} must be an object, got {value!r}"
         if node.id in spec.aliases:
             return conformance_error(value, spec.aliases[node.id], spec, where, depth + 1)
-        if node.id in spec.classes:
+        if node.id in spec.classes or node.id in _OBJECTS:
             return None if isinstance(value, dict) else f"{where} must be an object ({node.id}), got {value!r}"
-        return None  # a type this check cannot judge (enums, tensors ...)
+        if node.id in _NOT_JSON:
+            return f"{where} cannot be a {node.id} over HTTP, got {value!r}"
+        return None  # a type this check cannot judge (enums ...)
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):  # X | Y
         return _first_fit(value, [node.left, node.right], spec, where, depth)
     if isinstance(node, ast.Subscript) and isinstance(node.value, (ast.Name, ast.Attribute)):

@@ -355,6 +355,11 @@ def test_what_the_checks_reject(spec):
         ({"method": "POST", "path": "/update_weight_version", "body": {}}, "'new_version' of"),
         ({"method": "POST", "path": "/abort_request", "body": {"abort": True}}, "no field 'abort'"),
         (
+            {"method": "POST", "path": "/generate", "body": {"input_ids": [1], "image_data": 5}},
+            "image_data must be str",
+        ),
+        ({"method": "POST", "path": "/generate", "body": {"input_ids": [1], "image_data": [[7]]}}, "image_data"),
+        (
             {
                 "method": "POST",
                 "path": "/update_weights_from_distributed",
