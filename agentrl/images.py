@@ -124,7 +124,10 @@ class VisionProcessor:
         self.vision_start_id = vision_start_id
         self.vision_end_id = vision_end_id
         self.merge_size = int(getattr(image_processor, "merge_size", 1))
-        self._processed = functools.lru_cache(maxsize=1024)(self._process_one)
+        # pixel values are large (a 1-megapixel image is ~20 MB): a few are kept, for the samples of one group;
+        # grids are small and asked for often (every prompt's expansion)
+        self._processed = functools.lru_cache(maxsize=32)(self._process_one)
+        self._grids = functools.lru_cache(maxsize=4096)(lambda png: tuple(self._processed(png)[1][0].tolist()))
 
     @classmethod
     def load(cls, model_path: str | Path) -> VisionProcessor | None:
@@ -154,8 +157,8 @@ class VisionProcessor:
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
     def num_tokens(self, png: bytes) -> int:
-        grid = self._processed(bytes(png))[1][0]
-        return int(grid.prod()) // self.merge_size**2
+        t, h, w = self._grids(bytes(png))
+        return t * h * w // self.merge_size**2
 
     def image_spans(self, ids: Sequence[int]) -> list[tuple[int, int]]:
         """``(start, end)`` (end exclusive) of each run of image pads in ``ids``."""

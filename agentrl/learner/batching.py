@@ -12,6 +12,11 @@ gives every rank the same number of them (FSDP's collectives need that); :func:`
 micro-batch into a single unpadded row (``position_ids`` restart per sequence, ``cu_seqlens`` marks
 the boundaries, targets are shifted inside each sequence).
 
+Images (vision-language models): a trajectory's PNG images go with each of its samples; the border
+drops a group whose images do not match their pad runs, are too large or do not decode; ``collate``
+keeps each sequence's images with it (``pixel_values`` / ``image_grid_thw`` in packed order) and
+builds mRoPE ``position_ids`` [3, 1, N] per sequence from the model's own ``get_rope_index``.
+
 Invariant: whatever is about episodes (baseline, std, dynamic sampling, reward statistics) uses
 one reward per episode, however many sequences an agent episode has (:func:`episode_index`); every
 sequence gets its episode's advantage.
@@ -30,10 +35,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from agentrl.images import MAX_IMAGE_BYTES
 from agentrl.protocol import Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
     import torch
+
+    from agentrl.images import VisionProcessor
 
 
 @dataclass
@@ -48,6 +56,7 @@ class Sample:
     staleness: int = 0
     episode_weight: float = 1.0  # 1 / the number of sequences of its episode (sequence-mean loss)
     reward_shaping: float = 0.0  # what overlong shaping added to its episode's reward (in ``reward``)
+    images: list[bytes] = field(default_factory=list)  # PNG bytes, in the order of their pad runs in ``tokens``
 
     @property
     def num_tokens(self) -> int:
@@ -83,9 +92,15 @@ def episode_rewards(group: TrajectoryGroup) -> list[float]:
 
 
 def validate_group(
-    group: TrajectoryGroup, *, vocab_size: int, max_sequence_tokens: int, max_abs_reward: float = math.inf
+    group: TrajectoryGroup,
+    *,
+    vocab_size: int,
+    max_sequence_tokens: int,
+    max_abs_reward: float = math.inf,
+    vision: VisionProcessor | None = None,
 ) -> str | None:
-    """Return why ``group`` cannot be trained on (a counter key), or None when it is fine."""
+    """Return why ``group`` cannot be trained on (a counter key), or None when it is fine.
+    ``vision``: the model's processor (None: a text model, where no trajectory may carry images)."""
     if not group.trajectories:
         return "malformed_empty"
     for traj in group.trajectories:
@@ -104,6 +119,32 @@ def validate_group(
             return "malformed_logprob"
         if (traj.weight_versions[mask] < 0).any():
             return "malformed_version"
+        if traj.images or vision is not None:
+            reason = image_problem(traj, vision)
+            if reason is not None:
+                return reason
+    return None
+
+
+def image_problem(traj: Trajectory, vision: VisionProcessor | None) -> str | None:
+    """Why ``traj``'s images cannot be trained on: ``malformed_image_count`` (images and pad runs
+    differ in number; a text model has no pad runs), ``image_too_large`` (over ``MAX_IMAGE_BYTES``),
+    ``malformed_image`` (not PNG bytes that decode), ``malformed_image_tokens`` (a pad run whose
+    length is not the image's token count); None when they fit."""
+    if vision is None:
+        return "malformed_image_count" if traj.images else None
+    spans = vision.image_spans(traj.tokens.tolist())
+    if len(spans) != len(traj.images):
+        return "malformed_image_count"
+    for (start, end), png in zip(spans, traj.images):
+        if len(png) > MAX_IMAGE_BYTES:
+            return "image_too_large"
+        try:
+            tokens = vision.num_tokens(png)  # decodes the PNG (ImageError) and runs the image processor
+        except Exception:  # the border never raises: whatever the processor refuses is malformed
+            return "malformed_image"
+        if end - start != tokens:
+            return "malformed_image_tokens"
     return None
 
 
@@ -136,8 +177,10 @@ class GroupBuffer:
         vocab_size: int,
         max_sequence_tokens: int,
         max_abs_reward: float = math.inf,
+        vision: VisionProcessor | None = None,
     ) -> None:
         self.max_abs_reward = max_abs_reward
+        self.vision = vision
         self.max_staleness = max_staleness
         self.dynamic_sampling = dynamic_sampling
         self.vocab_size = vocab_size
@@ -196,6 +239,7 @@ class GroupBuffer:
             vocab_size=self.vocab_size,
             max_sequence_tokens=self.max_sequence_tokens,
             max_abs_reward=self.max_abs_reward,
+            vision=self.vision,
         )
         if reason is not None:
             return self._drop(reason, group)
@@ -307,6 +351,7 @@ def samples_from_group(
             staleness=staleness,
             episode_weight=1.0 / sequences[e],
             reward_shaping=shaping[e],
+            images=list(t.images),
         )
         for t, e in zip(group.trajectories, index)
     ]
@@ -366,7 +411,7 @@ class MicroBatch:
     """One packed row of sequences, as torch tensors (see the module docstring)."""
 
     input_ids: torch.Tensor  # [1, N] long
-    position_ids: torch.Tensor  # [1, N] long, restarting at 0 per sequence
+    position_ids: torch.Tensor  # [1, N] long, restarting at 0 per sequence; a VLM's: mRoPE [3, 1, N]
     cu_seqlens: torch.Tensor  # [S + 1] int32 on CPU: sequence boundaries
     seq_ids: torch.Tensor  # [N] long: sequence index of each position
     targets: torch.Tensor  # [N] long: token scored at each position
@@ -377,6 +422,8 @@ class MicroBatch:
     seq_weights: torch.Tensor  # [S] float32: each sequence's episode_weight (sequence-mean loss)
     num_seqs: int
     num_loss_tokens: int
+    pixel_values: torch.Tensor | None = None  # [P, D] float32: the images' patches in packed order; None: no images
+    image_grid_thw: torch.Tensor | None = None  # [I, 3] long
     # Filled by the trainer before the update (no gradient):
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -384,8 +431,16 @@ class MicroBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[1])
 
+    def token_positions(self) -> torch.Tensor:
+        """[N] long: each token's index inside its sequence (``position_ids`` are mRoPE's for a VLM)."""
+        import torch
+
+        starts = self.cu_seqlens.to(self.seq_ids.device, torch.long)[self.seq_ids]
+        return torch.arange(self.num_tokens, device=self.seq_ids.device) - starts
+
     def to(self, device: torch.device | str) -> MicroBatch:
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        maybe = lambda t: None if t is None else move(t)  # noqa: E731
         return MicroBatch(
             input_ids=move(self.input_ids),
             position_ids=move(self.position_ids),
@@ -399,13 +454,19 @@ class MicroBatch:
             seq_weights=move(self.seq_weights),
             num_seqs=self.num_seqs,
             num_loss_tokens=self.num_loss_tokens,
+            pixel_values=maybe(self.pixel_values),
+            image_grid_thw=maybe(self.image_grid_thw),
             extras={k: move(v) for k, v in self.extras.items()},
         )
 
 
-def collate(samples: list[Sample], pad_token_id: int = 0) -> MicroBatch:
+def collate(
+    samples: list[Sample], pad_token_id: int = 0, *, vision: VisionProcessor | None = None, rope_model: Any = None
+) -> MicroBatch:
     """Pack ``samples`` into one row; an empty list gives a 1-token dummy with no loss tokens
-    (a rank with nothing to do still runs the forward so that FSDP's collectives line up)."""
+    (a rank with nothing to do still runs the forward so that FSDP's collectives line up).
+    ``vision`` / ``rope_model``: a vision-language model's processor and the model itself (for
+    ``get_rope_index``); then the row has mRoPE positions and its sequences' images."""
     import torch
 
     if not samples:
@@ -433,9 +494,17 @@ def collate(samples: list[Sample], pad_token_id: int = 0) -> MicroBatch:
         mask[sl] = s.loss_mask[1:].astype(bool)
         behavior[sl] = s.behavior_logprobs[1:]
         advantages[sl] = s.advantage
+    pixels = grids = None
+    position_ids = torch.from_numpy(positions)[None]
+    if any(s.images for s in samples):
+        if vision is None:
+            raise ValueError("a sample has images but the model has no vision processor (a text model)")
+        pixels, grids = vision.process([png for s in samples for png in s.images])
+    if vision is not None:
+        position_ids = mrope_positions(samples, vision, rope_model, grids)[:, None]
     return MicroBatch(
         input_ids=torch.from_numpy(tokens)[None],
-        position_ids=torch.from_numpy(positions)[None],
+        position_ids=position_ids,
         cu_seqlens=torch.from_numpy(starts.astype(np.int32)),
         seq_ids=torch.from_numpy(seq_ids),
         targets=torch.from_numpy(targets),
@@ -446,7 +515,29 @@ def collate(samples: list[Sample], pad_token_id: int = 0) -> MicroBatch:
         seq_weights=torch.tensor([s.episode_weight for s in samples], dtype=torch.float32),
         num_seqs=len(samples),
         num_loss_tokens=int(mask.sum()),
+        pixel_values=pixels,
+        image_grid_thw=grids,
     )
+
+
+def mrope_positions(
+    samples: list[Sample], vision: VisionProcessor, rope_model: Any, grids: torch.Tensor | None
+) -> torch.Tensor:
+    """[3, N]: each sequence's mRoPE positions (its own images' grids, :meth:`VisionProcessor.rope_positions`;
+    a sequence without images counts 0, 1, 2, ... on all three axes), concatenated."""
+    import torch
+
+    parts = []
+    first = 0
+    for s in samples:
+        if s.images:
+            assert grids is not None, "collate processed the images of every sample"
+            grid = grids[first : first + len(s.images)]
+            parts.append(vision.rope_positions(rope_model, s.tokens.tolist(), grid)[0])
+            first += len(s.images)
+        else:
+            parts.append(torch.arange(s.num_tokens).expand(3, -1))
+    return torch.cat(parts, dim=1)
 
 
 def loss_normalizer(samples: Iterable[Sample], normalization: str, normalization_tokens: int = 0) -> float:
@@ -498,6 +589,10 @@ def batch_statistics(groups: list[TrajectoryGroup], samples: list[Sample]) -> di
     if any(shaping):  # overlong shaping, over sequences; the reward/* keys are the env's rewards
         stats["reward/overlong_shaping_mean"] = float(np.mean(shaping))
         stats["reward/overlong_shaped_frac"] = float(np.mean([x != 0 for x in shaping]))
+    images = [png for s in samples for png in s.images]
+    if images:  # the PNG bytes the batch trains on
+        stats["batch/images"] = float(len(images))
+        stats["batch/image_bytes"] = float(sum(len(png) for png in images))
     staleness = Counter(s.staleness for s in samples)
     for lag, count in sorted(staleness.items()):
         stats[f"staleness/{lag}"] = count / max(1, len(samples))

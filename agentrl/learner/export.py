@@ -1,8 +1,9 @@
 """``agentrl export CHECKPOINT OUT_DIR``: a checkpoint as a Hugging Face model folder.
 
-The output is what ``AutoModelForCausalLM.from_pretrained`` and an SGLang server load: the
-policy's full weights as ``model.safetensors`` plus the config, generation config and tokenizer
-files from the checkpoint's ``hf/`` copy. Any world size's checkpoint is read in one process.
+The output is what ``AutoModelForCausalLM.from_pretrained`` (a vision-language model:
+``AutoModelForImageTextToText``) and an SGLang server load: the policy's full weights as
+``model.safetensors`` plus the config, generation config, tokenizer and image-processor files
+(``PROCESSOR_FILES``) from the checkpoint's ``hf/`` copy. Any world size's checkpoint is read in one process.
 A LoRA checkpoint is merged into its base model by default (the same merge the weight push
 sends), or written as a PEFT adapter folder with ``adapter=True``. See docs/learner.md.
 """
@@ -16,6 +17,16 @@ from typing import Any
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from agentrl.learner.checkpoint import dcp_reader, latest_checkpoint
+
+# What a processor saves besides the tokenizer (AutoProcessor / AutoImageProcessor.save_pretrained), copied as is:
+# the image processor's settings that agentrl.images.VisionProcessor loads, and the chat template.
+PROCESSOR_FILES = (
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "processor_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -43,9 +54,10 @@ def export_checkpoint(
     """Write the checkpoint's policy to ``out_dir`` as a Hugging Face folder (a LoRA checkpoint:
     merged, or with ``adapter`` as a PEFT adapter folder); returns it."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from agentrl.learner.checkpoint import checkpoint_meta
+    from agentrl.learner.model import auto_model_class
 
     ckpt = resolve_checkpoint(checkpoint)
     hf = ckpt / "hf"
@@ -63,7 +75,7 @@ def export_checkpoint(
         if adapter:
             raise ValueError(f"{ckpt} was trained without LoRA (learner.lora.rank = 0): it has no adapter to export")
         config = AutoConfig.from_pretrained(hf)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = auto_model_class(config).from_config(config, dtype=torch.float32)
         state = {"policy": model.state_dict()}
         dcp_load(state, storage_reader=dcp_reader(ckpt))
         model.load_state_dict(state["policy"])
@@ -71,8 +83,9 @@ def export_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     AutoTokenizer.from_pretrained(hf).save_pretrained(out)
-    if (hf / "generation_config.json").exists():
-        shutil.copy2(hf / "generation_config.json", out / "generation_config.json")
+    for name in ("generation_config.json", *PROCESSOR_FILES):
+        if (hf / name).exists():
+            shutil.copy2(hf / name, out / name)
     return out
 
 
@@ -80,7 +93,7 @@ def _merged_or_adapter(ckpt: Path, meta: dict, out: Path, *, adapter: bool, base
     """A LoRA checkpoint: the base model with the checkpoint's adapters; returns the merged plain
     model, or writes the PEFT folder to ``out`` and returns None."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from agentrl.learner.lora import LoraSpec, MergedWeight, adapter_parameters, add_adapters, push_items, write_adapter
 
@@ -90,8 +103,11 @@ def _merged_or_adapter(ckpt: Path, meta: dict, out: Path, *, adapter: bool, base
             f"{ckpt} holds LoRA adapters; their base model {str(base)!r} (meta.json model_path) has no "
             "config.json here: pass the base model's folder (--base-model)"
         )
+    from agentrl.learner.model import auto_model_class
+
     spec = LoraSpec(**{**meta["lora"], "target_modules": tuple(meta["lora"]["target_modules"])})
-    model = add_adapters(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), spec)
+    cls = auto_model_class(AutoConfig.from_pretrained(base))
+    model = add_adapters(cls.from_pretrained(base, dtype=torch.float32), spec)
     state = {"policy": {n: p.detach() for n, p in adapter_parameters(model)}}
     dcp_load(state, storage_reader=dcp_reader(ckpt))
     with torch.no_grad():
@@ -101,7 +117,7 @@ def _merged_or_adapter(ckpt: Path, meta: dict, out: Path, *, adapter: bool, base
         write_adapter(out, dict(adapter_parameters(model)), spec, str(base))
         return None
     merged = {n: (t.merged() if isinstance(t, MergedWeight) else t.detach()) for n, t in push_items(model)}
-    plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    plain = cls.from_pretrained(base, dtype=torch.float32)
     missing, unexpected = plain.load_state_dict(merged, strict=False)
     if unexpected or set(missing) - {"lm_head.weight"}:
         raise ValueError(f"merging {ckpt}'s adapters: unexpected {unexpected[:5]}, missing {missing[:5]}")

@@ -177,6 +177,7 @@ class Learner:
                 vocab_size=self.trainer.vocab_size,
                 max_sequence_tokens=self.lc.max_tokens_per_microbatch,
                 max_abs_reward=self.lc.max_abs_reward,
+                vision=self.trainer.vision,  # images are checked against the model's processor at the border
             )
         self.push_enabled = bool(broadcast_object(self.io is not None and self.io.weights is not None))
         self._next_engine_check = 0.0

@@ -7,7 +7,9 @@ A conversation is tokenised piece by piece exactly as the actor would have produ
 (:mod:`agentrl.episode.chat`): the prompt, then per assistant message the text the model
 generates for it (:meth:`ChatCodec.assistant_text`) with loss, then the template's context up to
 the next assistant message (:meth:`ChatCodec.context_after_turn`) without loss. So templates that
-rewrite history (Qwen3's ``<think>`` blocks) are trained on what the model generated.
+rewrite history (Qwen3's ``<think>`` blocks) are trained on what the model generated. Image parts
+of the prompt and of tool results (a vision-language model) are taken out and expanded to their pad
+runs as the actor does (:meth:`ChatCodec.take_images`); the sample carries their PNG bytes.
 
 Training uses the learner's :class:`Trainer` (token-mean NLL of assistant tokens); the order of
 examples is a fixed function of ``run.seed`` and the epoch, so a resumed run skips exactly what it
@@ -54,20 +56,20 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], tools: list[dict
         raise ValueError("conversation starts with an assistant message: its prompt (system, user) is missing")
     codec = codec_for(tokenizer)
     tools = tools or None
-    pieces: list[tuple[list[int], int]] = [(codec.encode(codec.render(messages[: turns[0]], tools, True)), 0)]
+    prompt, images = codec.take_images(messages[: turns[0]], "the prompt")
+    pieces: list[tuple[list[int], int]] = [(codec.expand_images(codec.render(prompt, tools, True), images)[0], 0)]
     for n, i in enumerate(turns):
         pieces.append((codec.encode(codec.assistant_text(messages[i], tools)), 1))
         following = turns[n + 1] if n + 1 < len(turns) else len(messages)
+        observations, pngs = codec.take_images(messages[i + 1 : following], f"the messages after assistant turn {n}")
         context = codec.context_after_turn(
-            codec.end_of_turn_id is not None,
-            messages[i + 1 : following],
-            tools,
-            add_generation_prompt=following < len(messages),
+            codec.end_of_turn_id is not None, observations, tools, add_generation_prompt=following < len(messages)
         )
-        pieces.append((codec.encode(context), 0))
+        pieces.append((codec.expand_images(context, pngs)[0], 0))
+        images += pngs
     ids = np.asarray([t for piece, _ in pieces for t in piece], dtype=np.int32)
     mask = np.asarray([m for piece, m in pieces for _ in piece], dtype=np.uint8)
-    return Sample(tokens=ids, loss_mask=mask, behavior_logprobs=np.zeros(len(ids), dtype=np.float32))
+    return Sample(tokens=ids, loss_mask=mask, behavior_logprobs=np.zeros(len(ids), dtype=np.float32), images=images)
 
 
 # ------------------------------------------------------------------------ data sources
@@ -95,8 +97,13 @@ def _conversation(row: Any, where: str) -> Conversation:
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise ValueError(f"{where}: messages[{i}] must be an object whose role is one of {', '.join(ROLES)}")
         content = m.get("content")
-        if not isinstance(content, str) and not (content is None and m["role"] == "assistant"):
-            raise ValueError(f"{where}: messages[{i}].content must be a string")
+        parts = isinstance(content, list) and all(isinstance(p, dict) for p in content) and m["role"] != "assistant"
+        if not isinstance(content, str) and not parts and not (content is None and m["role"] == "assistant"):
+            raise ValueError(
+                f"{where}: messages[{i}].content must be a string (or, outside assistant messages, a list of "
+                'text and image parts: {"type": "text", "text": ...}, {"type": "image_url", "image_url": '
+                '{"url": "data:image/png;base64,..."}})'
+            )
         calls = m.get("tool_calls")
         if calls is not None and (
             m["role"] != "assistant" or not isinstance(calls, list) or not all(_is_tool_call(c) for c in calls)

@@ -206,10 +206,13 @@ class Trainer:
     def __init__(self, spec: TrainerSpec, dist_info: DistInfo) -> None:
         from transformers import AutoConfig
 
+        from agentrl.images import VisionProcessor
+
         self.spec = spec
         self.dist = dist_info
         self.device = dist_info.device
         self.hf_config = AutoConfig.from_pretrained(spec.model_path)
+        self.vision = VisionProcessor.load(spec.model_path)  # None: a text model
         if spec.lora is None:
             policy = load_causal_lm(spec.model_path, device=self.device)
         else:  # adapters initialised on the CPU (one seed for every rank), then moved
@@ -261,11 +264,11 @@ class Trainer:
 
     @property
     def pad_token_id(self) -> int:
-        return int(getattr(self.hf_config, "pad_token_id", None) or 0)
+        return int(getattr(self.hf_config.get_text_config(), "pad_token_id", None) or 0)
 
     @property
     def vocab_size(self) -> int:
-        return int(self.hf_config.vocab_size)
+        return int(self.hf_config.get_text_config().vocab_size)
 
     # ------------------------------------------------------------------ planning
 
@@ -275,7 +278,12 @@ class Trainer:
             [s.num_tokens for s in samples], self.spec.max_tokens_per_microbatch, self.dist.world_size
         )
         return [
-            collate([samples[i] for i in indices], pad_token_id=self.pad_token_id).to(self.device)
+            collate(
+                [samples[i] for i in indices],
+                pad_token_id=self.pad_token_id,
+                vision=self.vision,
+                rope_model=self.policy,
+            ).to(self.device)
             for indices in plan[self.dist.rank]
         ]
 
@@ -386,7 +394,7 @@ class Trainer:
         for mb in micro_batches:
             values = token_values(critic, mb)
             seq = mb.seq_ids
-            pos = mb.position_ids[0]
+            pos = mb.token_positions()
             length = int(pos.max()) + 1
             mask = mb.loss_mask
             padded = partial(_padded, rows=mb.num_seqs, length=length, seq=seq, pos=pos)
