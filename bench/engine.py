@@ -5,7 +5,8 @@
    (best round counts). ``--trees OLD,NEW`` compares two source trees under one machine load.
 2. Weight push: :meth:`agentrl.learner.weight_push.WeightUpdater.push` in both wire formats
    against raw torch.distributed broadcasts of the same bytes, and the cache flush on the last
-   bucket against a separate ``/flush_cache``.
+   bucket against a separate ``/flush_cache``, interleaved round by round (``bench/weight_push.py``:
+   the same to 1-16 receivers).
 
 ``--breakdown`` splits each tree's CPU time per scheduler step (decode, prefill, sampling, rest);
 ``--hf-cb`` runs transformers' continuous batching for comparison. See docs/performance.md.
@@ -354,21 +355,28 @@ def _raw_receiver(port: int, specs, reps: int) -> None:
     dist.broadcast(sync, src=0, group=group)
 
 
-def _separate_flush_updater():
+def _push_updater():
     from agentrl.learner.weight_push import WeightUpdater
 
-    class SeparateFlush(WeightUpdater):
-        """The alternative to a flush on the last bucket: no bucket flushes, then one
-        ``/flush_cache`` call per engine after the last bucket (before end and continue)."""
+    class BenchUpdater(WeightUpdater):
+        """With ``separate_flush``, the alternative to a flush on the last bucket: no bucket flushes,
+        then one ``/flush_cache`` call per engine after the last bucket (before end and continue)."""
 
-        def _send_bucket(self, bucket, version, flush_cache, stats):
-            super()._send_bucket(bucket, version, False, stats)
-            if version is not None:  # the last bucket
-                t0 = time.perf_counter()
-                self._all("/flush_cache")
-                stats["flush_call_s"] = time.perf_counter() - t0
+        separate_flush = False
 
-    return SeparateFlush
+        def _send_plan(self, plan, version, first, materialize, stats, gathered):
+            if not self.separate_flush:
+                return super()._send_plan(plan, version, first, materialize, stats, gathered)
+            flush, self.flush_cache = self.flush_cache, False
+            try:
+                super()._send_plan(plan, version, first, materialize, stats, gathered)
+            finally:
+                self.flush_cache = flush
+            t0 = time.perf_counter()
+            self._all("/flush_cache")
+            stats["flush_call_s"] = time.perf_counter() - t0
+
+    return BenchUpdater
 
 
 def _fill_prefix_cache(url: str) -> None:
@@ -382,67 +390,114 @@ def _fill_prefix_cache(url: str) -> None:
         ).raise_for_status()
 
 
+PUSH_VARIANTS = {  # label -> (load_format, separate_flush)
+    "default": (None, False),
+    "flattened_bucket": ("flattened_bucket", False),
+    "separate_flush": (None, True),
+}
+
+
 def bench_push(small_model: Path, engine, reps: int, dtype=None) -> dict:
-    """Interleaved, so that raw and push see the same machine load: per format, per repetition,
-    a raw flat broadcast, a raw broadcast of the same tensors, then one push."""
+    """Interleaved, so that raw and push see the same machine load: every repetition (after one
+    warm-up) runs a raw broadcast of the same tensors, a raw flat broadcast, then one push per
+    variant, all over one weight group. Best times, and medians of the ratios of side-by-side pairs."""
+    import statistics
+
     import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from agentrl.learner.weight_push import WeightUpdater
     from agentrl.net import free_port
     from agentrl.weight_group import destroy_weight_group, init_weight_group
 
     model = AutoModelForCausalLM.from_pretrained(small_model, dtype=dtype or torch.float32)
     named = [(n, p.detach()) for n, p in model.named_parameters()]
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
-    separate_flush = _separate_flush_updater()
-    formats = {  # label -> (updater class, options)
-        "default": (WeightUpdater, {}),
-        "flattened_bucket": (WeightUpdater, {"load_format": "flattened_bucket"}),
-        "separate_flush": (separate_flush, {}),
-    }
-
     port = free_port()
     ctx = mp.get_context("spawn")
-    proc = ctx.Process(
-        target=_raw_receiver, args=(port, [(tuple(t.shape), t.dtype) for _, t in named], reps * len(formats))
-    )
+    proc = ctx.Process(target=_raw_receiver, args=(port, [(tuple(t.shape), t.dtype) for _, t in named], reps + 1))
     proc.start()
     group = init_weight_group("gloo", "127.0.0.1", port, 2, 0, "raw_bench")
     flat = torch.empty(nbytes, dtype=torch.uint8)
     sync = torch.zeros(1)
-    raw_tensors, raw_flat, pushes = [], [], {}
+    rounds: list[dict] = []
     try:
-        for i, (label, (cls, options)) in enumerate(formats.items()):
-            with cls([engine.url], backend="gloo", group_name=f"bench{i}", **options) as updater:
-                updater.connect()
-                for v in range(reps):
-                    dist.broadcast(sync, src=0, group=group)
-                    t0 = time.perf_counter()
-                    for w in [dist.broadcast(t, src=0, group=group, async_op=True) for _, t in named]:
-                        w.wait()
-                    raw_tensors.append(time.perf_counter() - t0)
-                    dist.broadcast(sync, src=0, group=group)
-                    t0 = time.perf_counter()
-                    dist.broadcast(flat, src=0, group=group)
-                    raw_flat.append(time.perf_counter() - t0)
+        with _push_updater()([engine.url], backend="gloo", group_name="bench") as updater:
+            updater.connect()
+            for v in range(reps + 1):
+                timed: dict = {}
+                dist.broadcast(sync, src=0, group=group)
+                t0 = time.perf_counter()
+                for w in [dist.broadcast(t, src=0, group=group, async_op=True) for _, t in named]:
+                    w.wait()
+                timed["raw_tensors_s"] = time.perf_counter() - t0
+                dist.broadcast(sync, src=0, group=group)
+                t0 = time.perf_counter()
+                dist.broadcast(flat, src=0, group=group)
+                timed["raw_flat_s"] = time.perf_counter() - t0
+                for i, (label, (load_format, separate)) in enumerate(PUSH_VARIANTS.items()):
+                    updater.load_format, updater.separate_flush = load_format, separate
                     _fill_prefix_cache(engine.url)
-                    pushes.setdefault(label, []).append(updater.push(named, version=v + 1))
+                    timed[label] = updater.push(named, version=len(PUSH_VARIANTS) * v + i + 1)
+                if v:  # the first round warms every path up
+                    rounds.append(timed)
         dist.broadcast(sync, src=0, group=group)
     finally:
         proc.join(60)
         destroy_weight_group(group)
-    best = {k: min(v, key=lambda p: p["total_s"]) for k, v in pushes.items()}
+
+    def ratio(a: str, b: str) -> float:
+        def seconds(r: dict, k: str) -> float:
+            return r[k] if isinstance(r[k], float) else r[k]["total_s"]
+
+        return statistics.median(seconds(r, a) / seconds(r, b) for r in rounds)
+
     return {
         "bytes": nbytes,
         "tensors": len(named),
         "dtype": str(dtype or torch.float32).removeprefix("torch."),
         "model": Path(small_model).name,
-        "raw_tensors_s": min(raw_tensors),
-        "raw_flat_s": min(raw_flat),
-        **best,
+        "raw_tensors_s": min(r["raw_tensors_s"] for r in rounds),
+        "raw_flat_s": min(r["raw_flat_s"] for r in rounds),
+        **{k: min((r[k] for r in rounds), key=lambda p: p["total_s"]) for k in PUSH_VARIANTS},
+        "ratios": {
+            "push_raw_tensors": ratio("default", "raw_tensors_s"),
+            "push_raw_flat": ratio("default", "raw_flat_s"),
+            "flattened_per_tensor": ratio("flattened_bucket", "default"),
+            "separate_last_bucket": ratio("separate_flush", "default"),
+        },
     }
+
+
+def print_push(r: dict, reps: int) -> None:
+    mb, ratios = r["bytes"] / 2**20, r["ratios"]
+    print(
+        f"\nweight push: {mb:.0f} MiB in {r['tensors']} {r['dtype']} tensors ({r['model']}); best of {reps} rounds, "
+        "ratios: median over the rounds of side-by-side pairs"
+    )
+    print(f"  {'raw broadcast, one flat buffer':<44} {r['raw_flat_s'] * 1e3:8.1f} ms")
+    print(f"  {'raw broadcast, same tensors (async)':<44} {r['raw_tensors_s'] * 1e3:8.1f} ms")
+    for key, label in (
+        ("default", "push, one broadcast per tensor (default)"),
+        ("flattened_bucket", "push, flattened_bucket"),
+    ):
+        p = r[key]
+        print(
+            f"  {label:<44} {p['total_s'] * 1e3:8.1f} ms  ({p['num_buckets']} buckets; pause "
+            f"{p['pause_s'] * 1e3:.1f}, gather {p['gather_s'] * 1e3:.1f}, broadcast {p['broadcast_s'] * 1e3:.1f}, "
+            f"continue {p['continue_s'] * 1e3:.1f})"
+        )
+    print(f"  {'push / raw, same tensors':<44} {ratios['push_raw_tensors']:8.2f}x")
+    print(f"  {'push / raw, one flat buffer':<44} {ratios['push_raw_flat']:8.2f}x")
+    print(f"  {'push, flattened_bucket / per tensor':<44} {ratios['flattened_per_tensor']:8.2f}x")
+    p, q = r["default"], r["separate_flush"]
+    print(f"\ncache flush (prefix cache filled before each push), best of {reps}")
+    print(f"  {'flush_cache on the last bucket (default)':<44} {p['total_s'] * 1e3:8.1f} ms")
+    print(
+        f"  {'separate /flush_cache call':<44} {q['total_s'] * 1e3:8.1f} ms  "
+        f"(the call itself {q['flush_call_s'] * 1e3:.1f} ms)"
+    )
+    print(f"  {'separate / last bucket':<44} {ratios['separate_last_bucket']:8.2f}x")
 
 
 def main() -> None:
@@ -453,7 +508,7 @@ def main() -> None:
     ap.add_argument(
         "--threads", type=int, default=1, help="torch threads for generate and for the engine (0: torch's default)"
     )
-    ap.add_argument("--reps", type=int, default=3, help="weight pushes / raw broadcasts (best is reported)")
+    ap.add_argument("--reps", type=int, default=3, help="rounds of weight pushes and raw broadcasts after a warm-up")
     ap.add_argument("--skip-push", action="store_true")
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument(
@@ -595,32 +650,8 @@ def main() -> None:
         )
 
     if push is not None:
-        r = push
-        mb = r["bytes"] / 2**20
-        print(f"\nweight push: {mb:.0f} MiB in {r['tensors']} {r['dtype']} tensors ({r['model']}), best of {args.reps}")
-        print(f"  {'raw broadcast, one flat buffer':<44} {r['raw_flat_s'] * 1e3:8.1f} ms")
-        print(f"  {'raw broadcast, same tensors (async)':<44} {r['raw_tensors_s'] * 1e3:8.1f} ms")
-        for key, label in (
-            ("default", "push, one broadcast per tensor (default)"),
-            ("flattened_bucket", "push, flattened_bucket"),
-        ):
-            p = r[key]
-            print(
-                f"  {label:<44} {p['total_s'] * 1e3:8.1f} ms  ({p['num_buckets']} buckets; pause "
-                f"{p['pause_s'] * 1e3:.1f}, broadcast {p['broadcast_s'] * 1e3:.1f}, continue {p['continue_s'] * 1e3:.1f})"
-            )
-        p = r["default"]
-        print(f"  {'push / raw, same tensors':<44} {p['total_s'] / r['raw_tensors_s']:8.2f}x")
-        print(f"  {'push / raw, one flat buffer':<44} {p['total_s'] / r['raw_flat_s']:8.2f}x")
-        q = r["separate_flush"]
-        print(f"\ncache flush (prefix cache filled before each push), best of {args.reps}")
-        print(f"  {'flush_cache on the last bucket (default)':<44} {p['total_s'] * 1e3:8.1f} ms")
-        print(
-            f"  {'separate /flush_cache call':<44} {q['total_s'] * 1e3:8.1f} ms  "
-            f"(the call itself {q['flush_call_s'] * 1e3:.1f} ms)"
-        )
-        print(f"  {'separate / last bucket':<44} {q['total_s'] / p['total_s']:8.2f}x")
-    print("\ntargets: engine/generate >= 1.0x at 16 and 64; push/raw <= 1.5x")
+        print_push(push, args.reps)
+    print("\ntargets: engine/generate >= 1.0x at 16 and 64; push/raw <= 1.5x; flattened_bucket / per tensor <= 1.0x")
     if args.json:
         import json
 

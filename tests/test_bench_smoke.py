@@ -102,6 +102,14 @@ SMOKES = [
     ),
     Smoke("transport.py", (r"transport/raw, median of the 2 cases: throughput [\d.]+, CPU efficiency [\d.]+",)),
     Smoke(
+        "weight_push.py",
+        (
+            r"push, one broadcast per tensor / raw broadcast of the same tensors, worst row: [\d.]+x",
+            r"every receiver holds exactly the pushed bytes \(both formats\): yes",
+        ),
+        ("--model", "{model}"),
+    ),
+    Smoke(
         "gpu_check.sh",
         (
             r"\| learner \(tokens/s\) \| [\d,]+ \| [\d.]+x a bare loop \|",

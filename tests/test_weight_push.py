@@ -3,17 +3,21 @@
 Where the embedded engine lacks what real SGLang has (TP ranks, data parallelism, a build
 without begin/end, bearer keys), the engines are ``tests/_fake_sglang.py`` processes: real HTTP,
 real torch.distributed ranks (one per TP rank) that receive every broadcast, SGLang's rules.
+A bucket's two ends (packing, the engine's receiver) are also checked over a real gloo group
+without HTTP, byte for byte.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
 import socket
 import subprocess
 import sys
 import time
 import weakref
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -358,7 +362,7 @@ def test_a_broadcast_settles_on_its_device_after_every_wait_and_a_device_error_b
     monkeypatch.setattr(weight_push, "_settle", lambda device: events.append(("settle", torch.device(device).type)))
     updater = WeightUpdater(["http://127.0.0.1:9"])
     try:
-        assert updater._broadcast(bucket, flattened=False) == ""
+        assert updater._broadcast([t for _, t in bucket]) == ""
         assert events == [("wait", "a"), ("wait", "b"), ("settle", "cpu")]
 
         def failing(device):
@@ -366,6 +370,198 @@ def test_a_broadcast_settles_on_its_device_after_every_wait_and_a_device_error_b
 
         names = iter(["a", "b"])
         monkeypatch.setattr(weight_push, "_settle", failing)
-        assert "illegal memory access" in updater._broadcast(bucket, flattened=False)
+        assert "illegal memory access" in updater._broadcast([t for _, t in bucket])
     finally:
         updater.close()
+
+
+# ------------------------------------------------------------------------------ a bucket's two ends
+
+
+def bucket_tensors() -> list[tuple[str, torch.Tensor]]:
+    """Odd sizes, a 0-d tensor, a dtype change (a bucket of its own), and one tensor larger than the rest."""
+    gen = torch.Generator().manual_seed(7)
+    return [
+        ("a", torch.randn(3, 5, generator=gen)),
+        ("b", torch.randn(7, generator=gen)),
+        ("c", torch.randn((), generator=gen)),
+        ("d", torch.randn(64, 33, generator=gen)),
+        ("e", torch.randn(5, 3, generator=gen).to(torch.bfloat16)),
+        ("f", torch.randn(300, 40, generator=gen)),
+        ("g", torch.randn(9, generator=gen)),
+    ]
+
+
+def test_a_flattened_bucket_is_every_byte_in_order_in_one_buffer_kept_across_buckets():
+    updater = WeightUpdater(["http://127.0.0.1:9"])
+    try:
+        named = bucket_tensors()
+        small, large = [t for _, t in named[:4]], [named[5][1]]
+        flat = updater._pack(small)
+        assert torch.equal(flat, torch.cat([t.reshape(-1).view(torch.uint8) for t in small]))
+        grown = updater._pack(large)  # larger: the buffer grows
+        assert grown.numel() == large[0].numel() * 4 and torch.equal(grown.view(torch.float32), large[0].reshape(-1))
+        again = updater._pack(small)  # smaller: the same memory, no new allocation
+        assert again.data_ptr() == grown.data_ptr()
+        assert torch.equal(again, torch.cat([t.reshape(-1).view(torch.uint8) for t in small]))
+    finally:
+        updater.close()
+
+
+@pytest.mark.parametrize("flattened", [False, True])
+def test_a_packed_bucket_is_gathered_while_the_engines_apply_the_last_one_bucket_held_at_a_time(monkeypatch, flattened):
+    """Per bucket: its HTTP update, its broadcasts, the answers, then the next bucket's gather; for
+    ``flattened_bucket`` the gather (and packing) comes before the answers, while the engines apply.
+    The previous bucket is gone before the next gather either way."""
+    updater = WeightUpdater(["http://127.0.0.1:9"], load_format="flattened_bucket" if flattened else None)
+    named = without_tied_head(bucket_tensors())
+    plan = plan_buckets(named, 1 << 10)
+    index = {bucket[0][0]: i for i, bucket in enumerate(plan)}
+    events: list[tuple[str, int]] = []
+    alive: list[weakref.ref] = []
+    bodies: list[dict] = []
+
+    def materialize(bucket):
+        assert all(ref() is None for ref in alive), "two gathered buckets held at once"
+        events.append(("gather", index[bucket[0][0]]))
+        full = full_tensors(bucket, device=torch.device("cpu"))
+        alive.extend(weakref.ref(t) for _, t in full)
+        return [(n, t.clone()) for n, t in full]  # fresh tensors, as a gather makes
+
+    def fire(urls, path, body_for):
+        bodies.append(body_for(0))
+        events.append(("fire", index[bodies[-1]["names"][0]]))
+        return [len(bodies) - 1]
+
+    monkeypatch.setattr(updater, "_fire", fire)
+    monkeypatch.setattr(updater, "_broadcast", lambda payload: events.append(("broadcast", len(bodies) - 1)) or "")
+    monkeypatch.setattr(updater, "_collect", lambda futures: events.append(("answers", futures[0])))
+    gathered = [0]
+    try:
+        stats = {"bytes": 0, "num_tensors": 0, "num_buckets": 0, "gather_s": 0.0, "broadcast_s": 0.0}
+        first = [updater._prepare(plan[0], materialize, stats, gathered)]
+        updater._send_plan(plan, "5", first, materialize, stats, gathered)
+    finally:
+        updater.close()
+    assert len(plan) >= 3 and gathered == [len(plan)] and stats["num_buckets"] == len(plan)
+    expected = [("gather", 0)]
+    for i in range(len(plan)):
+        after = [("gather", i + 1)] if i + 1 < len(plan) else []
+        answers = [("answers", i)]
+        expected += [("fire", i), ("broadcast", i)] + (after + answers if flattened else answers + after)
+    assert events == expected
+    assert [b.get("weight_version") for b in bodies] == [None] * (len(plan) - 1) + ["5"]
+    assert [b["flush_cache"] for b in bodies] == [False] * (len(plan) - 1) + [True]
+    assert {b.get("load_format") for b in bodies} == {"flattened_bucket" if flattened else None}
+    assert [n for b in bodies for n in b["names"]] == [n for n, _ in named]
+
+
+def _engine_end(port: int, spec: list, conn) -> None:
+    """A child process: the engine's receiver over a model of ``spec`` (all fp32), answering each
+    bucket with its parameters and the CPU scratch it holds."""
+    from agentrl.engine.weights import EngineWeightReceiver
+
+    torch.set_num_threads(1)
+    params = {name: torch.zeros(shape) for name, shape in spec}
+    runner = SimpleNamespace(device=torch.device("cpu"), lm_head=None, named_tensors=lambda: params)
+    receiver = EngineWeightReceiver(runner)
+    receiver.init_group("127.0.0.1", port, 1, 2, "exact", "gloo", timeout_s=60.0)
+    for body in iter(conn.recv, None):
+        problems = receiver.receive(
+            receiver.check_spec(body["names"], body["dtypes"], body["shapes"]), body.get("load_format") is not None
+        )
+        scratch = receiver.scratch.buffer
+        conn.send((problems, {n: t.clone() for n, t in params.items()}, scratch.data_ptr(), scratch.numel()))
+    receiver.destroy_group()
+
+
+@pytest.mark.parametrize("flattened", [False, True])
+def test_a_bucket_arrives_byte_for_byte_in_the_engines_parameters(flattened):
+    """Sender (the updater's gather, packing and broadcast) and receiver (the engine's) over a real
+    gloo group: every parameter equals what was sent (bf16 sent into an fp32 model: cast on the
+    way in), and a receiver's CPU scratch is one buffer, kept for smaller buckets."""
+    named = bucket_tensors()
+    sock = bind_store_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    child = ctx.Process(target=_engine_end, args=(port, [(n, tuple(t.shape)) for n, t in named], child_conn))
+    child.start()
+    updater = WeightUpdater(["http://127.0.0.1:9"], load_format="flattened_bucket" if flattened else None)
+    group = init_weight_group("gloo", "127.0.0.1", port, 2, 0, "exact", 60.0, listen_socket=sock)
+    updater.group, updater.group_id = group, "exact"
+    answers = []
+    try:
+        for bucket in plan_buckets(named, 16 << 10):
+            payload, body = updater._prepare(bucket, full_tensors, {"gather_s": 0.0}, [0])
+            conn.send(body)
+            assert updater._broadcast(payload) == ""
+            answers.append(conn.recv())
+        conn.send(None)
+        child.join(60)
+    finally:
+        updater.group = None
+        destroy_weight_group(group)
+        updater.close()
+        if child.is_alive():
+            child.kill()
+    assert [problems for problems, _, _, _ in answers] == [[]] * len(answers)
+    received = answers[-1][1]
+    for name, sent in named:
+        assert torch.equal(received[name], sent.float()), name
+    sizes = [numel for _, _, _, numel in answers]
+    if flattened:  # buckets [a-d], [e] (bf16), [f], [g]: the scratch grows at f, then is kept
+        assert len(answers) == 4 and sizes[2] == named[5][1].numel() * 4 and sizes[3] == sizes[2]
+        assert answers[3][2] == answers[2][2]
+    else:  # straight into the parameters, but e (bf16 into fp32) through scratch
+        assert sizes[0] == 0 and sizes[1] > 0
+
+
+def test_the_engine_answers_after_its_device_settled_and_a_device_error_fails_the_receive(monkeypatch):
+    """On NCCL a receive's wait() only orders the stream: the engine's answer (the weights are in)
+    comes after a device synchronisation, after the copies into the parameters, and an error the
+    device reports there fails the update."""
+    import torch.distributed as dist
+
+    from agentrl.engine import weights as engine_weights
+    from agentrl.engine.weights import EngineWeightReceiver
+
+    params = {"w": torch.zeros(4), "v": torch.zeros(2)}
+    runner = SimpleNamespace(device=torch.device("cpu"), lm_head=None, named_tensors=lambda: params)
+    receiver = EngineWeightReceiver(runner)
+    receiver.group = object()  # type: ignore[assignment]
+
+    class Work:
+        def wait(self) -> None:
+            pass
+
+    def broadcast(t, src, group, async_op=False):
+        t.fill_(2)
+        return Work()
+
+    seen: list[dict[str, torch.Tensor]] = []
+    monkeypatch.setattr(dist, "broadcast", broadcast)
+    monkeypatch.setattr(engine_weights, "settle", lambda device: seen.append({n: t.clone() for n, t in params.items()}))
+    spec = receiver.check_spec(["w", "v"], ["float32", "bfloat16"], [[4], [2]])
+    assert receiver.receive(spec) == []
+    assert torch.equal(seen[-1]["w"], torch.full((4,), 2.0)) and torch.equal(seen[-1]["v"], torch.full((2,), 2.0))
+    assert receiver.receive(spec[:1], flattened=True) == []
+    assert torch.equal(seen[-1]["w"], torch.full((16,), 2, dtype=torch.uint8).view(torch.float32))
+
+    def failing(device):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(engine_weights, "settle", failing)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        receiver.receive(spec)
+
+
+def test_the_engine_settles_a_cuda_device_only(monkeypatch):
+    from agentrl.engine.weights import settle
+
+    synced: list = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    settle(torch.device("cpu"))
+    assert synced == []
+    settle(torch.device("cuda", 1))
+    assert synced == [torch.device("cuda", 1)]

@@ -3,7 +3,8 @@
 The protocol is SGLang's (``/init_weights_update_group``, ``/update_weights_from_distributed``,
 ``/update_weights_from_disk``), so the learner drives real SGLang and the embedded engine alike;
 the trainer's end is ``agentrl.learner.weight_push``. Tensors are received straight into the
-parameters when dtype and shape agree, or as SGLang's ``flattened_bucket``.
+parameters when dtype and shape agree, or as SGLang's ``flattened_bucket``, into a CPU
+:class:`Scratch` kept across buckets; an update is answered after the device has settled.
 
 Invariants: every declared tensor is received, into scratch when its name or shape is wrong, so
 the trainer is never left blocked in a broadcast (the HTTP answer reports the problem); with
@@ -39,6 +40,41 @@ log = logging.getLogger(__name__)
 # --------------------------------------------------------------------------- engine side
 
 
+class Scratch:
+    """Receive buffers kept across buckets: on the CPU one uint8 buffer, grown to the largest
+    bucket (a fresh one of a bucket's size costs a page fault per 4 KiB on every receive, more than
+    the receive itself); on CUDA fresh tensors (the caching allocator reuses its blocks)."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+    def flat(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        if device.type != "cpu":
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if self.buffer.numel() < nbytes:
+            self.buffer = torch.empty(0, dtype=torch.uint8)  # freed before the larger one is allocated
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8)
+        return self.buffer[:nbytes]
+
+    def tensors(self, spec: list[tuple[str, torch.dtype, tuple[int, ...]]], device: torch.device) -> list[torch.Tensor]:
+        """One tensor per entry of ``spec``, side by side in one flat buffer (each at a multiple of 64 bytes)."""
+        sizes = [-(-math.prod(shape) * dtype.itemsize // 64) * 64 for _, dtype, shape in spec]
+        flat = self.flat(sum(sizes), device)
+        out, offset = [], 0
+        for (_, dtype, shape), size in zip(spec, sizes):
+            nbytes = math.prod(shape) * dtype.itemsize
+            out.append(flat[offset : offset + nbytes].view(dtype).view(shape))
+            offset += size
+        return out
+
+
+def settle(device: torch.device) -> None:
+    """Block until the work queued on ``device`` has run (CUDA: NCCL's ``wait()`` only orders the
+    stream), so that an answer means the weights are in, and a broken receive fails here."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class ShadowRank:
     """A weight-group member that receives every broadcast into scratch and drops it.
 
@@ -64,16 +100,18 @@ class ShadowRank:
         store = PrefixStore("cpu/", PrefixStore(f"{group_name}/", PrefixStore(group_name, store)))
         self.rank = rank
         self.backend = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        self.scratch = Scratch()
 
     def receive(self, spec: list[tuple[str, torch.dtype, tuple[int, ...]]], flattened: bool) -> None:
         import torch.distributed as dist
 
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
+        cpu = torch.device("cpu")
         if flattened:
-            bufs = [torch.empty(sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in spec), dtype=torch.uint8)]
+            bufs = [self.scratch.flat(sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in spec), cpu)]
         else:
-            bufs = [torch.empty(shape, dtype=dtype) for _, dtype, shape in spec]
+            bufs = self.scratch.tensors(spec, cpu)
         # Posted at once, as the main rank does (torch's stub of Backend leaves its collectives out).
         works = [self.backend.broadcast([b], opts) for b in bufs]  # pyright: ignore[reportAttributeAccessIssue]
         for w in works:
@@ -92,6 +130,17 @@ def check_group_args(master_port: int, rank_offset: int, world_size: int) -> Non
         raise ValueError(
             f"rank_offset must be in [0, world_size), got rank_offset {show(rank_offset)} with world_size {world_size}"
         )
+
+
+def _fits(target: torch.Tensor | None, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device) -> bool:
+    """Whether a broadcast can land straight in ``target``."""
+    return (
+        target is not None
+        and target.dtype == dtype
+        and tuple(target.shape) == shape
+        and target.device == device
+        and target.is_contiguous()
+    )
 
 
 @dataclass
@@ -121,6 +170,7 @@ class EngineWeightReceiver:
         self._shadow_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.adapter: MergedAdapter | None = None  # the LoRA adapter merged into the weights
         self.adapters_seen: dict[str, str] = {}  # every adapter name loaded so far -> its folder
+        self.scratch = Scratch()  # what is not received straight into a parameter (a flattened bucket)
 
     def init_group(
         self,
@@ -188,6 +238,7 @@ class EngineWeightReceiver:
     def destroy_group(self) -> None:
         destroy_weight_group(self.group)
         self.group, self.group_name = None, None
+        self.scratch = Scratch()
         self.shadows = []  # their gloo backends close with them
         if self._shadow_pool is not None:
             self._shadow_pool.shutdown(wait=False)
@@ -214,7 +265,6 @@ class EngineWeightReceiver:
     def receive(self, spec: list[tuple[str, torch.dtype, tuple[int, ...]]], flattened: bool = False) -> list[str]:
         """Receive the declared tensors (one broadcast each, or one uint8 buffer per bucket when
         ``flattened``), in order, on this rank and every shadow; apply them; return the problems."""
-        import torch.distributed as dist
 
         if self.group is None:
             raise ValueError("no weight update group: call /init_weights_update_group first")
@@ -230,23 +280,7 @@ class EngineWeightReceiver:
             if flattened:
                 received = self._receive_flat(spec, recv_device)
             else:
-                received, works = [], []
-                for name, dtype, shape in spec:  # post every receive at once (async): no round trip per tensor
-                    target = named.get(name)
-                    if (
-                        target is not None
-                        and target.dtype == dtype
-                        and tuple(target.shape) == shape
-                        and target.device == recv_device
-                        and target.is_contiguous()
-                    ):
-                        buf = target.data  # straight into the parameter
-                    else:
-                        buf = torch.empty(shape, dtype=dtype, device=recv_device)
-                        received.append((name, buf))
-                    works.append(dist.broadcast(buf, src=0, group=self.group, async_op=True))
-                for w in works:
-                    w.wait()
+                received = self._receive_tensors(spec, named, recv_device)
             for f in shadows:  # SGLang answers once every TP rank has its tensors
                 f.result()
             problems = []
@@ -259,14 +293,30 @@ class EngineWeightReceiver:
                 else:
                     target.data.copy_(buf)
             self._merge_again([name for name, _, _ in spec])
+            settle(self.runner.device)  # gloo into a CUDA engine: the copies from the CPU scratch too
         return problems
+
+    def _receive_tensors(self, spec, named: dict, device: torch.device) -> list[tuple[str, torch.Tensor]]:
+        """One broadcast per tensor, all posted at once (no round trip per tensor), each straight into
+        its parameter when dtype, shape and device agree, else into scratch (returned, to be applied)."""
+        import torch.distributed as dist
+
+        targets = [named.get(name) for name, _, _ in spec]
+        straight = [_fits(t, dtype, shape, device) for t, (_, dtype, shape) in zip(targets, spec)]
+        scratch = iter(self.scratch.tensors([s for s, ok in zip(spec, straight) if not ok], device))
+        bufs = [t.data if ok and t is not None else next(scratch) for t, ok in zip(targets, straight)]
+        received = [(name, b) for (name, _, _), b, ok in zip(spec, bufs, straight) if not ok]
+        works: list = [dist.broadcast(b, src=0, group=self.group, async_op=True) for b in bufs]
+        for w in works:
+            w.wait()
+        return received
 
     def _receive_flat(self, spec, device: torch.device) -> list[tuple[str, torch.Tensor]]:
         """SGLang's ``flattened_bucket``: the tensors' bytes concatenated in ``names`` order."""
         import torch.distributed as dist
 
         sizes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in spec]
-        flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+        flat = self.scratch.flat(sum(sizes), device)
         dist.broadcast(flat, src=0, group=self.group)
         out, offset = [], 0
         for (name, dtype, shape), size in zip(spec, sizes):

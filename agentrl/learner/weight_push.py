@@ -7,11 +7,13 @@ parameters under Hugging Face names in the engines' dtype, minus a tied ``lm_hea
 metadata alone; a bucket is one gather over the shards (every rank), one HTTP
 ``/update_weights_from_distributed`` per engine and its broadcasts, so rank 0 holds one bucket.
 
-An update (:meth:`WeightUpdater.push_plan`): pause every engine -> version ``"default"`` ->
-``/begin_weight_update`` -> per bucket, the HTTP call fired at every engine without waiting, then
-the broadcasts -> ``/end_weight_update`` -> continue. End and continue run even when a bucket
-fails. The last bucket carries ``weight_version`` and ``flush_cache`` (K/V from old weights must
-not serve a later turn).
+An update (:meth:`WeightUpdater.push_plan`): pause every engine -> version ``"default"`` and
+``/begin_weight_update`` at once, the first bucket gathered meanwhile -> per bucket, the HTTP call
+fired at every engine without waiting, the broadcasts, the answers (a ``flattened_bucket``: the
+next bucket gathered and packed into a buffer kept across pushes while the engines apply) ->
+``/end_weight_update`` -> continue. End and continue run even when a bucket fails. The last bucket
+carries ``weight_version`` and ``flush_cache`` (K/V from old weights must not serve a later turn).
+Timings and failures are read after a device synchronisation (NCCL's ``wait()`` does not block).
 
 Invariants: an engine reports a policy's number only after a complete update, so the one rule is
 that an engine not reporting the learner's version gets the weights (:meth:`WeightUpdater.lagging`);
@@ -294,6 +296,7 @@ class WeightUpdater:
         self.world_size = 0
         self._no_begin_end: set[str] = set()  # engines that answered 404 (SGLang before 0.5.23)
         self._adapter_loaded: set[str] = set()  # engines this updater has loaded the LoRA adapter into
+        self._staging: torch.Tensor | None = None  # flattened buckets on the CPU (_pack)
         self._http = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0))
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(4, 2 * len(self.engine_urls)), thread_name_prefix="weight-http"
@@ -422,6 +425,10 @@ class WeightUpdater:
         return self._collect(self._fire(self.members if urls is None else urls, path, lambda i: body))
 
     def _session(self, path: str) -> None:
+        """Begin or end the update session on every member (:meth:`_session_calls`); one error or none."""
+        self._collect(self._session_calls(path))
+
+    def _session_calls(self, path: str) -> list[concurrent.futures.Future]:
         """``/begin_weight_update`` or ``/end_weight_update`` where the engine has it (SGLang 0.5.23
         requires them around an update; older builds answer 404: skipped, warned once per engine).
 
@@ -462,7 +469,7 @@ class WeightUpdater:
                 log.warning("%s has no %s (SGLang before 0.5.23?): updating without a begin/end session", url, path)
 
         urls = [u for u in self.members if u not in self._no_begin_end]
-        self._collect([self._pool.submit(call, u) for u in urls])
+        return [self._pool.submit(call, u) for u in urls]
 
     # -- membership: the group, who is in it, what each member reports ----------------------
     def probe(self) -> dict[str, str | None]:
@@ -672,7 +679,7 @@ class WeightUpdater:
             raise ValueError("nothing to push: the plan has no bucket")
         t0 = time.perf_counter()
         stats: dict[str, Any] = {"bytes": 0, "num_tensors": 0, "num_buckets": 0, "gather_s": 0.0, "broadcast_s": 0.0}
-        done = 0
+        gathered = [0]  # how many buckets materialize was called for
         t_paused = t_updated = t0
         try:
             if self.group is None:
@@ -685,17 +692,19 @@ class WeightUpdater:
             try:
                 self._all("/pause_generation", {"mode": self.pause_mode})
                 t_paused = time.perf_counter()
-                self._label(UNSET_VERSION)
                 try:
-                    self._session("/begin_weight_update")
-                    for i, bucket in enumerate(plan):
-                        t = time.perf_counter()
-                        done = i + 1  # counted before: a failed gather is not retried below
-                        full = materialize(bucket)
-                        stats["gather_s"] += time.perf_counter() - t
-                        last = i == len(plan) - 1
-                        self._send_bucket(full, str(version) if last else None, last and self.flush_cache, stats)
-                        del full  # one gathered bucket at a time
+                    # version "default" and the session, independent of each other, are asked at once, and
+                    # the first bucket gathered meanwhile; every answer is in before anything else is asked
+                    label = self._fire(self.members, "/update_weight_version", lambda i: self._unset_version)
+                    calls = label + self._session_calls("/begin_weight_update")
+                    try:
+                        first = [self._prepare(plan[0], materialize, stats, gathered)]  # _send_plan takes it out
+                    finally:
+                        concurrent.futures.wait(calls)
+                        # what each member reports now, also when another failed (membership_change reads it)
+                        self.labels.update({u: UNSET_VERSION for u, f in zip(self.members, label) if not f.exception()})
+                    self._collect(calls)
+                    self._send_plan(plan, str(version), first, materialize, stats, gathered)
                 except BaseException:
                     self._drop_group()
                     raise
@@ -709,7 +718,7 @@ class WeightUpdater:
             self._drop_group()
             raise
         finally:
-            for bucket in plan[done:]:  # the other learner ranks are in these gathers
+            for bucket in plan[gathered[0] :]:  # the other learner ranks are in these gathers
                 materialize(bucket)
         t1 = time.perf_counter()
         return {
@@ -719,6 +728,8 @@ class WeightUpdater:
             "total_s": t1 - t0,
             **stats,
         }
+
+    _unset_version = {"new_version": UNSET_VERSION, "abort_all_requests": False}  # the body of _label(UNSET_VERSION)
 
     def _label(self, version: str) -> None:
         """Every member reports ``version`` from now on (``/update_weight_version``; nothing aborted)."""
@@ -740,30 +751,83 @@ class WeightUpdater:
                 raise
             log.error("%s failed during a failed update: %s", path, e)
 
-    def _send_bucket(self, bucket: Bucket, version: str | None, flush_cache: bool, stats: dict) -> None:
-        """Fire the HTTP update at every engine, broadcast the bucket in order, collect the answers."""
+    def _send_plan(
+        self,
+        plan: Sequence[Bucket],
+        version: str,
+        first: list[tuple[list[torch.Tensor], dict[str, Any]]],
+        materialize: Callable[[Bucket], Bucket],
+        stats: dict,
+        gathered: list,
+    ) -> None:
+        """The buckets in order (``first`` holds the first one, prepared): per bucket the HTTP update fired
+        at every member, the broadcasts, the answers (an engine takes a bucket only after the one
+        before), then the next bucket gathered. With ``flattened_bucket`` the next bucket is gathered
+        and packed before the answers, while the engines apply: a packed bucket's tensors are gone
+        already, so one gathered bucket is held at a time either way (a broadcast tensor may stay
+        referenced by the process group for a moment after its wait)."""
         flattened = self.load_format == "flattened_bucket"
+        payload, body = first.pop()
+        for i in range(len(plan)):
+            if i == len(plan) - 1:  # the last bucket sets the version and flushes the cache
+                body.update(weight_version=version, flush_cache=self.flush_cache)
+            futures = self._fire(self.members, "/update_weights_from_distributed", lambda _, b=body: b)
+            t0 = time.perf_counter()
+            broken = self._broadcast(payload)
+            if broken:
+                raise EngineLost(f"the broadcast to the weight group failed: {broken}")
+            stats["broadcast_s"] += time.perf_counter() - t0
+            stats["bytes"] += sum(t.numel() * t.element_size() for t in payload)
+            stats["num_tensors"] += len(body["names"])
+            stats["num_buckets"] += 1
+            payload = []  # gone before the next gather
+            if flattened and i + 1 < len(plan):
+                payload, body = self._prepare(plan[i + 1], materialize, stats, gathered)
+            self._collect(futures)
+            if not flattened and i + 1 < len(plan):
+                payload, body = self._prepare(plan[i + 1], materialize, stats, gathered)
+
+    def _prepare(
+        self, bucket: Bucket, materialize: Callable[[Bucket], Bucket], stats: dict, gathered: list
+    ) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        """Gather one bucket: what is broadcast (its tensors, or for ``flattened_bucket`` their bytes
+        in one buffer) and the body of its HTTP update."""
+        t0 = time.perf_counter()
+        gathered[0] += 1  # counted before: a failed gather is not retried
+        full = materialize(bucket)
         body: dict[str, Any] = {
-            "names": [n for n, _ in bucket],
-            "dtypes": [dtype_name(t.dtype) for _, t in bucket],
-            "shapes": [list(t.shape) for _, t in bucket],
+            "names": [n for n, _ in full],
+            "dtypes": [dtype_name(t.dtype) for _, t in full],
+            "shapes": [list(t.shape) for _, t in full],
             "group_name": self.group_id,
-            "flush_cache": flush_cache,
+            "flush_cache": False,
         }
-        if version is not None:
-            body["weight_version"] = version
+        flattened = self.load_format == "flattened_bucket"
         if flattened:
             body["load_format"] = "flattened_bucket"
-        futures = self._fire(self.members, "/update_weights_from_distributed", lambda i: body)
-        t0 = time.perf_counter()
-        broken = self._broadcast(bucket, flattened)
-        if broken:
-            raise EngineLost(f"the broadcast to the weight group failed: {broken}")
-        stats["broadcast_s"] += time.perf_counter() - t0
-        stats["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
-        stats["num_tensors"] += len(bucket)
-        stats["num_buckets"] += 1
-        self._collect(futures)
+        payload = [self._pack([t for _, t in full])] if flattened else [t for _, t in full]
+        _settle(payload[0].device)  # CUDA: the gather's time is its own, not the broadcast's
+        stats["gather_s"] += time.perf_counter() - t0
+        return payload, body
+
+    def _pack(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """The tensors' bytes, concatenated in order into one buffer (SGLang's ``flattened_bucket``). On
+        the CPU a buffer kept across buckets and pushes: a fresh one of a bucket's size costs a page
+        fault per 4 KiB, more than the copy (on CUDA the caching allocator keeps blocks already). It is
+        written again only after the previous broadcast has completed (``_broadcast`` settles)."""
+        import torch
+
+        device = tensors[0].device
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        if device.type != "cpu":
+            flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        else:
+            if self._staging is None or self._staging.numel() < nbytes:
+                self._staging = None  # freed before the larger one is allocated
+                self._staging = torch.empty(nbytes, dtype=torch.uint8)
+            flat = self._staging[:nbytes]
+        torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors], out=flat)
+        return flat
 
     def push_adapter(self, folder: str | Path, version: int, name: str = LORA_ADAPTER_NAME) -> dict:
         """Load the PEFT adapter ``folder`` as ``name`` on every member (module docstring, "LoRA
@@ -809,24 +873,19 @@ class WeightUpdater:
             log.debug("%s: no adapter %r to unload before the first load (%s)", url, name, e)
         self._adapter_loaded.discard(url)
 
-    def _broadcast(self, bucket: Bucket, flattened: bool) -> str:
-        """Broadcast the bucket's tensors in order; ``""``, or why it broke (a member is gone). Nothing
-        of the broadcast outlives this call, not even in a traceback: the group's sockets close
-        only when its last reference does, and a member still waiting in a receive is released
-        only then (``_drop_group``)."""
-        import torch
+    def _broadcast(self, tensors: Sequence[torch.Tensor]) -> str:
+        """Broadcast ``tensors`` in order (all posted at once, then waited for, then the device
+        settled); ``""``, or why it broke (a member is gone). Nothing of the broadcast outlives this
+        call, not even in a traceback: the group's sockets close only when its last reference does,
+        and a member still waiting in a receive is released only then (``_drop_group``)."""
         import torch.distributed as dist
 
         works: list = []
         try:
-            if flattened:
-                flat = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in bucket])
-                works.append(dist.broadcast(flat, src=0, group=self.group, async_op=True))
-            else:
-                works = [dist.broadcast(t, src=0, group=self.group, async_op=True) for _, t in bucket]
+            works = [dist.broadcast(t, src=0, group=self.group, async_op=True) for t in tensors]
             for w in works:
                 w.wait()
-            _settle(bucket[0][1].device)  # NCCL: wait() only orders the stream; the host waits here
+            _settle(tensors[0].device)  # NCCL: wait() only orders the stream; the host waits here
         except RuntimeError as e:  # torch's DistBackendError too
             return f"{type(e).__name__}: {e}"
         finally:
@@ -863,6 +922,7 @@ class WeightUpdater:
             self._drop_group()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._http.close()
+        self._staging = None
 
     def __enter__(self) -> WeightUpdater:
         return self
