@@ -255,3 +255,15 @@ def test_a_real_server_answers_generate_with_image_data(vl_model, server, tmp_pa
         trio.run(through_the_client)
     finally:
         proc.stop()
+
+
+def test_a_saved_vision_model_loads_from_disk_into_the_engine(server, vl_model, tmp_path):
+    """transformers saves Qwen2.5-VL in its original layout (model.layers.*, visual.*); the engine's update from
+    disk maps it onto its modules (model.language_model.*, model.visual.*) and checks every tensor."""
+    from agentrl.engine.weights import EngineWeightReceiver
+
+    receiver = EngineWeightReceiver(server.runner)
+    tensors = receiver.load_from_disk(str(vl_model))
+    named = server.runner.named_tensors()
+    assert any(n.startswith("model.visual.") for n in tensors) and set(tensors) <= set(named)
+    assert len(tensors) >= len(named) - 1  # all of them (the tied lm_head may be absent)

@@ -154,6 +154,21 @@ class MergedAdapter:
     originals: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+# transformers saves a Qwen2-VL-style model in the original checkpoint layout (``model.layers.*``, ``visual.*``)
+# while its modules are ``model.language_model.*`` and ``model.visual.*``
+_CHECKPOINT_PREFIXES = (("model.", "model.language_model."), ("visual.", "model.visual."))
+
+
+def _module_name(name: str, named: dict[str, torch.Tensor]) -> str:
+    """The model's name of a checkpoint tensor: itself, or its original-layout name renamed."""
+    if name in named:
+        return name
+    for old, new in _CHECKPOINT_PREFIXES:
+        if name.startswith(old) and new + name[len(old) :] in named:
+            return new + name[len(old) :]
+    return name
+
+
 class EngineWeightReceiver:
     """Engine end: owns the group; receives and applies updates (called in the scheduler thread).
 
@@ -338,13 +353,16 @@ class EngineWeightReceiver:
         for f in files:
             tensors.update(load_file(str(f)))
         named = self.runner.named_tensors()
+        tensors = {_module_name(n, named): t for n, t in tensors.items()}
         unknown = [n for n in tensors if n not in named]
         if unknown:
             raise ValueError(f"checkpoint has parameters the model lacks: {unknown[:5]}")
+        embeddings = self.runner.model.get_input_embeddings()
         tied = (
             self.runner.lm_head is not None
             and "lm_head.weight" in named
-            and named["lm_head.weight"] is named.get("model.embed_tokens.weight")
+            and embeddings is not None
+            and named["lm_head.weight"] is embeddings.weight
         )
         missing = [n for n in named if n not in tensors and not (tied and n == "lm_head.weight")]
         if missing:
