@@ -162,8 +162,9 @@ def test_an_observation_with_an_image_that_does_not_fit_leaves_the_images_unchan
 
 
 def test_a_text_model_refuses_images_by_name_and_joins_text_parts(tmp_path_factory):
-    from tests._actors_helpers import tiny_tokenizer_dir
     from transformers import AutoTokenizer
+
+    from tests._actors_helpers import tiny_tokenizer_dir
 
     codec = ChatCodec(AutoTokenizer.from_pretrained(tiny_tokenizer_dir(tmp_path_factory)))
     assert codec.vision is None

@@ -227,7 +227,7 @@ class _Episode:
             self.counters.num_tool_calls += 1
             self.counters.num_tool_errors += int(r.is_error)
             if r.tool_fault:
-                self.counters.tool_faults.append(r.content)
+                self.counters.tool_faults.append(str(r.content))  # a fault is always a text error
             self.counters.tool_latency_s += r.latency_s
             messages.append({"role": "tool", "name": r.name, "content": r.content})
         for err in parsed.errors:
