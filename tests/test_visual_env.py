@@ -216,9 +216,10 @@ def test_the_example_config_builds_the_env():
     from agentrl.config import load_config
     from agentrl.envs import make_env
 
-    cfg = load_config(EXAMPLE)
-    env = make_env(cfg)
-    assert isinstance(env, VisualEnv) and env.name == "visual"
+    env = make_env(load_config(EXAMPLE))
+    assert isinstance(env, VisualEnv) and env.name == "visual" and not env.zoom
+    zoom = make_env(load_config(EXAMPLE.with_name("zoom.toml")))
+    assert isinstance(zoom, VisualEnv) and zoom.zoom and [t.name for t in zoom.tools()] == ["zoom"]
     assert isinstance(load_env("agentrl.envs.visual:VisualEnv"), VisualEnv)
 
 
