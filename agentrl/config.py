@@ -266,6 +266,9 @@ class LearnerSection(Section):
     )
     max_steps: int = Field(default=100, ge=0)  # optimiser steps of the run (the learner exits after them)
     groups_per_step: int = Field(default=16, ge=1)  # trajectory groups (tasks x group_size episodes) per step
+    first_groups_per_step: int = Field(
+        default=0, ge=0
+    )  # groups of the first step, doubled each step up to groups_per_step: the first update comes sooner, the actors' budget ramps with it (docs/performance.md, "The first update"); 0: groups_per_step from the first step
     max_tokens_per_microbatch: int = Field(default=8192, ge=16)  # tokens packed into one forward/backward
     grad_clip: float = Field(default=1.0, gt=0)  # gradient-norm clip
     # Loss (docs/algorithms.md: every objective, estimator, correction and normaliser)

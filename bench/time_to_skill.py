@@ -1,7 +1,8 @@
 """Time to skill: the quickstart's RL phase from one fixed warm start, its policy evaluated
 greedily on the held-out tasks every few learner steps; prints the RL wall time to 80, 85 and
-90% greedy success, episodes per second and the time to the first learner update, for one or
-more variants side by side (alternating, ``--rounds`` times).
+90% greedy success, episodes per second, the time to the first learner update and when the actors
+first heard the learner (before it: their process's start-up), for one or more variants side by
+side (alternating, ``--rounds`` times).
 
     python bench/time_to_skill.py [--config examples/calculator/config.toml] [--rounds 1]
                                   [--eval-every 2] [--variant NAME=key=value,key=value ...]
@@ -12,7 +13,9 @@ The warm start is built once with ``agentrl sft`` and copied into every run. Eac
 ``--eval-every`` steps, and each is exported and evaluated afterwards on one engine. RL time of a
 step is when the learner logged it since the actors started, less the checkpoints' own time.
 ``--variant base=learner.groups_per_step=16`` runs the config with those overrides; ``-s``
-applies to every variant. One evaluation moves by a few points between steps: repeat rounds.
+applies to every variant. ``--variant before@/path/to/tree=`` runs ``agentrl run`` from another source
+tree (e.g. ``git archive HEAD | tar -x -C /tmp/before``): code changes side by side, evaluated alike by this
+tree. One evaluation moves by a few points between steps: repeat rounds.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ SMOKE_HELP = (
 class Variant:
     name: str
     overrides: list[str]
+    tree: Path = ROOT  # the source tree agentrl run runs from
 
 
 @dataclass
@@ -65,6 +69,7 @@ class Result:
     round: int
     rl_s: float  # RL time of the learner's last step (checkpoints left out)
     first_update_s: float | None
+    actors_ready_s: float | None  # when the first actor heard the learner (its process started at 0)
     episodes_per_s: float
     to_level: dict[float, float | None]
     before: float
@@ -72,14 +77,14 @@ class Result:
     curve: list[tuple[int, float, float]]  # (learner step, RL seconds, greedy success)
 
 
-def agentrl(*args: str, log: Path) -> None:
+def agentrl(*args: str, log: Path, tree: Path = ROOT) -> None:
     with log.open("w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "agentrl", *args],
-            cwd=ROOT,
+            cwd=tree,
             stdout=out,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            env={**os.environ, "PYTHONPATH": str(tree)},
         )
         try:
             code = proc.wait()
@@ -116,6 +121,22 @@ def rl_seconds(summary: dict, rows: list[dict]) -> dict[int, float]:
         spent += float(row.get("time/checkpoint_s", 0.0))
         times[int(row["step"])] = row["time"] - summary["rl_started_at"] - spent
     return times
+
+
+def actors_ready(run_dir: Path, rl_started_at: float) -> float | None:
+    """RL seconds at which an actor first heard the learner (its log's "learner seen" line): what
+    comes before is the actor process's start-up, what comes after is the learner's and the data's."""
+    import datetime
+
+    seen = []
+    for log in (run_dir / "logs").glob("actor*.log"):
+        line = next((x for x in log.read_text(errors="replace").splitlines() if "learner seen" in x), "")
+        try:
+            when = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        except ValueError:
+            continue
+        seen.append(when - rl_started_at)
+    return min(seen, default=None)
 
 
 def evaluate_checkpoints(config: Path, run_dir: Path, sets: list[str]) -> dict[int, float]:
@@ -186,6 +207,7 @@ def measure(
         "--no-live",
         *[a for s in bench_sets for a in ("-s", s)],
         log=run_dir.with_suffix(".log"),
+        tree=variant.tree,
     )
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = [json.loads(line) for line in (run_dir / "learner_metrics.jsonl").read_text().splitlines()]
@@ -204,6 +226,7 @@ def measure(
         round_,
         rl_s,
         min(times.values(), default=None),
+        actors_ready(run_dir, summary["rl_started_at"]),
         received * group_size / max(rl_s, 1e-9),
         to_level,
         summary["eval_before"]["success_rate"],
@@ -213,17 +236,23 @@ def measure(
 
 
 def fmt(x: float | None, unit: str = "s") -> str:
-    return "-" if x is None else f"{x:.0f}{unit}" if unit == "s" else f"{x:.1%}"
+    """Seconds (``s``: whole, ``.1f``: tenths) or a percentage (``%``); ``-`` for none."""
+    if x is None:
+        return "-"
+    return f"{x:.0f}s" if unit == "s" else f"{x:.1f}s" if unit == ".1f" else f"{x:.1%}"
 
 
 def report(results: list[Result]) -> None:
-    print("\n| variant | round | before | after | to 80% | to 85% | to 90% | first update | RL s | episodes/s |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(
+        "\n| variant | round | before | after | to 80% | to 85% | to 90% | first update | actors ready | RL s "
+        "| episodes/s |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
         lv = [fmt(r.to_level[lvl]) for lvl in LEVELS]
         print(
             f"| {r.variant} | {r.round} | {fmt(r.before, '%')} | {fmt(r.after, '%')} | {' | '.join(lv)} | "
-            f"{fmt(r.first_update_s)} | {r.rl_s:.0f} | {r.episodes_per_s:.1f} |"
+            f"{fmt(r.first_update_s, '.1f')} | {fmt(r.actors_ready_s, '.1f')} | {r.rl_s:.0f} | {r.episodes_per_s:.1f} |"
         )
     print("\ncurves (learner step: RL seconds, greedy success):")
     for r in results:
@@ -247,9 +276,13 @@ def report(results: list[Result]) -> None:
 
 def parse_variant(text: str) -> Variant:
     name, _, sets = text.partition("=")
-    if not name or not _:
-        raise SystemExit(f"--variant {text!r}: expected NAME=key=value,key=value (or NAME= for none)")
-    return Variant(name, [s for s in sets.split(",") if s])
+    name, at, tree = name.partition("@")
+    if not name or not _ or (at and not (Path(tree) / "agentrl").is_dir()):
+        raise SystemExit(
+            f"--variant {text!r}: expected NAME=key=value,key=value (or NAME= for none), or NAME@TREE=... with "
+            "TREE a source tree of agentrl"
+        )
+    return Variant(name, [s for s in sets.split(",") if s], Path(tree).resolve() if at else ROOT)
 
 
 def main() -> None:
@@ -283,7 +316,8 @@ def main() -> None:
             r = results[-1]
             print(
                 f"  done in {time.monotonic() - started:.0f}s: to 80/85/90% "
-                f"{', '.join(fmt(r.to_level[lvl]) for lvl in LEVELS)}; first update {fmt(r.first_update_s)}",
+                f"{', '.join(fmt(r.to_level[lvl]) for lvl in LEVELS)}; first update {fmt(r.first_update_s, '.1f')} "
+                f"(actors ready {fmt(r.actors_ready_s, '.1f')})",
                 flush=True,
             )
     report(results)

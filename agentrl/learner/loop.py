@@ -14,9 +14,12 @@ Invariants:
 
 * exactly once: a group the :class:`Ledger` has seen is dropped, every new one is journalled,
   and the journal is synced before the progress message that acknowledges it;
-* the budget: ``accept_groups = received + G * k * (max_staleness + 1) - G *
-  steps_since_version_bump - buffered`` (``G = groups_per_step``, ``k = sync_every_steps``), so at
-  most ``max_staleness + 1`` versions' worth of groups are ever in flight;
+* the budget: ``accept_groups = received + (the groups of the steps that may still train a group
+  started now: the rest of this version's ``k = sync_every_steps`` and ``k * max_staleness`` more)
+  - buffered``, so at most ``max_staleness + 1`` versions' worth of groups are ever in flight;
+* the first steps take ``first_groups_per_step`` groups, doubled each step up to ``groups_per_step``
+  (:func:`groups_for_step`): the first update comes sooner, and the budget, which follows the
+  steps' sizes, ramps the actors' concurrency up with it;
 * an engine that does not report the learner's version gets the weights before the learner
   trains on anything it serves (checked before every push and while waiting for data).
 
@@ -50,6 +53,8 @@ from agentrl.transport.delivery import Ledger
 log = logging.getLogger("agentrl.learner")
 
 POLL_S = 2.0  # longest a non-zero rank waits in one control broadcast
+# while waiting: progress this often before any group arrived, and this soon after a dropped group freed budget
+FAST_PUBLISH_S = 0.1
 ENGINE_CHECK_S = 2.0  # how often rank 0 re-checks the engines (membership, versions) between pushes
 MAX_PUSH_ATTEMPTS = 3  # pushes that lose an engine before the learner trains on and checks again later
 CHECKPOINT_ATTEMPTS = 3  # writes per checkpoint folder before the fallback folder (then: reported, training goes on)
@@ -123,6 +128,23 @@ def flatten_params(cfg: AgentRLConfig, sections: tuple[str, ...]) -> dict[str, A
     return {f"{s}.{k}": v for s in sections for k, v in dumped[s].items()}
 
 
+def groups_for_step(step: int, groups_per_step: int, first_groups_per_step: int = 0) -> int:
+    """The groups step ``step`` (1-based) trains on: ``first_groups_per_step`` at step 1, doubled at
+    each step after, ``groups_per_step`` at most; ``groups_per_step`` throughout when
+    ``first_groups_per_step`` is 0 or not below it."""
+    if not 0 < first_groups_per_step < groups_per_step or step - 1 >= groups_per_step.bit_length():
+        return groups_per_step
+    return min(groups_per_step, first_groups_per_step << max(0, step - 1))
+
+
+def groups_ahead(step: int, steps_since_sync: int, lc: Any) -> int:
+    """The groups of the steps after ``step`` that may still train a group an actor starts now (a
+    ``[learner]`` section ``lc``): the rest of this version's ``sync_every_steps`` and
+    ``sync_every_steps * max_staleness`` steps more."""
+    steps = lc.sync_every_steps * (lc.max_staleness + 1) - steps_since_sync
+    return sum(groups_for_step(step + j, lc.groups_per_step, lc.first_groups_per_step) for j in range(1, steps + 1))
+
+
 class Learner:
     """The ``learn`` loop on one rank (module docstring)."""
 
@@ -181,6 +203,8 @@ class Learner:
             )
         self.push_enabled = bool(broadcast_object(self.io is not None and self.io.weights is not None))
         self._next_engine_check = 0.0
+        self._published_at = 0.0  # monotonic time of the last progress message
+        self._published_accept = -1  # the budget it carried
         # adapter sync: an engine at this learner's version may still hold none of its adapter (a fresh
         # run's engines serve the base model as version 0), while the actors' requests name it
         self._adapter_loaded = not cfg.learner.lora.served_adapter
@@ -281,7 +305,7 @@ class Learner:
                 if reason:
                     return ("engines", reason)
             self._drain()
-            groups = self.buffer.take(self.lc.groups_per_step, self.version)
+            groups = self.buffer.take(self.step_groups, self.version)
             if groups is not None:
                 self._batch_keys = [list(g.key) for g in groups]
                 self._batch_groups = groups
@@ -305,9 +329,25 @@ class Learner:
             if now >= deadline:
                 self._publish()
                 return ("wait",)
-            group = self.io.source.get(timeout_s=min(0.5, max(0.01, deadline - now)))
+            longest = FAST_PUBLISH_S if self._publish_if_due(now) else 0.5
+            group = self.io.source.get(timeout_s=min(longest, max(0.01, deadline - now)))
             if group is not None:
                 self._accept(group)
+
+    @property
+    def step_groups(self) -> int:
+        """The groups the next step trains on (:func:`groups_for_step`)."""
+        return groups_for_step(self.trainer.step + 1, self.lc.groups_per_step, self.lc.first_groups_per_step)
+
+    def _publish_if_due(self, now: float) -> bool:
+        """While waiting, progress sooner than every ``POLL_S``: every ``FAST_PUBLISH_S`` until the
+        first group arrives (an actor hears its budget as soon as it subscribes), and when the budget
+        changed (a dropped group the actors may replace at once). True while one is still due."""
+        due = self._data_since is None or self._progress().accept_groups != self._published_accept
+        if due and now - self._published_at >= FAST_PUBLISH_S:
+            self._publish(status=False)
+            return self._data_since is None
+        return due
 
     def _accept(self, group: TrajectoryGroup) -> None:
         """A group from the transport: a duplicate is counted and dropped; a new one goes to
@@ -370,7 +410,7 @@ class Learner:
             "malformed messages %s%s",
             waited_s,
             len(self.buffer),
-            self.lc.groups_per_step,
+            self.step_groups,
             self.version,
             counters.get("received", 0),
             {k[8:]: v for k, v in counters.items() if k.startswith("dropped_")},
@@ -381,28 +421,29 @@ class Learner:
     # ------------------------------------------------------------------ progress and weights
 
     def _progress(self, done: bool = False) -> Progress:
-        g, k, s = self.lc.groups_per_step, self.lc.sync_every_steps, self.lc.max_staleness
         buffered = len(self.buffer) if self.buffer is not None else 0
         received = self.buffer.counters.get("received", 0) if self.buffer is not None else 0
         # cumulative (see Progress.accept_groups): everything received so far was started by an
         # actor, and at most this many more may be buffered or in flight for the current version
-        ahead = g * k * (s + 1) - g * self.steps_since_sync - buffered
+        ahead = groups_ahead(self.trainer.step, self.steps_since_sync, self.lc) - buffered
         return Progress(
             policy_version=self.version,
             accept_groups=0 if done else max(0, received + ahead),
             step=self.trainer.step,
-            max_staleness=s,
+            max_staleness=self.lc.max_staleness,
             done=done,
             learner_session=self.session,
             actors=self.ledger.acks(),
         )
 
-    def _publish(self, done: bool = False) -> None:
+    def _publish(self, done: bool = False, *, status: bool = True) -> None:
         if self.journal is not None:
             self.journal.sync()  # what the progress acknowledges is on disk
+        progress = self._progress(done)
+        self._published_at, self._published_accept = time.monotonic(), progress.accept_groups
         if self.io is not None and self.io.progress is not None:
-            self.io.progress.publish(self._progress(done))
-        if self.buffer is not None:
+            self.io.progress.publish(progress)
+        if self.buffer is not None and status:
             self._write_status()
 
     def _write_status(self) -> None:
@@ -417,7 +458,7 @@ class Learner:
             "step": self.trainer.step,
             "policy_version": self.version,
             "buffered": len(self.buffer),
-            "groups_per_step": self.lc.groups_per_step,
+            "groups_per_step": self.step_groups,
             "waiting_s": round(time.monotonic() - waiting, 1) if waiting is not None else 0.0,
             "received": counters.get("received", 0),
             "consumed": counters.get("consumed", 0),
