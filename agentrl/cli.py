@@ -343,6 +343,14 @@ def serve_actors_cmd(
     wait_for_learner: Annotated[
         bool, typer.Option("--wait-for-learner", help="Start no episode before the learner's first progress message.")
     ] = False,
+    start_gate: Annotated[
+        Path | None,
+        typer.Option(
+            "--start-gate",
+            help="Start no episode before this file exists (start up now, run later: agentrl run opens it when RL "
+            "starts).",
+        ),
+    ] = None,
     split: Annotated[str, typer.Option("--split", help="Task split: train (cycles) or test (one pass).")] = "train",
     log_interval_s: Annotated[float, typer.Option("--log-interval-s", help="Seconds between metric lines.")] = 30.0,
 ) -> None:
@@ -359,6 +367,7 @@ def serve_actors_cmd(
             num_actors=num_actors,
             send=send,
             wait_for_learner=wait_for_learner,
+            start_gate=start_gate,
             split=split,
             log_interval_s=log_interval_s,
         )

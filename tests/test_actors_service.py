@@ -143,6 +143,33 @@ def test_max_staleness_zero_is_synchronous(tokenizer):
             assert t.metadata["policy_version_at_start"] == i // 3
 
 
+def test_no_group_starts_before_the_start_gate_opens_even_with_a_budget(tokenizer, tmp_path):
+    """`agentrl run` starts its actors during the evaluation before RL: up and subscribed, they start
+    nothing until the run creates the gate file, then their whole budget at once."""
+    gate = tmp_path / "rl_started"
+    sender, progress = MemorySender(), MemoryProgress()
+    progress.publish(Progress(policy_version=0, accept_groups=3, max_staleness=1))
+    with ScriptedEngine(TurnScript(tokenizer, solver), version=0) as engine:
+
+        async def main():
+            async with HttpEngineClient([engine.url]) as client:
+                svc = service(
+                    client, tokenizer, sender=sender, progress=progress, wait_for_learner=True, start_gate=gate
+                )
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(svc.run)
+                    await wait_for(lambda: svc.progress is not None)  # it heard the learner's budget
+                    await settled(svc)
+                    assert svc.stats.groups_started == 0 and not engine.requests  # the gate holds it
+                    gate.touch()
+                    await wait_for(lambda: len(sender.groups) == 3)
+                    await settled(svc)
+                    assert svc.stats.groups_started == 3
+                    progress.publish(Progress(policy_version=1, accept_groups=3, step=1, max_staleness=1, done=True))
+
+        trio.run(main)
+
+
 def test_actor_takes_its_share_and_replaces_lost_groups(tokenizer):
     calls = {"n": 0}
     script = TurnScript(tokenizer, solver)

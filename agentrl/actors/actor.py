@@ -9,7 +9,8 @@ Gating: actor ``i`` of ``k`` takes the share ``accept // k + (i < accept % k)`` 
 ``Progress.accept_groups`` and starts a group only while what it uses is below it: the groups the
 learner holds from its actor id (all sessions), those it holds unacknowledged, and those started
 and not finished. Without any Progress the actor runs freely (bounded by ``max_groups``);
-``wait_for_learner`` holds every start until the first one.
+``wait_for_learner`` holds every start until the first one, and ``start_gate`` until that file exists
+(``agentrl run`` starts its actors during the evaluation before RL and opens the gate after it).
 
 Delivery: every finished group is stamped, sent and held by the
 :class:`~agentrl.transport.delivery.Outbox` until acknowledged; resends and sends share one lock, so
@@ -94,6 +95,7 @@ class ActorSettings:
     max_unacked_groups: int = 256  # groups held for a resend until the learner acknowledges them
     max_groups: int | None = None  # stop after delivering this many groups
     wait_for_learner: bool = False
+    start_gate: Path | None = None  # no group starts before this file exists
     split: str = "train"
     seed: int = 0
     max_staleness: int = 1  # only checked against the learner's (the learner's value governs)
@@ -162,6 +164,7 @@ class ActorService:
         self._consecutive_lost = 0
         self._not_before = 0.0
         self._warned_staleness = False
+        self._gate_closed = settings.start_gate is not None
         if settings.max_open_groups * settings.group_size < settings.num_concurrent_episodes:
             log.info(
                 "num_concurrent_episodes %d is not a multiple of group_size %d: running %d episodes",
@@ -199,7 +202,7 @@ class ActorService:
     def may_start(self) -> bool:
         """Whether a new group may start now (capacity, max_groups, the learner's budget)."""
         s, cfg = self.stats, self.settings
-        if self.stop_reason or self.open_groups >= cfg.max_open_groups:
+        if self.stop_reason or self._gate_closed or self.open_groups >= cfg.max_open_groups:
             return False
         if cfg.max_groups is not None and s.groups_started - s.groups_lost - s.groups_abandoned >= cfg.max_groups:
             return False
@@ -224,6 +227,8 @@ class ActorService:
             async with trio.open_nursery() as root:
                 if self.progress_source is not None:
                     root.start_soon(self._listen_progress)
+                if self._gate_closed:
+                    root.start_soon(self._open_gate)
                 if self.sender is not None:
                     root.start_soon(self._resend_lost)
                 if handle_signals:
@@ -251,6 +256,16 @@ class ActorService:
             if dump is not None:
                 dump.close()
         return self.report()
+
+    async def _open_gate(self, poll_s: float = 0.02) -> None:
+        """Wait for ``settings.start_gate`` to exist (a file another process creates), then let groups start."""
+        gate = self.settings.start_gate
+        assert gate is not None
+        while not gate.exists():
+            await trio.sleep(poll_s)
+        log.info("start gate %s open", gate)
+        self._gate_closed = False
+        self._notify()
 
     def _awaiting_acks(self) -> bool:
         return self.outbox.held > 0 and self.sender is not None and self.progress is not None and not self.progress.done

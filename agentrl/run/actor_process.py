@@ -92,6 +92,7 @@ def serve_actors(
     num_actors: int | None = None,
     send: bool = True,
     wait_for_learner: bool = False,
+    start_gate: Path | None = None,
     split: str = "train",
     log_interval_s: float = 30.0,
 ) -> int:
@@ -118,6 +119,7 @@ def serve_actors(
         max_groups=max_groups,
         max_unacked_groups=cfg.actors.max_unacked_groups,
         wait_for_learner=wait_for_learner,
+        start_gate=start_gate,
         split=split,
         seed=cfg.run.seed,
         max_staleness=cfg.actors.max_staleness,

@@ -242,6 +242,8 @@ def actor_specs(cfg: AgentRLConfig, run_dir: Path, placement: Placement) -> list
             "--num-actors",
             str(n),
             "--wait-for-learner",
+            "--start-gate",
+            str(rl_gate_path(run_dir)),
             "--log-interval-s",
             "10",
         ]
@@ -257,6 +259,12 @@ def actor_specs(cfg: AgentRLConfig, run_dir: Path, placement: Placement) -> list
             )
         )
     return specs
+
+
+def rl_gate_path(run_dir: Path) -> Path:
+    """The file whose existence lets the actors start episodes: the run's actors start up during the
+    evaluation before RL and wait for it (an actor restarted later finds it there)."""
+    return run_dir / "rl_started"
 
 
 def trajectories_path(run_dir: Path, index: int) -> Path:

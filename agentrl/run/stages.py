@@ -9,9 +9,10 @@ The stages, in order, under one trio nursery (:class:`agentrl.run.supervisor.Sup
 3. **Engines**: ``engine.num_engines`` servers on free ports, or the running ones of ``engine.urls``
    (which first load this run's policy as version 0); a retrieval server per env with
    ``kwargs.search_url = "auto"``; the judge engines of ``[judge]`` (never updated by the learner).
-4. **Evaluation before** RL, played by this process through the same engines; a fresh learner starts
-   meanwhile (it pushes nothing before the actors bring data).
-5. **RL**: ``agentrl learn`` and the actor processes; a child that dies is restarted
+4. **Evaluation before** RL, played by this process through the same engines; a fresh learner and the
+   actors start up meanwhile (the learner pushes nothing before the actors bring data, and the actors
+   start no episode before the gate file ``<run_dir>/rl_started`` exists).
+5. **RL**: the gate opens (a resumed learner starts now); a child that dies is restarted
    (:mod:`agentrl.run.process_plan`: restart policy), each restart an event with what it means for
    the run. The live view follows the learner, and an evaluation runs every ``eval.every_steps``.
 6. **Evaluation after**, on the engines that report the learner's final version; then
@@ -57,6 +58,7 @@ from agentrl.run.process_plan import (
     learner_spec,
     owns_judges,
     plan_config,
+    rl_gate_path,
     write_config,
 )
 from agentrl.run.report import (
@@ -333,17 +335,21 @@ async def _train(
         # nothing before it has data, which only the actors bring: it starts now, and its start-up
         # (imports, model, weight group) overlaps the evaluation before. One resuming from a checkpoint
         # pushes its policy into the engines at once, so it waits until the warm start is evaluated.
+        # The actors start up now too (imports, tokenizer, envs) and start no episode before the gate opens.
         fresh = not (run_dir / "learner_metrics.jsonl").exists()
+        gate = rl_gate_path(run_dir)
+        gate.unlink(missing_ok=True)
         if fresh:
             await sup.start(inner, learner_spec(cfg, run_dir, placement))
+        for spec in actor_specs(cfg, run_dir, placement):
+            await sup.start(inner, spec)
         state.eval_before = await evaluate_policy(cfg, name_adapter=False)
         state.eval_event("before RL", state.eval_before)
         with view:
             state.rl_started, state.rl_started_at = time.monotonic(), time.time()
             if not fresh:
                 await sup.start(inner, learner_spec(cfg, run_dir, placement))
-            for spec in actor_specs(cfg, run_dir, placement):
-                await sup.start(inner, spec)
+            gate.touch()
             inner.start_soon(watch_progress, cfg, state, run_dir, view, eval_lock)
             await sup.wait_finished("learner")
             state.last_metrics = last_json_line(run_dir / "learner_metrics.jsonl") or state.last_metrics
