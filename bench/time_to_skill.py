@@ -11,7 +11,7 @@ side (alternating, ``--rounds`` times).
 The warm start is built once with ``agentrl sft`` and copied into every run. Each run is a real
 ``agentrl run`` without evaluations during RL; the learner keeps a checkpoint every
 ``--eval-every`` steps, and each is exported and evaluated afterwards on one engine. RL time of a
-step is when the learner logged it since the actors started, less the checkpoints' own time.
+step is when the learner logged it since RL started (the actors' start gate opened), less the checkpoints' own time.
 ``--variant base=learner.groups_per_step=16`` runs the config with those overrides; ``-s``
 applies to every variant. ``--variant before@/path/to/tree=`` runs ``agentrl run`` from another source
 tree (e.g. ``git archive HEAD | tar -x -C /tmp/before``): code changes side by side, evaluated alike by this

@@ -102,11 +102,9 @@ def start_sglang(
     *,
     api_key: str = API_KEY,
     admin_key: str = ADMIN_KEY,
-    weight_version: str | None = "0",
     extra: tuple[str, ...] = (),
 ):
-    """A real SGLang server on the CPU, started by agentrl's launch code; skips (fails in CI) when it cannot start.
-    ``weight_version=None``: started without ``--weight-version`` (it reports "default")."""
+    """A real SGLang server on the CPU, started by agentrl's launch code; skips (fails in CI) when it cannot start."""
     from agentrl.engine.launch import (
         EngineLaunchError,
         EngineProcess,
@@ -121,16 +119,13 @@ def start_sglang(
     require(sglang_problem(python))
     args = engine_args(
         "sglang",
-        weight_version=weight_version or "0",
+        weight_version="0",
         api_key=api_key,
         admin_api_key=admin_key,
         on_cpu=True,
         max_total_tokens=KV_TOKENS,
         **FLAGS,
     )
-    if weight_version is None:
-        i = args.index("--weight-version")
-        args = args[:i] + args[i + 2 :]
     proc = EngineProcess(
         str(model),
         free_port(),

@@ -478,6 +478,19 @@ def _literal(source: str | None):
         return f"<{source}>"
 
 
+def test_a_server_without_weight_version_reports_sglangs_default(spec):
+    """SGLang's ``ServerArgs.weight_version`` defaults to ``"default"``; the embedded engine's flag, the
+    scheduler and the launch helper say the same (the router test runs such a worker beside the real server)."""
+    import inspect
+
+    from agentrl.engine.scheduler import Scheduler
+    from agentrl.engine.server import parse_args
+
+    assert spec.server_args["weight_version"].default == repr("default")
+    assert parse_args(["--model", "m"]).weight_version == "default"
+    assert inspect.signature(Scheduler).parameters["weight_version"].default == "default"
+
+
 def test_sglang_spec_matches_the_snapshot(spec):
     now = relied_on_now(spec)
     before = json.loads(sglang_spec.SNAPSHOT.read_text())

@@ -4,8 +4,10 @@ held to one expectation): generation with logprobs (against a transformers recom
 their spans, pause in each mode with a request in flight, abort by rid (by prefix, as SGLang matches), a
 duplicate live rid, updates from disk and over a gloo weight group through agentrl's own ``WeightUpdater``,
 flush and ``cached_tokens``, keys, unknown fields, ``/server_info``, the liveness route, and a differential
-check field by field. Then SGLang alone: ``/health`` while paused, and a server without ``--weight-version``
-behind sglang-router with the workers' key (which the router then also asks of its own clients). LoRA is not
+check field by field. Then SGLang alone: ``/health`` while paused, and sglang-router with the workers' key (which
+the router then also asks of its own clients) in front of it and an embedded engine without ``--weight-version``
+(what a real server without it reports, ``"default"``, is checked against SGLang's source in
+tests/test_engine_conformance.py: a second real server here took 100-150 s of CI). LoRA is not
 here: SGLang's CPU path cannot start with ``--enable-lora`` (its LoRA layers pin memory, which needs an
 NVIDIA driver: ``sglang/srt/lora/layers.py``).
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from pathlib import Path
 
 import httpx
@@ -27,7 +30,7 @@ import trio
 from agentrl.engine.client import EngineClient, EngineRequestError
 from agentrl.learner.weight_push import WeightUpdater
 from tests.conftest_engine import Teacher, max_abs_diff
-from tests.conftest_sglang import ADMIN_KEY, API_KEY, Engine, log_tail, require, sglang_python, start_sglang
+from tests.conftest_sglang import ADMIN_KEY, API_KEY, Engine, log_tail, require, sglang_python
 
 pytestmark = pytest.mark.sglang
 
@@ -419,12 +422,26 @@ def test_sglang_health_generates_so_it_hangs_while_paused(sglang_server):
     assert httpx.get(sglang_server.url + "/health", timeout=30).status_code == 200
 
 
+def wait_for_workers(router_url: str, worker_urls: list[str], timeout_s: float) -> None:
+    """Until sglang-router's ``GET /workers`` lists every one of ``worker_urls``."""
+    deadline = time.monotonic() + timeout_s
+    listed = ""
+    while time.monotonic() < deadline:
+        listed = httpx.get(router_url + "/workers", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10).text
+        if all(url in listed for url in worker_urls):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"sglang-router lists {listed[:500]!r} after {timeout_s:.0f} s, not all of {worker_urls}")
+
+
 @pytest.mark.timeout(600)
 def test_sglang_router_with_the_workers_key_in_front_of_two_servers(sglang_server, engine_model, tmp_path):
-    """A second server without --weight-version (it reports "default") and sglang-router 0.3.2 with
-    --api-key in front of both; agentrl's client generates through the router."""
+    """sglang-router 0.3.2 with --api-key in front of the real server and a second one started without
+    --weight-version (it reports "default"; an embedded engine, which starts in seconds); agentrl's client
+    generates through the router, which sends each worker the key."""
     from agentrl.engine.launch import EngineProcess, wait_ready
     from agentrl.net import free_port
+    from tests.conftest_engine import ENGINE_FLAGS
 
     python = sglang_python()
     probe = subprocess.run([python, "-c", "import sglang_router"], capture_output=True, text=True)
@@ -433,7 +450,10 @@ def test_sglang_router_with_the_workers_key_in_front_of_two_servers(sglang_serve
         if probe.returncode == 0
         else f"{python} has no sglang_router (AGENTRL_SGLANG=1 bash scripts/install.sh installs sglang-router 0.3.2)"
     )
-    second = start_sglang(engine_model, tmp_path / "second.log", weight_version=None)
+    i = ENGINE_FLAGS.index("--weight-version")
+    flags = [*ENGINE_FLAGS[:i], *ENGINE_FLAGS[i + 2 :], "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY]
+    second = EngineProcess(str(engine_model), free_port(), log_path=tmp_path / "second.log", extra=flags)
+    second.start(wait_s=240)
     port = free_port()
     router = EngineProcess(str(engine_model), port, log_path=tmp_path / "router.log")
     router.argv = [
@@ -462,6 +482,8 @@ def test_sglang_router_with_the_workers_key_in_front_of_two_servers(sglang_serve
             wait_ready(router.url, 120, process=router.process)
         except Exception as e:
             require(f"sglang-router did not start ({e}):\n{log_tail(tmp_path / 'router.log')}")
+        # the router answers before it has registered its workers (in the background, each at its own pace)
+        wait_for_workers(router.url, [sglang_server.url, second.url], timeout_s=120)
 
         async def main():
             async with EngineClient(
