@@ -84,7 +84,24 @@ SMOKES = [
         "learner.py", (r"\[wall\] learner .* ratio learner/bare = \d+\.\d+",), ("--model-path", "{model}"), slow=True
     ),
     Smoke("lora.py", (r"^LoRA r=4 .* 0\.\d{4} ",), ("--model-path", "{model}"), slow=True),
+    Smoke(
+        "peer_trl.py",
+        (r"token identity: prompt \d+ ids, tool response \d+ ids, identical",),
+        ("--model", "{model}"),
+        timeout_s=600,  # builds the TRL venv when absent (about a minute from the package index)
+        slow=True,
+    ),
     Smoke("prefix_cache.py", (r"ratio +\d+\.\d+x",), ("--model", "{model}"), timeout_s=600, slow=True),
+    Smoke(
+        "scale.py",
+        (
+            r"scale 1x2x4: [\d.]+ groups/s, learner [\d.]+ ms CPU/group, actors [\d.]+ ms CPU/episode, "
+            r"delivery p50 [\d.]+ s",
+        ),
+        ("--model", "{model}"),
+        timeout_s=240,
+        slow=True,
+    ),
     Smoke("sandbox.py", (r"^local +(run +[\d.]+ +[\d.]+ +\d+\.\d+|skipped: )",)),
     Smoke(
         "time_to_skill.py",
