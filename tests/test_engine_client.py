@@ -316,3 +316,33 @@ def test_router_url_takes_generation_and_control_goes_to_each_engine(urls):
     assert all(r.url == urls[1] for r in results)
     assert paused == [True, True]
     assert not any(server_info(u)["paused"] for u in urls)
+
+
+def test_the_background_probe_skips_an_engine_that_just_answered(urls):
+    """An engine that replied within the health interval is alive: the loop's round probes only the others (at
+    hundreds of engines, probing every one every 2 s cost an idle actor half a core, docs/scaling.md)."""
+
+    async def main():
+        async with EngineClient(urls, health_check_interval_s=3600) as client:
+            probed: list[str] = []
+            client._client().event_hooks["request"].append(
+                lambda r: (
+                    _append_now(probed, f"{r.url.scheme}://{r.url.netloc.decode()}")
+                    if r.url.path in ("/ping", "/health")
+                    else _append_now([], None)
+                )
+            )
+            await client.check_health(answered_within_s=60)  # every engine answered the probe on entry
+            assert probed == []
+            for engine in client.engines:
+                engine.answered_at = 0.0  # as if those answers were long ago
+            answered = (await client.generate([5, 6, 7], GREEDY)).url
+            await client.check_health(answered_within_s=60)
+            skipped = list(probed)
+            probed.clear()
+            await client.check_health()  # a plain check still probes every one
+            return answered, skipped, sorted(probed)
+
+    answered, skipped, everyone = trio.run(main)
+    assert answered in urls and skipped == [u for u in urls if u != answered]
+    assert everyone == sorted(urls)

@@ -109,6 +109,7 @@ class _Server:
     outstanding: int = 0
     served: int = 0
     last_error: str = ""
+    answered_at: float = 0.0  # monotonic time of its last answer (a reply or a probe): it was alive then
 
 
 def _error_message(resp: httpx.Response) -> str:
@@ -254,16 +255,23 @@ class EngineClient:
         elif not ok and server.healthy:
             log.warning("engine %s dropped: %s failed (%s)", server.url, server.probe_path, why)
         server.healthy = ok
-        if not ok:
+        if ok:
+            server.answered_at = time.monotonic()
+        else:
             server.last_error = why
 
     async def _get_probe(self, server: _Server) -> httpx.Response:
         headers = self._api_headers if server.probe_path == "/ping" else None  # /ping is a normal route
         return await self._client().get(server.url + server.probe_path, headers=headers, timeout=self.health_timeout_s)
 
-    async def check_health(self, only_unhealthy: bool = False) -> None:
-        """Probe every server (or only the dropped ones) once, concurrently."""
-        targets = [s for s in self.servers if not (only_unhealthy and s.healthy)]
+    async def check_health(self, only_unhealthy: bool = False, answered_within_s: float = 0.0) -> None:
+        """Probe every server once, concurrently; or only the dropped ones; and never a healthy one that
+        answered within ``answered_within_s`` (the background loop: an engine that just replied is alive,
+        and probing each of hundreds every interval cost an idle actor half a core, docs/scaling.md)."""
+        now = time.monotonic()
+        targets = [
+            s for s in self.servers if not (s.healthy and (only_unhealthy or now - s.answered_at < answered_within_s))
+        ]
         async with anyio.create_task_group() as tg:
             for s in targets:
                 tg.start_soon(self._probe, s)
@@ -271,7 +279,7 @@ class EngineClient:
     async def _health_loop(self) -> None:
         while True:
             await anyio.sleep(self.health_check_interval_s)
-            await self.check_health()
+            await self.check_health(answered_within_s=self.health_check_interval_s)
 
     def _mark_down(self, server: _Server, why: str) -> None:
         if server.healthy:
@@ -391,6 +399,7 @@ class EngineClient:
             else:
                 if resp.status_code < 400:
                     server.served += 1
+                    server.answered_at = time.monotonic()
                     return resp.json(), server.url
                 if resp.status_code < 500:
                     raise self._refusal(resp, server.url + path)
