@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from time_to_skill import LEVELS, ROOT, Variant, fmt, measure, warm_start
+from time_to_skill import LEVELS, ROOT, Variant, evaluate_models, fmt, measure, warm_start
 
 TRL, TORCH, ACCELERATE, DATASETS = "1.16.0", "2.13.0", "1.16.0", "5.2.0"
 VENV = Path.home() / ".cache" / "agentrl" / f"venv-trl-{TRL}"
@@ -229,44 +229,6 @@ def run_trainer(python: Path, spec: dict[str, Any], log: Path | None) -> dict[st
 
 
 # -------------------------------------------------------------------------------------------------- evaluation
-
-
-def evaluate_models(config: Path, base: Path, models: list[tuple[int, Path]], sets: list[str], log: Path) -> dict:
-    """Greedy success of each model folder, by agentrl's evaluator on one embedded engine (as
-    time_to_skill.evaluate_checkpoints does for agentrl's own checkpoints, which it exports first)."""
-    import httpx
-    import transformers
-    import trio
-
-    from agentrl.config import load_config
-    from agentrl.engine.launch import EngineProcess, engine_args
-    from agentrl.net import free_port
-    from agentrl.run.evaluate import evaluate_policy
-
-    transformers.utils.logging.disable_progress_bar()
-    cfg = load_config(config, [*sets, f"model.path={base}", "tracking.enabled=false"])
-    extra = engine_args(
-        "embedded",
-        device="cpu",
-        max_running_requests=cfg.engine.max_running_requests,
-        max_context_tokens=cfg.engine.max_context_tokens,
-        num_threads=cfg.run.torch_num_threads,
-    )
-    engine = EngineProcess(cfg.model.path, free_port(), extra=extra, log_path=log).start()
-    cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"urls": [engine.url]})})
-    success = {}
-    try:
-        for step, path in models:
-            r = httpx.post(
-                f"{engine.url}/update_weights_from_disk",
-                timeout=120,
-                json={"model_path": str(path), "weight_version": str(step)},
-            )
-            r.raise_for_status()
-            success[step] = float(trio.run(evaluate_policy, cfg)["success_rate"])
-    finally:
-        engine.stop()
-    return success
 
 
 def trl_row(name: str, result: dict[str, Any], success: dict[int, float]) -> Row:

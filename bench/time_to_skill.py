@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,25 +141,41 @@ def actors_ready(run_dir: Path, rl_started_at: float) -> float | None:
 
 
 def evaluate_checkpoints(config: Path, run_dir: Path, sets: list[str]) -> dict[int, float]:
-    """Greedy success of every checkpoint of the run, on one embedded engine started for them."""
+    """Greedy success of every checkpoint of the run (each exported to a model folder, then removed)."""
+    from agentrl.learner.checkpoint import checkpoint_meta, checkpoint_root
+    from agentrl.learner.export import export_checkpoint
+
+    found = sorted(
+        (meta["step"], p)
+        for p in checkpoint_root(run_dir, "learn").glob("step_*")
+        if (meta := checkpoint_meta(p)) is not None
+    )
+
+    def exported() -> Iterator[tuple[int, Path]]:
+        for step, path in found:
+            model = export_checkpoint(path, run_dir / "bench_export" / path.name)
+            yield step, model
+            shutil.rmtree(model, ignore_errors=True)
+
+    return evaluate_models(config, run_dir / "sft" / "model", exported(), sets, run_dir / "bench_engine.log")
+
+
+def evaluate_models(
+    config: Path, base: Path, models: Iterable[tuple[int, Path]], sets: list[str], log: Path
+) -> dict[int, float]:
+    """Greedy success of each ``(step, model folder)``, by agentrl's evaluator on one embedded engine started
+    from ``base`` that loads each folder in turn (``/update_weights_from_disk``)."""
     import httpx
     import transformers
     import trio
 
     from agentrl.config import load_config
     from agentrl.engine.launch import EngineProcess, engine_args
-    from agentrl.learner.checkpoint import checkpoint_meta, checkpoint_root
-    from agentrl.learner.export import export_checkpoint
     from agentrl.net import free_port
     from agentrl.run.evaluate import evaluate_policy
 
     transformers.utils.logging.disable_progress_bar()  # one "Writing model shards" bar per export otherwise
-    cfg = load_config(config, [*sets, f"model.path={run_dir / 'sft' / 'model'}", "tracking.enabled=false"])
-    found = sorted(
-        (meta["step"], p)
-        for p in checkpoint_root(run_dir, "learn").glob("step_*")
-        if (meta := checkpoint_meta(p)) is not None
-    )
+    cfg = load_config(config, [*sets, f"model.path={base}", "tracking.enabled=false"])
     extra = engine_args(
         "embedded",
         device="cpu",
@@ -166,12 +183,11 @@ def evaluate_checkpoints(config: Path, run_dir: Path, sets: list[str]) -> dict[i
         max_context_tokens=cfg.engine.max_context_tokens,
         num_threads=cfg.run.torch_num_threads,
     )
-    engine = EngineProcess(cfg.model.path, free_port(), extra=extra, log_path=run_dir / "bench_engine.log").start()
+    engine = EngineProcess(cfg.model.path, free_port(), extra=extra, log_path=log).start()
     cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"urls": [engine.url]})})
     success = {}
     try:
-        for step, path in found:
-            model = export_checkpoint(path, run_dir / "bench_export" / path.name)
+        for step, model in models:
             r = httpx.post(
                 f"{engine.url}/update_weights_from_disk",
                 timeout=120,
@@ -179,7 +195,6 @@ def evaluate_checkpoints(config: Path, run_dir: Path, sets: list[str]) -> dict[i
             )
             r.raise_for_status()
             success[step] = float(trio.run(evaluate_policy, cfg)["success_rate"])
-            shutil.rmtree(model, ignore_errors=True)
     finally:
         engine.stop()
     return success
