@@ -218,3 +218,19 @@ def sample_logprobs(trainer, samples: list) -> list:
             for j, i in enumerate(indices):
                 out[i] = logprobs[starts[j] : starts[j + 1] - 1].cpu()
     return out
+
+
+def learner_overrides(tiny_model, run_dir, **extra) -> list[str]:
+    """Config overrides for a small CPU learner on ``tiny_model`` in ``run_dir``; ``extra`` adds or replaces keys."""
+    items = {
+        "model.path": f'"{tiny_model}"',
+        "run.run_dir": f'"{run_dir}"',
+        "learner.groups_per_step": "2",
+        "learner.max_tokens_per_microbatch": "128",
+        "learner.checkpoint_every_steps": "0",
+        "learner.device": '"cpu"',
+        "tracking.enabled": "false",
+        "actors.group_size": "4",
+    }
+    items.update({k: str(v) for k, v in extra.items()})
+    return [f"{k}={v}" for k, v in items.items()]

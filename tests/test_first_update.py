@@ -11,7 +11,7 @@ import pytest
 
 from agentrl.config import LearnerSection
 from agentrl.learner.loop import FAST_PUBLISH_S, groups_ahead, groups_for_step
-from tests._learner_helpers import ListSource, Recorder, make_group, tiny_model  # noqa: F401
+from tests._learner_helpers import ListSource, Recorder, learner_overrides, make_group, tiny_model  # noqa: F401
 
 
 def test_the_first_steps_double_from_first_groups_per_step_up_to_groups_per_step():
@@ -49,19 +49,7 @@ def _learner(tiny_model, tmp_path, source, rec, **extra):
     from agentrl.learner.loop import Learner, LearnerIO
 
     init_distributed("cpu")
-    items = {
-        "model.path": f'"{tiny_model}"',
-        "run.run_dir": f'"{tmp_path}"',
-        "learner.groups_per_step": "2",
-        "learner.first_groups_per_step": "1",
-        "learner.max_tokens_per_microbatch": "128",
-        "learner.checkpoint_every_steps": "0",
-        "learner.device": '"cpu"',
-        "tracking.enabled": "false",
-        "actors.group_size": "4",
-    }
-    items.update({k: str(v) for k, v in extra.items()})
-    cfg = load_config(None, [f"{k}={v}" for k, v in items.items()])
+    cfg = load_config(None, learner_overrides(tiny_model, tmp_path, **{"learner.first_groups_per_step": 1, **extra}))
     return Learner(cfg, io=LearnerIO(source=source, progress=rec, weights=rec))
 
 

@@ -18,26 +18,12 @@ from tests._learner_helpers import (  # noqa: F401
     PYTHON,
     ListSource,
     Recorder,
+    learner_overrides,
     make_agent_group,
     make_group,
     subprocess_env,
     tiny_model,
 )
-
-
-def _overrides(tiny_model, run_dir, **extra) -> list[str]:
-    items = {
-        "model.path": f'"{tiny_model}"',
-        "run.run_dir": f'"{run_dir}"',
-        "learner.groups_per_step": "2",
-        "learner.max_tokens_per_microbatch": "128",
-        "learner.checkpoint_every_steps": "0",
-        "learner.device": '"cpu"',
-        "tracking.enabled": "false",
-        "actors.group_size": "4",
-    }
-    items.update({k: str(v) for k, v in extra.items()})
-    return [f"{k}={v}" for k, v in items.items()]
 
 
 def test_loop_keeps_pending_groups_and_pushes_weights(tiny_model, tmp_path):
@@ -48,7 +34,7 @@ def test_loop_keeps_pending_groups_and_pushes_weights(tiny_model, tmp_path):
     init_distributed("cpu")
     rng = np.random.default_rng(0)
     rec = Recorder()
-    cfg = load_config(None, _overrides(tiny_model, tmp_path, **{"learner.max_steps": 1}))
+    cfg = load_config(None, learner_overrides(tiny_model, tmp_path, **{"learner.max_steps": 1}))
     groups = [make_group(rng, group_id=f"a{i}", session="s1", seq=i) for i in range(3)]
     groups.insert(2, make_group(rng, group_id="a1-again", session="s1", seq=1))  # sent twice
     first = Learner(cfg, io=LearnerIO(source=ListSource(groups, empty_polls=2), progress=rec, weights=rec))
@@ -66,7 +52,7 @@ def test_loop_keeps_pending_groups_and_pushes_weights(tiny_model, tmp_path):
 
     # a restart resumes at step 2 with the group that was waiting, re-pushes its weights first
     rec2 = Recorder()
-    cfg = load_config(None, _overrides(tiny_model, tmp_path, **{"learner.max_steps": 2}))
+    cfg = load_config(None, learner_overrides(tiny_model, tmp_path, **{"learner.max_steps": 2}))
     stale = make_group(rng, version=0, group_id="late")
     resent = make_group(rng, group_id="a0-resent", session="s1", seq=0)  # an actor resends after the restart
     source = ListSource([resent, make_group(rng, version=1, group_id="b"), stale])
@@ -98,7 +84,7 @@ def test_loop_trains_agent_groups_per_episode_and_reports_per_env(tiny_model, tm
     rng = np.random.default_rng(11)
     cfg = load_config(
         None,
-        _overrides(
+        learner_overrides(
             tiny_model,
             tmp_path,
             **{"learner.max_steps": 1, "learner.groups_per_step": 3, "learner.loss_normalization": '"sequence"'},
@@ -135,7 +121,7 @@ def test_loop_waits_for_data_then_gives_up_cleanly(tiny_model, tmp_path):
 
     init_distributed("cpu")
     rec = Recorder()
-    cfg = load_config(None, _overrides(tiny_model, tmp_path, **{"learner.max_wait_for_data_s": 1.0}))
+    cfg = load_config(None, learner_overrides(tiny_model, tmp_path, **{"learner.max_wait_for_data_s": 1.0}))
     # one group of the two a step needs: the wait's clock runs once data flows (none: it waits on)
     one = [make_group(np.random.default_rng(0), group_id="only", session="s", seq=0)]
     learner = Learner(cfg, io=LearnerIO(source=ListSource(one), progress=rec, weights=rec))
@@ -159,7 +145,7 @@ def test_a_learner_starved_by_zero_variance_groups_says_so(tiny_model, tmp_path,
     flat = [make_group(rng, group_id=f"z{i}", session="s", seq=i, rewards=[0.0] * 4) for i in range(12)]
     cfg = load_config(
         None,
-        _overrides(
+        learner_overrides(
             tiny_model,
             tmp_path,
             **{
@@ -194,7 +180,7 @@ def test_a_learner_that_died_before_any_checkpoint_leaves_nothing_it_acknowledge
     rng = np.random.default_rng(1)
     groups = [make_group(rng, group_id=f"a{i}", session="s1", seq=i) for i in range(3)]
     first = Learner(
-        load_config(None, _overrides(tiny_model, tmp_path, **{"learner.max_steps": 1})),
+        load_config(None, learner_overrides(tiny_model, tmp_path, **{"learner.max_steps": 1})),
         io=LearnerIO(source=ListSource(list(groups)), progress=Recorder(), weights=None),
     )
     first._checkpoint = lambda: 0.0  # dies before writing any
@@ -204,7 +190,7 @@ def test_a_learner_that_died_before_any_checkpoint_leaves_nothing_it_acknowledge
     rec = Recorder()
     resent = make_group(rng, group_id="a2-resent", session="s1", seq=2)
     second = Learner(
-        load_config(None, _overrides(tiny_model, tmp_path, **{"learner.max_steps": 1})),
+        load_config(None, learner_overrides(tiny_model, tmp_path, **{"learner.max_steps": 1})),
         io=LearnerIO(
             source=ListSource([resent, make_group(rng, group_id="b", session="s2", seq=0)]), progress=rec, weights=None
         ),
