@@ -25,7 +25,7 @@ from tests._actors_helpers import ScriptedEngine, TurnScript, load_tokenizer
 from tests._actors_user_env import solver
 from tests._learner_helpers import PYTHON, subprocess_env, tiny_model  # noqa: F401
 
-MAX_STEPS = 8
+MAX_STEPS = 9  # the last step needs the restarted actor's groups: see step 3 of the test
 GROUPS_PER_STEP = 2
 
 
@@ -150,6 +150,7 @@ request_retries = 0
 [actors]
 group_size = 2
 num_concurrent_episodes = 4
+max_staleness = 1
 max_new_tokens_per_turn = 64
 trajectory_endpoint = "{traj}"
 progress_endpoint = "{prog}"
@@ -160,6 +161,7 @@ max_total_tokens = 512
 device = "cpu"
 groups_per_step = {GROUPS_PER_STEP}
 max_steps = {MAX_STEPS}
+max_staleness = 1
 max_tokens_per_microbatch = 512
 checkpoint_every_steps = 2
 dynamic_sampling = false
@@ -208,8 +210,10 @@ enabled = false
             for _ in range(3):
                 push.send(encode(first))
 
-            # 3. SIGKILL the actor later on; a new actor process (same index) continues its budget
-            wait_for(lambda: max(metrics_steps(run_dir), default=0) >= 5, "step 5", left(400), procs, logs)
+            # 3. SIGKILL the actor later on; a new actor process (same index) continues its budget. At step
+            # 4 the learner holds groups for steps 5 and 6 at most (the budget: max_staleness 1), so the kill
+            # lands by step 6, and the dead actor's last budget reached step 8: step 9 needs the new actor
+            wait_for(lambda: max(metrics_steps(run_dir), default=0) >= 4, "step 4", left(400), procs, logs)
             kill(procs["actor"])
             procs["actor"] = start(actor, logs["actor"])
 
