@@ -283,8 +283,7 @@ def test_a_paused_engine_stays_in_rotation_and_health_probes_park_nothing(urls):
                     parked = server_info(url)["num_waiting"]
                     await http.post(url + "/abort_request", json={"abort_all": True})
                     probes: list[str] = []
-                    http_hooks = client._client().event_hooks
-                    http_hooks["request"].append(lambda r: _append_now(probes, r.url.path))
+                    _hook_requests(client, lambda r: _append_now(probes, r.url.path))
                     with trio.fail_after(30):  # several health intervals of the background loop
                         while len(probes) < 5:
                             await trio.sleep(0.02)
@@ -300,6 +299,12 @@ def test_a_paused_engine_stays_in_rotation_and_health_probes_park_nothing(urls):
 
 async def _append_now(out: list, item) -> None:
     out.append(item)
+
+
+def _hook_requests(client: EngineClient, hook) -> None:
+    """Call ``hook`` on every probe and control request ``client`` sends from now on (each server's pool)."""
+    for http in {id(h): h for h in (client._http_for(s) for s in client.servers)}.values():
+        http.event_hooks["request"].append(hook)
 
 
 def test_router_url_takes_generation_and_control_goes_to_each_engine(urls):
@@ -325,12 +330,13 @@ def test_the_background_probe_skips_an_engine_that_just_answered(urls):
     async def main():
         async with EngineClient(urls, health_check_interval_s=3600) as client:
             probed: list[str] = []
-            client._client().event_hooks["request"].append(
+            _hook_requests(
+                client,
                 lambda r: (
                     _append_now(probed, f"{r.url.scheme}://{r.url.netloc.decode()}")
                     if r.url.path in ("/ping", "/health")
                     else _append_now([], None)
-                )
+                ),
             )
             await client.check_health(answered_within_s=60)  # every engine answered the probe on entry
             assert probed == []
@@ -346,3 +352,16 @@ def test_the_background_probe_skips_an_engine_that_just_answered(urls):
     answered, skipped, everyone = trio.run(main)
     assert answered in urls and skipped == [u for u in urls if u != answered]
     assert everyone == sorted(urls)
+
+
+def test_probes_and_control_calls_share_one_http_client_per_16_servers():
+    """A pool's CPU per request grows with its connections (docs/scaling.md): 40 servers get 3 clients,
+    a server always the same one, so its keep-alive connection is reused round after round."""
+    client = EngineClient([f"http://127.0.0.1:{9000 + i}" for i in range(40)])
+    first = [client._http_for(s) for s in client.engines]
+    again = [client._http_for(s) for s in client.engines]
+    trio.run(client.aclose)
+    assert [id(h) for h in first] == [id(h) for h in again]
+    assert len({id(h) for h in first}) == 3
+    assert all(h is first[0] for h in first[:16]) and all(h is first[16] for h in first[16:32])
+    assert first[16] is not first[0] and first[32] is not first[16]

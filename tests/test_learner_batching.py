@@ -19,6 +19,7 @@ from agentrl.learner.batching import (
     samples_from_groups,
     validate_group,
 )
+from agentrl.protocol import TrajectoryGroup
 from tests._learner_helpers import make_agent_group, make_group, tiny_model  # noqa: F401
 
 
@@ -83,6 +84,26 @@ def test_buffer_counts_drops_and_never_raises():
     assert taken is not None and [g.oldest_version() for g in taken] == [5, 9]
     assert buf.counters["dropped_stale"] == 2 and len(buf) == 0 and buf.counters["consumed"] == 2
     assert buf.take(1, policy_version=6) is None
+
+
+def test_take_reads_each_groups_oldest_version_once_however_often_it_polls(monkeypatch):
+    """``take`` runs at every poll: it reads the oldest version stored at ``add`` (and ``restore``),
+    not the group's tokens again (docs/scaling.md, limit 3)."""
+    rng = np.random.default_rng(4)
+    buf = _buffer(max_staleness=1)
+    groups = [make_group(rng, version=5), make_group(rng, version=4)]
+    for g in groups:
+        assert buf.add(g, policy_version=5) is None
+    restored = make_group(rng, version=5)
+    buf.restore(restored)
+    reads = []
+    real = TrajectoryGroup.oldest_version
+    monkeypatch.setattr(TrajectoryGroup, "oldest_version", lambda self: reads.append(self) or real(self))
+    for _ in range(50):
+        assert buf.take(4, policy_version=5) is None  # three buffered: not enough
+    taken = buf.take(1, policy_version=6)  # the version-4 group is now stale: dropped, then one taken
+    assert reads == [] and taken == [groups[0]] and list(buf.groups) == [restored]
+    assert buf.counters["dropped_stale"] == 1 and buf._oldest == {id(restored): 5}
 
 
 def test_synchronous_staleness_zero_and_no_dynamic_sampling():

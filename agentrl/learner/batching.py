@@ -186,6 +186,9 @@ class GroupBuffer:
         self.vocab_size = vocab_size
         self.max_sequence_tokens = max_sequence_tokens
         self.groups: deque[TrajectoryGroup] = deque()
+        # id(group) -> its oldest policy version, for the groups in ``groups``: ``take`` runs at every
+        # poll, and recomputing it (O(tokens)) for every buffered group outgrew the time between groups
+        self._oldest: dict[int, int] = {}
         self.counters: Counter[str] = Counter()
         self.env_counters: dict[str, Counter[str]] = {}
         self.env_recent: dict[str, deque[tuple[float, bool | None]]] = {}
@@ -244,23 +247,32 @@ class GroupBuffer:
         if reason is not None:
             return self._drop(reason, group)
         self._remember(group)
-        if group_staleness(group, policy_version) > self.max_staleness:
+        oldest = group.oldest_version()
+        if policy_version - oldest > self.max_staleness:
             return self._drop("stale", group)
         if self.dynamic_sampling and np.ptp(np.asarray(episode_rewards(group), dtype=np.float64)) < 1e-9:
             return self._drop("zero_variance", group)
-        if group_staleness(group, policy_version) < 0:
+        if policy_version - oldest < 0:
             self.counters["future_version"] += 1
         self.counters["accepted"] += 1
         self._env(group)["accepted"] += 1
-        self.groups.append(group)
+        self.restore(group, oldest)
         return None
+
+    def restore(self, group: TrajectoryGroup, oldest: int | None = None) -> None:
+        """Hold ``group`` (``oldest``: its oldest version, when known) as accepted before, e.g. a
+        checkpoint's pending group; counts nothing."""
+        self._oldest[id(group)] = group.oldest_version() if oldest is None else oldest
+        self.groups.append(group)
 
     def take(self, n: int, policy_version: int) -> list[TrajectoryGroup] | None:
         """The ``n`` oldest groups that are still fresh enough, or None (and nothing taken)
         when fewer than ``n`` remain after dropping the stale ones."""
         fresh: deque[TrajectoryGroup] = deque()
         for group in self.groups:
-            if group_staleness(group, policy_version) > self.max_staleness:
+            oldest = self._oldest.get(id(group))
+            if policy_version - (group.oldest_version() if oldest is None else oldest) > self.max_staleness:
+                self._oldest.pop(id(group), None)
                 self._drop("stale", group)
             else:
                 fresh.append(group)
@@ -268,7 +280,10 @@ class GroupBuffer:
         if len(self.groups) < n:
             return None
         self.counters["consumed"] += n
-        return [self.groups.popleft() for _ in range(n)]
+        taken = [self.groups.popleft() for _ in range(n)]
+        for group in taken:
+            self._oldest.pop(id(group), None)
+        return taken
 
 
 # --------------------------------------------------------------------------- advantages

@@ -703,7 +703,7 @@ class Learner:
             for item in msgpack.unpackb(raw, raw=False) if raw else []:
                 group = self._decode_saved(item, "the checkpoint's pending groups")
                 if group is not None:
-                    self.buffer.groups.append(group)
+                    self.buffer.restore(group)
             pending = len(self.buffer)
             self.journal = Journal(self.run_dir / "journal", self.lineage)
             replayed = 0

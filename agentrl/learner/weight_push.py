@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 Bucket = list  # list[tuple[str, tensor]]: names and tensors (parameters, DTensors or full tensors)
 PAUSE_MODES = ("abort", "retract", "in_place")
+ENGINES_PER_HTTP_CLIENT = 16  # engines whose control calls share one httpx.Client (WeightUpdater.__init__)
 UNSET_VERSION = "default"  # SGLang's weight_version before anybody set one: no policy (actors wait on it)
 
 
@@ -297,7 +298,16 @@ class WeightUpdater:
         self._no_begin_end: set[str] = set()  # engines that answered 404 (SGLang before 0.5.23)
         self._adapter_loaded: set[str] = set()  # engines this updater has loaded the LoRA adapter into
         self._staging: torch.Tensor | None = None  # flattened buckets on the CPU (_pack)
-        self._http = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0))
+        # one client per ENGINES_PER_HTTP_CLIENT engines, each keeping a connection alive to every one of
+        # them: one client for all kept 20 (httpx's default) and its CPU per request grows with its connections
+        self._https = [
+            httpx.Client(
+                timeout=httpx.Timeout(timeout_s, connect=10.0),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=2 * ENGINES_PER_HTTP_CLIENT),
+            )
+            for _ in range(0, len(self.engine_urls), ENGINES_PER_HTTP_CLIENT)
+        ]
+        self._http_of = {u: self._https[i // ENGINES_PER_HTTP_CLIENT] for i, u in enumerate(self.engine_urls)}
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(4, 2 * len(self.engine_urls)), thread_name_prefix="weight-http"
         )
@@ -352,7 +362,7 @@ class WeightUpdater:
 
         headers = self._admin_headers if admin else self._api_headers
         try:
-            resp = self._http.request(
+            resp = self._http_of.get(url, self._https[0]).request(
                 method,
                 f"{url}{path}",
                 json=body if method == "POST" else None,
@@ -921,7 +931,8 @@ class WeightUpdater:
                     log.debug("destroy_weights_update_group: %s", e)
             self._drop_group()
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self._http.close()
+        for http in self._https:
+            http.close()
         self._staging = None
 
     def __enter__(self) -> WeightUpdater:
