@@ -93,7 +93,7 @@ class GenerateResult:
 
 
 SHARD_REQUESTS = 16
-SERVERS_PER_POOL = 16  # servers whose probes and control calls share one httpx client (see _http_for)
+SERVERS_PER_HTTP_CLIENT = 16  # servers whose probes and control calls share one httpx client (see _http_for)
 
 
 @dataclass(eq=False)
@@ -111,7 +111,7 @@ class _Server:
     served: int = 0
     last_error: str = ""
     answered_at: float = 0.0  # monotonic time of its last answer (a reply or a probe): it was alive then
-    pool: int = 0  # the httpx client of its probes and control calls (EngineClient._http_for)
+    http_index: int = 0  # which httpx client sends its probes and control calls (EngineClient._http_for)
 
 
 def _error_message(resp: httpx.Response) -> str:
@@ -151,14 +151,14 @@ class EngineClient:
         self.engines = [_Server(u.rstrip("/")) for u in urls]
         self.router = _Server(router_url.rstrip("/"), probe_path="/health") if router_url else None
         for i, server in enumerate(self.servers):
-            server.pool = i // SERVERS_PER_POOL
+            server.http_index = i // SERVERS_PER_HTTP_CLIENT
         self.max_retries, self.timeout_s = max_retries, timeout_s
         self.health_check_interval_s, self.health_timeout_s = health_check_interval_s, health_timeout_s
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self.max_affinity_keys = max_affinity_keys
         self._affinity: OrderedDict[str, _Server] = OrderedDict()
         self._turn = 0
-        self._pools: dict[int, httpx.AsyncClient] = {}  # health and control calls (see _http_for)
+        self._control_https: dict[int, httpx.AsyncClient] = {}  # health and control calls (see _http_for)
         self._shards: list[_Shard] = []  # /generate calls (see _shard)
         self._tg: Any = None
         self._last_probe = 0.0
@@ -207,8 +207,8 @@ class EngineClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        clients = [s.http for s in self._shards] + list(self._pools.values())
-        self._pools, self._shards = {}, []
+        clients = [s.http for s in self._shards] + list(self._control_https.values())
+        self._control_https, self._shards = {}, []
         for http in clients:
             await http.aclose()
 
@@ -219,12 +219,12 @@ class EngineClient:
         )
 
     def _http_for(self, server: _Server) -> httpx.AsyncClient:
-        """The httpx client of ``server``'s probes and control calls: one per ``SERVERS_PER_POOL``
+        """The httpx client of ``server``'s probes and control calls: one per ``SERVERS_PER_HTTP_CLIENT``
         servers. A pool's CPU per request grows with its connections: one round of probes cost 3.6 s
         of CPU at 256 engines through one client, 0.2 s through pools of 16 (docs/scaling.md)."""
-        http = self._pools.get(server.pool)
+        http = self._control_https.get(server.http_index)
         if http is None:
-            http = self._pools[server.pool] = self._new_http()
+            http = self._control_https[server.http_index] = self._new_http()
         return http
 
     def _shard(self) -> _Shard:

@@ -186,8 +186,8 @@ class GroupBuffer:
         self.vocab_size = vocab_size
         self.max_sequence_tokens = max_sequence_tokens
         self.groups: deque[TrajectoryGroup] = deque()
-        # id(group) -> its oldest policy version, for the groups in ``groups``: ``take`` runs at every
-        # poll, and recomputing it (O(tokens)) for every buffered group outgrew the time between groups
+        # id(group) -> its oldest policy version, for every group in ``groups`` (held through ``restore`` only):
+        # ``take`` runs at every poll, and recomputing it (O(tokens)) per buffered group outgrew the time between groups
         self._oldest: dict[int, int] = {}
         self.counters: Counter[str] = Counter()
         self.env_counters: dict[str, Counter[str]] = {}
@@ -270,9 +270,8 @@ class GroupBuffer:
         when fewer than ``n`` remain after dropping the stale ones."""
         fresh: deque[TrajectoryGroup] = deque()
         for group in self.groups:
-            oldest = self._oldest.get(id(group))
-            if policy_version - (group.oldest_version() if oldest is None else oldest) > self.max_staleness:
-                self._oldest.pop(id(group), None)
+            if policy_version - self._oldest[id(group)] > self.max_staleness:
+                del self._oldest[id(group)]
                 self._drop("stale", group)
             else:
                 fresh.append(group)
@@ -282,7 +281,7 @@ class GroupBuffer:
         self.counters["consumed"] += n
         taken = [self.groups.popleft() for _ in range(n)]
         for group in taken:
-            self._oldest.pop(id(group), None)
+            del self._oldest[id(group)]
         return taken
 
 
