@@ -548,10 +548,11 @@ def test_kill_9_of_the_actor_then_the_learner_then_sigterm_tells_the_truth(tiny_
         learner = _child_pid(run_dir, "learn")
         assert learner is not None
         resumed_from = max(_steps(run_dir)) - 1
+        killed = f"pid {learner}, group {os.getpgid(learner)}: {Path(f'/proc/{learner}/cmdline').read_bytes()!r}"
         os.killpg(learner, signal.SIGKILL)
         _until(
             lambda: "learner: exited with status -9; restart 1/3" in console.read_text(),
-            "the learner's restart",
+            f"the learner's restart (killed {killed} at step {resumed_from + 1})",
             proc,
             console,
             deadline,
