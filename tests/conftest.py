@@ -12,11 +12,6 @@ run() from inside a run()". Two nets:
 * If the timeout fires inside ``trio.run`` anyway (cleanup slower than the margin, a task stuck in
   a blocking call), the interrupted run is closed as trio closes an abandoned run, so that the
   next test can call ``trio.run``; the failure says so.
-
-**Two workers** (the README's ``-n 2 --dist loadgroup``): each file is one ``xdist_group`` (its
-module fixtures start once), except that every test of the real SGLang server or of the quickstart's
-warm start is in one group, ``sglang``, so both are built once; that group and the longest files go
-first, so that neither worker is left with a long file at the end.
 """
 
 from __future__ import annotations
@@ -29,7 +24,6 @@ import warnings
 import pytest
 
 pytest_plugins = ["tests.conftest_engine", "tests.conftest_sglang", "pytester"]
-LONGEST_FILES = ("test_bench_smoke.py", "test_visual_env.py", "test_run.py", "test_run_faults.py")
 
 CLEANUP_MARGIN_S = 30.0  # what a cancelled run gets to stop its children before pytest-timeout fires
 
@@ -55,23 +49,6 @@ def _bounded_trio_run(async_fn, *args, **kwargs):
         )
 
     return _real_trio_run(bounded, **kwargs)
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(config, items):
-    from tests.conftest_sglang import uses_the_server
-
-    def rank(item) -> int:
-        if uses_the_server(item):
-            return 0
-        if "quickstart_warm_start" in getattr(item, "fixturenames", ()):
-            return 1  # after the server's tests: it busy-polls a core until its last one
-        return 2 if item.path.name in LONGEST_FILES else 3
-
-    for item in items:
-        group = "sglang" if rank(item) < 2 else item.path.name
-        item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=rank)  # stable: each file keeps its order
 
 
 def pytest_configure(config):
