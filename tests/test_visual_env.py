@@ -16,7 +16,7 @@ from agentrl.envs.visual import BACKGROUND, COLOURS, QUESTION, VisualEnv
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "visual" / "config.toml"
-SHORT_DEMOS, SHORT_SFT_STEPS, SHORT_RL_STEPS = 3200, 300, 16  # the shortened run (the example: 6400, 300, 40)
+SHORT_DEMOS, SHORT_SFT_STEPS, SHORT_RL_STEPS = 3200, 300, 24  # the shortened run (the example: 6400, 300, 40)
 
 
 def _open(png: bytes) -> Image.Image:
