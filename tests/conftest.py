@@ -23,7 +23,7 @@ import warnings
 
 import pytest
 
-pytest_plugins = ["tests.conftest_engine", "tests.conftest_sglang", "pytester"]
+pytest_plugins = ["tests.conftest_engine", "tests.conftest_sglang", "tests.conftest_workers", "pytester"]
 
 CLEANUP_MARGIN_S = 30.0  # what a cancelled run gets to stop its children before pytest-timeout fires
 

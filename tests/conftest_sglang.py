@@ -148,7 +148,7 @@ _last_user: list = []  # the last collected test that uses sglang_server
 _running: list = []  # the session's server while it runs
 
 
-def _uses_the_server(item) -> bool:
+def uses_the_server(item) -> bool:
     callspec = getattr(item, "callspec", None)
     return "sglang_server" in getattr(item, "fixturenames", ()) or (
         callspec is not None and callspec.params.get("engine") == "sglang"
@@ -156,7 +156,7 @@ def _uses_the_server(item) -> bool:
 
 
 def pytest_collection_finish(session):
-    _last_user[:] = [item for item in session.items if _uses_the_server(item)][-1:]
+    _last_user[:] = [item for item in session.items if uses_the_server(item)][-1:]
 
 
 @pytest.hookimpl(wrapper=True)
