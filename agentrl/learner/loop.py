@@ -87,7 +87,7 @@ def open_tracker(cfg: AgentRLConfig, run_dir: Path) -> Any:
 
 
 def open_io(cfg: AgentRLConfig, run_dir: Path) -> LearnerIO:
-    """The real transport (bind), weight updater (when ``engine.urls`` is set) and tracker."""
+    """The real transport (bind) and weight updater (when ``engine.urls`` is set); not the tracker."""
     from agentrl.transport import GroupReceiver, ProgressPublisher, security_from_config
 
     lc = cfg.learner
@@ -110,7 +110,7 @@ def open_io(cfg: AgentRLConfig, run_dir: Path) -> LearnerIO:
         weights.connect()
     else:
         log.warning("engine.urls is empty: weights are not pushed to any engine (the version still advances)")
-    return LearnerIO(source=source, progress=progress, weights=weights, tracker=open_tracker(cfg, run_dir))
+    return LearnerIO(source=source, progress=progress, weights=weights)  # the tracker: Learner.run opens it
 
 
 def seed_everything(seed: int, num_threads: int = 0) -> None:
@@ -182,6 +182,7 @@ class Learner:
         self._finished = False  # the loop has ended (learner_status.json then says why)
         self._batch_stats: dict[str, float] = {}
         self.io: LearnerIO | None = None
+        self._open_tracker = False  # rank 0 with the real io: open the tracker after the first progress
         self.buffer: GroupBuffer | None = None
         self.session = uuid.uuid4().hex[:16]  # this process: actors resend what it has not acknowledged
         self.lineage = ""  # this run's chain of checkpoints and journal (set by _resume)
@@ -193,6 +194,7 @@ class Learner:
         self._tokenizer: Any = None  # loaded for sample episodes without messages only
         if self.dist.is_main:
             self.io = io if io is not None else open_io(cfg, self.run_dir)
+            self._open_tracker = io is None
             self.buffer = GroupBuffer(
                 max_staleness=self.lc.max_staleness,
                 dynamic_sampling=self.lc.dynamic_sampling,
@@ -217,10 +219,18 @@ class Learner:
         """Train until ``max_steps`` (or a stop); returns ``done``, ``stopped`` or ``data_timeout``."""
         restore = self._install_signal_handlers()
         try:
+            phases = [("resume", time.perf_counter())]
             self._resume()
+            phases.append(("engines", time.perf_counter()))
             self._update_engines(self._engines_changed())
+            phases.append(("", time.perf_counter()))
+            self._publish()  # the actors' first budget: before the tracker, whose import alone takes 1.5-3 s
+            if self.dist.is_main:
+                spans = ", ".join(f"{name} {end - t:.2f} s" for (name, t), (_, end) in zip(phases, phases[1:]))
+                log.info("first progress published: %s", spans)
+            if self.io is not None and self._open_tracker:
+                self.io.tracker = open_tracker(self.cfg, self.run_dir)  # raises before the first step's training
             self._log_params()
-            self._publish()
             while self.trainer.step < self.lc.max_steps:
                 started = time.perf_counter()
                 samples = self._next_batch()
