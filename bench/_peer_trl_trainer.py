@@ -165,7 +165,7 @@ def build(spec: dict[str, Any], env: Any, rows: int, clock: Any) -> Any:
         gradient_accumulation_steps=1,
         num_generations=spec["group_size"],
         learning_rate=spec["lr"],
-        lr_scheduler_type="constant",
+        lr_scheduler_type=spec["lr_schedule"],
         warmup_steps=0,
         weight_decay=spec["weight_decay"],
         adam_beta1=0.9,

@@ -1,6 +1,6 @@
 """Peer bench: agentrl against TRL 1.16's GRPOTrainer on the quickstart, as a user choosing between the two would.
 
-    python bench/peer_trl.py [--config examples/calculator/config.toml] [--agentrl-steps 40]
+    python bench/peer_trl.py [--config examples/calculator/config.toml] [--agentrl-steps 60]
                              [--trl 8x8:200 --trl 16x8:100] [--eval-every 2] [--trl-save-episodes 256]
                              [--venv DIR] [--warm DIR] [-s key=value ...]
     python bench/peer_trl.py --smoke [--model DIR]
@@ -12,8 +12,8 @@ venv is there its versions are only checked.
 
 Both systems start from one warm start (the config's SFT, built once as bench/time_to_skill.py builds it), train on
 the env's training tasks in order with the same tool, reward, chat template and hyper-parameters (beta 0, clip,
-constant lr, temperature, max new tokens per turn; TRL: loss_type "dapo", scale_rewards "none", no gradient
-checkpointing, ``max_tool_calling_iterations`` = max_turns - 1). Before TRL trains, its prompt ids and tool-response
+lr and its schedule over each run's own steps, temperature, max new tokens per turn; TRL: loss_type "dapo",
+scale_rewards "none", no gradient checkpointing, ``max_tool_calling_iterations`` = max_turns - 1). Before TRL trains, its prompt ids and tool-response
 ids must equal agentrl's TokenChat's for the same task and tool result (bench/_peer_trl_trainer.py; it fails naming
 the first differing position). agentrl is ``agentrl run`` keeping a checkpoint every ``--eval-every`` steps
 (time_to_skill.measure); TRL saves every ``--trl-save-episodes`` episodes. Every checkpoint of both is evaluated
@@ -165,7 +165,6 @@ def trl_spec(cfg: Any, model: Path, out_dir: Path, reference: dict[str, Any], **
     lrn, act = cfg.learner, cfg.actors
     mirrored = {
         "learner.algorithm": (lrn.algorithm, "grpo"),
-        "learner.lr_schedule": (lrn.lr_schedule, "constant"),
         "learner.warmup_steps": (lrn.warmup_steps, 0),
         "learner.kl_coef": (lrn.kl_coef, 0.0),
         "learner.normalize_advantage_std": (lrn.normalize_advantage_std, False),
@@ -190,6 +189,7 @@ def trl_spec(cfg: Any, model: Path, out_dir: Path, reference: dict[str, Any], **
         "top_p": act.top_p,
         "top_k": act.top_k,
         "lr": lrn.lr,
+        "lr_schedule": lrn.lr_schedule,  # constant, cosine or linear to 0 at max_steps: HF's scheduler of the same name
         "weight_decay": lrn.weight_decay,
         "grad_clip": lrn.grad_clip,
         "clip_low": lrn.clip_eps_low,
@@ -314,7 +314,7 @@ def smoke(args: argparse.Namespace, python: Path, cfg: Any) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, default=ROOT / "examples/calculator/config.toml")
-    p.add_argument("--agentrl-steps", type=int, default=40, help="learner steps of agentrl's run")
+    p.add_argument("--agentrl-steps", type=int, default=60, help="learner steps of agentrl's run")
     p.add_argument("--eval-every", type=int, default=2, help="agentrl: checkpoint and evaluate every N learner steps")
     p.add_argument("--trl", type=parse_trl, action="append", default=None, help="PROMPTSxGROUP:STEPS, repeatable")
     p.add_argument("--trl-save-episodes", type=int, default=256, help="TRL: save and evaluate every N episodes")
