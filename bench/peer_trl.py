@@ -11,15 +11,16 @@ dependency of the agentrl modules TRL's side imports); agentrl itself comes from
 venv is there its versions are only checked.
 
 Both systems start from one warm start (the config's SFT, built once as bench/time_to_skill.py builds it), train on
-the env's training tasks in order with the same tool, reward, chat template and hyper-parameters (beta 0, clip,
-lr and its schedule over each run's own steps, temperature, max new tokens per turn; TRL: loss_type "dapo",
-scale_rewards "none", no gradient checkpointing, ``max_tool_calling_iterations`` = max_turns - 1). Before TRL trains, its prompt ids and tool-response
-ids must equal agentrl's TokenChat's for the same task and tool result (bench/_peer_trl_trainer.py; it fails naming
-the first differing position). agentrl is ``agentrl run`` keeping a checkpoint every ``--eval-every`` steps
-(time_to_skill.measure); TRL saves every ``--trl-save-episodes`` episodes. Every checkpoint of both is evaluated
-afterwards by agentrl's evaluator (greedy, the config's held-out tasks) on one engine. Clocks exclude model loading
-and checkpoint saving. Prints, per system: the time to 80/85/90% first reached and to 90% held in every evaluation
-after, episodes generated per second, the time to the first update, and TRL's times over agentrl's per level.
+the env's training tasks in order with the same tool, reward, chat template and hyper-parameters (beta 0, clip, lr
+and its schedule over each run's own steps, temperature, max new tokens per turn; TRL: loss_type "dapo",
+scale_rewards "none", no gradient checkpointing, ``max_tool_calling_iterations`` = max_turns - 1). Before TRL
+trains, its prompt ids and tool-response ids must equal agentrl's TokenChat's for the same task and tool result
+(bench/_peer_trl_trainer.py; it fails naming the first differing position). agentrl is ``agentrl run`` keeping a
+checkpoint every ``--eval-every`` steps (time_to_skill.measure); TRL saves every ``--trl-save-episodes`` episodes.
+Every checkpoint of both is evaluated afterwards by agentrl's evaluator (greedy, the config's held-out tasks) on one
+engine. Clocks exclude model loading and checkpoint saving. Prints, per system: the time to 80/85/90% first reached
+and to 90% held in every evaluation after, episodes generated per second, the time to the first update, and TRL's
+times over agentrl's per level.
 
 ``--smoke`` makes or checks the venv and runs the token-identity check only (on ``--model``, else a fresh tiny
 model), printing ``token identity: prompt N ids, tool response M ids, identical``.

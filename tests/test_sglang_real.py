@@ -189,9 +189,8 @@ def test_pause_with_a_request_in_flight(engine, engine_teacher, mode):
     """abort: the running request ends at once with its partial output; retract and in_place: it finishes
     after continue (in_place under the new version from where it was, as spans say). Meanwhile a new
     request waits, and the liveness route (/ping) stays 200."""
-    n = (
-        200 if engine.kind == "embedded" else 40
-    )  # SGLang on the CPU streams ~0.3 s a token alone: still ~12 s in flight
+    # SGLang on the CPU streams ~0.3 s a token alone: 40 tokens are still ~12 s in flight
+    n = 200 if engine.kind == "embedded" else 40
     running = Stream(engine, long_request(n=n))
     waiting = Stream(engine, {"input_ids": [8, 9], "sampling_params": greedy(2)})
 

@@ -219,15 +219,9 @@ class Learner:
         """Train until ``max_steps`` (or a stop); returns ``done``, ``stopped`` or ``data_timeout``."""
         restore = self._install_signal_handlers()
         try:
-            phases = [("resume", time.perf_counter())]
             self._resume()
-            phases.append(("engines", time.perf_counter()))
             self._update_engines(self._engines_changed())
-            phases.append(("", time.perf_counter()))
             self._publish()  # the actors' first budget: before the tracker, whose import alone takes 1.5-3 s
-            if self.dist.is_main:
-                spans = ", ".join(f"{name} {end - t:.2f} s" for (name, t), (_, end) in zip(phases, phases[1:]))
-                log.info("first progress published: %s", spans)
             if self.io is not None and self._open_tracker:
                 self.io.tracker = open_tracker(self.cfg, self.run_dir)  # raises before the first step's training
             self._log_params()
