@@ -331,6 +331,9 @@ class LearnerSection(Section):
     resume: Literal["auto", "never"] = "auto"  # auto: continue from the run folder's latest checkpoint; never
     weight_sync_address: str = "127.0.0.1"  # address of rank 0 as the engines see it (weight-update group)
     weight_sync_port: int = Field(default=0, ge=0, le=65535)  # 0: a free port
+    engines_start_timeout_s: float = Field(
+        default=0.0, ge=0
+    )  # the first weight group waits this long for every engine to answer (agentrl run: 300, its engines may still load); 0: one that does not is left out and joins when it answers
     lora: LoraSection = LoraSection()  # [learner.lora]: train low-rank adapters instead of every parameter
 
     @model_validator(mode="after")

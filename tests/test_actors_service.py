@@ -11,7 +11,7 @@ import pytest
 import trio
 from trio.testing import wait_all_tasks_blocked
 
-from agentrl.actors.actor import ActorEnv, ActorService, ActorSettings, budget_share
+from agentrl.actors.actor import ActorEnv, ActorService, ActorSettings, budget_share, waiting_at_gate_path
 from agentrl.episode.rollout import toolbox_for
 from agentrl.episode.turn import EpisodeLimits
 from agentrl.protocol import ActorAck, Progress
@@ -144,8 +144,9 @@ def test_max_staleness_zero_is_synchronous(tokenizer):
 
 
 def test_no_group_starts_before_the_start_gate_opens_even_with_a_budget(tokenizer, tmp_path):
-    """`agentrl run` starts its actors during the evaluation before RL: up and subscribed, they start
-    nothing until the run creates the gate file, then their whole budget at once."""
+    """`agentrl run` starts its actors during the evaluation before RL: up and subscribed, they say so
+    (the file the run waits for before it starts RL) and start nothing until the run creates the gate
+    file, then their whole budget at once."""
     gate = tmp_path / "rl_started"
     sender, progress = MemorySender(), MemoryProgress()
     progress.publish(Progress(policy_version=0, accept_groups=3, max_staleness=1))
@@ -161,6 +162,7 @@ def test_no_group_starts_before_the_start_gate_opens_even_with_a_budget(tokenize
                     await wait_for(lambda: svc.progress is not None)  # it heard the learner's budget
                     await settled(svc)
                     assert svc.stats.groups_started == 0 and not engine.requests  # the gate holds it
+                    assert waiting_at_gate_path(gate, svc.settings.actor_id).exists()
                     gate.touch()
                     await wait_for(lambda: len(sender.groups) == 3)
                     await settled(svc)

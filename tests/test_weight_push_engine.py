@@ -438,3 +438,25 @@ def test_a_new_learner_cleans_up_what_a_learner_killed_mid_push_left_on_the_engi
         old.close()
         with WeightUpdater([url]) as restore:
             restore.push_from_disk(str(engine_model), 0)
+
+
+def test_the_first_group_waits_for_an_engine_that_is_still_loading(engine_model, tmp_path):
+    """``agentrl run`` starts a fresh learner while its engines load (learner.engines_start_timeout_s):
+    its first group waits until they answer instead of leaving them out until an engine check; an
+    engine that never answers is left out once the wait is over."""
+    proc = EngineProcess(str(engine_model), free_port(), extra=ENGINE_FLAGS, log_path=tmp_path / "e.log").start(
+        wait_s=0
+    )
+    nobody = f"http://127.0.0.1:{free_port()}"
+    try:
+        with WeightUpdater([proc.url], backend="gloo") as updater:
+            assert updater.probe() == {proc.url: None}  # still importing
+            updater.wait_until_answering(240)
+            updater.connect()
+            assert updater.members == [proc.url]
+        with WeightUpdater([nobody], backend="gloo", probe_timeout_s=0.2) as updater:
+            updater.wait_until_answering(0.5)
+            updater.connect()
+            assert updater.members == []
+    finally:
+        proc.stop()

@@ -10,7 +10,8 @@ Gating: actor ``i`` of ``k`` takes the share ``accept // k + (i < accept % k)`` 
 learner holds from its actor id (all sessions), those it holds unacknowledged, and those started
 and not finished. Without any Progress the actor runs freely (bounded by ``max_groups``);
 ``wait_for_learner`` holds every start until the first one, and ``start_gate`` until that file exists
-(``agentrl run`` starts its actors during the evaluation before RL and opens the gate after it).
+(``agentrl run`` starts its actors during the evaluation before RL and opens the gate after it and
+once every actor waits at it, :func:`waiting_at_gate_path`).
 
 Delivery: every finished group is stamped, sent and held by the
 :class:`~agentrl.transport.delivery.Outbox` until acknowledged; resends and sends share one lock, so
@@ -52,6 +53,12 @@ from agentrl.transport.base import GroupSink, ProgressSource
 from agentrl.transport.delivery import Outbox
 
 log = logging.getLogger(__name__)
+
+
+def waiting_at_gate_path(gate: Path, actor_id: str) -> Path:
+    """The file an actor creates when it is up and waits at ``gate`` (``agentrl run`` starts RL when
+    every actor is)."""
+    return gate.with_name(f"{gate.name}.waiting.{actor_id}")
 
 
 def budget_share(accept_groups: int, index: int, num_actors: int) -> int:
@@ -258,9 +265,11 @@ class ActorService:
         return self.report()
 
     async def _open_gate(self, poll_s: float = 0.02) -> None:
-        """Wait for ``settings.start_gate`` to exist (a file another process creates), then let groups start."""
+        """Wait for ``settings.start_gate`` to exist (a file another process creates), then let groups
+        start; meanwhile :func:`waiting_at_gate_path` says this actor is up."""
         gate = self.settings.start_gate
         assert gate is not None
+        waiting_at_gate_path(gate, self.settings.actor_id).touch()
         while not gate.exists():
             await trio.sleep(poll_s)
         log.info("start gate %s open", gate)

@@ -29,6 +29,7 @@ signal aborts. See docs/learner.md.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import random
@@ -86,6 +87,16 @@ def open_tracker(cfg: AgentRLConfig, run_dir: Path) -> Any:
     return _open(cfg.tracking, run_dir, resume_run_id=cfg.tracking.run_id or None)
 
 
+def open_tracker_in_background(cfg: AgentRLConfig, run_dir: Path) -> concurrent.futures.Future:
+    """``open_tracker`` in a thread: importing mlflow alone takes 1.5-3 s, which the trainer's build and
+    the first step cover; the learner takes the tracker (or its error) when it first logs."""
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tracker")
+    try:
+        return pool.submit(open_tracker, cfg, run_dir)
+    finally:
+        pool.shutdown(wait=False)
+
+
 def open_io(cfg: AgentRLConfig, run_dir: Path) -> LearnerIO:
     """The real transport (bind) and weight updater (when ``engine.urls`` is set); not the tracker."""
     from agentrl.transport import GroupReceiver, ProgressPublisher, security_from_config
@@ -107,6 +118,7 @@ def open_io(cfg: AgentRLConfig, run_dir: Path) -> LearnerIO:
         weights = WeightUpdater.from_config(
             cfg.engine, master_address=lc.weight_sync_address, master_port=lc.weight_sync_port
         )
+        weights.wait_until_answering(lc.engines_start_timeout_s)
         weights.connect()
     else:
         log.warning("engine.urls is empty: weights are not pushed to any engine (the version still advances)")
@@ -165,6 +177,10 @@ class Learner:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             ensure_model(model_path, cfg.model.init_size, seed=cfg.run.seed)
             (self.run_dir / "learner_config.toml").write_text(dump_toml(cfg))
+        # rank 0 with the real io (tests pass their own): the tracker opens while the rest starts
+        self._tracker_opening = (
+            open_tracker_in_background(cfg, self.run_dir) if self.dist.is_main and io is None else None
+        )
         broadcast_object(None)  # everyone waits until the model exists
         self.trainer = Trainer(TrainerSpec.for_learn(cfg), self.dist)
         self.ckpt_root = checkpoint_root(self.run_dir, "learn")
@@ -182,7 +198,7 @@ class Learner:
         self._finished = False  # the loop has ended (learner_status.json then says why)
         self._batch_stats: dict[str, float] = {}
         self.io: LearnerIO | None = None
-        self._open_tracker = False  # rank 0 with the real io: open the tracker after the first progress
+        self._params_logged = False  # the config, logged to the tracker when it is first taken
         self.buffer: GroupBuffer | None = None
         self.session = uuid.uuid4().hex[:16]  # this process: actors resend what it has not acknowledged
         self.lineage = ""  # this run's chain of checkpoints and journal (set by _resume)
@@ -194,7 +210,6 @@ class Learner:
         self._tokenizer: Any = None  # loaded for sample episodes without messages only
         if self.dist.is_main:
             self.io = io if io is not None else open_io(cfg, self.run_dir)
-            self._open_tracker = io is None
             self.buffer = GroupBuffer(
                 max_staleness=self.lc.max_staleness,
                 dynamic_sampling=self.lc.dynamic_sampling,
@@ -221,10 +236,7 @@ class Learner:
         try:
             self._resume()
             self._update_engines(self._engines_changed())
-            self._publish()  # the actors' first budget: before the tracker, whose import alone takes 1.5-3 s
-            if self.io is not None and self._open_tracker:
-                self.io.tracker = open_tracker(self.cfg, self.run_dir)  # raises before the first step's training
-            self._log_params()
+            self._publish()  # the actors' first budget
             while self.trainer.step < self.lc.max_steps:
                 started = time.perf_counter()
                 samples = self._next_batch()
@@ -267,6 +279,7 @@ class Learner:
             if self.journal is not None:
                 self.journal.close()
             if self.io is not None:
+                self._take_tracker(quiet=True)  # so that closing the io closes it
                 self.io.close()  # the progress publisher hands "done" to connected actors first
             restore()
 
@@ -756,12 +769,24 @@ class Learner:
 
     # ------------------------------------------------------------------ logging and signals
 
-    def _log_params(self) -> None:
-        if self.io is None or self.io.tracker is None:
-            return
-        params = flatten_params(self.cfg, ("learner", "model", "run"))
-        params["world_size"] = self.dist.world_size
-        self.io.tracker.log_params(params)
+    def _take_tracker(self, quiet: bool = False) -> Any:
+        """Rank 0's tracker, the config logged to it once; the background opening's error raises here
+        (the first step has trained, nothing of it is logged), or with ``quiet`` is only logged."""
+        assert self.io is not None
+        opening, self._tracker_opening = self._tracker_opening, None
+        if opening is not None:
+            try:
+                self.io.tracker = opening.result()
+            except Exception as e:
+                if not quiet:
+                    raise
+                log.warning("the tracker did not open: %s", e)
+        if self.io.tracker is not None and not self._params_logged:
+            self._params_logged = True
+            params = flatten_params(self.cfg, ("learner", "model", "run"))
+            params["world_size"] = self.dist.world_size
+            self.io.tracker.log_params(params)
+        return self.io.tracker
 
     def _log_step(self, metrics: dict[str, float]) -> None:
         if not self.dist.is_main:
@@ -776,9 +801,10 @@ class Learner:
             row[f"transport/{key}"] = float(value)
         row["data/buffered"] = float(len(self.buffer))
         row.update(self.rollout.metrics())
-        if self.io.tracker is not None:
-            self.io.tracker.log_metrics(row, step=self.trainer.step)
-            self._log_samples(self.io.tracker)
+        tracker = self._take_tracker()
+        if tracker is not None:
+            tracker.log_metrics(row, step=self.trainer.step)
+            self._log_samples(tracker)
         with self.metrics_file.open("a") as f:
             f.write(json.dumps({"step": self.trainer.step, "time": time.time(), **row}) + "\n")
         with self.batches_file.open("a") as f:

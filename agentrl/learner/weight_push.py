@@ -50,6 +50,7 @@ T = TypeVar("T")
 Bucket = list  # list[tuple[str, tensor]]: names and tensors (parameters, DTensors or full tensors)
 PAUSE_MODES = ("abort", "retract", "in_place")
 ENGINES_PER_HTTP_CLIENT = 16  # engines whose control calls share one httpx.Client (WeightUpdater.__init__)
+ENGINE_WAIT_POLL_S = 0.1  # probes of engines that do not answer yet (wait_until_answering)
 UNSET_VERSION = "default"  # SGLang's weight_version before anybody set one: no policy (actors wait on it)
 
 
@@ -500,6 +501,19 @@ class WeightUpdater:
 
         futures = {url: self._pool.submit(one, url) for url in self.engine_urls}
         return {url: f.result() for url, f in futures.items()}
+
+    def wait_until_answering(self, timeout_s: float) -> None:
+        """Until every configured engine answers a probe, for at most ``timeout_s`` (engines that are
+        still loading: a group formed at once would leave them out until the first engine check)."""
+        if timeout_s <= 0:
+            return
+        deadline = time.monotonic() + timeout_s
+        silent = [u for u, v in self.probe().items() if v is None]
+        if silent:
+            log.info("waiting up to %.0f s for %s to answer", timeout_s, ", ".join(silent))
+        while silent and time.monotonic() < deadline:
+            time.sleep(ENGINE_WAIT_POLL_S)
+            silent = [u for u, v in self.probe().items() if v is None]
 
     def membership_change(self, version: int) -> str:
         """Why the group must be re-formed before the next push, or ``""``: an engine answers that

@@ -12,9 +12,10 @@ The stages, in order, under one trio nursery (:class:`agentrl.run.supervisor.Sup
 4. **Evaluation before** RL, played by this process through the same engines; a fresh learner and the
    actors start up meanwhile (the learner pushes nothing before the actors bring data, and the actors
    start no episode before the gate file ``<run_dir>/rl_started`` exists).
-5. **RL**: the gate opens (a resumed learner starts now); a child that dies is restarted
-   (:mod:`agentrl.run.process_plan`: restart policy), each restart an event with what it means for
-   the run. The live view follows the learner, and an evaluation runs every ``eval.every_steps``.
+5. **RL**: the gate opens once a fresh learner (its first progress; a resumed one starts now) and
+   every actor are up too; a child that dies is restarted (:mod:`agentrl.run.process_plan`: restart
+   policy), each restart an event with what it means for the run. The live view follows the
+   learner, and an evaluation runs every ``eval.every_steps``.
 6. **Evaluation after**, on the engines that report the learner's final version; then
    ``summary.json`` and the run's MLflow run (:mod:`agentrl.run.report`).
 
@@ -38,6 +39,7 @@ from typing import Any
 
 import trio
 
+from agentrl.actors.actor import waiting_at_gate_path
 from agentrl.config import AgentRLConfig, EnvSection
 from agentrl.engine.launch import wait_ready
 from agentrl.envs.base import _import_module_or_file
@@ -48,6 +50,7 @@ from agentrl.run.evaluate import evaluate_policy, load_policy_into_engines, newe
 from agentrl.run.fingerprint import prepare_run_dir
 from agentrl.run.placement import Placement, placement_for, visible_gpus
 from agentrl.run.process_plan import (
+    ENGINES_START_S,
     MAX_RESTARTS,
     ChildSpec,
     actor_specs,
@@ -76,6 +79,7 @@ from agentrl.run.supervisor import ChildFailed, Supervisor
 from agentrl.transport import ProgressSubscriber, security_from_config
 
 log = logging.getLogger("agentrl.run")
+START_POLL_S = 0.05  # how often the run looks whether the learner and the actors are up before RL starts
 
 
 def run(
@@ -161,6 +165,10 @@ async def run_async(
             write_config(cfg, run_dir / "config.toml")
             for k, i in enumerate(searches):  # "search", then "search1", ... when several envs search
                 await start_search(sup, outer, cfg.env_sections[i], f"search{k or ''}", run_dir, placement)
+            fresh = not (run_dir / "learner_metrics.jsonl").exists()  # a learner that never stepped here
+            early = fresh and own_engines and not placement.colocated
+            if early:  # its start-up (imports, model) overlaps the engines'; it waits for them to answer
+                await start_learner(sup, outer, cfg, run_dir, placement)
             await start_engines(sup, outer, cfg, run_dir, own_engines, placement)
             state.event("engines", f"ready at {', '.join(cfg.engine.urls)}")
             if cfg.judge.enabled:
@@ -169,7 +177,7 @@ async def run_async(
             if not own_engines:  # weights unknown (another run's?): the evaluation before sees this run's policy
                 await trio.to_thread.run_sync(load_policy_into_engines, cfg)
                 state.event("engines", f"loaded this run's policy {cfg.model.path} as version 0")
-            await _train(sup, outer, cfg, run_dir, state, live_display, eval_lock, placement)
+            await _train(sup, outer, cfg, run_dir, state, live_display, eval_lock, placement, fresh, early)
             async with eval_lock:
                 state.eval_after = await evaluate_on_newest_policy(cfg, state, "after RL")
             if state.eval_after is not None:
@@ -265,7 +273,7 @@ async def start_engines(
         for spec in engine_specs(cfg, run_dir, placement):
             await sup.start(nursery, spec)
     for url in cfg.engine.urls:
-        await trio.to_thread.run_sync(lambda u=url: wait_ready(u, 300.0), abandon_on_cancel=True)
+        await trio.to_thread.run_sync(lambda u=url: wait_ready(u, ENGINES_START_S), abandon_on_cancel=True)
 
 
 async def start_judges(
@@ -327,24 +335,32 @@ async def _train(
     live_display: bool,
     eval_lock: trio.Lock,
     placement: Placement,
+    fresh: bool,
+    learner_started: bool,
 ) -> None:
     """The evaluation before, then RL (learner and actors) until the learner finishes."""
     view = live_view(state, cfg, live_display)
     async with trio.open_nursery() as inner:
-        # A learner that has never stepped in this folder holds the warm start (version 0) and pushes
-        # nothing before it has data, which only the actors bring: it starts now, and its start-up
-        # (imports, model, weight group) overlaps the evaluation before. One resuming from a checkpoint
-        # pushes its policy into the engines at once, so it waits until the warm start is evaluated.
-        # The actors start up now too (imports, tokenizer, envs) and start no episode before the gate opens.
-        fresh = not (run_dir / "learner_metrics.jsonl").exists()
+        # A ``fresh`` learner (never stepped in this folder) holds the warm start (version 0) and pushes
+        # nothing before it has data, which only the actors bring: it starts now (or started with the
+        # engines), and its start-up (imports, model, weight group) overlaps the evaluation before. One
+        # resuming from a checkpoint pushes its policy into the engines at once, so it waits until the
+        # warm start is evaluated. The actors start up now too (imports, tokenizer, envs) and start no
+        # episode before the gate opens. RL starts when the evaluation is done, a fresh learner is up (its
+        # first progress) and every actor waits at the gate: what comes before is start-up, as a peer's
+        # model loading is.
         gate = rl_gate_path(run_dir)
-        gate.unlink(missing_ok=True)
-        if fresh:
-            await sup.start(inner, learner_spec(cfg, run_dir, placement))
+        for old in [gate, *gate.parent.glob(f"{gate.name}.waiting.*")]:
+            old.unlink(missing_ok=True)
+        if fresh and not learner_started:
+            await start_learner(sup, inner, cfg, run_dir, placement)
         for spec in actor_specs(cfg, run_dir, placement):
             await sup.start(inner, spec)
         state.eval_before = await evaluate_policy(cfg, name_adapter=False)
         state.eval_event("before RL", state.eval_before)
+        if fresh:
+            await learner_up(run_dir)
+        await actors_up(gate, cfg.actors.num_processes)
         with view:
             state.rl_started, state.rl_started_at = time.monotonic(), time.time()
             if not fresh:
@@ -357,6 +373,30 @@ async def _train(
             if state.learner_status.get("stop_message"):  # ended early by itself (e.g. data that cannot fill a batch)
                 print(state.event("learner", state.learner_status["stop_message"], logging.WARNING), flush=True)
             inner.cancel_scope.cancel()
+
+
+async def start_learner(
+    sup: Supervisor, nursery: trio.Nursery, cfg: AgentRLConfig, run_dir: Path, placement: Placement
+) -> None:
+    """A fresh learner (``learner_up`` then waits for its first progress)."""
+    (run_dir / "learner_status.json").unlink(missing_ok=True)  # an earlier attempt's
+    await sup.start(nursery, learner_spec(cfg, run_dir, placement))
+
+
+async def learner_up(run_dir: Path) -> None:
+    """Until the learner has published its first progress (it writes ``learner_status.json`` with it).
+    A learner that dies first is restarted or fails the run (the supervisor), which cancels this wait."""
+    status = run_dir / "learner_status.json"
+    while not status.exists():
+        await trio.sleep(START_POLL_S)
+
+
+async def actors_up(gate: Path, num_actors: int) -> None:
+    """Until every actor waits at the gate (its start-up done). One that dies first is restarted or
+    fails the run (the supervisor), which cancels this wait."""
+    waiting = [waiting_at_gate_path(gate, f"actor{i}") for i in range(num_actors)]
+    while not all(w.exists() for w in waiting):
+        await trio.sleep(START_POLL_S)
 
 
 async def watch_progress(
