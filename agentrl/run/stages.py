@@ -9,9 +9,10 @@ The stages, in order, under one trio nursery (:class:`agentrl.run.supervisor.Sup
 3. **Engines**: ``engine.num_engines`` servers on free ports, or the running ones of ``engine.urls``
    (which first load this run's policy as version 0); a retrieval server per env with
    ``kwargs.search_url = "auto"``; the judge engines of ``[judge]`` (never updated by the learner).
-4. **Evaluation before** RL, played by this process through the same engines; a fresh learner and the
-   actors start up meanwhile (the learner pushes nothing before the actors bring data, and the actors
-   start no episode before the gate file ``<run_dir>/rl_started`` exists).
+4. **Evaluation before** RL, played by this process through the same engines; a fresh learner (started
+   with the run's own engines) and the actors start up meanwhile (the learner pushes nothing before
+   the actors bring data, and the actors start no episode before the gate file ``<run_dir>/rl_started``
+   exists).
 5. **RL**: the gate opens once a fresh learner (its first progress; a resumed one starts now) and
    every actor are up too; a child that dies is restarted (:mod:`agentrl.run.process_plan`: restart
    policy), each restart an event with what it means for the run. The live view follows the
