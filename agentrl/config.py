@@ -333,7 +333,7 @@ class LearnerSection(Section):
     weight_sync_port: int = Field(default=0, ge=0, le=65535)  # 0: a free port
     engines_start_timeout_s: float = Field(
         default=0.0, ge=0
-    )  # the first weight group waits this long for every engine to answer (agentrl run: 300, its engines may still load); 0: one that does not is left out and joins when it answers
+    )  # the first weight group waits this long for every engine to answer (a learner started before its engines); 0: one that does not is left out and joins when it answers
     lora: LoraSection = LoraSection()  # [learner.lora]: train low-rank adapters instead of every parameter
 
     @model_validator(mode="after")

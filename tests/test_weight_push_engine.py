@@ -441,9 +441,9 @@ def test_a_new_learner_cleans_up_what_a_learner_killed_mid_push_left_on_the_engi
 
 
 def test_the_first_group_waits_for_an_engine_that_is_still_loading(engine_model, tmp_path):
-    """``agentrl run`` starts a fresh learner while its engines load (learner.engines_start_timeout_s):
-    its first group waits until they answer instead of leaving them out until an engine check; an
-    engine that never answers is left out once the wait is over."""
+    """A learner started before its engines (learner.engines_start_timeout_s): its first group waits
+    until they answer instead of leaving them out until an engine check; an engine that never answers
+    is left out once the wait is over."""
     proc = EngineProcess(str(engine_model), free_port(), extra=ENGINE_FLAGS, log_path=tmp_path / "e.log").start(
         wait_s=0
     )

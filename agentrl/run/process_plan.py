@@ -40,7 +40,7 @@ from agentrl.net import free_port
 from agentrl.run.placement import Placement, learner_ranks, weight_group_backend
 from agentrl.secrets import read_secret
 
-ENGINES_START_S = 300.0  # how long the run, and its learner, wait for an engine it started to answer
+ENGINES_START_S = 300.0  # how long the run waits for an engine it started to answer
 MAX_RESTARTS = 3  # how often a child of the RL stage (engine, learner, actor, retrieval server) is restarted
 
 
@@ -69,7 +69,6 @@ def plan_config(
     data["model"]["path"] = policy_path
     if not cfg.engine.urls:
         data["engine"]["urls"] = [f"http://{cfg.engine.host}:{free_port()}" for _ in range(cfg.engine.num_engines)]
-        data["learner"]["engines_start_timeout_s"] = ENGINES_START_S  # a fresh learner starts while they load
     if cfg.judge.enabled and not cfg.judge.urls:
         data["judge"]["urls"] = [f"http://{cfg.judge.host}:{free_port()}" for _ in range(cfg.judge.num_engines)]
     if placement is not None:

@@ -9,10 +9,9 @@ The stages, in order, under one trio nursery (:class:`agentrl.run.supervisor.Sup
 3. **Engines**: ``engine.num_engines`` servers on free ports, or the running ones of ``engine.urls``
    (which first load this run's policy as version 0); a retrieval server per env with
    ``kwargs.search_url = "auto"``; the judge engines of ``[judge]`` (never updated by the learner).
-4. **Evaluation before** RL, played by this process through the same engines; a fresh learner (started
-   with the run's own engines) and the actors start up meanwhile (the learner pushes nothing before
-   the actors bring data, and the actors start no episode before the gate file ``<run_dir>/rl_started``
-   exists).
+4. **Evaluation before** RL, played by this process through the same engines; a fresh learner and the
+   actors start up meanwhile (the learner pushes nothing before the actors bring data, and the actors
+   start no episode before the gate file ``<run_dir>/rl_started`` exists).
 5. **RL**: the gate opens once a fresh learner (its first progress; a resumed one starts now) and
    every actor are up too; a child that dies is restarted (:mod:`agentrl.run.process_plan`: restart
    policy), each restart an event with what it means for the run. The live view follows the
@@ -166,10 +165,6 @@ async def run_async(
             write_config(cfg, run_dir / "config.toml")
             for k, i in enumerate(searches):  # "search", then "search1", ... when several envs search
                 await start_search(sup, outer, cfg.env_sections[i], f"search{k or ''}", run_dir, placement)
-            fresh = not (run_dir / "learner_metrics.jsonl").exists()  # a learner that never stepped here
-            early = fresh and own_engines and not placement.colocated
-            if early:  # its start-up (imports, model) overlaps the engines'; it waits for them to answer
-                await start_learner(sup, outer, cfg, run_dir, placement)
             await start_engines(sup, outer, cfg, run_dir, own_engines, placement)
             state.event("engines", f"ready at {', '.join(cfg.engine.urls)}")
             if cfg.judge.enabled:
@@ -178,7 +173,7 @@ async def run_async(
             if not own_engines:  # weights unknown (another run's?): the evaluation before sees this run's policy
                 await trio.to_thread.run_sync(load_policy_into_engines, cfg)
                 state.event("engines", f"loaded this run's policy {cfg.model.path} as version 0")
-            await _train(sup, outer, cfg, run_dir, state, live_display, eval_lock, placement, fresh, early)
+            await _train(sup, outer, cfg, run_dir, state, live_display, eval_lock, placement)
             async with eval_lock:
                 state.eval_after = await evaluate_on_newest_policy(cfg, state, "after RL")
             if state.eval_after is not None:
@@ -336,24 +331,23 @@ async def _train(
     live_display: bool,
     eval_lock: trio.Lock,
     placement: Placement,
-    fresh: bool,
-    learner_started: bool,
 ) -> None:
     """The evaluation before, then RL (learner and actors) until the learner finishes."""
     view = live_view(state, cfg, live_display)
     async with trio.open_nursery() as inner:
         # A ``fresh`` learner (never stepped in this folder) holds the warm start (version 0) and pushes
-        # nothing before it has data, which only the actors bring: it starts now (or started with the
-        # engines), and its start-up (imports, model, weight group) overlaps the evaluation before. One
+        # nothing before it has data, which only the actors bring: it starts now, and its start-up
+        # (imports, model, weight group) overlaps the evaluation before. One
         # resuming from a checkpoint pushes its policy into the engines at once, so it waits until the
         # warm start is evaluated. The actors start up now too (imports, tokenizer, envs) and start no
         # episode before the gate opens. RL starts when the evaluation is done, a fresh learner is up (its
         # first progress) and every actor waits at the gate: what comes before is start-up, as a peer's
         # model loading is.
+        fresh = not (run_dir / "learner_metrics.jsonl").exists()
         gate = rl_gate_path(run_dir)
         for old in [gate, *gate.parent.glob(f"{gate.name}.waiting.*")]:
             old.unlink(missing_ok=True)
-        if fresh and not learner_started:
+        if fresh:
             await start_learner(sup, inner, cfg, run_dir, placement)
         for spec in actor_specs(cfg, run_dir, placement):
             await sup.start(inner, spec)
