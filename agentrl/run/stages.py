@@ -337,8 +337,7 @@ async def _train(
     async with trio.open_nursery() as inner:
         # A ``fresh`` learner (never stepped in this folder) holds the warm start (version 0) and pushes
         # nothing before it has data, which only the actors bring: it starts now, and its start-up
-        # (imports, model, weight group) overlaps the evaluation before. One
-        # resuming from a checkpoint pushes its policy into the engines at once, so it waits until the
+        # (imports, model, weight group) overlaps the evaluation before. One resuming from a checkpoint pushes its policy into the engines at once, so it waits until the
         # warm start is evaluated. The actors start up now too (imports, tokenizer, envs) and start no
         # episode before the gate opens. RL starts when the evaluation is done, a fresh learner is up (its
         # first progress) and every actor waits at the gate: what comes before is start-up, as a peer's
@@ -348,14 +347,14 @@ async def _train(
         for old in [gate, *gate.parent.glob(f"{gate.name}.waiting.*")]:
             old.unlink(missing_ok=True)
         if fresh:
-            await start_learner(sup, inner, cfg, run_dir, placement)
+            (run_dir / "learner_status.json").unlink(missing_ok=True)  # an earlier attempt's
+            await sup.start(inner, learner_spec(cfg, run_dir, placement))
         for spec in actor_specs(cfg, run_dir, placement):
             await sup.start(inner, spec)
         state.eval_before = await evaluate_policy(cfg, name_adapter=False)
         state.eval_event("before RL", state.eval_before)
-        if fresh:
-            await learner_up(run_dir)
-        await actors_up(gate, cfg.actors.num_processes)
+        actors = [waiting_at_gate_path(gate, spec.name) for spec in actor_specs(cfg, run_dir, placement)]
+        await until_up([run_dir / "learner_status.json"] * fresh + actors)
         with view:
             state.rl_started, state.rl_started_at = time.monotonic(), time.time()
             if not fresh:
@@ -370,27 +369,11 @@ async def _train(
             inner.cancel_scope.cancel()
 
 
-async def start_learner(
-    sup: Supervisor, nursery: trio.Nursery, cfg: AgentRLConfig, run_dir: Path, placement: Placement
-) -> None:
-    """A fresh learner (``learner_up`` then waits for its first progress)."""
-    (run_dir / "learner_status.json").unlink(missing_ok=True)  # an earlier attempt's
-    await sup.start(nursery, learner_spec(cfg, run_dir, placement))
-
-
-async def learner_up(run_dir: Path) -> None:
-    """Until the learner has published its first progress (it writes ``learner_status.json`` with it).
-    A learner that dies first is restarted or fails the run (the supervisor), which cancels this wait."""
-    status = run_dir / "learner_status.json"
-    while not status.exists():
-        await trio.sleep(START_POLL_S)
-
-
-async def actors_up(gate: Path, num_actors: int) -> None:
-    """Until every actor waits at the gate (its start-up done). One that dies first is restarted or
-    fails the run (the supervisor), which cancels this wait."""
-    waiting = [waiting_at_gate_path(gate, f"actor{i}") for i in range(num_actors)]
-    while not all(w.exists() for w in waiting):
+async def until_up(markers: list[Path]) -> None:
+    """Until every marker file exists: a fresh learner's ``learner_status.json`` (its first progress) and each
+    actor's waiting file. A child that dies first is restarted or fails the run (the supervisor), which
+    cancels this wait."""
+    while not all(m.exists() for m in markers):
         await trio.sleep(START_POLL_S)
 
 
