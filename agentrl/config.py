@@ -264,6 +264,10 @@ class LearnerSection(Section):
     lr_schedule: Literal["constant", "cosine", "linear"] = (
         "constant"  # after warm-up: constant, cosine or linear to 0 at max_steps
     )
+    lr_decay_steps: int = Field(
+        default=0, ge=0
+    )  # the step a cosine or linear decay ends at, constant after it (Megatron's lr-decay-iters); 0: max_steps
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)  # where a cosine or linear decay ends, a fraction of lr
     max_steps: int = Field(default=100, ge=0)  # optimiser steps of the run (the learner exits after them)
     groups_per_step: int = Field(default=16, ge=1)  # trajectory groups (tasks x group_size episodes) per step
     first_groups_per_step: int = Field(
@@ -385,6 +389,11 @@ def learner_combination_problems(lc: LearnerSection) -> list[str]:
         problems.append(
             "learner.overlong_penalty_tokens and learner.overlong_penalty turn overlong shaping on together: "
             f"set both above 0 or both to 0 (got {lc.overlong_penalty_tokens} and {lc.overlong_penalty})"
+        )
+    if lc.lr_schedule == "constant" and (lc.lr_decay_steps or lc.min_lr_ratio):
+        problems.append(
+            "learner.lr_decay_steps and learner.min_lr_ratio shape a decaying learner.lr_schedule "
+            "('cosine' or 'linear'); it is 'constant'"
         )
     if lc.normalization_tokens and lc.loss_normalization != "constant":
         problems.append("learner.normalization_tokens is the constant of learner.loss_normalization = 'constant'")

@@ -162,6 +162,7 @@ def test_overrides_apply_over_the_file(tmp_path) -> None:
             r"overlong_penalty_tokens \(4096\) must be below env.max_total_tokens",
         ),
         (["learner.normalization_tokens=512"], "normalization_tokens is the constant of"),
+        (["learner.min_lr_ratio=0.5"], "min_lr_ratio shape a decaying learner.lr_schedule"),
         (["learner.advantage=vtrace"], "learner.advantage"),
         (["learner.kl_estimator=k4"], "learner.kl_estimator"),
     ],
@@ -180,6 +181,7 @@ def test_the_algorithm_keys_compose_where_the_math_does() -> None:
         ["learner.loss_normalization=constant", "learner.normalization_tokens=512", "learner.advantage=reinforce_pp"],
         ["learner.kl_coef=0.01", "learner.kl_estimator=k2", "learner.sequence_mask_low=0.5"],
         ["learner.overlong_penalty_tokens=64", "learner.overlong_penalty=1.0", "learner.clip_eps_high=0.28"],
+        ["learner.lr_schedule=cosine", "learner.lr_decay_steps=6", "learner.min_lr_ratio=0.5"],
     ]
     for sets in recipes:
         learner = load_config(None, sets).learner

@@ -124,6 +124,9 @@ def test_lr_schedule():
     assert [f(s, "constant") for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
     assert f(2, "cosine") == pytest.approx(1.0) and f(7, "cosine") == pytest.approx(0.5) and f(12, "cosine") == 0.0
     assert f(7, "linear") == pytest.approx(0.5) and f(20, "linear") == 0.0
+    # a decay that ends at step 6 on half the base lr, then stays there (the quickstart's shape)
+    g = lambda s: lr_factor(s, warmup_steps=0, total_steps=6, schedule="cosine", min_ratio=0.5)  # noqa: E731
+    assert g(0) == 1.0 and g(3) == pytest.approx(0.75) and g(6) == pytest.approx(0.5) and g(30) == pytest.approx(0.5)
 
 
 def test_gathered_tensors_are_the_state_dict_and_bounded_by_the_bucket(tiny_model, dist_info):

@@ -55,6 +55,8 @@ class TrainerSpec:
     warmup_steps: int = 0
     lr_schedule: str = "constant"  # constant | cosine | linear
     total_steps: int = 100
+    decay_steps: int = 0  # where the decay ends (0: total_steps)
+    min_lr_ratio: float = 0.0  # the decay's floor, a fraction of lr
     grad_clip: float = 1.0
     max_tokens_per_microbatch: int = 8192
     activation_checkpointing: bool = False
@@ -80,6 +82,8 @@ class TrainerSpec:
             warmup_steps=lc.warmup_steps,
             lr_schedule=lc.lr_schedule,
             total_steps=lc.max_steps,
+            decay_steps=lc.lr_decay_steps,
+            min_lr_ratio=lc.min_lr_ratio,
             grad_clip=lc.grad_clip,
             max_tokens_per_microbatch=lc.max_tokens_per_microbatch,
             activation_checkpointing=lc.activation_checkpointing,
@@ -95,18 +99,19 @@ class TrainerSpec:
         )
 
 
-def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str) -> float:
+def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float = 0.0) -> float:
     """Multiplier of the base LR at optimiser step ``step`` (0-based): linear warm-up over
-    ``warmup_steps``, then constant, cosine to 0 or linear to 0 at ``total_steps``."""
+    ``warmup_steps``, then constant, or cosine or linear from 1 to ``min_ratio`` at ``total_steps``
+    (the decay's end) and ``min_ratio`` after it."""
     if warmup_steps and step < warmup_steps:
         return (step + 1) / warmup_steps
     if schedule == "constant":
         return 1.0
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     if schedule == "cosine":
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
     if schedule == "linear":
-        return 1.0 - progress
+        return min_ratio + (1.0 - min_ratio) * (1.0 - progress)
     raise ValueError(f"unknown lr_schedule {schedule!r}")
 
 
@@ -221,7 +226,13 @@ class Trainer:
         self.optimizer = self._adamw(self.policy, spec.lr)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
-            partial(lr_factor, warmup_steps=spec.warmup_steps, total_steps=spec.total_steps, schedule=spec.lr_schedule),
+            partial(
+                lr_factor,
+                warmup_steps=spec.warmup_steps,
+                total_steps=spec.decay_steps or spec.total_steps,
+                schedule=spec.lr_schedule,
+                min_ratio=spec.min_lr_ratio,
+            ),
         )
         self.critic: nn.Module | None = None
         self.critic_optimizer: torch.optim.Optimizer | None = None
