@@ -3,7 +3,7 @@
     python bench/_peer_trl_trainer.py SPEC.json
 
 SPEC (written by peer_trl.py from agentrl's config): the model folder, the env (``cls``, ``kwargs``), the seed, the
-episode limits, the learner's hyper-parameters, the run's size (``prompts`` x ``group_size``, ``max_steps``,
+episode limits, the learner's hyper-parameters (the learning rate's factor at every step, from agentrl's own schedule), the run's size (``prompts`` x ``group_size``, ``max_steps``,
 ``save_every``) and ``reference``: agentrl's own prompt ids and tool-response ids for the first training task
 (TokenChat), its tool message and the model turn that calls the tool.
 
@@ -30,8 +30,15 @@ from typing import Any
 from agentrl.envs.base import Task, load_env, total_reward
 from agentrl.tools.calculator import evaluate, format_number
 
-# TRL's per-step metrics kept in the result: the training reward, its spread, how often the policy calls the tool
-LOGGED = ("reward", "reward_std", "frac_reward_zero_std", "tools/call_frequency", "completions/mean_length")
+# TRL's per-step metrics kept in the result: the lr it used, the training reward, its spread, how often it calls the tool
+LOGGED = (
+    "learning_rate",
+    "reward",
+    "reward_std",
+    "frac_reward_zero_std",
+    "tools/call_frequency",
+    "completions/mean_length",
+)
 
 
 def calculator(expression: str) -> str:
@@ -144,6 +151,19 @@ def make_clock() -> Any:
     return Clock()
 
 
+def follow_schedule(factors: list[float]) -> Any:
+    """A callback: TRL's constant LambdaLR multiplies the lr by agentrl's factor of each step instead
+    (agentrl.learner.trainer.lr_factor, computed on agentrl's side: warm-up 0, cosine or linear to a floor)."""
+    from transformers import TrainerCallback
+
+    class FollowSchedule(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, lr_scheduler: Any = None, **kw: Any) -> None:
+            scheduler = getattr(lr_scheduler, "scheduler", lr_scheduler)  # accelerate wraps it
+            scheduler.lr_lambdas = [lambda step: factors[min(step, len(factors) - 1)]] * len(scheduler.lr_lambdas)
+
+    return FollowSchedule()
+
+
 def build(spec: dict[str, Any], env: Any, rows: int, clock: Any) -> Any:
     """The GRPOTrainer with agentrl's quickstart settings (REFERENCE: "TRL as a peer on the quickstart")."""
     from transformers import AutoTokenizer
@@ -165,7 +185,7 @@ def build(spec: dict[str, Any], env: Any, rows: int, clock: Any) -> Any:
         gradient_accumulation_steps=1,
         num_generations=spec["group_size"],
         learning_rate=spec["lr"],
-        lr_scheduler_type=spec["lr_schedule"],
+        lr_scheduler_type="constant",  # its lambda becomes agentrl's schedule (follow_schedule)
         warmup_steps=0,
         weight_decay=spec["weight_decay"],
         adam_beta1=0.9,
@@ -205,7 +225,7 @@ def build(spec: dict[str, Any], env: Any, rows: int, clock: Any) -> Any:
         train_dataset=data,
         processing_class=tokenizer,
         tools=[calculator],
-        callbacks=[clock],
+        callbacks=[clock, follow_schedule(spec["lr_factors"])],
     )
 
 

@@ -163,6 +163,8 @@ def agentrl_reference(cfg: Any, model: Path) -> dict[str, Any]:
 
 def trl_spec(cfg: Any, model: Path, out_dir: Path, reference: dict[str, Any], **run: Any) -> dict[str, Any]:
     """What the TRL side needs from agentrl's config; refuses settings it does not mirror."""
+    from agentrl.learner.trainer import lr_factor
+
     lrn, act = cfg.learner, cfg.actors
     mirrored = {
         "learner.algorithm": (lrn.algorithm, "grpo"),
@@ -190,7 +192,17 @@ def trl_spec(cfg: Any, model: Path, out_dir: Path, reference: dict[str, Any], **
         "top_p": act.top_p,
         "top_k": act.top_k,
         "lr": lrn.lr,
-        "lr_schedule": lrn.lr_schedule,  # constant, cosine or linear to 0 at max_steps: HF's scheduler of the same name
+        # agentrl's schedule over this run's own steps, one factor a step (TRL's "constant" scheduler follows them)
+        "lr_factors": [
+            lr_factor(
+                step,
+                warmup_steps=0,
+                total_steps=lrn.lr_decay_steps or run["max_steps"],
+                schedule=lrn.lr_schedule,
+                min_ratio=lrn.min_lr_ratio,
+            )
+            for step in range(run["max_steps"])
+        ],
         "weight_decay": lrn.weight_decay,
         "grad_clip": lrn.grad_clip,
         "clip_low": lrn.clip_eps_low,
