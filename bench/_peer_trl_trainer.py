@@ -3,9 +3,10 @@
     python bench/_peer_trl_trainer.py SPEC.json
 
 SPEC (written by peer_trl.py from agentrl's config): the model folder, the env (``cls``, ``kwargs``), the seed, the
-episode limits, the learner's hyper-parameters (the learning rate's factor at every step, from agentrl's own schedule), the run's size (``prompts`` x ``group_size``, ``max_steps``,
-``save_every``) and ``reference``: agentrl's own prompt ids and tool-response ids for the first training task
-(TokenChat), its tool message and the model turn that calls the tool.
+episode limits, the learner's hyper-parameters (``lr_factors``: the learning rate's factor at every step, from
+agentrl's own schedule), the run's size (``prompts`` x ``group_size``, ``max_steps``, ``save_every``) and
+``reference``: agentrl's own prompt ids and tool-response ids for the first training task (TokenChat), its tool
+message and the model turn that calls the tool.
 
 TRL 1.16's GRPOTrainer with its native tool loop (``tools=[calculator]``, ``max_tool_calling_iterations`` =
 ``max_turns - 1``) trains on the env's training tasks in their order, scored by the env's own reward. Before
@@ -30,7 +31,7 @@ from typing import Any
 from agentrl.envs.base import Task, load_env, total_reward
 from agentrl.tools.calculator import evaluate, format_number
 
-# TRL's per-step metrics kept in the result: the lr it used, the training reward, its spread, how often it calls the tool
+# TRL's per-step metrics kept in the result: its lr, the training reward, its spread, how often it calls the tool
 LOGGED = (
     "learning_rate",
     "reward",
