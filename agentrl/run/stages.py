@@ -337,11 +337,11 @@ async def _train(
     async with trio.open_nursery() as inner:
         # A ``fresh`` learner (never stepped in this folder) holds the warm start (version 0) and pushes
         # nothing before it has data, which only the actors bring: it starts now, and its start-up
-        # (imports, model, weight group) overlaps the evaluation before. One resuming from a checkpoint pushes its policy into the engines at once, so it waits until the
-        # warm start is evaluated. The actors start up now too (imports, tokenizer, envs) and start no
-        # episode before the gate opens. RL starts when the evaluation is done, a fresh learner is up (its
-        # first progress) and every actor waits at the gate: what comes before is start-up, as a peer's
-        # model loading is.
+        # (imports, model, weight group) overlaps the evaluation before. One resuming from a checkpoint
+        # pushes its policy into the engines at once, so it waits until the warm start is evaluated. The
+        # actors start up now too (imports, tokenizer, envs) and start no episode before the gate opens. RL
+        # starts when the evaluation is done, a fresh learner is up (its first progress) and every actor
+        # waits at the gate: what comes before is start-up, as a peer's model loading is.
         fresh = not (run_dir / "learner_metrics.jsonl").exists()
         gate = rl_gate_path(run_dir)
         for old in [gate, *gate.parent.glob(f"{gate.name}.waiting.*")]:
@@ -349,12 +349,13 @@ async def _train(
         if fresh:
             (run_dir / "learner_status.json").unlink(missing_ok=True)  # an earlier attempt's
             await sup.start(inner, learner_spec(cfg, run_dir, placement))
-        for spec in actor_specs(cfg, run_dir, placement):
+        actors = actor_specs(cfg, run_dir, placement)
+        for spec in actors:
             await sup.start(inner, spec)
         state.eval_before = await evaluate_policy(cfg, name_adapter=False)
         state.eval_event("before RL", state.eval_before)
-        actors = [waiting_at_gate_path(gate, spec.name) for spec in actor_specs(cfg, run_dir, placement)]
-        await until_up([run_dir / "learner_status.json"] * fresh + actors)
+        waiting = [waiting_at_gate_path(gate, spec.name) for spec in actors]
+        await until_up([run_dir / "learner_status.json"] * fresh + waiting)
         with view:
             state.rl_started, state.rl_started_at = time.monotonic(), time.time()
             if not fresh:
